@@ -1,0 +1,33 @@
+# Two entry points that do all set-up from a clean clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch 2.13.0 lies in /opt/wheels on these machines; pin it so pip never
+# resolves a multi-GB CUDA build.
+WHEELS := $(wildcard /opt/wheels)
+PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
+
+.PHONY: demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(PIP_FLAGS) --upgrade pip
+	$(PY) -m pip install -q $(PIP_FLAGS) torch==2.13.0
+	$(PY) -m pip install -q $(PIP_FLAGS) -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/snapkeep demo --out result/demo --iterations 300 --snapshot-interval 50
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
+
+test: $(VENV)/.installed lint
+	$(PY) -m pytest -n 2 -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/bench_stall.py
+
+clean:
+	rm -rf $(VENV) result
