@@ -1,0 +1,67 @@
+"""Exception hierarchy.
+
+Every snapkeep error derives from :class:`SnapshotError` and also from the builtin a caller would
+already catch for that kind of fault (``OSError`` for storage faults, ``TimeoutError`` for bounded
+waits, ``ValueError`` for content that fails verification), so ``except OSError`` keeps working.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+
+class SnapshotError(Exception):
+    """Base class of every error raised by snapkeep."""
+
+
+class SnapshotSaveError(SnapshotError, RuntimeError):
+    """A background save failed.
+
+    Raised once, at the next writer call or at ``finalize()``, with the original exception as
+    ``__cause__`` (its traceback included).
+    """
+
+
+class SnapshotStorageError(SnapshotError, OSError):
+    """An OS or storage error during a save or load (disk full, permission denied, ...).
+
+    ``errno`` is the original errno when there is one; ``filename`` names the file;
+    ``size_bytes`` is the number of bytes the save had attempted to write when known.
+    """
+
+    def __init__(
+        self, message: str, *, errno: int | None = None, filename: str | None = None,
+        size_bytes: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.filename = filename
+        self.size_bytes = size_bytes
+        self.strerror = message
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class SnapshotTimeoutError(SnapshotError, TimeoutError):
+    """A bounded wait for a staged or committed snapshot ran out."""
+
+
+class WorkerDiedError(SnapshotError, RuntimeError):
+    """The background process that writes snapshots died (killed, crashed, out of memory)."""
+
+
+class SnapshotCorruptError(SnapshotError, ValueError):
+    """A snapshot failed verification: checksum mismatch, truncated or unreadable file."""
+
+
+class NoValidSnapshotError(SnapshotError, RuntimeError):
+    """Snapshot files exist but none of them verifies, so resuming would silently start over."""
+
+
+class StateMismatchError(SnapshotError, ValueError):
+    """A loaded snapshot's keys or shapes do not match the target (first mismatches listed)."""
+
+
+class UnsafeSnapshotError(SnapshotError, pickle.UnpicklingError):
+    """A snapshot needs arbitrary unpickling, which is refused unless ``weights_only=False``."""

@@ -1,0 +1,260 @@
+"""Where a save runs: the caller's thread, a writer thread, or one persistent worker process.
+
+A runner's ``run(job, staged)`` is called on the saver's dispatch thread (or the caller's thread
+for :class:`InlineRunner`), one job at a time, and returns a :class:`CommitRecord` or raises.
+
+:class:`ProcessRunner` starts one worker process with the ``spawn`` start method (never a fork of
+the trainer, so CUDA contexts and threads are safe), once, and reuses it. Staged tensors reach it
+through shared-memory arenas (see :mod:`.shm`); only metadata crosses the pipe. Every wait on the
+worker also watches its liveness, so a dead worker raises :class:`WorkerDiedError` instead of
+hanging; the next job starts a fresh worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from snapkeep._core.errors import WorkerDiedError
+from snapkeep._core.job import CommitRecord, SaveJob, execute
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """Runs one save job.
+
+    ``run`` is called from a single thread at a time (the saver's dispatch thread, or the caller's
+    thread for inline runners). It returns the commit record or raises the job's error; it must
+    not hang while its worker is dead. ``close`` is idempotent.
+    """
+
+    #: whether ``run`` executes in another process (staged tensors must be in shared memory).
+    in_process: bool
+    #: whether ``run`` executes on a background thread (the saver must stage a copy first).
+    background: bool
+
+    def run(self, job: SaveJob, staged: Any, arena_name: str | None, storages: Any) -> CommitRecord:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class InlineRunner:
+    """Runs the job in the caller's thread (``SimpleWriter``)."""
+
+    in_process = True
+    background = False
+
+    def run(self, job: SaveJob, staged: Any, arena_name: str | None, storages: Any) -> CommitRecord:
+        return execute(job, staged)
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadRunner(InlineRunner):
+    """Runs the job on the saver's background dispatch thread (thread writers)."""
+
+    background = True
+
+
+_MAIN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Start a spawn child without re-running the trainer's ``__main__``.
+
+    ``spawn`` normally re-imports the parent's main script in the child, which fails (or re-runs
+    training) in scripts without an ``if __name__ == '__main__':`` guard -- ppe's fork-based
+    writers never needed one. The worker's code lives in snapkeep, so the child needs nothing from
+    ``__main__``: hide its path and spec while the preparation data is computed.
+    """
+    main = sys.modules.get("__main__")
+    with _MAIN_LOCK:
+        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__")
+                 if main is not None and k in main.__dict__}
+        try:
+            if main is not None:
+                if "__file__" in saved:
+                    delattr(main, "__file__")
+                main.__spec__ = None
+            yield
+        finally:
+            for k, v in saved.items():
+                if main is not None:
+                    setattr(main, k, v)
+
+
+class _RemoteError(Exception):
+    """Stands in for a worker exception that could not be pickled back."""
+
+
+def _worker_main(conn: Any, parent_pid: int) -> None:
+    """Worker process loop: receive jobs, execute them, send back records or errors."""
+    import torch  # noqa: F401  (import once, before the first job)
+
+    from snapkeep._core.shm import ArenaReader
+
+    reader = ArenaReader()
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent_pid:  # the trainer died: nothing left to serve
+                return
+            continue
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        kind, payload = message
+        if kind == "forget":
+            reader.forget_except(set(payload))
+            continue
+        job, arena_name, skeleton, storages = payload
+        try:
+            obj = reader.rebuild(arena_name, skeleton, storages) if arena_name else skeleton
+            record = execute(job, obj)
+            del obj
+            reply: tuple[str, Any] = ("ok", record)
+        except BaseException as e:  # sent back and re-raised in the trainer
+            text = traceback.format_exc()
+            try:
+                pickle.dumps(e)
+                err: BaseException = e
+            except Exception:
+                err = _RemoteError(f"{type(e).__name__}: {e}")
+            reply = ("error", (err, text))
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+class ProcessRunner:
+    """Runs jobs in one persistent worker process started with ``spawn`` (process writers).
+
+    Args:
+        start_method: multiprocessing start method for the worker (``'spawn'`` or
+            ``'forkserver'``; never a fork of the trainer).
+    """
+
+    in_process = False
+    background = True
+
+    def __init__(self, *, start_method: str = "spawn") -> None:
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(
+                f"start_method must be 'spawn' or 'forkserver', got {start_method!r}"
+            )
+        self._ctx = multiprocessing.get_context(start_method)
+        self._process: Any = None
+        self._conn: Any = None
+        self._lock = threading.Lock()
+        self._run_lock = threading.Lock()
+        self._known_arenas: set[str] = set()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self) -> None:
+        """Start the worker if it is not running (idempotent; also restarts a dead one)."""
+        with self._lock:
+            if self._process is not None and self._process.is_alive():
+                return
+            self._stop_locked()
+            parent, child = self._ctx.Pipe(duplex=True)
+            process = self._ctx.Process(
+                target=_worker_main, args=(child, os.getpid()), daemon=True,
+                name="snapkeep-writer",
+            )
+            with _main_module_hidden():
+                process.start()
+            child.close()
+            self._process, self._conn = process, parent
+            self._known_arenas = set()
+            logger.debug("started snapshot worker process pid=%s", process.pid)
+
+    def run(self, job: SaveJob, staged: Any, arena_name: str | None, storages: Any) -> CommitRecord:
+        with self._run_lock:  # one job at a time through the pipe
+            return self._run(job, staged, arena_name, storages)
+
+    def _run(self, job: SaveJob, staged: Any, arena_name: str | None, storages: Any) -> CommitRecord:
+        self.start()
+        process, conn = self._process, self._conn
+        if arena_name is not None and arena_name not in self._known_arenas:
+            self._known_arenas.add(arena_name)
+        try:
+            conn.send(("job", (job, arena_name, staged, storages)))
+        except (BrokenPipeError, OSError) as e:
+            raise self._died(job, process) from e
+        while True:
+            ready = multiprocessing.connection.wait([conn, process.sentinel], timeout=5.0)
+            if conn in ready:
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError) as e:
+                    raise self._died(job, process) from e
+                if kind == "ok":
+                    return payload  # type: ignore[no-any-return]
+                err, text = payload
+                if isinstance(err, BaseException):
+                    err.__notes__ = [*getattr(err, "__notes__", []), "worker traceback:\n" + text]
+                raise err
+            if process.sentinel in ready or not process.is_alive():
+                raise self._died(job, process)
+
+    def forget_arenas(self, keep: set[str]) -> None:
+        """Tell the worker to unmap arenas not in ``keep`` (they were replaced)."""
+        if self._conn is None or self._process is None or not self._process.is_alive():
+            return
+        self._known_arenas &= keep
+        try:
+            self._conn.send(("forget", sorted(keep)))
+        except (BrokenPipeError, OSError):
+            pass
+
+    def _died(self, job: SaveJob, process: Any) -> WorkerDiedError:
+        process.join(timeout=1.0)
+        code = process.exitcode
+        with self._lock:
+            self._stop_locked()
+        return WorkerDiedError(
+            f"the snapshot worker process (pid {process.pid}) died with exit code {code} while "
+            f"writing {job.path!r}; that snapshot was not committed. A new worker starts with "
+            "the next snapshot."
+        )
+
+    def _stop_locked(self) -> None:
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        if conn is not None:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        if process is not None:
+            process.join(timeout=5.0)
+            if process.is_alive():
+                logger.warning("snapshot worker pid=%s did not stop; terminating it", process.pid)
+                process.terminate()
+                process.join(timeout=5.0)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop_locked()

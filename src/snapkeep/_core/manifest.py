@@ -1,0 +1,75 @@
+"""Per-snapshot manifests: the checksum and facts recorded when a snapshot commits.
+
+A snapshot ``<dir>/<name>`` stays a plain ``torch.save`` file; its manifest is the small JSON file
+``<dir>/.snapkeep/<name>.json`` committed right after it (same atomic protocol). The manifest is
+what verification checks the file against. A snapshot without a manifest (written by ppe, or a crash
+between the two commits) is loaded only after it reads back completely, with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from snapkeep._core.checksum import ALGORITHM
+
+MANIFEST_DIR = ".snapkeep"
+FORMAT = "snapkeep.manifest/1"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Facts about one committed snapshot.
+
+    Attributes:
+        name: file name relative to its directory.
+        size_bytes: size of the committed file in bytes.
+        checksum: hex digest of the whole file (``algorithm``).
+        algorithm: checksum algorithm, ``'xxh3_128'``.
+        step: training iteration of the snapshot, when known.
+        created_unix_s: commit time (seconds since the epoch), informational only; never used to
+            order snapshots.
+        snapkeep_version: version that wrote it.
+        run_id: identity of the training run lineage that wrote it (inherited on resume).
+        metrics: observation values at save time (used by best-N retention).
+    """
+
+    name: str
+    size_bytes: int
+    checksum: str
+    algorithm: str = ALGORITHM
+    step: int | None = None
+    created_unix_s: float = 0.0
+    snapkeep_version: str = ""
+    run_id: str | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        body = {"format": FORMAT, **dataclasses.asdict(self)}
+        return json.dumps(body, sort_keys=True, indent=1).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        """Parse a manifest.
+
+        Raises:
+            ValueError: not a snapkeep manifest.
+        """
+        body: dict[str, Any] = json.loads(data.decode())
+        if body.pop("format", None) != FORMAT:
+            raise ValueError("not a snapkeep manifest")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in body.items() if k in fields})
+
+
+def manifest_path(storage: Any, snapshot_path: str) -> str:
+    """Where the manifest of ``snapshot_path`` lives on ``storage``."""
+    return storage.join(
+        storage.dirname(snapshot_path), MANIFEST_DIR, storage.basename(snapshot_path) + ".json"
+    )
+
+
+def now_unix_s() -> float:
+    return time.time()

@@ -1,0 +1,113 @@
+"""Filename templates: ``format(manager) -> name`` and ``parse(name) -> key``.
+
+A template is a ``str.format`` string that receives the manager as its only positional argument
+(as ppe's ``snapshot(filename='snapshot_iter_{.iteration}')``), or a callable ``manager -> str``.
+Parsing turns the template into an anchored regular expression so that "latest" is decided by the
+numbers in the name (iteration first, then epoch, then any other field) and never by mtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import string
+from collections.abc import Callable
+from typing import Any
+
+_NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
+_PRIORITY = {"iteration": 0, "epoch": 1, "epoch_detail": 2}
+
+
+def _attribute_of(field_name: str) -> str:
+    """``'.iteration'`` / ``'0.iteration'`` / ``'[0].epoch'`` -> ``'iteration'`` / ``'epoch'``."""
+    match = re.search(r"\.([A-Za-z_][A-Za-z0-9_]*)$", field_name)
+    return match.group(1) if match else field_name
+
+
+@dataclasses.dataclass(frozen=True)
+class FilenameTemplate:
+    """A snapshot filename template.
+
+    Args:
+        template: a format string formatted with the manager (``'snapshot_iter_{.iteration}'``)
+            or a callable ``manager -> str``. Callables cannot be parsed back, so autoload and
+            retention by name only work with strings (as in ppe).
+
+    Raises:
+        TypeError: ``template`` is neither a string nor a callable.
+        ValueError: the format string is malformed.
+    """
+
+    template: str | Callable[[Any], str]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.template, str):
+            try:
+                list(string.Formatter().parse(self.template))
+            except ValueError as e:
+                raise ValueError(f"filename template {self.template!r} is malformed: {e}") from e
+        elif not callable(self.template):
+            raise TypeError(
+                "filename must be a format string such as 'snapshot_iter_{.iteration}' or a "
+                f"callable manager -> str, got {type(self.template).__name__}"
+            )
+
+    @property
+    def parsable(self) -> bool:
+        """Whether names can be parsed back (only string templates)."""
+        return isinstance(self.template, str)
+
+    def format(self, manager: Any) -> str:
+        """Return the concrete filename for ``manager``'s current state.
+
+        Raises:
+            ValueError: the template names an attribute the manager lacks, or the result is empty
+                or an absolute path.
+        """
+        if callable(self.template):
+            name = self.template(manager)
+        else:
+            try:
+                name = self.template.format(manager)
+            except (AttributeError, KeyError, IndexError) as e:
+                raise ValueError(
+                    f"filename template {self.template!r} names a field the manager does not "
+                    f"have ({e}); use attributes such as {{.iteration}} or {{.epoch}}"
+                ) from e
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"filename template {self.template!r} produced {name!r}")
+        return name
+
+    def _regex(self) -> tuple[re.Pattern[str], list[int]]:
+        if not isinstance(self.template, str):
+            raise TypeError("callable filename templates cannot be parsed")
+        parts: list[str] = []
+        priorities: list[int] = []
+        for literal, field, _spec, _conv in string.Formatter().parse(self.template):
+            parts.append(re.escape(literal))
+            if field is None:
+                continue
+            parts.append(_NUMBER)
+            priorities.append(_PRIORITY.get(_attribute_of(field), 3))
+        return re.compile("".join(parts) + r"\Z"), priorities
+
+    def parse(self, name: str) -> tuple[float, ...] | None:
+        """Return the sort key of ``name`` or ``None`` when it is not a name of this template.
+
+        The key orders the template's numeric fields iteration first, then epoch, then the others
+        in template order. A template without fields yields ``()`` for its single name.
+        """
+        regex, priorities = self._regex()
+        match = regex.match(name)
+        if match is None:
+            return None
+        values = [float(v) for v in match.groups()]
+        order = sorted(range(len(values)), key=lambda i: (priorities[i], i))
+        return tuple(values[i] for i in order)
+
+    def step_of(self, name: str) -> int | None:
+        """The first number of ``name``'s key (the iteration when the template has one)."""
+        key = self.parse(name)
+        if not key:
+            return None
+        return int(key[0])

@@ -1,0 +1,400 @@
+"""The saver: staging, back-pressure, error surfacing and post-commit hooks for one writer.
+
+``submit(job, tree)`` waits for a free buffer set (back-pressure), stages ``tree`` into it and
+returns a :class:`Ticket` whose :class:`SaveHandle` has two futures: ``staged`` (resolved before
+``submit`` returns: training may mutate the state now) and ``committed`` (durable). Whoever
+executes the ticket (the caller for a synchronous writer, a writer thread, a queue consumer that
+forwards to the worker process) calls ``run(ticket)``. A synchronous save is the same path plus
+running the ticket at once.
+
+Back-pressure: at most ``max_pending`` snapshots are staged or being written at once, each holding
+one reusable buffer set (so memory is bounded by ``max_pending`` copies of the state). When all
+are busy, ``on_full`` decides:
+
+- ``'block'`` (default): wait for a slot; a log line every ``warn_after_s`` names the snapshot being
+  waited on; ``timeout_s`` bounds the wait with :class:`SnapshotTimeoutError`.
+- ``'skip'``: drop the new snapshot (logged) and return ``None``.
+- ``'replace'``: drop the oldest snapshot that has not started writing (logged) and take its slot;
+  when every pending snapshot is already being written, block as ``'block'``.
+
+Errors: a failed background save is raised once, as :class:`SnapshotSaveError` with the original
+exception as ``__cause__``, at the next ``save()`` or at ``finalize()``; later saves still run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from snapkeep._core.errors import SnapshotError, SnapshotSaveError, SnapshotTimeoutError
+from snapkeep._core.executors import Runner
+from snapkeep._core.job import CommitRecord, SaveJob
+from snapkeep._core.staging import BufferSet, StageStats
+
+logger = logging.getLogger(__name__)
+
+ON_FULL_POLICIES = ("block", "skip", "replace")
+PostCommitHook = Callable[[CommitRecord], None]
+
+
+@dataclasses.dataclass(eq=False)
+class SaveHandle:
+    """A snapshot in flight.
+
+    Attributes:
+        path: final path of the snapshot.
+        step: training iteration when known.
+        staged: resolves (to :class:`StageStats`) when the state has been copied and the caller
+            may mutate it.
+        committed: resolves (to :class:`CommitRecord`) when the snapshot is durable; raises the
+            save's error otherwise; cancelled when the snapshot was replaced by a newer one.
+    """
+
+    path: str
+    step: int | None
+    staged: concurrent.futures.Future[StageStats] = dataclasses.field(
+        default_factory=concurrent.futures.Future)
+    committed: concurrent.futures.Future[CommitRecord] = dataclasses.field(
+        default_factory=concurrent.futures.Future)
+
+    def wait(self, timeout_s: float | None = None) -> CommitRecord:
+        """Block until committed and return the record.
+
+        Raises:
+            SnapshotTimeoutError: not committed within ``timeout_s`` seconds.
+            concurrent.futures.CancelledError: the snapshot was replaced by a newer one.
+            Exception: the save's own error.
+        """
+        try:
+            return self.committed.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError as e:
+            raise SnapshotTimeoutError(
+                f"snapshot {self.path!r} was not committed within {timeout_s} s"
+            ) from e
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """A buffer set and the snapshot (if any) that currently owns it."""
+
+    buffers: BufferSet
+    handle: SaveHandle | None = None
+    started: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Ticket:
+    """One staged snapshot waiting to be written: its slot, handle, job and staged tree."""
+
+    slot: _Slot
+    handle: SaveHandle
+    job: SaveJob
+    staged: Any
+
+
+class Saver:
+    """Stages, queues and commits snapshots for one writer (see module docstring).
+
+    Args:
+        runner: where jobs run (inline, thread, process).
+        max_pending: most snapshots staged or in flight at once (>= 1).
+        on_full: ``'block'``, ``'skip'`` or ``'replace'``.
+        timeout_s: bound on a blocked ``save`` waiting for a slot, and on ``finalize``; ``None``
+            waits as long as the worker is alive, logging every ``warn_after_s`` seconds.
+        warn_after_s: interval of the "still waiting" log line, seconds.
+        stage: copy the state before returning (True for background runners). A synchronous
+            runner writes the caller's objects directly.
+
+    Raises:
+        ValueError: ``max_pending`` < 1 or an unknown ``on_full``.
+    """
+
+    def __init__(
+        self, runner: Runner, *, max_pending: int = 1, on_full: str = "block",
+        timeout_s: float | None = None, warn_after_s: float = 30.0, stage: bool | None = None,
+    ) -> None:
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
+            raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
+        if on_full not in ON_FULL_POLICIES:
+            raise ValueError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0 seconds or None, got {timeout_s!r}")
+        self.runner = runner
+        self.max_pending = max_pending
+        self.on_full = on_full
+        self.timeout_s = timeout_s
+        self.warn_after_s = warn_after_s
+        self._stage = runner.background if stage is None else stage
+        self._slots: list[_Slot] = []
+        self._cond = threading.Condition()
+        self._errors: collections.deque[SnapshotSaveError] = collections.deque()
+        self._hooks: list[PostCommitHook] = []
+        self._closed = False
+        self.last_stage_stats: StageStats | None = None
+        _LIVE_SAVERS.add(self)
+
+    # -- public ----------------------------------------------------------------------------------
+    def add_post_commit_hook(self, hook: PostCommitHook) -> None:
+        """Run ``hook(record)`` after each commit, in the trainer process, on the dispatch thread
+        (caller's thread for inline runners). A failing hook is logged, never fatal."""
+        self._hooks.append(hook)
+
+    def submit(self, job: SaveJob, tree: Any) -> Ticket | None:
+        """Reserve a slot (per ``on_full``), stage ``tree`` into it and return the ticket.
+
+        Returns ``None`` when the snapshot was skipped (``on_full='skip'``).
+
+        Raises:
+            SnapshotSaveError: an earlier background save failed (raised once).
+            SnapshotTimeoutError: no slot freed within ``timeout_s``.
+            RuntimeError: the saver is closed.
+        """
+        if self._closed:
+            raise RuntimeError("this writer is finalized; create a new writer to save again")
+        self.raise_pending_error()
+        handle = SaveHandle(path=job.path, step=job.step)
+        slot = self._acquire_slot(handle)
+        if slot is None:
+            return None
+        try:
+            staged, stats = slot.buffers.stage(tree) if self._stage else (tree, _no_stats())
+        except BaseException:
+            handle.committed.cancel()
+            self._release(slot, handle)
+            raise
+        self.last_stage_stats = stats
+        handle.staged.set_result(stats)
+        return Ticket(slot=slot, handle=handle, job=job, staged=staged)
+
+    def save_now(self, job: SaveJob, tree: Any) -> CommitRecord:
+        """Synchronous save: ``submit`` + ``run`` in the caller's thread; raises the save's error."""
+        ticket = self.submit(job, tree)
+        if ticket is None:
+            raise SnapshotError(f"snapshot {job.path!r} was skipped")
+        self.run(ticket, report=False)
+        return ticket.handle.committed.result()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Wait until nothing is pending (errors are kept for ``raise_pending_error``).
+
+        Raises:
+            SnapshotTimeoutError: still pending after ``timeout_s`` seconds.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while any(s.handle is not None for s in self._slots):
+                if not self._wait_step(deadline, "all pending snapshots"):
+                    pending = [s.handle.path for s in self._slots if s.handle is not None]
+                    raise SnapshotTimeoutError(
+                        f"snapshots {pending} still not committed after {timeout_s} s"
+                    )
+
+    def raise_pending_error(self) -> None:
+        """Raise the oldest unreported background failure, once; log any others."""
+        with self._cond:
+            if not self._errors:
+                return
+            first = self._errors.popleft()
+            rest = list(self._errors)
+            self._errors.clear()
+        for other in rest:
+            logger.error("another background snapshot failure: %s", other)
+        raise first
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for pending snapshots, stop the background thread and worker; idempotent.
+
+        Raises:
+            SnapshotSaveError: a background save failed and was not reported yet.
+            SnapshotTimeoutError: pending snapshots did not commit within ``timeout_s``.
+        """
+        if self._closed:
+            return
+        try:
+            self.wait(timeout_s if timeout_s is not None else self.timeout_s)
+        finally:
+            self._closed = True
+            self.runner.close()
+            for slot in self._slots:
+                close = getattr(slot.buffers.allocator, "close", None)
+                if close is not None:
+                    close()
+            _LIVE_SAVERS.discard(self)
+        self.raise_pending_error()
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return sum(1 for s in self._slots if s.handle is not None)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _new_buffers(self) -> BufferSet:
+        if self.runner.in_process:
+            return BufferSet()
+        from snapkeep._core.shm import SharedArena
+
+        return BufferSet(SharedArena())
+
+    def _acquire_slot(self, handle: SaveHandle) -> _Slot | None:
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        with self._cond:
+            while True:
+                for slot in self._slots:
+                    if slot.handle is None:
+                        slot.handle, slot.started = handle, False
+                        return slot
+                if len(self._slots) < self.max_pending:
+                    slot = _Slot(buffers=self._new_buffers(), handle=handle)
+                    self._slots.append(slot)
+                    return slot
+                if self.on_full == "skip":
+                    busy = [s.handle.path for s in self._slots if s.handle is not None]
+                    logger.warning(
+                        "skipping snapshot %s (step %s): %d snapshot(s) still in flight %s "
+                        "(on_full='skip')", handle.path, handle.step, len(busy), busy)
+                    return None
+                if self.on_full == "replace":
+                    for slot in self._slots:
+                        old = slot.handle
+                        if old is not None and not slot.started and old.committed.cancel():
+                            # its queued ticket is skipped by the dispatcher (cancelled future)
+                            logger.warning(
+                                "replacing pending snapshot %s (step %s) by %s (step %s) "
+                                "(on_full='replace')", old.path, old.step, handle.path,
+                                handle.step)
+                            slot.handle = handle
+                            return slot
+                if not self._wait_step(deadline, handle.path):
+                    raise SnapshotTimeoutError(
+                        f"snapshot {handle.path!r} waited {self.timeout_s} s for a slot: "
+                        f"{self.max_pending} earlier snapshot(s) still writing; raise timeout_s, "
+                        "max_pending, or use on_full='skip'"
+                    )
+
+    def _wait_step(self, deadline: float | None, what: str) -> bool:
+        """One bounded wait on the condition; False when the deadline passed. Caller holds it."""
+        start = time.monotonic()
+        step = self.warn_after_s
+        if deadline is not None:
+            remaining = deadline - start
+            if remaining <= 0:
+                return False
+            step = min(step, remaining)
+        if not self._cond.wait(timeout=step):
+            waited = time.monotonic() - start
+            busy = [s.handle.path for s in self._slots if s.handle is not None]
+            logger.warning("still waiting for snapshot(s) %s to commit before %s (%.0f s)",
+                           busy, what, waited)
+        return deadline is None or time.monotonic() < deadline
+
+    def _release(self, slot: _Slot, handle: SaveHandle) -> None:
+        with self._cond:
+            if slot.handle is handle:
+                slot.handle = None
+                slot.started = False
+            self._cond.notify_all()
+
+    def run(
+        self, ticket: Ticket, *, report: bool = True,
+        execute: Callable[[Any], CommitRecord | None] | None = None,
+    ) -> bool:
+        """Execute a ticket: write, commit, release its slot, run hooks.
+
+        Args:
+            ticket: from :meth:`submit`.
+            report: keep a failure for :meth:`raise_pending_error` (background saves).
+            execute: run ``execute(staged)`` instead of the runner (a user-supplied queue task);
+                it may return a :class:`CommitRecord` or ``None``.
+
+        Returns:
+            True when committed, False when it failed or was replaced. The outcome is always set
+            on ``ticket.handle.committed``.
+        """
+        slot, handle, job = ticket.slot, ticket.handle, ticket.job
+        with self._cond:
+            if not handle.committed.set_running_or_notify_cancel():
+                return False  # replaced while queued; its slot was already handed over
+            slot.started = True
+        staged = ticket.staged
+        try:
+            if execute is not None:
+                record = execute(staged) or CommitRecord(
+                    path=job.path, size_bytes=0, checksum=None, write_s=0.0, step=job.step)
+            elif self.runner.in_process:
+                record = self.runner.run(job, staged, None, None)
+            else:
+                arena = slot.buffers.allocator
+                skeleton, table = arena.export(staged)
+                record = self.runner.run(job, skeleton, arena.name, table)
+        except BaseException as e:
+            error = SnapshotSaveError(
+                f"background save of {job.path!r} (step {job.step}) failed: "
+                f"{type(e).__name__}: {e}")
+            error.__cause__ = e
+            if report:
+                logger.error("snapshot %s (step %s) failed: %s: %s", job.path, job.step,
+                             type(e).__name__, e)
+                with self._cond:
+                    self._errors.append(error)
+            handle.committed.set_exception(e)
+            self._release(slot, handle)
+            return False
+        del staged
+        self._release(slot, handle)
+        handle.committed.set_result(record)
+        self._run_hooks(record)
+        return True
+
+    def record_error(self, error: SnapshotSaveError) -> None:
+        """Keep a background failure for :meth:`raise_pending_error`."""
+        with self._cond:
+            self._errors.append(error)
+
+    def abandon(self, ticket: Ticket, reason: str) -> None:
+        """Give up a ticket that will never run (its worker exited without running it)."""
+        if ticket.handle.committed.cancel():
+            logger.warning("snapshot %s (step %s) was not written: %s", ticket.job.path,
+                           ticket.job.step, reason)
+            self._release(ticket.slot, ticket.handle)
+
+    def _run_hooks(self, record: CommitRecord) -> None:
+        for hook in list(self._hooks):
+            try:
+                hook(record)
+            except Exception:  # retention etc. must never stop training
+                logger.exception("post-commit hook %r failed after %s", hook, record.path)
+
+
+def _no_stats() -> StageStats:
+    return StageStats(tensor_bytes=0, allocated_bytes=0, num_storages=0)
+
+
+_LIVE_SAVERS: weakref.WeakSet[Saver] = weakref.WeakSet()
+EXIT_WAIT_S = 60.0
+
+
+def _drain_at_exit() -> None:
+    """At interpreter exit, give pending background snapshots a bounded chance to commit, then
+    stop workers and free shared memory. Never raises: errors are logged."""
+    for saver in list(_LIVE_SAVERS):
+        if saver._closed:
+            continue
+        if saver.pending:
+            logger.warning("waiting up to %.0f s for %d pending snapshot(s) at exit; call "
+                           "writer.finalize() (or manager.finalize()) to wait explicitly",
+                           EXIT_WAIT_S, saver.pending)
+        try:
+            saver.close(EXIT_WAIT_S)
+        except SnapshotError as e:
+            logger.error("snapshot error at exit: %s", e)
+
+
+atexit.register(_drain_at_exit)

@@ -1,0 +1,206 @@
+"""Shared-memory arenas: staging buffers that a worker process reads without another copy.
+
+The trainer stages into one :class:`multiprocessing.shared_memory.SharedMemory` block per buffer
+set; the worker opens the same block by name once and rebuilds tensors as zero-copy views of it.
+Each staged storage becomes its own ``UntypedStorage`` of exactly its size (via
+``torch.frombuffer``), so ``torch.save`` in the worker writes the same file it would write for the
+source state. Only metadata and non-tensor leaves cross the pipe. The trainer's own tensors are
+never moved into shared memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _view(buf: Any, offset: int, nbytes: int) -> torch.UntypedStorage:
+    if nbytes == 0:
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
+
+
+class SharedArena:
+    """A growable shared-memory block used as a staging allocator (see ``BufferSet``).
+
+    The block is sized to the state on first use and replaced by a larger one (x1.25) when the
+    state grows. Not thread-safe: one arena belongs to one buffer set.
+    """
+
+    def __init__(self) -> None:
+        self._shm: shared_memory.SharedMemory | None = None
+        self._offsets: list[int] = []
+        self._views: list[torch.UntypedStorage] = []
+        self._layout_key: list[tuple[Any, int]] | None = None
+
+    @property
+    def name(self) -> str | None:
+        return self._shm.name if self._shm is not None else None
+
+    @property
+    def total_bytes(self) -> int:
+        return self._shm.size if self._shm is not None else 0
+
+    def reserve(self, layout: list[tuple[Any, int, bool]]) -> tuple[list[torch.UntypedStorage], int]:
+        key = [(path, nbytes) for path, nbytes, _ in layout]
+        if key == self._layout_key and self._shm is not None:
+            return self._views, 0
+        offsets = []
+        total = 0
+        for _path, nbytes, _ in layout:
+            offsets.append(total)
+            total += _align(nbytes)
+        allocated = 0
+        if self._shm is None or self._shm.size < total:
+            self._release_views()
+            self.close()
+            size = max(_ALIGN, total if self._shm is None else int(total * 1.25))
+            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            allocated = size
+            logger.debug("allocated shared staging arena %s of %d bytes", self._shm.name, size)
+        self._release_views()
+        self._views = [_view(self._shm.buf, off, n) for off, (_p, n, _c) in zip(offsets, layout)]
+        self._offsets = offsets
+        self._layout_key = key
+        return self._views, allocated
+
+    def export(self, staged: Any) -> tuple[Any, list[tuple[int, int]]]:
+        """Replace the arena's tensors in ``staged`` by references the worker can resolve.
+
+        Returns:
+            ``(skeleton, storages)`` where ``storages[i] = (offset, nbytes)`` in this arena.
+        """
+        by_ptr = {v.data_ptr(): i for i, v in enumerate(self._views) if v.nbytes()}
+        table = [(off, v.nbytes()) for off, v in zip(self._offsets, self._views)]
+        return _export(staged, by_ptr), table
+
+    def _release_views(self) -> None:
+        self._views = []
+        self._layout_key = None
+
+    def close(self) -> None:
+        """Unlink the block (the trainer owns it); the worker only closes its mapping."""
+        shm, self._shm = self._shm, None
+        if shm is None:
+            return
+        self._views = []
+        try:
+            shm.close()
+        except BufferError:  # a staged tree still references it; the mapping dies with it
+            logger.debug("shared arena %s still referenced at close", shm.name)
+        try:
+            shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """A tensor in a shared arena: storage index plus the view's geometry."""
+
+    storage: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool
+    parameter: bool
+
+
+def _export(node: Any, by_ptr: dict[int, int]) -> Any:
+    if isinstance(node, torch.Tensor):
+        storage = node.untyped_storage()
+        index = by_ptr.get(storage.data_ptr(), -1) if storage.nbytes() else -1
+        if index < 0:  # an empty storage: rebuilt as an empty one
+            index = -1
+        return TensorRef(
+            storage=index, dtype=node.dtype, size=tuple(node.size()), stride=tuple(node.stride()),
+            offset=node.storage_offset(), requires_grad=node.requires_grad,
+            parameter=isinstance(node, torch.nn.Parameter),
+        )
+    if isinstance(node, dict):
+        out = {} if type(node) is dict else _copy_dict_shell(node)
+        for key, value in node.items():
+            out[key] = _export(value, by_ptr)
+        return out
+    if isinstance(node, list):
+        return [_export(v, by_ptr) for v in node]
+    if isinstance(node, tuple):
+        items = [_export(v, by_ptr) for v in node]
+        if hasattr(node, "_fields"):
+            return type(node)(*items)
+        return tuple(items) if type(node) is tuple else type(node)(items)
+    return node
+
+
+def _copy_dict_shell(node: dict[Any, Any]) -> dict[Any, Any]:
+    import copy
+
+    shell = copy.copy(node)
+    shell.clear()
+    return shell
+
+
+class ArenaReader:
+    """Worker-side: opens arenas by name once and rebuilds tensors as views of them."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, shared_memory.SharedMemory] = {}
+        self._lock = threading.Lock()
+
+    def rebuild(self, name: str, skeleton: Any, storages: list[tuple[int, int]]) -> Any:
+        with self._lock:
+            shm = self._open.get(name)
+            if shm is None:
+                # spawn/forkserver children share the trainer's resource tracker, so this
+                # registration is the trainer's own; the trainer unlinks the block.
+                shm = shared_memory.SharedMemory(name=name, create=False)
+                self._open[name] = shm
+        views = [_view(shm.buf, off, n) for off, n in storages]
+        return _resolve(skeleton, views)
+
+    def forget_except(self, keep: set[str]) -> None:
+        """Close mappings of arenas the trainer replaced."""
+        with self._lock:
+            for name in [n for n in self._open if n not in keep]:
+                shm = self._open.pop(name)
+                try:
+                    shm.close()
+                except BufferError:
+                    logger.debug("arena %s still referenced; left mapped", name)
+
+
+def _resolve(node: Any, views: list[torch.UntypedStorage]) -> Any:
+    if isinstance(node, TensorRef):
+        storage = views[node.storage] if node.storage >= 0 else torch.UntypedStorage(0)
+        out = torch.empty((0,), dtype=node.dtype)
+        out.set_(storage, node.offset, node.size, node.stride)  # type: ignore[call-overload]
+        if node.parameter:
+            return torch.nn.Parameter(out, requires_grad=node.requires_grad)
+        if node.requires_grad:
+            out.requires_grad_(True)
+        return out
+    if isinstance(node, dict):
+        for key, value in list(node.items()):
+            node[key] = _resolve(value, views)
+        return node
+    if isinstance(node, list):
+        return [_resolve(v, views) for v in node]
+    if isinstance(node, tuple):
+        items = [_resolve(v, views) for v in node]
+        if hasattr(node, "_fields"):
+            return type(node)(*items)
+        return tuple(items) if type(node) is tuple else type(node)(items)
+    return node

@@ -1,0 +1,218 @@
+"""Staging: a consistent CPU copy of a state tree, into buffers reused across snapshots.
+
+After :meth:`Stager.stage` returns, the caller may mutate every tensor of the source in place;
+the staged tree keeps the values of the call. Copies go per *storage*, not per tensor, so tensors
+that share a storage (tied weights, views) still share one in the staged tree and ``torch.save``
+writes exactly what it would have written for the source.
+
+Buffers are allocated once per (tree path, size in bytes) and reused; a different size reallocates
+that buffer only. CUDA sources are copied into pinned host buffers with non-blocking copies on a
+side stream, synchronised before ``stage`` returns. Buffers can live in shared memory so that a
+persistent worker process reads them without another copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_Path = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageStats:
+    """What one :meth:`BufferSet.stage` did.
+
+    Attributes:
+        tensor_bytes: bytes copied from tensor storages.
+        allocated_bytes: bytes of buffers newly allocated by this call (0 once warm).
+        num_storages: distinct storages copied.
+    """
+
+    tensor_bytes: int
+    allocated_bytes: int
+    num_storages: int
+
+
+class HeapAllocator:
+    """Private (not shared) host buffers, one ``UntypedStorage`` per staged storage.
+
+    Args:
+        pin_memory: pin buffers whose source is a CUDA tensor (when CUDA is available).
+    """
+
+    def __init__(self, *, pin_memory: bool = True) -> None:
+        self._pin_memory = pin_memory
+        self._buffers: dict[_Path, torch.UntypedStorage] = {}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes() for b in self._buffers.values())
+
+    def reserve(self, layout: list[tuple[_Path, int, bool]]) -> tuple[list[torch.UntypedStorage], int]:
+        """Buffers for ``layout`` entries ``(path, nbytes, source_is_cuda)``; and bytes allocated."""
+        out: list[torch.UntypedStorage] = []
+        allocated = 0
+        wanted = set()
+        for path, nbytes, is_cuda in layout:
+            wanted.add(path)
+            buf = self._buffers.get(path)
+            if buf is None or buf.nbytes() != nbytes:
+                buf = torch.UntypedStorage(nbytes)
+                if is_cuda and self._pin_memory and torch.cuda.is_available():
+                    buf = buf.pin_memory()
+                self._buffers[path] = buf
+                allocated += nbytes
+            out.append(buf)
+        for stale in set(self._buffers) - wanted:  # the state shrank: free what it no longer uses
+            del self._buffers[stale]
+        return out, allocated
+
+
+class BufferSet:
+    """One set of reusable staging buffers; holds at most one staged snapshot at a time.
+
+    Args:
+        allocator: where buffers live: :class:`HeapAllocator` (default) or a shared-memory arena
+            (:class:`snapkeep._core.shm.SharedArena`) for a worker process.
+    """
+
+    def __init__(self, allocator: Any = None) -> None:
+        self.allocator = allocator if allocator is not None else HeapAllocator()
+
+    def stage(self, tree: Any) -> tuple[Any, StageStats]:
+        """Copy ``tree`` into this set's buffers and return the staged tree and statistics.
+
+        Containers (dict and subclasses incl. ``OrderedDict`` with ``_metadata``, list, tuple,
+        namedtuple) are rebuilt; tensors (any device; dense, strided) become CPU tensors in the
+        buffers with the same dtype, shape, stride, storage offset and ``requires_grad``;
+        ``nn.Parameter`` stays a Parameter; every other leaf is ``copy.deepcopy``-ed.
+
+        Raises:
+            TypeError: a sparse, quantized or otherwise non-strided tensor (save those with a
+                custom ``savefun`` on a :class:`~snapkeep.writing.SimpleWriter`).
+        """
+        sources: dict[tuple[str, int, int], int] = {}
+        layout: list[tuple[_Path, int, bool]] = []
+        storages: list[torch.UntypedStorage] = []
+        _collect(tree, (), sources, layout, storages)
+        buffers, allocated = self.allocator.reserve(layout)
+        streams: list[Any] = []
+        total = 0
+        for src, dst in zip(storages, buffers):
+            nbytes = src.nbytes()
+            total += nbytes
+            if not nbytes:
+                continue
+            src_bytes = torch.empty((0,), dtype=torch.uint8, device=src.device).set_(src)
+            dst_bytes = torch.empty((0,), dtype=torch.uint8).set_(dst)
+            if src.device.type == "cuda":
+                stream = _side_stream(src.device)
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+                with torch.cuda.stream(stream):
+                    dst_bytes.copy_(src_bytes, non_blocking=True)
+                if stream not in streams:
+                    streams.append(stream)
+            else:
+                dst_bytes.copy_(src_bytes)
+        for stream in streams:
+            stream.synchronize()
+        staged = _rebuild(tree, sources, buffers)
+        return staged, StageStats(
+            tensor_bytes=total, allocated_bytes=allocated, num_storages=len(buffers)
+        )
+
+
+def _storage_ident(t: torch.Tensor) -> tuple[str, int, int]:
+    s = t.untyped_storage()
+    return (str(s.device), s.data_ptr(), s.nbytes())
+
+
+def _collect(
+    node: Any, path: _Path, sources: dict[tuple[str, int, int], int],
+    layout: list[tuple[_Path, int, bool]], storages: list[torch.UntypedStorage],
+) -> None:
+    if isinstance(node, torch.Tensor):
+        if node.layout != torch.strided or node.is_quantized:
+            raise TypeError(
+                f"cannot stage the tensor at {'/'.join(map(str, path)) or '<root>'}: layout "
+                f"{node.layout} is not supported; use SimpleWriter with a custom savefun"
+            )
+        ident = _storage_ident(node)
+        if ident not in sources:
+            storage = node.detach().untyped_storage()
+            sources[ident] = len(storages)
+            storages.append(storage)
+            layout.append((path, storage.nbytes(), storage.device.type == "cuda"))
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            _collect(value, (*path, key), sources, layout, storages)
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            _collect(value, (*path, i), sources, layout, storages)
+
+
+def _rebuild(
+    node: Any, sources: dict[tuple[str, int, int], int], buffers: list[torch.UntypedStorage]
+) -> Any:
+    if isinstance(node, torch.Tensor):
+        dst = buffers[sources[_storage_ident(node)]]
+        out = torch.empty((0,), dtype=node.dtype)
+        out.set_(dst, node.storage_offset(), node.size(), node.stride())  # type: ignore[call-overload]
+        if isinstance(node, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=node.requires_grad)
+        if node.requires_grad:
+            out.requires_grad_(True)
+        return out
+    if isinstance(node, dict):
+        out_dict = copy.copy(node)
+        if hasattr(node, "__dict__"):
+            out_dict.__dict__.update(copy.deepcopy(node.__dict__))
+        for key, value in node.items():
+            out_dict[key] = _rebuild(value, sources, buffers)
+        return out_dict
+    if isinstance(node, list):
+        return [_rebuild(v, sources, buffers) for v in node]
+    if isinstance(node, tuple):
+        items = [_rebuild(v, sources, buffers) for v in node]
+        if hasattr(node, "_fields"):  # namedtuple
+            return type(node)(*items)
+        return tuple(items) if type(node) is tuple else type(node)(items)
+    return copy.deepcopy(node)
+
+
+_SIDE_STREAMS: dict[Any, Any] = {}
+_SIDE_STREAMS_LOCK = threading.Lock()
+
+
+def _side_stream(device: torch.device) -> Any:
+    with _SIDE_STREAMS_LOCK:
+        stream = _SIDE_STREAMS.get(device)
+        if stream is None:
+            stream = torch.cuda.Stream(device=device)
+            _SIDE_STREAMS[device] = stream
+        return stream
+
+
+def iter_tensors(tree: Any) -> Iterator[torch.Tensor]:
+    """Every tensor leaf of a tree of dicts, lists and tuples."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from iter_tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from iter_tensors(v)
+
+
+def has_accelerator_tensor(tree: Any) -> bool:
+    return any(t.device.type != "cpu" for t in iter_tensors(tree))

@@ -1,0 +1,104 @@
+"""Capture and restore of the global random number generators, for exact continuation.
+
+The captured dict only holds values that ``torch.load(..., weights_only=True)`` accepts:
+tensors, ints, floats, str, None, tuples, lists and dicts. NumPy's key array becomes an int64
+tensor and Python's state stays a tuple of ints.
+
+Layout (keys present only when the generator exists)::
+
+    {'python': (version, (int, ...), gauss_next),
+     'numpy': ('MT19937', int64 tensor[624], pos, has_gauss, cached_gaussian),
+     'torch': uint8 tensor (CPU generator),
+     'cuda': [uint8 tensor, ...] (one per visible device)}
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["capture_rng_state", "restore_rng_state"]
+
+logger = logging.getLogger(__name__)
+
+
+def _numpy() -> ModuleType | None:
+    try:
+        return importlib.import_module("numpy")
+    except ImportError:
+        return None
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Returns the state of Python's, NumPy's (if importable), torch's CPU and CUDA generators.
+
+    CUDA states are taken only when ``torch.cuda.is_available()``; this initializes CUDA.
+    """
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "python": (int(version), tuple(int(v) for v in internal), gauss_next),
+        "torch": torch.get_rng_state(),
+    }
+    np = _numpy()
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state["numpy"] = (
+            str(kind),
+            torch.from_numpy(keys.astype(np.int64)),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
+    if torch.cuda.is_available():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restores generators captured by :func:`capture_rng_state`.
+
+    Generators missing from ``state`` are left untouched. If NumPy is not importable its saved
+    state is skipped; if the number of CUDA devices differs, the common prefix is restored. Both
+    cases are logged as warnings.
+
+    Raises:
+        ValueError: A saved state has the wrong shape for its generator.
+    """
+    if "python" in state:
+        version, internal, gauss_next = state["python"]
+        random.setstate((int(version), tuple(int(v) for v in internal), gauss_next))
+    if "torch" in state:
+        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+    if "numpy" in state:
+        np = _numpy()
+        if np is None:
+            logger.warning("snapshot holds a NumPy RNG state but NumPy is not importable; skipped")
+        else:
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            keys_array = torch.as_tensor(keys).numpy().astype(np.uint32)
+            np.random.set_state((kind, keys_array, int(pos), int(has_gauss), float(cached)))
+    if "cuda" in state:
+        _restore_cuda(list(state["cuda"]))
+
+
+def _restore_cuda(saved: list[Any]) -> None:
+    if not torch.cuda.is_available():
+        logger.warning(
+            "snapshot holds CUDA RNG states for %d device(s) but CUDA is not available; skipped",
+            len(saved),
+        )
+        return
+    count = torch.cuda.device_count()
+    if count != len(saved):
+        logger.warning(
+            "snapshot holds CUDA RNG states for %d device(s), %d visible; restoring the first %d",
+            len(saved), count, min(count, len(saved)),
+        )
+    for index in range(min(count, len(saved))):
+        torch.cuda.set_rng_state(torch.as_tensor(saved[index], dtype=torch.uint8), index)

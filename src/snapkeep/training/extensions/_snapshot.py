@@ -1,0 +1,1 @@
+"""Snapshot extensions (placeholder; written by the snapshot extension owner)."""

@@ -1,0 +1,28 @@
+"""Snapshot writers with pytorch-pfn-extras' names and signatures (``ppe.writing``).
+
+=======================  ==========================================  ===================
+writer                   where the save runs                         in flight (default)
+=======================  ==========================================  ===================
+``SimpleWriter``         caller's thread; returns when durable       -
+``ThreadWriter``         a thread per snapshot                       1
+``ProcessWriter``        one persistent ``spawn`` worker process     1
+``ThreadQueueWriter``    one consumer thread fed by a bounded queue  2
+``ProcessQueueWriter``   consumer thread -> persistent worker        2
+=======================  ==========================================  ===================
+"""
+
+from snapkeep.writing._base import SimpleWriter, StandardWriter, Writer
+from snapkeep.writing._parallel import ProcessWriter, RemoteSave, ThreadWriter
+from snapkeep.writing._queue import ProcessQueueWriter, QueueWriter, ThreadQueueWriter
+
+__all__ = [
+    "Writer",
+    "SimpleWriter",
+    "StandardWriter",
+    "ThreadWriter",
+    "ProcessWriter",
+    "RemoteSave",
+    "QueueWriter",
+    "ThreadQueueWriter",
+    "ProcessQueueWriter",
+]

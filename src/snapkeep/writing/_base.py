@@ -1,0 +1,342 @@
+"""ppe-compatible writer base classes: ``Writer``, ``SimpleWriter``, ``StandardWriter``.
+
+A writer decides *where* a save runs; the save path itself (stage -> encode -> atomic commit ->
+manifest -> post-commit hooks) lives in :mod:`snapkeep._core` and is the same for every writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+import snapkeep
+from snapkeep._core.errors import SnapshotSaveError
+from snapkeep._core.executors import InlineRunner, Runner, ThreadRunner
+from snapkeep._core.job import CommitRecord, SaveJob, execute
+from snapkeep._core.saver import SaveHandle, Saver, Ticket
+from snapkeep._core.storage import Storage, resolve_storage
+
+logger = logging.getLogger(__name__)
+
+SaveFun = Callable[..., Any]
+
+
+class Writer:
+    """Base class of snapshot writers (as ppe's ``writing.Writer``).
+
+    The snapshot extension calls ``writer(filename, out_dir, target)`` for each snapshot. Every
+    writer commits atomically and durably: temp file in the destination directory with a name
+    unique to the writer and process, write, flush, ``fsync``, ``os.replace``, ``fsync`` of the
+    directory (object stores: one upload that only becomes visible when complete). A checksum
+    manifest is written next to each snapshot (``.snapkeep/<name>.json``).
+
+    Args:
+        fs: an fsspec filesystem, or a ppe/pfio-style filesystem object; ``None`` picks the
+            filesystem from ``out_dir`` (a local path or an fsspec URL such as ``s3://b/run``).
+        out_dir: directory this writer uses. When empty, the ``out_dir`` passed to ``__call__``
+            (the manager's ``out``) is used -- ppe instead wrote into the working directory.
+        storage_options: keyword arguments for the fsspec filesystem (endpoint, credentials).
+    """
+
+    _runner_class: type[Runner] = InlineRunner
+    _default_max_pending = 1
+
+    def __init__(
+        self, fs: Any = None, out_dir: str = "", *, storage_options: Mapping[str, Any] | None = None,
+        max_pending: int | None = None, on_full: str = "block", timeout_s: float | None = None,
+    ) -> None:
+        if not isinstance(out_dir, str):
+            out_dir = str(out_dir)
+        self.fs = fs
+        self.out_dir = out_dir
+        self._storage_options = dict(storage_options or {})
+        self._storages: dict[str, tuple[Storage, str]] = {}
+        self._tag = uuid.uuid4().hex[:8]
+        self._initialized = False
+        self._finalized = False
+        self._cleanup_hooks: list[Callable[[], None]] = []
+        self._saver = Saver(
+            self._make_runner(), max_pending=max_pending or self._default_max_pending,
+            on_full=on_full, timeout_s=timeout_s,
+        )
+        self._saver.add_post_commit_hook(self._post_commit)
+        self.last_handle: SaveHandle | None = None
+
+    def _make_runner(self) -> Runner:
+        return self._runner_class()
+
+    # -- ppe API -------------------------------------------------------------------------------
+    def __call__(
+        self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
+        append: bool = False,
+    ) -> Any:
+        """Write ``target`` to ``filename`` under the writer's ``out_dir`` (or ``out_dir``).
+
+        Args:
+            filename: concrete file name (not a template), may contain sub-directories.
+            out_dir: the manager's output directory; used when the writer has none.
+            target: the object to save (typically a state_dict of CPU/CUDA tensors).
+            savefun: ``savefun(obj, file, **kwargs)`` (torch.save's order); default torch.save.
+            append: open the file in append mode (no atomic commit, no checksum).
+        """
+        raise NotImplementedError
+
+    def initialize(self, out_dir: str) -> None:
+        """Create the output directory and remove temp files left by crashed writers."""
+        storage, path = self.storage_for(out_dir)
+        storage.makedirs(path)
+        storage.remove_stale_temps(path)
+        self._initialized = True
+
+    def finalize(self) -> None:
+        """Wait for pending snapshots and release the worker; idempotent (as ppe).
+
+        Raises:
+            SnapshotSaveError: a background save failed and was not reported yet (raised once,
+                with the original exception as ``__cause__``).
+        """
+        if self._finalized:
+            return
+        self._finalized = True
+        self._saver.close()
+
+    def save(
+        self, filename: str, out_dir: str, target: Any, savefun: SaveFun | None, append: bool,
+        **savefun_kwargs: Any,
+    ) -> CommitRecord:
+        """Save synchronously in the caller's thread, without staging (ppe's ``Writer.save``)."""
+        job = self._job(filename, out_dir, savefun, append, savefun_kwargs)
+        if not self._initialized:
+            self.initialize(self._directory(out_dir))
+        record = execute(job, target)
+        self._post_commit(record)
+        return record
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.finalize()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_finalized", True) and getattr(self, "_saver", None) is not None \
+                and self._saver.pending:
+            logger.warning("%s was garbage-collected with snapshots pending; call finalize()",
+                           type(self).__name__)
+
+    # -- snapkeep additions ----------------------------------------------------------------------
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every pending snapshot is committed, then raise any background error.
+
+        Raises:
+            SnapshotTimeoutError: still pending after ``timeout_s`` seconds.
+            SnapshotSaveError: a background save failed.
+        """
+        self._saver.wait(timeout_s)
+        self._saver.raise_pending_error()
+
+    def add_post_commit_hook(self, hook: Callable[[CommitRecord], None]) -> None:
+        """Call ``hook(record)`` after each committed snapshot (in this process)."""
+        self._saver.add_post_commit_hook(hook)
+
+    def _add_cleanup_hook(self, hook_fun: Callable[[], None]) -> None:
+        """ppe's hook called after each save with no arguments (used for ``n_retains``)."""
+        self._cleanup_hooks.append(hook_fun)
+
+    def storage_for(self, out_dir: str = "") -> tuple[Storage, str]:
+        """``(Storage, path)`` of the directory this writer writes to for ``out_dir``."""
+        directory = self._directory(out_dir)
+        cached = self._storages.get(directory)
+        if cached is None:
+            cached = resolve_storage(directory, self.fs, self._storage_options)
+            self._storages[directory] = cached
+        return cached
+
+    @property
+    def pending(self) -> int:
+        """Snapshots staged or being written."""
+        return self._saver.pending
+
+    # -- internals -------------------------------------------------------------------------------
+    def _directory(self, out_dir: str) -> str:
+        return self.out_dir or out_dir or ""
+
+    def _post_commit(self, record: CommitRecord) -> None:
+        for hook in list(self._cleanup_hooks):
+            try:
+                hook()
+            except Exception:
+                logger.exception("cleanup hook failed after committing %s", record.path)
+
+    def _job(
+        self, filename: str, out_dir: str, savefun: SaveFun | None, append: bool,
+        savefun_kwargs: Mapping[str, Any], *, step: int | None = None,
+        metrics: Mapping[str, float] | None = None, run_id: str | None = None,
+    ) -> SaveJob:
+        if not isinstance(filename, str) or not filename:
+            raise ValueError(f"filename must be a non-empty str, got {filename!r}")
+        storage, directory = self.storage_for(out_dir)
+        return SaveJob(
+            storage=storage, path=storage.join(directory, filename),
+            savefun=savefun,  # type: ignore[arg-type]  # None fails in the save, as ppe
+            savefun_kwargs=dict(savefun_kwargs), append=append, tag=self._tag, step=step,
+            run_id=run_id, metrics=dict(metrics or {}), version=snapkeep.__version__,
+        )
+
+    def _submit(
+        self, filename: str, out_dir: str, target: Any, savefun: SaveFun | None, append: bool,
+        savefun_kwargs: Mapping[str, Any], extra: Mapping[str, Any],
+    ) -> Ticket | None:
+        if self._finalized:
+            raise RuntimeError(
+                f"{type(self).__name__} is finalized; create a new writer to save again")
+        job = self._job(filename, out_dir, savefun, append, savefun_kwargs, **extra)
+        if not self._initialized:
+            self.initialize(self._directory(out_dir))
+        ticket = self._saver.submit(job, target)
+        self.last_handle = ticket.handle if ticket is not None else None
+        return ticket
+
+
+class SimpleWriter(Writer):
+    """Writes in the caller's thread and returns when the snapshot is durable (ppe's
+    ``SimpleWriter``). The target is written as given, without a staging copy.
+
+    Args:
+        savefun: ``savefun(obj, file, **kwds)``; default ``torch.save``.
+        fs: see :class:`Writer`.
+        out_dir: see :class:`Writer`.
+        kwds: keyword arguments passed to ``savefun`` (as ppe).
+    """
+
+    def __init__(
+        self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "", **kwds: Any
+    ) -> None:
+        options = kwds.pop("storage_options", None)
+        super().__init__(fs=fs, out_dir=out_dir, storage_options=options)
+        self._savefun = savefun
+        self._kwds = kwds
+
+    def __call__(
+        self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
+        append: bool = False, **extra: Any,
+    ) -> SaveHandle | None:
+        ticket = self._submit(filename, out_dir, target, savefun or self._savefun, append,
+                              self._kwds, extra)
+        if ticket is None:
+            return None
+        self._saver.run(ticket, report=False)
+        ticket.handle.committed.result()  # raise the save's error here, synchronously
+        return ticket.handle
+
+
+class StandardWriter(Writer):
+    """Base class of writers that save on a worker per snapshot (ppe's ``StandardWriter``).
+
+    ``__call__`` stages a consistent copy of the target (training may mutate it as soon as the
+    call returns), then calls :meth:`create_worker` and starts the worker. At most
+    ``max_pending`` snapshots are in flight; when full, ``on_full`` decides (``'block'``,
+    ``'skip'``; see :class:`snapkeep._core.saver.Saver`). ``finalize()`` joins the workers and
+    raises a failed save once as :class:`SnapshotSaveError` (a ``RuntimeError``, as ppe).
+
+    Args:
+        savefun: ``savefun(obj, file, **kwds)``; default ``torch.save``.
+        fs: see :class:`Writer`.
+        out_dir: see :class:`Writer`.
+        max_pending: snapshots in flight at once (default 1); each holds one staging copy.
+        on_full: ``'block'`` (default), ``'skip'`` or ``'replace'``.
+        timeout_s: bound in seconds on waiting for a slot and on ``finalize``; None = unbounded
+            while the worker is alive (a warning is logged every 30 s).
+        kwds: keyword arguments passed to ``savefun``.
+    """
+
+    _runner_class = ThreadRunner
+
+    def __init__(
+        self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "", *,
+        max_pending: int | None = None, on_full: str = "block", timeout_s: float | None = None,
+        storage_options: Mapping[str, Any] | None = None, **kwds: Any,
+    ) -> None:
+        super().__init__(fs=fs, out_dir=out_dir, storage_options=storage_options,
+                         max_pending=max_pending, on_full=on_full, timeout_s=timeout_s)
+        self._savefun = savefun
+        self._kwds = kwds
+        self._workers: list[tuple[Any, Ticket | None]] = []
+        self._next_ticket: Ticket | None = None
+        self._lock = threading.Lock()
+
+    def __call__(
+        self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
+        append: bool = False, **extra: Any,
+    ) -> SaveHandle | None:
+        self._reap(block=False)
+        if len(self._workers) >= self._saver.max_pending and self._saver.on_full == "block":
+            self._reap(block=True, keep=self._saver.max_pending - 1)
+        savefun = self._savefun if savefun is None else savefun
+        ticket = self._submit(filename, out_dir, target, savefun, append, self._kwds, extra)
+        if ticket is None:
+            return None
+        with self._lock:
+            self._next_ticket = ticket
+            try:
+                worker = self.create_worker(filename, out_dir, ticket.staged, savefun=savefun,
+                                            append=append, **self._kwds)
+            finally:
+                self._next_ticket = None
+        worker.start()
+        self._workers.append((worker, ticket))
+        return ticket.handle
+
+    def create_worker(
+        self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
+        append: bool = False, **savefun_kwargs: Any,
+    ) -> Any:
+        """Create (not start) the worker for one snapshot: an object with ``start``/``join``."""
+        raise NotImplementedError
+
+    def _take_ticket(self) -> Ticket | None:
+        ticket, self._next_ticket = self._next_ticket, None
+        return ticket
+
+    def _work(
+        self, ticket: Ticket | None, filename: str, out_dir: str, target: Any,
+        savefun: SaveFun | None, append: bool, savefun_kwargs: Mapping[str, Any],
+    ) -> None:
+        """Body of a worker: run the staged ticket, or (a worker made by a direct
+        ``create_worker`` call) a plain synchronous save."""
+        if ticket is not None:
+            self._saver.run(ticket)
+            return
+        try:
+            self.save(filename, out_dir, target, savefun, append, **savefun_kwargs)
+        except Exception as e:
+            error = SnapshotSaveError(f"save of {filename!r} failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
+            self._saver.record_error(error)
+
+    def _reap(self, *, block: bool, keep: int = 0) -> None:
+        """Join finished workers (or, with ``block``, the oldest until ``keep`` remain)."""
+        remaining = []
+        for i, (worker, ticket) in enumerate(self._workers):
+            must = block and i < len(self._workers) - keep
+            alive = getattr(worker, "is_alive", None)
+            if must or (callable(alive) and not worker.is_alive()):
+                worker.join()
+                if ticket is not None and not ticket.handle.committed.done():
+                    self._saver.abandon(ticket, "its worker exited without running it")
+            else:
+                remaining.append((worker, ticket))
+        self._workers = remaining
+
+    def finalize(self) -> None:
+        if self._finalized:
+            return
+        try:
+            self._reap(block=True)
+        finally:
+            super().finalize()

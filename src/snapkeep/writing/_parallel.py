@@ -1,0 +1,148 @@
+"""ppe-compatible ``ThreadWriter`` and ``ProcessWriter``."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from snapkeep._core.executors import ProcessRunner, Runner, ThreadRunner
+from snapkeep._core.saver import Ticket
+from snapkeep.writing._base import SaveFun, StandardWriter
+
+
+class ThreadWriter(StandardWriter):
+    """Writes each snapshot on a background thread (ppe's ``ThreadWriter``).
+
+    Unlike ppe, the target is first staged into reusable CPU buffers, so training may mutate it
+    as soon as the call returns; a failed save raises :class:`~snapkeep.SnapshotSaveError` at the
+    next call or at ``finalize()`` instead of only printing. See :class:`StandardWriter` for the
+    arguments.
+    """
+
+    _runner_class = ThreadRunner
+
+    def create_worker(
+        self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
+        append: bool = False, **savefun_kwargs: Any,
+    ) -> threading.Thread:
+        """A (not started) daemon thread that writes one snapshot."""
+        return threading.Thread(
+            target=self._work,
+            args=(self._take_ticket(), filename, out_dir, target, savefun, append, savefun_kwargs),
+            name="snapkeep-thread-writer", daemon=True,
+        )
+
+
+class RemoteSave(multiprocessing.Process):
+    """Handle of one snapshot written by the writer's persistent worker process.
+
+    It is what :meth:`ProcessWriter.create_worker` returns so that ppe code expecting a
+    ``multiprocessing.Process`` (``start``, ``join``, ``exitcode``, ``is_alive``) keeps working,
+    but it never forks the trainer: ``start()`` hands the staged snapshot to the one worker
+    process that the writer started with ``spawn``, and ``join()`` waits for its commit.
+    """
+
+    def __init__(self, body: Any, args: tuple[Any, ...]) -> None:
+        super().__init__(name="snapkeep-remote-save", daemon=True)
+        self._body = body
+        self._body_args = args
+        self._thread: threading.Thread | None = None
+        self._failed = False
+
+    def start(self) -> None:
+        def run() -> None:
+            ok = self._body(*self._body_args)
+            self._failed = ok is False
+
+        self._thread = threading.Thread(target=run, name="snapkeep-remote-save", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:  # type: ignore[override]
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return 1 if self._failed else 0
+
+
+class ProcessWriter(StandardWriter):
+    """Writes snapshots in one persistent worker process (ppe's ``ProcessWriter``).
+
+    The worker is started once with ``spawn`` (never a fork of the trainer, so it is safe with
+    CUDA and threads) and reused. Each snapshot is staged into a shared-memory arena that the
+    worker maps once; the trainer's own tensors are never moved into shared memory. A worker that
+    dies is detected (:class:`~snapkeep.WorkerDiedError`) and replaced at the next snapshot.
+
+    Args:
+        savefun: must be picklable (a module-level function such as ``torch.save``).
+        start_method: ``'spawn'`` (default) or ``'forkserver'``.
+        See :class:`StandardWriter` for the others.
+
+    Raises:
+        TypeError: ``savefun`` cannot be pickled to the worker.
+    """
+
+    def __init__(
+        self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "", *,
+        start_method: str = "spawn", **kwargs: Any,
+    ) -> None:
+        self._start_method = start_method
+        _check_picklable(savefun)
+        super().__init__(savefun=savefun, fs=fs, out_dir=out_dir, **kwargs)
+
+    def _make_runner(self) -> Runner:
+        return ProcessRunner(start_method=self._start_method)
+
+    def initialize(self, out_dir: str) -> None:
+        super().initialize(out_dir)
+        runner = self._saver.runner
+        if isinstance(runner, ProcessRunner):
+            runner.start()  # spawn now, while the trainer sets up, not at the first snapshot
+
+    def create_worker(
+        self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
+        append: bool = False, **savefun_kwargs: Any,
+    ) -> multiprocessing.Process:
+        """A (not started) handle that writes one snapshot in the persistent worker."""
+        ticket = self._take_ticket()
+        return RemoteSave(self._remote_body,
+                          (ticket, filename, out_dir, target, savefun, append, savefun_kwargs))
+
+    def _remote_body(
+        self, ticket: Ticket | None, filename: str, out_dir: str, target: Any,
+        savefun: SaveFun | None, append: bool, savefun_kwargs: Mapping[str, Any],
+    ) -> bool:
+        if ticket is None:  # a worker made by a direct create_worker call: write synchronously
+            self._work(None, filename, out_dir, target, savefun, append, savefun_kwargs)
+            return True
+        return self._saver.run(ticket)
+
+    def __call__(self, filename: str, out_dir: str, target: Any, *,
+                 savefun: SaveFun | None = None, append: bool = False, **extra: Any) -> Any:
+        if savefun is not None:
+            _check_picklable(savefun)
+        return super().__call__(filename, out_dir, target, savefun=savefun, append=append,
+                                **extra)
+
+
+def _check_picklable(savefun: Any) -> None:
+    if savefun is None:
+        return
+    try:
+        pickle.dumps(savefun)
+    except Exception as e:
+        raise TypeError(
+            f"savefun {savefun!r} cannot be pickled to the ProcessWriter worker ({e}); use a "
+            "module-level function, or ThreadWriter for closures and lambdas"
+        ) from e

@@ -1,0 +1,188 @@
+"""ppe-compatible queue writers: ``QueueWriter``, ``ThreadQueueWriter``, ``ProcessQueueWriter``."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from snapkeep._core.errors import SnapshotSaveError
+from snapkeep._core.executors import ProcessRunner, Runner, ThreadRunner
+from snapkeep._core.saver import SaveHandle, Ticket
+from snapkeep.writing._base import SaveFun, SimpleWriter, Writer
+from snapkeep.writing._parallel import _check_picklable
+
+logger = logging.getLogger(__name__)
+
+#: Queue writers allow this many snapshots staged or in flight by default.
+DEFAULT_QUEUE_PENDING = 2
+
+
+class QueueWriter(Writer):
+    """Base class of writers that feed snapshots through a queue to one consumer (ppe's
+    ``QueueWriter``).
+
+    The queue and its consumer are created when the writer is constructed
+    (:meth:`create_queue`, :meth:`create_consumer`); each ``__call__`` stages a consistent copy of
+    the target and puts a task on the queue; :meth:`consume` runs the tasks in order. Unlike ppe:
+    the queue is bounded by ``max_pending`` staged snapshots (``on_full`` decides what happens when
+    it is full, memory stays flat), a failing task does not kill the consumer (its error is raised
+    once at the next call or at ``finalize()``), and a writer without ``out_dir`` writes into the
+    manager's ``out`` instead of the working directory.
+
+    Args:
+        savefun: ``savefun(obj, file)``; default ``torch.save``; passed to :meth:`create_task`.
+        fs: see :class:`Writer`.
+        out_dir: see :class:`Writer`.
+        task: a callable with ``Writer.__call__``'s interface put on the queue instead of the
+            default task.
+        max_pending: snapshots staged or in flight at once (default 2).
+        on_full: ``'block'`` (default), ``'skip'`` or ``'replace'`` (drop the oldest snapshot still
+            waiting in the queue).
+        timeout_s: bound in seconds on waiting for a free slot and on ``finalize``.
+    """
+
+    _runner_class = ThreadRunner
+    _default_max_pending = DEFAULT_QUEUE_PENDING
+
+    def __init__(
+        self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "",
+        task: Any = None, *, max_pending: int | None = None, on_full: str = "block",
+        timeout_s: float | None = None, storage_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__(fs=fs, out_dir=out_dir, storage_options=storage_options,
+                         max_pending=max_pending, on_full=on_full, timeout_s=timeout_s)
+        self._savefun = savefun
+        self._started = False
+        self._default_task = self.create_task(savefun) if task is None else None
+        self._task = self._default_task if task is None else task
+        self._queue = self.create_queue()
+        self._consumer = self.create_consumer(self._queue)
+        self._consumer.start()
+        self._started = True
+
+    def __call__(
+        self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
+        append: bool = False, **extra: Any,
+    ) -> SaveHandle | None:
+        ticket = self._submit(filename, out_dir, target, savefun or self._savefun, append, {},
+                              extra)
+        if ticket is None:
+            return None
+        self._queue.put((self._task, filename, out_dir, ticket.staged, savefun, append, ticket))
+        return ticket.handle
+
+    def create_task(self, savefun: SaveFun) -> Any:
+        """The default task: a :class:`SimpleWriter` with ``savefun`` (as ppe)."""
+        return SimpleWriter(savefun=savefun, fs=self.fs, out_dir=self.out_dir)
+
+    def create_queue(self) -> Any:
+        """The queue between the trainer and the consumer."""
+        return queue.Queue()
+
+    def create_consumer(self, q: Any) -> Any:
+        """The consumer (an object with ``start``/``join``) that runs :meth:`consume`."""
+        return threading.Thread(target=self.consume, args=(q,), daemon=True,
+                                name="snapkeep-queue-consumer")
+
+    def consume(self, q: Any) -> None:
+        """Run queued tasks until a ``None`` sentinel; one failing task never stops it."""
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                ticket = item[6] if _length(item) > 6 else None
+                if ticket is None:
+                    self._run_task(item)
+                elif item[0] is self._default_task:
+                    self._saver.run(ticket)
+                else:
+                    self._saver.run(ticket, execute=lambda staged, it=item: it[0](
+                        it[1], it[2], staged, savefun=it[4], append=it[5]))
+            finally:
+                q.task_done()
+
+    def _run_task(self, item: Any) -> None:
+        try:
+            item[0](item[1], item[2], item[3], savefun=item[4], append=item[5])
+        except Exception as e:
+            error = SnapshotSaveError(f"queued snapshot task failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
+            logger.error("queued snapshot task failed: %s: %s", type(e).__name__, e)
+            self._saver.record_error(error)
+
+    def finalize(self) -> None:
+        """Drain the queue, stop the consumer and the worker; raise a pending failure once."""
+        if self._finalized:
+            return
+        try:
+            if self._started:
+                self._queue.put(None)
+                self._queue.join()
+                self._consumer.join()
+                self._started = False
+        finally:
+            super().finalize()
+
+
+def _length(item: Any) -> int:
+    try:
+        return len(item)
+    except TypeError:
+        return 0
+
+
+class ThreadQueueWriter(QueueWriter):
+    """Queue writer whose consumer is a thread (ppe's ``ThreadQueueWriter``); see
+    :class:`QueueWriter` for the arguments."""
+
+    _runner_class = ThreadRunner
+
+
+class ProcessQueueWriter(QueueWriter):
+    """Queue writer whose tasks are written by one persistent worker process (ppe's
+    ``ProcessQueueWriter``).
+
+    The consumer thread forwards each staged snapshot to a worker process started once with
+    ``spawn`` (or ``forkserver``); staged tensors reach it through a reused shared-memory arena.
+    Nothing of the trainer is forked or moved into shared memory (ppe moved the model's own
+    parameters there, so the queued snapshot kept changing). See :class:`QueueWriter`.
+
+    Args:
+        start_method: ``'spawn'`` (default) or ``'forkserver'``.
+
+    Raises:
+        TypeError: ``savefun`` cannot be pickled to the worker.
+    """
+
+    def __init__(
+        self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "",
+        task: Any = None, *, start_method: str = "spawn", **kwargs: Any,
+    ) -> None:
+        _check_picklable(savefun)
+        self._start_method = start_method
+        super().__init__(savefun=savefun, fs=fs, out_dir=out_dir, task=task, **kwargs)
+
+    def _make_runner(self) -> Runner:
+        return ProcessRunner(start_method=self._start_method)
+
+    def initialize(self, out_dir: str) -> None:
+        super().initialize(out_dir)
+        runner = self._saver.runner
+        if isinstance(runner, ProcessRunner):
+            runner.start()
+
+    def __call__(self, filename: str, out_dir: str, target: Any, *,
+                 savefun: SaveFun | None = None, append: bool = False, **extra: Any) -> Any:
+        if savefun is not None:
+            _check_picklable(savefun)
+        return super().__call__(filename, out_dir, target, savefun=savefun, append=append,
+                                **extra)
+
+
+__all__ = ["QueueWriter", "ThreadQueueWriter", "ProcessQueueWriter", "Ticket"]
