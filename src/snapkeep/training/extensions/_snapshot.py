@@ -1,1 +1,430 @@
-"""Snapshot extensions (placeholder; written by the snapshot extension owner)."""
+"""The snapshot extension: ``snapshot`` / ``snapshot_object`` with ppe's arguments.
+
+Differences from ppe that users rely on:
+
+- ``autoload`` picks the snapshot with the highest step parsed from the filename template (not
+  the newest mtime), verifies its checksum, falls back to the next older valid one with a warning
+  naming each skipped file, and raises :class:`~snapkeep.NoValidSnapshotError` when snapshot
+  files exist but none is valid (ppe silently started over).
+- Loading is safe by default (``torch.load(weights_only=True)``); ``weights_only=False`` opts in to
+  arbitrary unpickling.
+- ``n_retains`` (and ``retention=``) run after each commit, on the saver rank only, and never
+  delete the newest snapshot.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed
+
+from snapkeep._core.catalog import Catalog, Entry
+from snapkeep._core.errors import SnapshotError, StateMismatchError
+from snapkeep._core.job import CommitRecord
+from snapkeep._core.loading import load_file
+from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep._core.structure import describe, find_mismatches
+from snapkeep.training import extension
+from snapkeep.writing import Writer as _SnapkeepWriter
+
+logger = logging.getLogger(__name__)
+
+ON_SAVE_ERROR = ("raise", "log")
+
+
+class SnapshotMode(enum.Enum):
+    """As ppe's ``SnapshotMode``; ``SHARDED`` is not supported yet."""
+
+    DEFAULT = enum.auto()
+    DISTRIBUTED = enum.auto()
+    SHARDED = enum.auto()
+
+
+def _always_true() -> bool:
+    return True
+
+
+def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: Any) -> _Snapshot:
+    """Returns an extension that snapshots ``target`` (as ppe's ``snapshot_object``).
+
+    Args:
+        target: an object with ``state_dict()``/``load_state_dict()``, or a dict of them.
+        filename: format string formatted with the manager (``'snapshot_{.iteration}'`` becomes
+            ``'snapshot_10000'`` at iteration 10,000) or a callable ``manager -> str``.
+        savefun: ``savefun(obj, file)`` (torch.save's order); cannot be combined with ``writer``.
+        kwargs: the keyword arguments of :func:`snapshot`.
+    """
+    return snapshot(target=target, filename=filename, savefun=savefun, **kwargs)
+
+
+def snapshot(
+    savefun: Any = None,
+    filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
+    *,
+    target: Any = None,
+    condition: Callable[[], bool] | None = None,
+    writer: Any = None,
+    snapshot_on_error: bool = False,
+    n_retains: int = -1,
+    autoload: bool = False,
+    saver_rank: int | None = None,
+    snapshot_mode: SnapshotMode = SnapshotMode.DEFAULT,
+    retention: RetentionPolicy | None = None,
+    weights_only: bool = True,
+    map_location: Any = "cpu",
+    on_save_error: str = "raise",
+) -> _Snapshot:
+    """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
+
+    Runs once per epoch by default (trigger ``(1, 'epoch')``) at priority ``PRIORITY_SNAPSHOT``,
+    after the other extensions of the same iteration.
+
+    Args:
+        savefun: ``savefun(obj, file)``, default ``torch.save``. Cannot be given with ``writer``.
+        filename: template formatted with the manager, or a callable ``manager -> str``.
+            Autoload and retention need a string template.
+        target: object with ``state_dict``/``load_state_dict`` (or a dict of them); default: the
+            manager (its state_dict holds models, optimizers, extensions, triggers, RNG state).
+        condition: callable with no arguments; the snapshot is skipped when it returns False.
+        writer: a writer from :mod:`snapkeep.writing` (default: the manager's writer).
+        snapshot_on_error: also take a snapshot when the training loop raises, and wait for it.
+        n_retains: keep the newest ``n_retains`` snapshots by step; <= 0 keeps all (as ppe).
+        autoload: load the newest valid snapshot in ``initialize`` (returns its name, as ppe).
+        saver_rank: under ``torch.distributed``, only this rank writes; every rank loads the
+            snapshot the saver rank chose.
+        snapshot_mode: as ppe; ``DISTRIBUTED`` requires ``saver_rank``.
+        retention: a policy from :mod:`snapkeep.retention` (combined with ``n_retains`` by
+            any-of).
+        weights_only: safe loading (default). ``False`` allows arbitrary unpickling.
+        map_location: ``torch.load``'s ``map_location`` for autoload (default ``'cpu'``).
+        on_save_error: ``'raise'`` (default) stops training on a failed save; ``'log'`` logs it
+            and continues.
+
+    Raises:
+        TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type.
+        ValueError: a bad value (the message names the argument and what is accepted).
+        RuntimeError: ``saver_rank``/``DISTRIBUTED`` without an initialised process group.
+    """
+    if savefun is not None and writer is not None:
+        raise TypeError("savefun and writer arguments cannot be specified together.")
+    kwargs: dict[str, Any] = dict(
+        target=target, condition=condition, writer=writer, filename=filename,
+        snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
+        savefun=savefun, retention=retention, weights_only=weights_only,
+        map_location=map_location, on_save_error=on_save_error,
+    )
+    if snapshot_mode == SnapshotMode.DEFAULT and saver_rank is None:
+        return _Snapshot(**kwargs)
+    if snapshot_mode in (SnapshotMode.DEFAULT, SnapshotMode.DISTRIBUTED):
+        if saver_rank is None:
+            raise ValueError("snapshot_mode=DISTRIBUTED requires saver_rank (an int rank)")
+        return _DistributedSnapshot(saver_rank=saver_rank, **kwargs)
+    if snapshot_mode == SnapshotMode.SHARDED:
+        raise NotImplementedError(
+            "snapshot_mode=SHARDED is not supported by snapkeep yet; use DISTRIBUTED with "
+            "saver_rank, or torch.distributed.checkpoint for sharded state")
+    raise ValueError(f"snapshot_mode must be a SnapshotMode, got {snapshot_mode!r}")
+
+
+def _check_target(target: Any) -> None:
+    if target is None:
+        return
+    objects = target.items() if type(target) is dict else [("target", target)]
+    for key, obj in objects:
+        missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+        if missing:
+            where = "target" if type(target) is not dict else f"target[{key!r}]"
+            raise TypeError(
+                f"{where} ({type(obj).__name__}) has no {' or '.join(missing)}; snapshot targets "
+                "must be objects with state_dict()/load_state_dict() (modules, optimizers, the "
+                "manager) or a dict of them")
+
+
+class _Snapshot(extension.Extension):
+    """Takes snapshots of the manager or a target; see :func:`snapshot`."""
+
+    trigger = 1, "epoch"
+    priority = extension.PRIORITY_SNAPSHOT
+    needs_model_state = True
+
+    def __init__(
+        self, target: Any = None, condition: Any = None, writer: Any = None,
+        filename: str | Callable[[Any], str] = "snapshot_iter_{.iteration}",
+        snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
+        savefun: Any = None, *, retention: RetentionPolicy | None = None,
+        weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
+    ) -> None:
+        _check_target(target)
+        if condition is None:
+            condition = _always_true
+        elif not callable(condition):
+            raise TypeError(f"condition must be a callable returning bool, got {condition!r}")
+        if isinstance(n_retains, bool) or not isinstance(n_retains, int):
+            raise TypeError(
+                f"n_retains must be an int (> 0 keeps that many snapshots, <= 0 keeps all), "
+                f"got {type(n_retains).__name__} {n_retains!r}")
+        if retention is not None and not callable(getattr(retention, "select", None)):
+            raise TypeError(f"retention must be a policy from snapkeep.retention, got {retention!r}")
+        if on_save_error not in ON_SAVE_ERROR:
+            raise ValueError(f"on_save_error must be one of {ON_SAVE_ERROR}, got {on_save_error!r}")
+        if writer is not None and not callable(writer):
+            raise TypeError(f"writer must be a callable writer object, got {writer!r}")
+        if savefun is not None and not callable(savefun):
+            raise TypeError(f"savefun must be callable like torch.save(obj, f), got {savefun!r}")
+        self._template = FilenameTemplate(filename)
+        self._target = target
+        self.filename = filename
+        self.condition = condition
+        self.writer = writer
+        self._snapshot_on_error = snapshot_on_error
+        self.n_retains = n_retains
+        self.autoload = autoload
+        self._savefun = savefun
+        self._weights_only = weights_only
+        self._map_location = map_location
+        self._on_save_error = on_save_error
+        policies = [p for p in (KeepLatest(n_retains) if n_retains > 0 else None, retention) if p]
+        self._retention: RetentionPolicy | None = None
+        if len(policies) == 1:
+            self._retention = policies[0]
+        elif policies:
+            from snapkeep._core.retention import AnyOf
+
+            self._retention = AnyOf(*policies)
+        self._retention_registered = False
+        self.loaded_entry: Entry | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def initialize(self, manager: Any) -> str | None:  # type: ignore[override]
+        """Resolve the writer, autoload (returns the loaded file name or None, as ppe) and
+        register retention.
+
+        Raises:
+            NoValidSnapshotError: snapshot files exist but none verifies.
+            StateMismatchError: the chosen snapshot does not fit the target (first 10 listed).
+            UnsafeSnapshotError: the snapshot needs ``weights_only=False``.
+        """
+        self.writer = manager.writer if self.writer is None else self.writer
+        loaded = None
+        if self.autoload:
+            loaded = self._autoload(manager)
+        self._register_retention(manager)
+        return loaded
+
+    def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
+        super().on_error(manager, exc, tb)
+        if self._snapshot_on_error:
+            self._make_snapshot(manager)
+            wait = getattr(self.writer, "wait", None)
+            if callable(wait):
+                wait()
+
+    def __call__(self, manager: Any) -> None:
+        if self.condition():
+            self._make_snapshot(manager)
+
+    def finalize(self, manager: Any) -> None:
+        writer = self.writer
+        if writer is not None:
+            writer.finalize()
+
+    # -- saving --------------------------------------------------------------------------------
+    def _is_saver(self) -> bool:
+        return True
+
+    def _state(self, manager: Any) -> Any:
+        target = manager if self._target is None else self._target
+        if type(target) is dict:
+            return {k: v.state_dict() for k, v in target.items()}
+        return target.state_dict()
+
+    def _make_snapshot(self, manager: Any) -> None:
+        writer = manager.writer if self.writer is None else self.writer
+        self.writer = writer
+        if not self._is_saver():
+            return
+        self._register_retention(manager)
+        state = self._state(manager)
+        filename = self._template.format(manager)
+        extra: dict[str, Any] = {}
+        if isinstance(writer, _SnapkeepWriter):
+            extra = {"step": int(manager.iteration), "metrics": _metrics(manager)}
+        try:
+            writer(filename, manager.out, state, savefun=self._savefun, **extra)
+        except (SnapshotError, OSError) as e:
+            if self._on_save_error == "raise":
+                raise
+            logger.error("snapshot %s at iteration %s failed and on_save_error='log': %s",
+                         filename, manager.iteration, e)
+
+    # -- autoload ------------------------------------------------------------------------------
+    def _catalog(self, manager: Any) -> Catalog | None:
+        writer = self.writer
+        if not isinstance(writer, _SnapkeepWriter):
+            logger.warning("autoload/retention need a snapkeep writer; got %s",
+                           type(writer).__name__)
+            return None
+        if not self._template.parsable:
+            logger.warning("autoload/retention need a string filename template; %r is callable",
+                           self.filename)
+            return None
+        storage, directory = writer.storage_for(manager.out)
+        return Catalog(storage, directory, self._template)
+
+    def _choose(self, catalog: Catalog) -> list[Entry] | None:
+        """Candidates for autoload (all ranks use the saver rank's list in distributed mode)."""
+        return catalog.entries()
+
+    def _autoload(self, manager: Any) -> str | None:
+        catalog = self._catalog(manager)
+        if catalog is None:
+            return None
+        candidates = self._choose(catalog)
+        if not candidates:
+            return None
+        target = manager if self._target is None else self._target
+
+        def loader(entry: Entry) -> Any:
+            return load_file(catalog.storage, entry.path, map_location=self._map_location,
+                             weights_only=self._weights_only)
+
+        found = catalog.load_newest(loader, candidates=candidates)
+        if found is None:
+            return None
+        entry, state = found
+        self._apply(target, state, entry)
+        self.loaded_entry = entry
+        logger.info("resumed from snapshot %s (step %s)", entry.path, entry.step)
+        return entry.name
+
+    def _apply(self, target: Any, state: Any, entry: Entry) -> None:
+        if type(target) is dict:
+            if not isinstance(state, Mapping):
+                raise StateMismatchError(
+                    f"snapshot {entry.path} holds a {type(state).__name__}, target is a dict")
+            missing = [k for k in target if k not in state]
+            if missing:
+                raise StateMismatchError(
+                    f"snapshot {entry.path} lacks target key(s) {missing[:10]}; nothing was "
+                    "loaded or deleted")
+            pairs = [(target[k], state[k], f"[{k!r}]") for k in target]
+        else:
+            pairs = [(target, state, "")]
+        problems: list[str] = []
+        for obj, sub, where in pairs:
+            if _is_plain_state_holder(obj):
+                problems += [f"{where}{p}" if where else p
+                             for p in find_mismatches(obj.state_dict(), sub)]
+        if problems:
+            raise StateMismatchError(
+                f"snapshot {entry.path} (step {entry.step}) does not match the target: "
+                f"{describe(problems)}. Nothing was loaded or deleted; point out_dir elsewhere or "
+                "fix the model definition.")
+        for obj, sub, _ in pairs:
+            obj.load_state_dict(sub)
+
+    # -- retention -----------------------------------------------------------------------------
+    def _register_retention(self, manager: Any) -> None:
+        if self._retention_registered or self._retention is None or not self._is_saver():
+            return
+        catalog = self._catalog(manager)
+        writer = self.writer
+        if catalog is None or not isinstance(writer, _SnapkeepWriter):
+            return
+        policy = self._retention
+        self._retention_registered = True
+
+        def retain(record: CommitRecord) -> None:
+            _apply_retention(catalog, policy, record)
+
+        writer.add_post_commit_hook(retain)
+
+
+def _is_plain_state_holder(obj: Any) -> bool:
+    """Targets whose state_dict layout must match exactly (modules). Optimizers and managers
+    have lazily created state and validate themselves."""
+    return isinstance(obj, torch.nn.Module)
+
+
+def _metrics(manager: Any) -> dict[str, float]:
+    observation = getattr(manager, "observation", None) or {}
+    out: dict[str, float] = {}
+    for key, value in observation.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(float(value)):
+            out[str(key)] = float(value)
+    return out
+
+
+def _apply_retention(catalog: Catalog, policy: RetentionPolicy, record: CommitRecord) -> None:
+    """Delete what ``policy`` does not keep; never the newest or the just-committed one."""
+    entries = catalog.entries()
+    infos = []
+    for entry in entries:
+        manifest = catalog.manifest(entry)
+        metrics = dict(manifest.metrics) if manifest is not None else {}
+        infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
+                                  metrics=metrics))
+    by_name = {e.name: e for e in entries}
+    protect = [e.name for e in entries if e.path == record.path]
+    for name in plan_deletions(policy, infos, protect=protect):
+        entry = by_name[name]
+        from snapkeep._core.manifest import manifest_path
+
+        for path in (entry.path, manifest_path(catalog.storage, entry.path)):
+            try:
+                catalog.storage.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("retention could not delete %s (step %s): %s", path, entry.step, e)
+            else:
+                logger.debug("retention deleted %s (step %s)", path, entry.step)
+
+
+class _DistributedSnapshot(_Snapshot):
+    """Snapshot under ``torch.distributed``: only ``saver_rank`` writes; all ranks load the
+    snapshot the saver rank chose (as ppe's ``_DistributedSnapshot``)."""
+
+    def __init__(self, *, saver_rank: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "snapshot(saver_rank=...) requires torch.distributed to be initialized "
+                "(torch.distributed.init_process_group) before the extension is created")
+        self._size = torch.distributed.get_world_size()
+        self._rank = torch.distributed.get_rank()
+        if isinstance(saver_rank, bool) or not isinstance(saver_rank, int) \
+                or not 0 <= saver_rank < self._size:
+            raise ValueError(
+                f"saver_rank must be an int in [0, {self._size}), got {saver_rank!r}")
+        self._saver_rank = saver_rank
+
+    def _is_saver(self) -> bool:
+        return self._rank == self._saver_rank
+
+    def _make_snapshot(self, manager: Any) -> None:
+        super()._make_snapshot(manager)
+        if self._size > 1:
+            torch.distributed.barrier()
+
+    def _choose(self, catalog: Catalog) -> list[Entry] | None:
+        entries = catalog.entries() if self._is_saver() else []
+        box: list[Any] = [entries]
+        if self._size > 1:
+            torch.distributed.broadcast_object_list(box, src=self._saver_rank)
+        chosen: list[Entry] = box[0]
+        return [Entry(name=e.name, path=catalog.storage.join(catalog.directory, e.name),
+                      key=e.key, step=e.step) for e in chosen]
+
+
+__all__ = ["snapshot", "snapshot_object", "SnapshotMode"]

@@ -1,0 +1,177 @@
+"""The catalog: committed snapshots of one filename template, ordered by step, verified.
+
+"Latest" is the highest key parsed from the filename template (iteration, then epoch) among
+snapshots that verify -- never mtime. Verification checks the file against the checksum manifest
+recorded at commit; a snapshot without a manifest (ppe-written, or a crash between the two
+commits) is accepted only if it loads completely, with a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from snapkeep._core.checksum import digest_stream
+from snapkeep._core.errors import (
+    NoValidSnapshotError,
+    SnapshotCorruptError,
+    UnsafeSnapshotError,
+)
+from snapkeep._core.manifest import Manifest, manifest_path
+from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One snapshot file found by the catalog.
+
+    Attributes:
+        name: file name relative to the output directory (what the template produced).
+        path: full path on the storage.
+        key: sort key parsed from the name (iteration first).
+        step: the first number of the key (the iteration when the template has one).
+    """
+
+    name: str
+    path: str
+    key: tuple[float, ...]
+    step: int | None
+
+
+class Catalog:
+    """Snapshots of one template in one directory.
+
+    Args:
+        storage: where they live.
+        directory: the output directory on ``storage``.
+        template: the filename template; a ``str`` template or :class:`FilenameTemplate`.
+    """
+
+    def __init__(self, storage: Storage, directory: str, template: FilenameTemplate | str) -> None:
+        self.storage = storage
+        self.directory = directory
+        self.template = template if isinstance(template, FilenameTemplate) \
+            else FilenameTemplate(template)
+
+    def entries(self) -> list[Entry]:
+        """Committed snapshot files of this template, oldest (lowest key) first.
+
+        Temporary files, manifests and files that do not match the template are never listed.
+        Only templates whose directory part is literal (``'snap/iter_{.iteration}'``) are
+        listable; others yield [].
+        """
+        if not self.template.parsable:
+            return []
+        template = str(self.template.template)
+        sub, _, base = template.rpartition("/")
+        if "{" in sub:
+            logger.warning("filename template %r has fields in its directory part; snapshots "
+                           "cannot be listed for autoload or retention", template)
+            return []
+        base_template = FilenameTemplate(base)
+        directory = self.storage.join(self.directory, sub) if sub else self.directory
+        found = []
+        for name in self.storage.list_names(directory):
+            key = base_template.parse(name)
+            if key is None:
+                continue
+            rel = f"{sub}/{name}" if sub else name
+            found.append(Entry(name=rel, path=self.storage.join(directory, name), key=key,
+                               step=int(key[0]) if key else None))
+        found.sort(key=lambda e: (e.key, e.name))
+        return found
+
+    def manifest(self, entry: Entry) -> Manifest | None:
+        """The entry's manifest, or ``None`` when it has none (or it is unreadable)."""
+        path = manifest_path(self.storage, entry.path)
+        try:
+            return Manifest.from_bytes(self.storage.read_bytes(path))
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError, TypeError) as e:
+            logger.warning("manifest %s is unreadable (%s); treating %s as unverified", path, e,
+                           entry.path)
+            return None
+
+    def verify(self, entry: Entry) -> Manifest | None:
+        """Check the entry against its manifest; return the manifest (None if it has none).
+
+        Raises:
+            SnapshotCorruptError: size or checksum differs from the manifest, or the file is
+                unreadable.
+        """
+        manifest = self.manifest(entry)
+        if manifest is None:
+            return None
+        try:
+            with self.storage.open_read(entry.path) as f:
+                digest, size = digest_stream(f)
+        except OSError as e:
+            raise SnapshotCorruptError(f"{entry.path}: unreadable ({e})") from e
+        if size != manifest.size_bytes:
+            raise SnapshotCorruptError(
+                f"{entry.path}: size {size} bytes, manifest recorded {manifest.size_bytes} "
+                "(truncated or overwritten)")
+        if digest != manifest.checksum:
+            raise SnapshotCorruptError(
+                f"{entry.path}: {manifest.algorithm} checksum {digest} does not match the "
+                f"recorded {manifest.checksum} (corrupted)")
+        return manifest
+
+    def load_newest(
+        self, loader: Callable[[Entry], Any], *, candidates: list[Entry] | None = None,
+    ) -> tuple[Entry, Any] | None:
+        """Load the newest snapshot that verifies and loads; warn about each one skipped.
+
+        Args:
+            loader: ``loader(entry) -> state``; a ``SnapshotCorruptError`` or a read/decode error
+                (``RuntimeError``, ``EOFError``, ``OSError``, ``pickle.UnpicklingError`` other
+                than a refused unsafe load) marks the entry invalid.
+            candidates: entries to consider (default: :meth:`entries`).
+
+        Returns:
+            ``(entry, state)``, or ``None`` when there are no snapshot files at all.
+
+        Raises:
+            NoValidSnapshotError: snapshot files exist but none is valid (each reason listed);
+                nothing is deleted.
+            UnsafeSnapshotError: the newest valid file needs arbitrary unpickling.
+        """
+        entries = self.entries() if candidates is None else candidates
+        if not entries:
+            return None
+        reasons = []
+        for entry in reversed(entries):
+            try:
+                manifest = self.verify(entry)
+                state = loader(entry)
+            except UnsafeSnapshotError:
+                raise
+            except (SnapshotCorruptError, RuntimeError, EOFError, OSError, ValueError,
+                    pickle.UnpicklingError, KeyError) as e:
+                reason = str(e) if isinstance(e, SnapshotCorruptError) \
+                    else f"{entry.path}: {type(e).__name__}: {e}"
+                warnings.warn(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
+                              RuntimeWarning, stacklevel=2)
+                logger.warning("skipping snapshot %s (step %s): %s", entry.name, entry.step,
+                               reason)
+                reasons.append(reason)
+                continue
+            if manifest is None:
+                warnings.warn(
+                    f"snapshot {entry.name} (step {entry.step}) has no checksum manifest (written "
+                    "by ppe or interrupted before its manifest was committed); it loaded "
+                    "completely but is unverified", RuntimeWarning, stacklevel=2)
+            return entry, state
+        raise NoValidSnapshotError(
+            f"{len(entries)} snapshot file(s) of {self.template.template!r} in "
+            f"{self.directory!r}, none valid; refusing to start over silently. Reasons: "
+            + "; ".join(reasons[:10])
+            + ". Move them away to start fresh, or restore a good copy.")

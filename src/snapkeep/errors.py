@@ -1,0 +1,19 @@
+"""Public exception types (see :mod:`snapkeep._core.errors`)."""
+
+from snapkeep._core.errors import (
+    NoValidSnapshotError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotSaveError,
+    SnapshotStorageError,
+    SnapshotTimeoutError,
+    StateMismatchError,
+    UnsafeSnapshotError,
+    WorkerDiedError,
+)
+
+__all__ = [
+    "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
+    "WorkerDiedError",
+]

@@ -1,0 +1,17 @@
+"""Retention policies for ``snapshot(retention=...)``: keep latest N, every K steps, best N by a
+metric, or any of several. See :mod:`snapkeep._core.retention` for the semantics."""
+
+from snapkeep._core.retention import (
+    AnyOf,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    RetentionPolicy,
+    SnapshotInfo,
+    plan_deletions,
+)
+
+__all__ = [
+    "AnyOf", "KeepBest", "KeepEvery", "KeepLatest", "RetentionPolicy", "SnapshotInfo",
+    "plan_deletions",
+]
