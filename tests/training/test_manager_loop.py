@@ -99,7 +99,7 @@ def test_unknown_step_optimizer_is_named(make_manager):
 def test_elapsed_time_needs_a_first_iteration(make_manager):
     manager = make_manager()
     with pytest.raises(RuntimeError, match="run_iteration"):
-        manager.elapsed_time
+        _ = manager.elapsed_time
     with manager.run_iteration():
         pass
     assert manager.elapsed_time >= 0.0

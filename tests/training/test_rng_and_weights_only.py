@@ -107,7 +107,7 @@ def _build(make_manager):
 
 def test_whole_state_dict_survives_weights_only_load(make_manager):
     manager, model, scheduler = _build(make_manager)
-    for step in range(5):
+    for _ in range(5):
         with manager.run_iteration(step_optimizers=["main"]):
             loss = model(torch.randn(8, 4)).pow(2).mean()
             snapkeep.reporting.report({"loss": loss}, observer=model)

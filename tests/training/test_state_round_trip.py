@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep import training
 from snapkeep.training import triggers
 
 

@@ -9,7 +9,7 @@ Layout (keys present only when the generator exists)::
     {'python': (version, (int, ...), gauss_next),
      'numpy': ('MT19937', int64 tensor[624], pos, has_gauss, cached_gaussian),
      'torch': uint8 tensor (CPU generator),
-     'cuda': [uint8 tensor, ...] (one per visible device)}
+     'cuda': [uint8 tensor, ...] (one per visible device, if CUDA was initialized)}
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def _numpy() -> ModuleType | None:
 def capture_rng_state() -> dict[str, Any]:
     """Returns the state of Python's, NumPy's (if importable), torch's CPU and CUDA generators.
 
-    CUDA states are taken only when ``torch.cuda.is_available()``; this initializes CUDA.
+    CUDA states are taken only when CUDA is available and already initialized in this process:
+    before initialization no CUDA number was drawn, and capturing would initialize CUDA as a side
+    effect.
     """
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
@@ -55,7 +57,7 @@ def capture_rng_state() -> dict[str, Any]:
             int(has_gauss),
             float(cached),
         )
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
 

@@ -30,7 +30,12 @@ import torch
 
 from snapkeep import reporting
 from snapkeep.training._manager_protocol import StateObjectProtocol, WriterLike
-from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
+from snapkeep.training._manager_state import (
+    RNG_STATE_KEY,
+    VERSION_KEY,
+    load_manager_state,
+    manager_state,
+)
 from snapkeep.training._trigger_util import Trigger, TriggerLike, get_trigger
 from snapkeep.training.extension import (
     PRIORITY_SNAPSHOT,
@@ -43,23 +48,12 @@ __all__ = ["ExtensionsManager", "VERSION_KEY", "RNG_STATE_KEY"]
 
 logger = logging.getLogger(__name__)
 
-VERSION_KEY = "_snapkeep_version"
-"""``state_dict`` key holding the snapkeep version that produced it."""
-RNG_STATE_KEY = "_rng_state"
-"""``state_dict`` key holding the global RNG states (see ``save_rng_state``)."""
-
 _get_time = time.perf_counter
 TransformModel = Callable[[str, torch.nn.Module], torch.nn.Module]
 
 
 def _identity_transform(name: str, model: torch.nn.Module) -> torch.nn.Module:
     return model
-
-
-def _snapkeep_version() -> str:
-    import snapkeep
-
-    return str(snapkeep.__version__)
 
 
 class ExtensionsManager:
@@ -75,7 +69,7 @@ class ExtensionsManager:
     * ``on_error`` of every extension runs (once per manager) when an iteration raises.
     * When the stop trigger fires at the end of ``run_iteration`` the manager finalizes itself.
 
-    Writer use: the constructor calls ``writer.initialize(writer.out_dir)``; ``manager.out`` is
+    Writer use: the constructor calls ``writer.initialize(manager.out)``; ``manager.out`` is
     ``writer.out_dir``; ``finalize()`` calls ``writer.finalize()`` after the extensions'
     ``finalize``. Extensions (snapshots) call the writer; the manager never does.
 
@@ -242,8 +236,10 @@ class ExtensionsManager:
 
     @property
     def out(self) -> str:
-        """Output directory: the writer's ``out_dir`` (as ppe)."""
-        return str(getattr(self.writer, "out_dir", self._out))
+        """Output directory: the writer's ``out_dir``, or the manager's ``out_dir`` when the writer
+        has none (ppe returned ``''`` there, so queued snapshots landed in the working directory).
+        """
+        return str(getattr(self.writer, "out_dir", "") or self._out)
 
     @property
     def models(self) -> Mapping[str, torch.nn.Module]:
@@ -514,90 +510,17 @@ class ExtensionsManager:
         ``torch.load(weights_only=True)``; so does the whole dict when the models, optimizers,
         extensions and state objects return such values.
         """
-        state: dict[str, Any] = {
-            "_start_iteration": self.iteration,
-            "_start_execution": self.execution,
-            "models": {name: model.state_dict() for name, model in self.models.items()},
-            "optimizers": {name: opt.state_dict() for name, opt in self._optimizers.items()},
-            "state_objects": {
-                name: obj.state_dict() for name, obj in self._state_objects.items()
-            },
-            "extensions": {name: entry.state_dict() for name, entry in self._extensions.items()},
-            "_stop_trigger": self._stop_trigger.state_dict(),
-            "_internal_stop_trigger": self._internal_stop_trigger.state_dict(),
-            VERSION_KEY: _snapkeep_version(),
-        }
-        if self._save_rng_state:
-            state[RNG_STATE_KEY] = capture_rng_state()
-        return state
+        return manager_state(self, save_rng_state=self._save_rng_state)
 
     def load_state_dict(self, to_load: Mapping[str, Any]) -> None:
         """Restores a state produced by :meth:`state_dict` or by ppe's manager.
 
         Warns (``UserWarning``) when the dict was saved by another snapkeep version or records
         no version at all; a ppe dict (``'ppe_version'``) loads without warning. Extensions
-        registered now but missing from the dict keep their state (logged).
+        registered now but missing from the dict keep their state (logged). RNG states are
+        restored only with ``save_rng_state``.
 
         Raises:
             KeyError: A model, optimizer or state object has no entry in the dict.
         """
-        self._check_version(to_load)
-        self._start_iteration = int(to_load["_start_iteration"])
-        self.iteration = self._start_iteration
-        self._start_execution = int(to_load.get("_start_execution", self._start_iteration))
-        self.execution = self._start_execution
-        models = self.models
-        for name, model in models.items():
-            model.load_state_dict(_entry(to_load, "models", name))
-        for name, optimizer in self._optimizers.items():
-            optimizer.load_state_dict(_entry(to_load, "optimizers", name))
-        if "state_objects" in to_load:
-            for name, obj in self._state_objects.items():
-                obj.load_state_dict(_entry(to_load, "state_objects", name))
-        saved_extensions = to_load.get("extensions", {})
-        for name, entry in self._extensions.items():
-            if name in saved_extensions:
-                entry.load_state_dict(saved_extensions[name])
-            else:
-                logger.warning(
-                    "extension %r has no saved state at iteration %d; it starts fresh",
-                    name, self._start_iteration,
-                )
-        if "_stop_trigger" in to_load:
-            self._stop_trigger.load_state_dict(to_load["_stop_trigger"])
-        if "_internal_stop_trigger" in to_load:
-            self._internal_stop_trigger.load_state_dict(to_load["_internal_stop_trigger"])
-        if self._save_rng_state and RNG_STATE_KEY in to_load:
-            restore_rng_state(to_load[RNG_STATE_KEY])
-
-    def _check_version(self, to_load: Mapping[str, Any]) -> None:
-        current = _snapkeep_version()
-        saved = to_load.get(VERSION_KEY)
-        if saved is None:
-            ppe_version = to_load.get("ppe_version")
-            if ppe_version is None:
-                warnings.warn(
-                    f"the state dict records no version ({VERSION_KEY!r} missing); loading it "
-                    f"into snapkeep {current} anyway",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            else:
-                logger.info("loading a state dict saved by pytorch-pfn-extras %s", ppe_version)
-        elif saved != current:
-            warnings.warn(
-                f"the state dict was saved by snapkeep version {saved}, this is snapkeep "
-                f"version {current}; loading it anyway",
-                UserWarning,
-                stacklevel=3,
-            )
-
-
-def _entry(to_load: Mapping[str, Any], section: str, name: str) -> Any:
-    try:
-        return to_load[section][name]
-    except KeyError:
-        available = sorted(to_load.get(section, {}))
-        raise KeyError(
-            f"state dict has no {section}[{name!r}] (has {section}: {available})"
-        ) from None
+        load_manager_state(self, to_load, restore_rng=self._save_rng_state)

@@ -1,0 +1,54 @@
+"""The dependency direction of DESIGN.md: training -> writing -> _core; only _core/storage talks
+to fsspec. Checked on the source's import statements, so a violation fails here first."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "snapkeep"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _files(sub: str) -> list[pathlib.Path]:
+    return sorted((SRC / sub).rglob("*.py"))
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("_core", ("snapkeep.writing", "snapkeep.training", "snapkeep.cli", "snapkeep.demo")),
+        ("writing", ("snapkeep.training", "snapkeep.cli", "snapkeep.demo")),
+    ],
+)
+def test_dependency_direction(package: str, forbidden: tuple[str, ...]) -> None:
+    offenders = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in _files(package)
+        for name in _imports(path)
+        if name.startswith(forbidden)
+    ]
+    assert _files(package), f"no sources found under {package}"
+    assert offenders == []
+
+
+def test_only_storage_imports_fsspec() -> None:
+    offenders = [
+        str(path.relative_to(SRC))
+        for path in SRC.rglob("*.py")
+        if any(n == "fsspec" or n.startswith("fsspec.") for n in _imports(path))
+        and "_core/storage" not in path.as_posix()
+    ]
+    assert offenders == []
