@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import struct
 import warnings
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -19,13 +21,21 @@ from snapkeep._core.checksum import digest_stream
 from snapkeep._core.errors import (
     NoValidSnapshotError,
     SnapshotCorruptError,
+    SnapshotStorageError,
     UnsafeSnapshotError,
 )
-from snapkeep._core.manifest import Manifest, manifest_path
+from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage
 
 logger = logging.getLogger(__name__)
+
+#: What a failed verification or decode of untrusted bytes can raise. A file raising one of these
+#: is skipped (named in a warning); an :class:`UnsafeSnapshotError` is never swallowed.
+DECODE_ERRORS: tuple[type[BaseException], ...] = (
+    SnapshotCorruptError, RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError,
+    KeyError, IndexError, TypeError, AttributeError, struct.error, zipfile.BadZipFile,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,14 +77,10 @@ class Catalog:
         Only templates whose directory part is literal (``'snap/iter_{.iteration}'``) are
         listable; others yield [].
         """
-        if not self.template.parsable:
+        split = self._split()
+        if split is None:
             return []
-        template = str(self.template.template)
-        sub, _, base = template.rpartition("/")
-        if "{" in sub:
-            logger.warning("filename template %r has fields in its directory part; snapshots "
-                           "cannot be listed for autoload or retention", template)
-            return []
+        sub, base = split
         base_template = FilenameTemplate(base)
         directory = self.storage.join(self.directory, sub) if sub else self.directory
         found = []
@@ -87,6 +93,31 @@ class Catalog:
                                step=int(key[0]) if key else None))
         found.sort(key=lambda e: (e.key, e.name))
         return found
+
+    def _split(self) -> tuple[str, str] | None:
+        """``(sub-directory, base template)`` of a listable template, else None."""
+        if not self.template.parsable:
+            return None
+        template = str(self.template.template)
+        sub, _, base = template.rpartition("/")
+        if "{" in sub:
+            logger.warning("filename template %r has fields in its directory part; snapshots "
+                           "cannot be listed for autoload or retention", template)
+            return None
+        return sub, base
+
+    def remove_stale_temps(self) -> list[str]:
+        """Remove temporary files of crashed writers from the snapshot directory of this
+        template and from its manifest directory (see ``Storage.remove_stale_temps``); return
+        the removed paths."""
+        split = self._split()
+        if split is None:
+            return []
+        sub = split[0]
+        directory = self.storage.join(self.directory, sub) if sub else self.directory
+        removed = self.storage.remove_stale_temps(directory)
+        removed += self.storage.remove_stale_temps(self.storage.join(directory, MANIFEST_DIR))
+        return removed
 
     def manifest(self, entry: Entry) -> Manifest | None:
         """The entry's manifest, or ``None`` when it has none (or it is unreadable)."""
@@ -113,6 +144,8 @@ class Catalog:
         try:
             with self.storage.open_read(entry.path) as f:
                 digest, size = digest_stream(f)
+        except SnapshotStorageError:
+            raise  # the store is unreachable: that says nothing about this snapshot
         except OSError as e:
             raise SnapshotCorruptError(f"{entry.path}: unreadable ({e})") from e
         if size != manifest.size_bytes:
@@ -132,8 +165,8 @@ class Catalog:
 
         Args:
             loader: ``loader(entry) -> state``; a ``SnapshotCorruptError`` or a read/decode error
-                (``RuntimeError``, ``EOFError``, ``OSError``, ``pickle.UnpicklingError`` other
-                than a refused unsafe load) marks the entry invalid.
+                (any of :data:`DECODE_ERRORS` other than a refused unsafe load) marks the entry
+                invalid.
             candidates: entries to consider (default: :meth:`entries`).
 
         Returns:
@@ -143,6 +176,7 @@ class Catalog:
             NoValidSnapshotError: snapshot files exist but none is valid (each reason listed);
                 nothing is deleted.
             UnsafeSnapshotError: the newest valid file needs arbitrary unpickling.
+            SnapshotStorageError: the store could not be reached (not treated as corruption).
         """
         entries = self.entries() if candidates is None else candidates
         if not entries:
@@ -152,10 +186,9 @@ class Catalog:
             try:
                 manifest = self.verify(entry)
                 state = loader(entry)
-            except UnsafeSnapshotError:
-                raise
-            except (SnapshotCorruptError, RuntimeError, EOFError, OSError, ValueError,
-                    pickle.UnpicklingError, KeyError) as e:
+            except (UnsafeSnapshotError, SnapshotStorageError):
+                raise  # refused, or the store is unreachable: never fall back to an older one
+            except DECODE_ERRORS as e:
                 reason = str(e) if isinstance(e, SnapshotCorruptError) \
                     else f"{entry.path}: {type(e).__name__}: {e}"
                 warnings.warn(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",

@@ -7,7 +7,7 @@ and torn writes; it is not a defence against a forger (use object-store signatur
 
 from __future__ import annotations
 
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 import xxhash
 
@@ -63,7 +63,7 @@ class HashingWriter:
         return str(self._hasher.hexdigest())
 
 
-def digest_stream(f: BinaryIO) -> tuple[str, int]:
+def digest_stream(f: IO[bytes]) -> tuple[str, int]:
     """Hash a readable binary stream to its end; return ``(hexdigest, size_bytes)``."""
     hasher = new_hasher()
     size = 0

@@ -89,15 +89,21 @@ def execute(job: SaveJob, obj: Any) -> CommitRecord:
             path=job.path, size_bytes=storage.size(job.path), checksum=None,
             write_s=time.perf_counter() - start, step=job.step,
         )
-    result = storage.write(
-        job.path, lambda f: job.savefun(obj, f, **job.savefun_kwargs), tag=job.tag
-    )
+    mpath = manifest_path(storage, job.path)
+    previous_manifest = _drop_stale_manifest(storage, mpath)
+    try:
+        result = storage.write(
+            job.path, lambda f: job.savefun(obj, f, **job.savefun_kwargs), tag=job.tag
+        )
+    except BaseException:
+        # the previous file of this name is intact: so must be its manifest
+        _restore_manifest(storage, mpath, previous_manifest, job.tag)
+        raise
     manifest = Manifest(
         name=storage.basename(job.path), size_bytes=result.size_bytes, checksum=result.checksum,
         step=job.step, created_unix_s=now_unix_s(), snapkeep_version=job.version,
         run_id=job.run_id, metrics=dict(job.metrics),
     )
-    mpath = manifest_path(storage, job.path)
     storage.makedirs(storage.dirname(mpath))
     storage.write_bytes(mpath, manifest.to_bytes(), tag=job.tag)
     elapsed = time.perf_counter() - start
@@ -107,3 +113,37 @@ def execute(job: SaveJob, obj: Any) -> CommitRecord:
         path=job.path, size_bytes=result.size_bytes, checksum=result.checksum, write_s=elapsed,
         step=job.step,
     )
+
+
+def _drop_stale_manifest(storage: Storage, mpath: str) -> bytes | None:
+    """Remove the manifest of a file about to be overwritten (same name saved again); return
+    its bytes (None when there was none) so that a failed save can put it back.
+
+    Otherwise a crash between the new file's commit and its manifest's would leave the old
+    manifest describing the new file, and a good snapshot would fail verification. Without a
+    manifest the file (old or new, each complete) loads as unverified instead.
+    """
+    try:
+        previous = storage.read_bytes(mpath)
+    except FileNotFoundError:
+        return None
+    try:
+        storage.remove(mpath)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # the save itself can still succeed; only the crash window stays open
+        logger.warning("could not remove the stale manifest %s before overwriting its snapshot: "
+                       "%s", mpath, e)
+        return None
+    return previous
+
+
+def _restore_manifest(storage: Storage, mpath: str, data: bytes | None, tag: str) -> None:
+    """Put back the manifest removed by :func:`_drop_stale_manifest` after a failed save."""
+    if data is None:
+        return
+    try:
+        storage.write_bytes(mpath, data, tag=tag)
+    except Exception as e:  # the save's own error is what the caller must see
+        logger.warning("could not restore the manifest %s after a failed save; its snapshot "
+                       "now loads as unverified: %s", mpath, e)

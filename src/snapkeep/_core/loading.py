@@ -2,16 +2,19 @@
 
 Loading uses ``torch.load(weights_only=True)`` (tensors, containers and primitive types only)
 plus :data:`SAFE_GLOBALS`; arbitrary unpickling, which can run code, happens only when the caller
-passes ``weights_only=False`` by name.
+passes ``weights_only=False`` by name. Files in the safetensors format (detected from their first
+bytes, see :mod:`snapkeep._core.codec`) are decoded by safetensors, which never runs code.
 """
 
 from __future__ import annotations
 
 import pickle
+import re
 from typing import Any
 
 import torch
 
+from snapkeep._core.codec import HEADER_PROBE_BYTES, is_safetensors_header, load_safetensors
 from snapkeep._core.errors import UnsafeSnapshotError
 from snapkeep._core.storage import Storage
 
@@ -19,10 +22,16 @@ from snapkeep._core.storage import Storage
 SAFE_GLOBALS: list[Any] = []
 
 
+def _refusal_reason(error: pickle.UnpicklingError) -> str:
+    """What torch refused, e.g. ``'posix.mkdir'`` (the rest of its message is boilerplate)."""
+    match = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return f"; it calls {match.group(1)}" if match else ""
+
+
 def load_file(
     storage: Storage, path: str, *, map_location: Any = "cpu", weights_only: bool = True,
 ) -> Any:
-    """Load one snapshot file.
+    """Load one snapshot file (``torch.save`` or safetensors format).
 
     Args:
         storage: where it lives.
@@ -31,9 +40,15 @@ def load_file(
         weights_only: ``True`` (default) refuses arbitrary pickled objects.
 
     Raises:
-        UnsafeSnapshotError: the file needs arbitrary unpickling and ``weights_only`` is True.
-        RuntimeError, EOFError, pickle.UnpicklingError: the file is not a readable torch file.
+        UnsafeSnapshotError: the file needs arbitrary unpickling and ``weights_only`` is True;
+            nothing in the file was executed.
+        RuntimeError, EOFError, pickle.UnpicklingError, ValueError: the file is not a readable
+            torch or safetensors file.
     """
+    with storage.open_read(path) as f:
+        head = f.read(HEADER_PROBE_BYTES)
+        if is_safetensors_header(head):
+            return load_safetensors(head + f.read(), map_location=map_location)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             if storage.is_local:
@@ -44,7 +59,7 @@ def load_file(
         if weights_only and "weights only" in str(e).lower():
             raise UnsafeSnapshotError(
                 f"{path} contains objects that only arbitrary unpickling can load, which can run "
-                "code; loading refused. If you trust this file, pass weights_only=False. "
-                f"(torch: {str(e).splitlines()[0]})"
+                f"code{_refusal_reason(e)}; loading refused and nothing in it was executed. If "
+                "you trust this file, pass weights_only=False."
             ) from e
         raise

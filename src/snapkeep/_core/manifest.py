@@ -57,8 +57,8 @@ class Manifest:
         Raises:
             ValueError: not a snapkeep manifest.
         """
-        body: dict[str, Any] = json.loads(data.decode())
-        if body.pop("format", None) != FORMAT:
+        body = json.loads(data.decode())
+        if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
             raise ValueError("not a snapkeep manifest")
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in body.items() if k in fields})

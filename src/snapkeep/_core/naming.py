@@ -69,7 +69,13 @@ class FilenameTemplate:
         else:
             try:
                 name = self.template.format(manager)
-            except (AttributeError, KeyError, IndexError) as e:
+            except IndexError as e:
+                raise ValueError(
+                    f"filename template {self.template!r} has more than one automatically "
+                    f"numbered field ({e}); the manager is the only argument, so name it in "
+                    "each field: 'snapshot_e{0.epoch}_i{0.iteration}'"
+                ) from e
+            except (AttributeError, KeyError) as e:
                 raise ValueError(
                     f"filename template {self.template!r} names a field the manager does not "
                     f"have ({e}); use attributes such as {{.iteration}} or {{.epoch}}"

@@ -165,6 +165,9 @@ class Saver:
         if slot is None:
             return None
         try:
+            # a save that failed while this call waited for its slot surfaces now, not one
+            # call later
+            self.raise_pending_error()
             staged, stats = slot.buffers.stage(tree) if self._stage else (tree, _no_stats())
         except BaseException:
             handle.committed.cancel()
@@ -175,7 +178,7 @@ class Saver:
         return Ticket(slot=slot, handle=handle, job=job, staged=staged)
 
     def save_now(self, job: SaveJob, tree: Any) -> CommitRecord:
-        """Synchronous save: ``submit`` + ``run`` in the caller's thread; raises the save's error."""
+        """Synchronous save: ``submit`` + ``run`` in the caller's thread; raises its error."""
         ticket = self.submit(job, tree)
         if ticket is None:
             raise SnapshotError(f"snapshot {job.path!r} was skipped")
@@ -209,8 +212,13 @@ class Saver:
             logger.error("another background snapshot failure: %s", other)
         raise first
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
         """Wait for pending snapshots, stop the background thread and worker; idempotent.
+
+        Args:
+            timeout_s: bound on the wait (default: the saver's ``timeout_s``).
+            wait: False closes at once, after a wait that already timed out: the worker is
+                stopped and a still-running thread save finishes on its own.
 
         Raises:
             SnapshotSaveError: a background save failed and was not reported yet.
@@ -219,7 +227,8 @@ class Saver:
         if self._closed:
             return
         try:
-            self.wait(timeout_s if timeout_s is not None else self.timeout_s)
+            if wait:
+                self.wait(timeout_s if timeout_s is not None else self.timeout_s)
         finally:
             self._closed = True
             self.runner.close()
@@ -234,6 +243,11 @@ class Saver:
     def pending(self) -> int:
         with self._cond:
             return sum(1 for s in self._slots if s.handle is not None)
+
+    def pending_paths(self) -> list[str]:
+        """Paths of the snapshots staged or being written, oldest slot first."""
+        with self._cond:
+            return [s.handle.path for s in self._slots if s.handle is not None]
 
     # -- internals ------------------------------------------------------------------------------
     def _new_buffers(self) -> BufferSet:
@@ -273,10 +287,11 @@ class Saver:
                             slot.handle = handle
                             return slot
                 if not self._wait_step(deadline, handle.path):
+                    busy = [s.handle.path for s in self._slots if s.handle is not None]
                     raise SnapshotTimeoutError(
                         f"snapshot {handle.path!r} waited {self.timeout_s} s for a slot: "
-                        f"{self.max_pending} earlier snapshot(s) still writing; raise timeout_s, "
-                        "max_pending, or use on_full='skip'"
+                        f"{self.max_pending} earlier snapshot(s) still writing {busy}; raise "
+                        "timeout_s or max_pending, or use on_full='skip'"
                     )
 
     def _wait_step(self, deadline: float | None, what: str) -> bool:
@@ -331,7 +346,7 @@ class Saver:
             elif self.runner.in_process:
                 record = self.runner.run(job, staged, None, None)
             else:
-                arena = slot.buffers.allocator
+                arena: Any = slot.buffers.allocator  # a SharedArena for out-of-process runners
                 skeleton, table = arena.export(staged)
                 record = self.runner.run(job, skeleton, arena.name, table)
         except BaseException as e:
@@ -348,9 +363,11 @@ class Saver:
             self._release(slot, handle)
             return False
         del staged
-        self._release(slot, handle)
+        # outcome and post-commit hooks (retention) first: once every slot is free, wait() and
+        # finalize() may return, and by then everything about the snapshot must be done
         handle.committed.set_result(record)
         self._run_hooks(record)
+        self._release(slot, handle)
         return True
 
     def record_error(self, error: SnapshotSaveError) -> None:

@@ -53,7 +53,9 @@ class SharedArena:
     def total_bytes(self) -> int:
         return self._shm.size if self._shm is not None else 0
 
-    def reserve(self, layout: list[tuple[Any, int, bool]]) -> tuple[list[torch.UntypedStorage], int]:
+    def reserve(
+        self, layout: list[tuple[Any, int, bool]]
+    ) -> tuple[list[torch.UntypedStorage], int]:
         key = [(path, nbytes) for path, nbytes, _ in layout]
         if key == self._layout_key and self._shm is not None:
             return self._views, 0
@@ -127,7 +129,7 @@ def _export(node: Any, by_ptr: dict[int, int]) -> Any:
             index = -1
         return TensorRef(
             storage=index, dtype=node.dtype, size=tuple(node.size()), stride=tuple(node.stride()),
-            offset=node.storage_offset(), requires_grad=node.requires_grad,
+            offset=int(node.storage_offset()), requires_grad=node.requires_grad,
             parameter=isinstance(node, torch.nn.Parameter),
         )
     if isinstance(node, dict):

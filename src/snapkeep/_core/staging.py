@@ -57,8 +57,10 @@ class HeapAllocator:
     def total_bytes(self) -> int:
         return sum(b.nbytes() for b in self._buffers.values())
 
-    def reserve(self, layout: list[tuple[_Path, int, bool]]) -> tuple[list[torch.UntypedStorage], int]:
-        """Buffers for ``layout`` entries ``(path, nbytes, source_is_cuda)``; and bytes allocated."""
+    def reserve(
+        self, layout: list[tuple[_Path, int, bool]]
+    ) -> tuple[list[torch.UntypedStorage], int]:
+        """Buffers for ``layout`` entries ``(path, nbytes, source_is_cuda)``; bytes allocated."""
         out: list[torch.UntypedStorage] = []
         allocated = 0
         wanted = set()

@@ -47,7 +47,8 @@ def find_mismatches(expected: Any, loaded: Any) -> list[str]:
             continue
         parent = path.rpartition("/")[0]
         siblings = exp_parents.get(parent)
-        if isinstance(siblings, dict) and any(isinstance(v, torch.Tensor) for v in siblings.values()):
+        if isinstance(siblings, dict) \
+                and any(isinstance(v, torch.Tensor) for v in siblings.values()):
             problems.append(f"unexpected {path} in the snapshot")
     return problems
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import snapkeep
-from snapkeep._core.errors import SnapshotSaveError
+from snapkeep._core.errors import SnapshotSaveError, SnapshotStorageError
 from snapkeep._core.executors import InlineRunner, Runner, ThreadRunner
 from snapkeep._core.job import CommitRecord, SaveJob, execute
 from snapkeep._core.saver import SaveHandle, Saver, Ticket
@@ -47,8 +47,9 @@ class Writer:
     _default_max_pending = 1
 
     def __init__(
-        self, fs: Any = None, out_dir: str = "", *, storage_options: Mapping[str, Any] | None = None,
-        max_pending: int | None = None, on_full: str = "block", timeout_s: float | None = None,
+        self, fs: Any = None, out_dir: str = "", *,
+        storage_options: Mapping[str, Any] | None = None, max_pending: int | None = None,
+        on_full: str = "block", timeout_s: float | None = None,
     ) -> None:
         if not isinstance(out_dir, str):
             out_dir = str(out_dir)
@@ -66,6 +67,8 @@ class Writer:
         )
         self._saver.add_post_commit_hook(self._post_commit)
         self.last_handle: SaveHandle | None = None
+        if out_dir and not self._saver.runner.in_process:
+            self.storage_for(out_dir)  # fail now for a storage a worker process cannot share
 
     def _make_runner(self) -> Runner:
         return self._runner_class()
@@ -87,9 +90,21 @@ class Writer:
         raise NotImplementedError
 
     def initialize(self, out_dir: str) -> None:
-        """Create the output directory and remove temp files left by crashed writers."""
+        """Create the output directory and remove temp files left by crashed writers.
+
+        Raises:
+            SnapshotStorageError: the output directory cannot be created (the message names
+                ``out_dir``, the path and the OS error).
+        """
         storage, path = self.storage_for(out_dir)
-        storage.makedirs(path)
+        try:
+            storage.makedirs(path)
+        except SnapshotStorageError as e:
+            raise SnapshotStorageError(
+                f"out_dir {storage.url(path)!r} cannot be used for snapshots: {e}. Choose a "
+                "writable directory (a local path or an fsspec URL) for out_dir",
+                errno=e.errno, filename=path, size_bytes=0,
+            ) from e
         storage.remove_stale_temps(path)
         self._initialized = True
 
@@ -154,8 +169,15 @@ class Writer:
         cached = self._storages.get(directory)
         if cached is None:
             cached = resolve_storage(directory, self.fs, self._storage_options)
+            if not self._saver.runner.in_process:  # the storage is pickled to a worker process
+                cached[0].require_process_shareable(cached[1], type(self).__name__)
             self._storages[directory] = cached
         return cached
+
+    @property
+    def initialized(self) -> bool:
+        """Whether :meth:`initialize` has run (it also runs before the first save)."""
+        return self._initialized
 
     @property
     def pending(self) -> int:
@@ -267,6 +289,7 @@ class StandardWriter(Writer):
         self._savefun = savefun
         self._kwds = kwds
         self._workers: list[tuple[Any, Ticket | None]] = []
+        self._runs_ticket: set[int] = set()  # ids of workers that run their ticket themselves
         self._next_ticket: Ticket | None = None
         self._lock = threading.Lock()
 
@@ -275,7 +298,7 @@ class StandardWriter(Writer):
         append: bool = False, **extra: Any,
     ) -> SaveHandle | None:
         self._reap(block=False)
-        if len(self._workers) >= self._saver.max_pending and self._saver.on_full == "block":
+        if self._saver.on_full == "block":
             self._reap(block=True, keep=self._saver.max_pending - 1)
         savefun = self._savefun if savefun is None else savefun
         ticket = self._submit(filename, out_dir, target, savefun, append, self._kwds, extra)
@@ -286,9 +309,19 @@ class StandardWriter(Writer):
             try:
                 worker = self.create_worker(filename, out_dir, ticket.staged, savefun=savefun,
                                             append=append, **self._kwds)
+            except BaseException:
+                self._saver.abandon(ticket, "create_worker failed")
+                raise
             finally:
+                runs_ticket = self._next_ticket is None  # the worker took it (_take_ticket)
                 self._next_ticket = None
-        worker.start()
+        try:
+            worker.start()
+        except BaseException:
+            self._saver.abandon(ticket, "its worker failed to start")
+            raise
+        if runs_ticket:
+            self._runs_ticket.add(id(worker))
         self._workers.append((worker, ticket))
         return ticket.handle
 
@@ -320,13 +353,22 @@ class StandardWriter(Writer):
             self._saver.record_error(error)
 
     def _reap(self, *, block: bool, keep: int = 0) -> None:
-        """Join finished workers (or, with ``block``, the oldest until ``keep`` remain)."""
+        """Join finished workers; with ``block``, also join the oldest workers that do not run
+        their ticket (made by a subclass's ``create_worker``, as ppe) until ``keep`` remain.
+
+        Workers that run their ticket are never joined while running: the saver bounds them
+        (``max_pending``, ``on_full``, ``timeout_s``), so a stalled save cannot hang a call.
+        """
+        others = [w for w, _ in self._workers if id(w) not in self._runs_ticket]
+        to_join = len(others) - keep if block else 0
         remaining = []
-        for i, (worker, ticket) in enumerate(self._workers):
-            must = block and i < len(self._workers) - keep
+        for worker, ticket in self._workers:
+            must = to_join > 0 and id(worker) not in self._runs_ticket
+            to_join -= int(must)
             alive = getattr(worker, "is_alive", None)
             if must or (callable(alive) and not worker.is_alive()):
                 worker.join()
+                self._runs_ticket.discard(id(worker))
                 if ticket is not None and not ticket.handle.committed.done():
                     self._saver.abandon(ticket, "its worker exited without running it")
             else:

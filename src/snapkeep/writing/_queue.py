@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from snapkeep._core.errors import SnapshotSaveError
+from snapkeep._core.errors import SnapshotSaveError, SnapshotTimeoutError
 from snapkeep._core.executors import ProcessRunner, Runner, ThreadRunner
 from snapkeep._core.saver import SaveHandle, Ticket
 from snapkeep.writing._base import SaveFun, SimpleWriter, Writer
@@ -58,6 +59,7 @@ class QueueWriter(Writer):
                          max_pending=max_pending, on_full=on_full, timeout_s=timeout_s)
         self._savefun = savefun
         self._started = False
+        self._queued: list[Ticket] = []  # tickets put on the queue and not yet known to be done
         self._default_task = self.create_task(savefun) if task is None else None
         self._task = self._default_task if task is None else task
         self._queue = self.create_queue()
@@ -73,12 +75,15 @@ class QueueWriter(Writer):
                               extra)
         if ticket is None:
             return None
+        self._queued = [t for t in self._queued if not t.handle.committed.done()]
+        self._queued.append(ticket)
         self._queue.put((self._task, filename, out_dir, ticket.staged, savefun, append, ticket))
         return ticket.handle
 
     def create_task(self, savefun: SaveFun) -> Any:
         """The default task: a :class:`SimpleWriter` with ``savefun`` (as ppe)."""
-        return SimpleWriter(savefun=savefun, fs=self.fs, out_dir=self.out_dir)
+        return SimpleWriter(savefun=savefun, fs=self.fs, out_dir=self.out_dir,
+                            storage_options=self._storage_options)
 
     def create_queue(self) -> Any:
         """The queue between the trainer and the consumer."""
@@ -102,8 +107,7 @@ class QueueWriter(Writer):
                 elif item[0] is self._default_task:
                     self._saver.run(ticket)
                 else:
-                    self._saver.run(ticket, execute=lambda staged, it=item: it[0](
-                        it[1], it[2], staged, savefun=it[4], append=it[5]))
+                    self._saver.run(ticket, execute=_custom_task(item))
             finally:
                 q.task_done()
 
@@ -122,12 +126,50 @@ class QueueWriter(Writer):
             return
         try:
             if self._started:
-                self._queue.put(None)
-                self._queue.join()
-                self._consumer.join()
+                self._queue.put(None)  # the consumer exits after every queued task ran
+                if not self._join_consumer(self._saver.timeout_s):
+                    pending = self._saver.pending_paths()
+                    self._finalized = True
+                    self._saver.close(wait=False)
+                    raise SnapshotTimeoutError(
+                        f"finalize waited {self._saver.timeout_s} s for snapshot(s) {pending} "
+                        "to commit; they are still being written")
                 self._started = False
+            # The consumer has exited: a ticket it never ran (a custom consumer or queue that
+            # dropped it) will never commit; release its slot instead of waiting forever.
+            for ticket in self._queued:
+                if not ticket.handle.committed.done():
+                    self._saver.abandon(ticket, "the queue consumer exited without running it")
+            self._queued = []
         finally:
             super().finalize()
+
+
+    def _join_consumer(self, timeout_s: float | None) -> bool:
+        """Join the consumer within ``timeout_s`` (None: while it runs, logging every
+        ``warn_after_s``); False when it is still running after the bound."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            step = self._saver.warn_after_s
+            if deadline is not None:
+                step = min(step, max(0.0, deadline - time.monotonic()))
+            self._consumer.join(step)
+            alive = getattr(self._consumer, "is_alive", None)
+            if not callable(alive) or not self._consumer.is_alive():
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            logger.warning("finalize still waiting for snapshot(s) %s to commit",
+                           self._saver.pending_paths())
+
+
+def _custom_task(item: Any) -> Any:
+    """``execute`` for a ticket whose queue item carries a user task instead of the default."""
+
+    def run(staged: Any) -> Any:
+        return item[0](item[1], item[2], staged, savefun=item[4], append=item[5])
+
+    return run
 
 
 def _length(item: Any) -> int:

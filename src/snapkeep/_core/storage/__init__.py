@@ -1,16 +1,30 @@
 """Storage: the only place that talks to fsspec or the OS file API.
 
-``resolve_storage(out_dir, fs)`` picks one :class:`Storage` for a local path, an fsspec URL or
-filesystem, or a ppe/pfio-style object. Every backend exposes the same operations; what differs is
-the commit strategy (see :mod:`._commit`).
+``resolve_storage(out_dir, fs, storage_options)`` picks one :class:`Storage` for a local path, an
+fsspec URL or filesystem, or a ppe/pfio-style object. Every backend exposes the same operations;
+what differs is the commit strategy (see :mod:`._commit`): replace+fsync on the local filesystem,
+temp+rename on pfio-style objects, one complete PUT on object stores and ``memory://``.
 """
 
+from snapkeep._core.storage._commit import (
+    CommitStrategy,
+    ObjectPutCommit,
+    RenameCommit,
+    ReplaceCommit,
+    Target,
+    WriteResult,
+)
+from snapkeep._core.storage._pfio import PfioFileSystem
 from snapkeep._core.storage._storage import (
     TEMP_MARKER,
     Storage,
-    WriteResult,
+    commit_strategy_for,
     is_temp_name,
     resolve_storage,
 )
 
-__all__ = ["TEMP_MARKER", "Storage", "WriteResult", "is_temp_name", "resolve_storage"]
+__all__ = [
+    "TEMP_MARKER", "CommitStrategy", "ObjectPutCommit", "PfioFileSystem", "RenameCommit",
+    "ReplaceCommit", "Storage", "Target", "WriteResult", "commit_strategy_for", "is_temp_name",
+    "resolve_storage",
+]

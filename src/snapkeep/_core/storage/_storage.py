@@ -1,23 +1,33 @@
-"""fsspec-backed storage with a per-backend atomic, durable commit."""
+"""fsspec-backed storage: one class for every backend, a commit strategy per backend."""
 
 from __future__ import annotations
 
-import dataclasses
-import errno as errno_mod
+import contextlib
+import io
 import logging
 import os
 import posixpath
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any, BinaryIO
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
-from snapkeep._core.checksum import HashingWriter
 from snapkeep._core.errors import SnapshotStorageError
+from snapkeep._core.storage._commit import (
+    CommitStrategy,
+    ObjectPutCommit,
+    RenameCommit,
+    ReplaceCommit,
+    Target,
+    WriteResult,
+    storage_error,
+)
+from snapkeep._core.storage._pfio import PfioFileSystem
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +37,17 @@ TEMP_MARKER = ".snapkeep-tmp."
 STALE_TEMP_AGE_S = 24 * 3600.0
 _HOST = socket.gethostname().replace(".", "_")
 
+#: Protocols whose files honour ``autocommit=False`` (an upload that becomes visible only when
+#: committed); objects past the spill threshold stream through it.
+DEFERRED_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
+#: Smallest spill threshold: S3's minimum multipart part size.
+MIN_SPILL_BYTES = 5 << 20
+
+#: pip package providing each protocol, where fsspec's own registry does not say it plainly.
 _PROTOCOL_PACKAGES = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "az": "adlfs",
-    "hdfs": "pyarrow", "sftp": "paramiko", "ssh": "paramiko", "http": "aiohttp",
-    "https": "aiohttp",
+    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "abfss": "adlfs",
+    "az": "adlfs", "adl": "adlfs", "hdfs": "pyarrow", "sftp": "paramiko", "ssh": "paramiko",
+    "http": "aiohttp", "https": "aiohttp", "oci": "ocifs", "webdav": "webdav4",
 }
 
 
@@ -39,56 +56,55 @@ def is_temp_name(name: str) -> bool:
     return TEMP_MARKER in name
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class WriteResult:
-    """What a commit wrote.
-
-    Attributes:
-        path: final path of the committed file.
-        size_bytes: bytes written.
-        checksum: XXH3-128 hex digest of those bytes.
-    """
-
-    path: str
-    size_bytes: int
-    checksum: str
-
-
-def _storage_error(exc: BaseException, path: str, size_bytes: int, action: str) -> Exception:
-    code = getattr(exc, "errno", None)
-    reason = os.strerror(code) if isinstance(code, int) else str(exc)
-    hint = ""
-    if code == errno_mod.ENOSPC:
-        hint = "; free space on that filesystem or lower n_retains"
-    elif code in (errno_mod.EACCES, errno_mod.EPERM, errno_mod.EROFS):
-        hint = "; choose a writable out_dir"
-    return SnapshotStorageError(
-        f"{action} {path!r} failed after {size_bytes} bytes: [errno {code}] {reason}{hint}",
-        errno=code if isinstance(code, int) else None, filename=path, size_bytes=size_bytes,
-    )
+def commit_strategy_for(fs: Any) -> CommitStrategy:
+    """The commit strategy for ``fs`` (see :mod:`._commit`)."""
+    if isinstance(fs, LocalFileSystem):
+        return ReplaceCommit()
+    if isinstance(fs, PfioFileSystem):
+        return RenameCommit()
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols & DEFERRED_UPLOAD_PROTOCOLS:
+        block = getattr(fs, "default_block_size", None) or getattr(fs, "blocksize", 0)
+        return ObjectPutCommit(spill_bytes=max(int(block or 0), MIN_SPILL_BYTES))
+    # memory:// (whose pipe_file is one dict assignment) and backends snapkeep does not know:
+    # buffer the complete file and publish it with one pipe_file call.
+    return ObjectPutCommit(spill_bytes=None)
 
 
 class Storage:
-    """One filesystem, local or remote, and how to commit a file on it atomically and durably.
+    """One filesystem (local, memory, an object store, a pfio-style object) and how to commit a
+    file on it atomically; the only place in snapkeep that talks to fsspec.
 
-    Local filesystems commit with temp file -> write -> flush -> ``fsync`` -> ``os.replace`` ->
-    ``fsync`` of the directory. Object stores and other fsspec backends write the object under its
-    final name with ``autocommit=False`` (a multipart upload that only becomes visible when
-    completed) and ``discard()`` it on failure, so no partial object is ever visible.
+    Every operation is the same on every backend; the commit differs per backend through a
+    :class:`~._commit.CommitStrategy`: replace+fsync on the local filesystem, temp+rename on
+    pfio-style objects, one complete PUT on object stores and ``memory://``. Listings and reads
+    always go to the backend (fsspec's listing cache is bypassed), so a snapshot committed by
+    another process or the worker process is seen at once.
 
-    Instances are picklable (they travel to the process writer's worker).
+    Backend errors that are not ``OSError`` (botocore's ``EndpointConnectionError``, ...) are
+    raised as :class:`SnapshotStorageError` naming the URL and endpoint, never credentials.
+
+    Instances are picklable when the filesystem is (they travel to the process writer's worker);
+    see :meth:`require_process_shareable`.
 
     Args:
         fs: an fsspec filesystem.
+        strategy: the commit strategy; default :func:`commit_strategy_for` ``(fs)``.
     """
 
-    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, strategy: CommitStrategy | None = None
+                 ) -> None:
         self.fs = fs
+        self.strategy = commit_strategy_for(fs) if strategy is None else strategy
         self.is_local = isinstance(fs, LocalFileSystem)
+        self._known_dirs: set[str] = set()
 
     def __repr__(self) -> str:
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        return f"Storage({protocol})"
+        return f"Storage({self.protocol}, {type(self.strategy).__name__})"
+
+    @property
+    def protocol(self) -> str:
+        return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
     # -- paths ---------------------------------------------------------------------------------
     def join(self, *parts: str) -> str:
@@ -103,25 +119,93 @@ class Storage:
     def basename(self, path: str) -> str:
         return os.path.basename(path) if self.is_local else posixpath.basename(path)
 
-    # -- plain operations ------------------------------------------------------------------------
-    def makedirs(self, path: str) -> None:
-        """Create ``path`` and its parents (a no-op on object stores without directories).
+    def url(self, path: str) -> str:
+        """``path`` as a user would write it (``s3://bucket/key``; local paths unchanged)."""
+        return path if self.is_local else str(self.fs.unstrip_protocol(path))
+
+    @property
+    def endpoint(self) -> str | None:
+        """The configured service endpoint, if any (for messages; never credentials)."""
+        for source in (self.fs.__dict__, getattr(self.fs, "storage_options", {}) or {}):
+            for key in ("endpoint_url", "endpoint"):
+                value = source.get(key)
+                if isinstance(value, str) and value:
+                    return value
+        client_kwargs = (getattr(self.fs, "storage_options", {}) or {}).get("client_kwargs")
+        if isinstance(client_kwargs, dict) and isinstance(client_kwargs.get("endpoint_url"), str):
+            return str(client_kwargs["endpoint_url"])
+        return None
+
+    def require_process_shareable(self, path: str, who: str) -> None:
+        """Check that a worker process can write here through a pickled copy of this storage.
 
         Raises:
-            SnapshotStorageError: the directory cannot be created (errno and path named).
+            ValueError: the filesystem lives in this process's memory (``memory://``): a worker
+                would write into its own copy, invisible here.
+            TypeError: the filesystem cannot be pickled to a worker.
         """
-        if not path:
+        if isinstance(self.fs, MemoryFileSystem):
+            raise ValueError(
+                f"out_dir {self.url(path)!r} is a memory:// filesystem, which lives inside one "
+                f"process and cannot be shared with {who}'s worker process (it would write into "
+                "its own copy, invisible here); use ThreadWriter or ThreadQueueWriter with "
+                "memory://, or a local or object-store out_dir")
+        import pickle
+
+        try:
+            pickle.dumps(self)
+        except Exception as e:
+            raise TypeError(
+                f"the filesystem of {self.url(path)!r} ({type(self.fs).__name__}) cannot be "
+                f"pickled to {who}'s worker process ({type(e).__name__}: {e}); use a "
+                "thread-based writer") from e
+
+    @contextlib.contextmanager
+    def _backend_errors(self, action: str, path: str) -> Iterator[None]:
+        """Raise non-``OSError`` backend faults as :class:`SnapshotStorageError` naming the URL."""
+        try:
+            yield
+        except OSError:
+            raise
+        except Exception as e:
+            if type(e).__module__.split(".")[0] in ("builtins", "snapkeep"):
+                raise
+            raise storage_error(e, self.url(path), None, action, self.endpoint) from e
+
+    # -- plain operations ------------------------------------------------------------------------
+    def makedirs(self, path: str) -> None:
+        """Create ``path`` and its parents (object stores: checks the bucket once per path).
+
+        Raises:
+            SnapshotStorageError: the directory cannot be created or the store is unreachable
+                (errno, URL and endpoint named).
+        """
+        if not path or (not self.strategy.real_directories and path in self._known_dirs):
             return
         try:
-            self.fs.makedirs(path, exist_ok=True)
+            with self._backend_errors("creating directory", path):
+                self.fs.makedirs(path, exist_ok=True)
+        except SnapshotStorageError:
+            raise
         except OSError as e:
-            raise _storage_error(e, path, 0, "creating directory") from e
+            raise storage_error(e, self.url(path), None, "creating directory",
+                                self.endpoint) from e
+        self._known_dirs.add(path)
+
+    def _fresh_ls(self, directory: str) -> list[dict[str, Any]]:
+        self.fs.invalidate_cache(directory)
+        with self._backend_errors("listing", directory):
+            entries = self.fs.ls(directory or ".", detail=True, refresh=True)
+        return list(entries)
 
     def list_names(self, directory: str) -> list[str]:
-        """Basenames of the files directly in ``directory``, temp files excluded; [] if missing."""
+        """Basenames of the files directly in ``directory``, temp files excluded; [] if missing.
+
+        The listing always comes from the backend, never from fsspec's listing cache; uploads
+        in progress (uncompleted multipart uploads, temp files) are never listed.
+        """
         try:
-            entries = self.fs.ls(directory or ".", detail=True, refresh=True) if not self.is_local \
-                else self.fs.ls(directory or ".", detail=True)
+            entries = self._fresh_ls(directory)
         except FileNotFoundError:
             return []
         names = []
@@ -134,20 +218,33 @@ class Storage:
         return sorted(names)
 
     def open_read(self, path: str) -> IO[bytes]:
-        return self.fs.open(path, "rb")  # type: ignore[no-any-return]
+        """A readable, seekable binary file. Remote files are fetched whole (one GET), so a
+        connection fault surfaces here as :class:`SnapshotStorageError`, not later mid-read."""
+        if self.is_local:
+            return self.fs.open(path, "rb")  # type: ignore[no-any-return]
+        return io.BytesIO(self.read_bytes(path))
 
     def read_bytes(self, path: str) -> bytes:
-        return bytes(self.fs.cat_file(path))
+        self.fs.invalidate_cache(path)
+        with self._backend_errors("reading", path):
+            return bytes(self.fs.cat_file(path))
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(path))
+        self.fs.invalidate_cache(path)
+        with self._backend_errors("checking", path):
+            return bool(self.fs.exists(path))
 
     def size(self, path: str) -> int:
-        return int(self.fs.size(path))
+        self.fs.invalidate_cache(path)
+        with self._backend_errors("checking the size of", path):
+            return int(self.fs.size(path))
 
     def remove(self, path: str) -> None:
-        """Delete one file. Raises ``FileNotFoundError`` when it is already gone."""
-        self.fs.rm_file(path)
+        """Delete one file. Raises ``FileNotFoundError`` when it is already gone (where the
+        backend can tell)."""
+        with self._backend_errors("deleting", path):
+            self.fs.rm_file(path)
+        self.fs.invalidate_cache(path)
 
     # -- commit ----------------------------------------------------------------------------------
     def temp_name_for(self, path: str, tag: str) -> str:
@@ -157,7 +254,9 @@ class Storage:
             f".{base}{TEMP_MARKER}{tag}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}",
         )
 
-    def write(self, path: str, write_fn: Callable[[BinaryIO], None], *, tag: str = "w") -> WriteResult:
+    def write(
+        self, path: str, write_fn: Callable[[BinaryIO], None], *, tag: str = "w",
+    ) -> WriteResult:
         """Write a file through ``write_fn(file)`` and commit it atomically and durably.
 
         ``write_fn`` receives a write-only binary file object; it must not seek. A reader never
@@ -167,73 +266,31 @@ class Storage:
         Args:
             path: final path.
             write_fn: writes the content (e.g. ``lambda f: torch.save(obj, f)``).
-            tag: short string unique to the writer, put in the temporary name.
+            tag: short string unique to the writer, put in temporary names.
 
         Returns:
             The committed :class:`WriteResult`.
 
         Raises:
-            SnapshotStorageError: an OS/storage error (names the file, bytes written, errno); the
-                temporary file is removed and the previous file under ``path`` is intact.
+            SnapshotStorageError: a storage fault (names the URL, bytes written, errno or the
+                backend's error); nothing is left under ``path`` or a temporary name, and the
+                previous file under ``path`` is intact.
             Exception: whatever ``write_fn`` raised, after the same clean-up.
         """
-        if self.is_local:
-            return self._write_local(path, write_fn, tag)
-        return self._write_object(path, write_fn)
+        target = Target(path=path, temp_path=self.temp_name_for(path, tag), url=self.url(path),
+                        endpoint=self.endpoint)
+        try:
+            return self.strategy.write(self.fs, target, write_fn)
+        finally:
+            self.fs.invalidate_cache(path)
 
     def write_bytes(self, path: str, data: bytes, *, tag: str = "w") -> WriteResult:
         """:meth:`write` for a small in-memory payload (manifests)."""
         return self.write(path, lambda f: f.write(data), tag=tag)  # type: ignore[arg-type,return-value]
 
-    def _write_local(self, path: str, write_fn: Callable[[BinaryIO], None], tag: str) -> WriteResult:
-        directory = self.dirname(path) or "."
-        tmp = self.temp_name_for(path, tag)
-        hashing: HashingWriter | None = None
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except OSError as e:
-            raise _storage_error(e, path, 0, "creating a temporary file for") from e
-        try:
-            with os.fdopen(fd, "wb", buffering=1 << 20) as raw:
-                hashing = HashingWriter(raw)
-                write_fn(hashing)  # type: ignore[arg-type]
-                raw.flush()
-                os.fsync(raw.fileno())
-            os.replace(tmp, path)
-        except BaseException as e:
-            _unlink_quietly(tmp)
-            if isinstance(e, OSError) and not isinstance(e, SnapshotStorageError):
-                written = hashing.size_bytes if hashing is not None else 0
-                raise _storage_error(e, path, written, "writing snapshot") from e
-            raise
-        _fsync_directory(directory)
-        return WriteResult(path=path, size_bytes=hashing.size_bytes, checksum=hashing.hexdigest())
-
-    def _write_object(self, path: str, write_fn: Callable[[BinaryIO], None]) -> WriteResult:
-        hashing: HashingWriter | None = None
-        try:
-            f = self.fs.open(path, "wb", autocommit=False)
-        except OSError as e:
-            raise _storage_error(e, path, 0, "opening for upload") from e
-        try:
-            hashing = HashingWriter(f)
-            write_fn(hashing)  # type: ignore[arg-type]
-            f.close()
-            f.commit()
-        except BaseException as e:
-            try:
-                f.discard()
-            except Exception:  # the original error matters more than a failed abort
-                logger.warning("discarding the partial upload of %s failed", path, exc_info=True)
-            if isinstance(e, OSError) and not isinstance(e, SnapshotStorageError):
-                written = hashing.size_bytes if hashing is not None else 0
-                raise _storage_error(e, path, written, "uploading snapshot") from e
-            raise
-        return WriteResult(path=path, size_bytes=hashing.size_bytes, checksum=hashing.hexdigest())
-
     def append(self, path: str, write_fn: Callable[[BinaryIO], None]) -> None:
         """Append through ``write_fn`` without atomicity (ppe's ``append=True``), then fsync."""
-        with self.fs.open(path, "ab") as f:
+        with self._backend_errors("appending to", path), self.fs.open(path, "ab") as f:
             write_fn(f)
             f.flush()
             if self.is_local:
@@ -247,7 +304,7 @@ class Storage:
         """
         removed: list[str] = []
         try:
-            entries = self.fs.ls(directory or ".", detail=True)
+            entries = self._fresh_ls(directory)
         except FileNotFoundError:
             return removed
         for entry in entries:
@@ -274,7 +331,9 @@ def _temp_is_abandoned(name: str, entry: dict[str, Any]) -> bool:
         host, pid_text = fields[-3], fields[-2]
         if host == _HOST and pid_text.isdigit():
             return not _pid_alive(int(pid_text))
-    mtime = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
+    mtime: Any = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
+    if callable(getattr(mtime, "timestamp", None)):
+        mtime = mtime.timestamp()
     if isinstance(mtime, (int, float)):
         return time.time() - float(mtime) > STALE_TEMP_AGE_S
     return False
@@ -292,27 +351,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        logger.warning("could not remove temporary file %s: %s", path, e)
+def _install_hint(protocol: str) -> str:
+    package = _PROTOCOL_PACKAGES.get(protocol)
+    if package is None:
+        from fsspec.registry import known_implementations
 
-
-def _fsync_directory(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError as e:
-        logger.warning("cannot open directory %s to fsync it: %s", directory, e)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems (e.g. certain network mounts) refuse a dir fsync
-        logger.debug("fsync of directory %s not supported: %s", directory, e)
-    finally:
-        os.close(fd)
+        known = known_implementations.get(protocol)
+        if known is not None:
+            module = str(known.get("class", "")).split(".")[0]
+            if module and module != "fsspec":
+                package = module
+            elif known.get("err"):
+                return str(known["err"])
+    if package is None:
+        return ("no installed package provides it; see fsspec's list of known implementations, "
+                "or pass fs= an fsspec filesystem")
+    extra = " (or snapkeep[s3])" if package == "s3fs" else ""
+    return f"pip install {package}{extra}"
 
 
 def resolve_storage(
@@ -321,32 +376,42 @@ def resolve_storage(
     """Turn ``out_dir`` (+ optional ``fs``) into ``(Storage, path on that storage)``.
 
     Args:
-        out_dir: a local path, or an fsspec URL such as ``'s3://bucket/run'`` or ``'memory://x'``.
-        fs: an fsspec filesystem, or a ppe/pfio-style object (``open``, ``list``, ``exists``,
-            ``makedirs``, ``rename``, ``remove``) as accepted by ppe writers; None picks by URL.
-        storage_options: keyword arguments for the fsspec filesystem (endpoint, credentials).
+        out_dir: a local path, or an fsspec URL such as ``'s3://bucket/run'``, ``'memory://x'``
+            or ``'file:///abs/dir'``.
+        fs: an fsspec filesystem, or a ppe/pfio-style object (``open``, ``list``, ``stat``,
+            ``exists``, ``makedirs``, ``rename``, ``remove``) as accepted by ppe writers; None
+            picks by URL.
+        storage_options: keyword arguments for the fsspec filesystem chosen by URL (endpoint,
+            credentials); they are never logged or put in messages.
 
     Raises:
-        ValueError: the URL's protocol is unknown; the message names the package to install.
+        ValueError: the URL's protocol is unknown or its package is missing (the message names
+            the package to install), or ``storage_options`` is given together with ``fs``.
+        TypeError: ``fs`` is neither an fsspec filesystem nor a pfio-style object.
     """
+    out_dir = os.fspath(out_dir)
     if fs is not None:
+        if storage_options:
+            raise ValueError(
+                "storage_options only apply when snapkeep creates the filesystem from out_dir; "
+                "with fs= given, configure that filesystem instead")
         if isinstance(fs, fsspec.AbstractFileSystem):
             return Storage(fs), fs._strip_protocol(out_dir) if "://" in out_dir else out_dir
-        from snapkeep._core.storage._pfio import PfioFileSystem
-
-        return Storage(PfioFileSystem(fs)), out_dir
+        return Storage(PfioFileSystem(fs)), out_dir  # TypeError names missing methods
     if "://" not in out_dir:
         return Storage(fsspec.filesystem("file")), out_dir
     protocol = out_dir.split("://", 1)[0]
     try:
         filesystem, path = fsspec.core.url_to_fs(out_dir, **(storage_options or {}))
-    except (ImportError, ValueError) as e:
-        package = _PROTOCOL_PACKAGES.get(protocol)
-        install = f"pip install {package}" if package else "install the fsspec backend for it"
+    except ImportError as e:
         raise ValueError(
-            f"out_dir {out_dir!r} uses protocol {protocol!r}, which fsspec cannot open here "
-            f"({e}); {install}"
-        ) from e
-    if isinstance(filesystem, LocalFileSystem):
-        return Storage(filesystem), path
+            f"out_dir {out_dir!r} needs the fsspec backend for protocol {protocol!r}, which is "
+            f"not installed ({e}): {_install_hint(protocol)}") from e
+    except ValueError as e:
+        if "protocol" not in str(e).lower():
+            raise
+        raise ValueError(
+            f"out_dir {out_dir!r} uses protocol {protocol!r}, which fsspec does not know "
+            f"({e}); {_install_hint(protocol)}. Use a local path or a URL such as "
+            "'s3://bucket/run', 'gs://bucket/run', 'memory://run' or 'file:///abs/dir'") from e
     return Storage(filesystem), path

@@ -10,6 +10,15 @@ Differences from ppe that users rely on:
   arbitrary unpickling.
 - ``n_retains`` (and ``retention=``) run after each commit, on the saver rank only, and never
   delete the newest snapshot.
+
+Run lineage (guards against pointing a new experiment at an old output directory): each
+extension instance has a ``run_id`` that is recorded in every snapshot's manifest. ``autoload``
+adopts the run id of the snapshot it resumes from (for a manifest-less snapshot, that of the
+newest older snapshot with a manifest, and the manifest-less files join the lineage), so a
+resumed run keeps one id across restarts. Retention only ever deletes snapshots of the current
+lineage; snapshots of any other run (or manifest-less ones, unless resumed from) are kept. With
+``autoload=False`` and snapshots of the template already in the directory, ``initialize`` warns
+once that this run starts fresh beside them.
 """
 
 from __future__ import annotations
@@ -18,7 +27,9 @@ import enum
 import logging
 import math
 import types
-from collections.abc import Callable, Mapping
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -28,8 +39,10 @@ from snapkeep._core.catalog import Catalog, Entry
 from snapkeep._core.errors import SnapshotError, StateMismatchError
 from snapkeep._core.job import CommitRecord
 from snapkeep._core.loading import load_file
+from snapkeep._core.manifest import manifest_path
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep._core.storage import resolve_storage
 from snapkeep._core.structure import describe, find_mismatches
 from snapkeep.training import extension
 from snapkeep.writing import Writer as _SnapkeepWriter
@@ -49,6 +62,48 @@ class SnapshotMode(enum.Enum):
 
 def _always_true() -> bool:
     return True
+
+
+# -- ppe's module-level helpers, ordered by the step parsed from the name (never by mtime) --------
+def _catalog_for(fmt: str, path: str, fs: Any) -> Catalog:
+    storage, directory = resolve_storage(path, fs)
+    return Catalog(storage, directory, fmt)
+
+
+def _find_snapshot_files(fmt: str, path: str, fs: Any = None) -> list[tuple[tuple[float, ...], str]]:
+    """Snapshot files of template ``fmt`` directly under ``path``, as ppe's helper of that name.
+
+    Names are matched against the whole template (not only its prefix and suffix); temporary
+    files, manifests and other files are never listed. Unlike ppe, the first element of each
+    pair is the sort key parsed from the name (iteration, then epoch, then other fields), not
+    the mtime, and the list is ordered by it (oldest first).
+
+    Args:
+        fmt: a filename template such as ``'snapshot_iter_{.iteration}'``.
+        path: directory (local path or fsspec URL).
+        fs: filesystem as accepted by the writers' ``fs`` (None: picked from ``path``).
+    """
+    return [(entry.key, entry.name) for entry in _catalog_for(fmt, path, fs).entries()]
+
+
+def _find_latest_snapshot(fmt: str, path: str, fs: Any = None) -> str | None:
+    """Name of the snapshot with the highest step in ``path`` (None when there is none), as
+    ppe's helper of that name but by step instead of mtime. The file is not verified here;
+    ``autoload`` verifies and falls back to older snapshots."""
+    files = _find_snapshot_files(fmt, path, fs)
+    return files[-1][1] if files else None
+
+
+def _find_stale_snapshots(
+    fmt: str, path: str, n_retains: int, fs: Any = None
+) -> Iterator[str]:
+    """Names of the snapshots beyond the newest ``n_retains`` by step, oldest first (as ppe's
+    helper of that name, which used mtime). Yields nothing when ``n_retains`` <= 0."""
+    files = _find_snapshot_files(fmt, path, fs)
+    if n_retains <= 0:
+        return
+    for _, name in files[: max(len(files) - n_retains, 0)]:
+        yield name
 
 
 def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: Any) -> _Snapshot:
@@ -138,7 +193,8 @@ def _check_target(target: Any) -> None:
         return
     objects = target.items() if type(target) is dict else [("target", target)]
     for key, obj in objects:
-        missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(obj, m, None))]
+        missing = [m for m in ("state_dict", "load_state_dict")
+                   if not callable(getattr(obj, m, None))]
         if missing:
             where = "target" if type(target) is not dict else f"target[{key!r}]"
             raise TypeError(
@@ -171,9 +227,11 @@ class _Snapshot(extension.Extension):
                 f"n_retains must be an int (> 0 keeps that many snapshots, <= 0 keeps all), "
                 f"got {type(n_retains).__name__} {n_retains!r}")
         if retention is not None and not callable(getattr(retention, "select", None)):
-            raise TypeError(f"retention must be a policy from snapkeep.retention, got {retention!r}")
+            raise TypeError(
+                f"retention must be a policy from snapkeep.retention, got {retention!r}")
         if on_save_error not in ON_SAVE_ERROR:
-            raise ValueError(f"on_save_error must be one of {ON_SAVE_ERROR}, got {on_save_error!r}")
+            raise ValueError(
+                f"on_save_error must be one of {ON_SAVE_ERROR}, got {on_save_error!r}")
         if writer is not None and not callable(writer):
             raise TypeError(f"writer must be a callable writer object, got {writer!r}")
         if savefun is not None and not callable(savefun):
@@ -200,6 +258,13 @@ class _Snapshot(extension.Extension):
             self._retention = AnyOf(*policies)
         self._retention_registered = False
         self.loaded_entry: Entry | None = None
+        self._run_id = uuid.uuid4().hex[:16]
+        self._lineage: frozenset[str | None] = frozenset({self._run_id})
+
+    @property
+    def run_id(self) -> str:
+        """Run lineage id written into each snapshot's manifest (adopted on autoload)."""
+        return self._run_id
 
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self, manager: Any) -> str | None:  # type: ignore[override]
@@ -210,13 +275,38 @@ class _Snapshot(extension.Extension):
             NoValidSnapshotError: snapshot files exist but none verifies.
             StateMismatchError: the chosen snapshot does not fit the target (first 10 listed).
             UnsafeSnapshotError: the snapshot needs ``weights_only=False``.
+            ValueError: the filename template names an attribute the manager does not have.
+            SnapshotStorageError: the writer's output directory cannot be created.
         """
         self.writer = manager.writer if self.writer is None else self.writer
+        self._check_template(manager)
+        if self._is_saver():
+            writer = self.writer
+            if isinstance(writer, _SnapkeepWriter) and not writer.initialized:
+                writer.initialize(manager.out)  # an unusable out_dir fails now, naming it
+            self._remove_stale_temps(manager)
         loaded = None
         if self.autoload:
             loaded = self._autoload(manager)
+        elif self._is_saver():
+            self._warn_about_existing(manager)
         self._register_retention(manager)
         return loaded
+
+    def _check_template(self, manager: Any) -> None:
+        """Fail before training when a string template names an attribute the manager lacks
+        (instead of at the first snapshot). Fields that cannot be evaluated yet (observation
+        keys, ``elapsed_time`` before the first iteration) are checked at each snapshot."""
+        if not self._template.parsable:
+            return
+        try:
+            self._template.format(manager)
+        except ValueError as e:
+            if isinstance(e.__cause__, (AttributeError, IndexError)):
+                raise
+        except Exception as e:  # not evaluable yet; format() checks again at each snapshot
+            logger.debug("filename template %r not checked before training: %s",
+                         self.filename, e)
 
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
         super().on_error(manager, exc, tb)
@@ -231,9 +321,17 @@ class _Snapshot(extension.Extension):
             self._make_snapshot(manager)
 
     def finalize(self, manager: Any) -> None:
+        """Finalize the writer (waits for pending snapshots). A background save failure raised
+        there is logged instead when ``on_save_error='log'``."""
         writer = self.writer
-        if writer is not None:
+        if writer is None:
+            return
+        try:
             writer.finalize()
+        except (SnapshotError, OSError) as e:
+            if self._on_save_error == "raise":
+                raise
+            logger.error("a snapshot failed before finalize and on_save_error='log': %s", e)
 
     # -- saving --------------------------------------------------------------------------------
     def _is_saver(self) -> bool:
@@ -255,7 +353,8 @@ class _Snapshot(extension.Extension):
         filename = self._template.format(manager)
         extra: dict[str, Any] = {}
         if isinstance(writer, _SnapkeepWriter):
-            extra = {"step": int(manager.iteration), "metrics": _metrics(manager)}
+            extra = {"step": int(manager.iteration), "metrics": _metrics(manager),
+                     "run_id": self._run_id}
         try:
             writer(filename, manager.out, state, savefun=self._savefun, **extra)
         except (SnapshotError, OSError) as e:
@@ -265,15 +364,17 @@ class _Snapshot(extension.Extension):
                          filename, manager.iteration, e)
 
     # -- autoload ------------------------------------------------------------------------------
-    def _catalog(self, manager: Any) -> Catalog | None:
+    def _catalog(self, manager: Any, *, quiet: bool = False) -> Catalog | None:
         writer = self.writer
         if not isinstance(writer, _SnapkeepWriter):
-            logger.warning("autoload/retention need a snapkeep writer; got %s",
-                           type(writer).__name__)
+            if not quiet:
+                logger.warning("autoload/retention need a snapkeep writer; got %s",
+                               type(writer).__name__)
             return None
         if not self._template.parsable:
-            logger.warning("autoload/retention need a string filename template; %r is callable",
-                           self.filename)
+            if not quiet:
+                logger.warning("autoload/retention need a string filename template; %r is "
+                               "callable", self.filename)
             return None
         storage, directory = writer.storage_for(manager.out)
         return Catalog(storage, directory, self._template)
@@ -301,8 +402,49 @@ class _Snapshot(extension.Extension):
         entry, state = found
         self._apply(target, state, entry)
         self.loaded_entry = entry
-        logger.info("resumed from snapshot %s (step %s)", entry.path, entry.step)
+        self._adopt_lineage(catalog, candidates, entry)
+        logger.info("resumed from snapshot %s (step %s, run id %s)", entry.path, entry.step,
+                    self._run_id)
         return entry.name
+
+    def _adopt_lineage(self, catalog: Catalog, candidates: list[Entry], loaded: Entry) -> None:
+        """Continue the run lineage of the snapshot just loaded (see the module docstring)."""
+        older = [e for e in candidates if e.key <= loaded.key]
+        lineage: set[str | None] = set()
+        for entry in reversed(older):
+            manifest = catalog.manifest(entry)
+            run_id = manifest.run_id if manifest is not None else None
+            if run_id is None:
+                lineage.add(None)  # a manifest-less (ppe) snapshot we resumed through
+                continue
+            self._run_id = run_id
+            break
+        lineage.add(self._run_id)
+        self._lineage = frozenset(lineage)
+
+    def _remove_stale_temps(self, manager: Any) -> None:
+        """The writer cleans its own directory; a template's sub-directory and the manifest
+        directory are only known here."""
+        catalog = self._catalog(manager, quiet=True)
+        if catalog is not None:
+            catalog.remove_stale_temps()
+
+    def _warn_about_existing(self, manager: Any) -> None:
+        """``autoload=False`` beside existing snapshots of the template: say so, once."""
+        catalog = self._catalog(manager, quiet=True)
+        entries = catalog.entries() if catalog is not None else []
+        if not entries or catalog is None:
+            return
+        run_ids = sorted({str(m.run_id) if (m := catalog.manifest(e)) else "unknown"
+                          for e in entries})
+        message = (
+            f"{catalog.directory!r} already holds {len(entries)} snapshot(s) of "
+            f"{self._template.template!r} (steps {entries[0].step}..{entries[-1].step}, run ids "
+            f"{', '.join(run_ids[:5])}) and autoload=False: this run (run id {self._run_id}) "
+            "starts fresh. Retention will not delete them, but a snapshot of this run with the "
+            "same name replaces the old file; use another out_dir or autoload=True to resume.")
+        warnings.warn(message, UserWarning, stacklevel=3)
+        logger.warning("%s", message)
 
     def _apply(self, target: Any, state: Any, entry: Entry) -> None:
         if type(target) is dict:
@@ -319,9 +461,12 @@ class _Snapshot(extension.Extension):
             pairs = [(target, state, "")]
         problems: list[str] = []
         for obj, sub, where in pairs:
-            if _is_plain_state_holder(obj):
-                problems += [f"{where}{p}" if where else p
-                             for p in find_mismatches(obj.state_dict(), sub)]
+            for module, module_state, prefix in _modules_to_check(obj, sub, where):
+                if module is None:
+                    problems.append(f"missing {prefix}")
+                    continue
+                problems += [f"{prefix}/{p}" if prefix else p
+                             for p in find_mismatches(module.state_dict(), module_state)]
         if problems:
             raise StateMismatchError(
                 f"snapshot {entry.path} (step {entry.step}) does not match the target: "
@@ -342,15 +487,31 @@ class _Snapshot(extension.Extension):
         self._retention_registered = True
 
         def retain(record: CommitRecord) -> None:
-            _apply_retention(catalog, policy, record)
+            _apply_retention(catalog, policy, record, self._lineage)
 
         writer.add_post_commit_hook(retain)
 
 
-def _is_plain_state_holder(obj: Any) -> bool:
-    """Targets whose state_dict layout must match exactly (modules). Optimizers and managers
-    have lazily created state and validate themselves."""
-    return isinstance(obj, torch.nn.Module)
+def _modules_to_check(
+    obj: Any, state: Any, where: str,
+) -> list[tuple[torch.nn.Module | None, Any, str]]:
+    """``(module, its saved state, where)`` for the modules in ``obj`` whose state_dict layout
+    must match exactly: ``obj`` itself when it is a module, or each of a manager's ``models``
+    (from the snapshot's ``'models'`` section). Optimizers have lazily created state and
+    validate themselves. ``module`` is None when the snapshot has no entry for it."""
+    if isinstance(obj, torch.nn.Module):
+        return [(obj, state, where)]
+    saved = state.get("models") if isinstance(state, Mapping) else None
+    models = getattr(obj, "models", None) if isinstance(saved, Mapping) else None
+    if not isinstance(saved, Mapping) or not isinstance(models, Mapping):
+        return []
+    out: list[tuple[torch.nn.Module | None, Any, str]] = []
+    for name, model in models.items():
+        prefix = f"{where}models[{name!r}]"
+        if not isinstance(model, torch.nn.Module):
+            continue
+        out.append((model, saved[name], prefix) if name in saved else (None, None, prefix))
+    return out
 
 
 def _metrics(manager: Any) -> dict[str, float]:
@@ -365,21 +526,32 @@ def _metrics(manager: Any) -> dict[str, float]:
     return out
 
 
-def _apply_retention(catalog: Catalog, policy: RetentionPolicy, record: CommitRecord) -> None:
-    """Delete what ``policy`` does not keep; never the newest or the just-committed one."""
-    entries = catalog.entries()
+def _apply_retention(
+    catalog: Catalog, policy: RetentionPolicy, record: CommitRecord,
+    lineage: frozenset[str | None],
+) -> None:
+    """Delete what ``policy`` does not keep among the snapshots of the run ``lineage`` (run ids
+    from the manifests; None = manifest-less); never the newest or the just-committed one, and
+    never a snapshot of another run."""
+    entries = []
     infos = []
-    for entry in entries:
+    foreign = 0
+    for entry in catalog.entries():
         manifest = catalog.manifest(entry)
+        if (manifest.run_id if manifest is not None else None) not in lineage:
+            foreign += 1
+            continue
+        entries.append(entry)
         metrics = dict(manifest.metrics) if manifest is not None else {}
         infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
                                   metrics=metrics))
+    if foreign:
+        logger.debug("retention after %s leaves %d snapshot(s) of other runs alone", record.path,
+                     foreign)
     by_name = {e.name: e for e in entries}
     protect = [e.name for e in entries if e.path == record.path]
     for name in plan_deletions(policy, infos, protect=protect):
         entry = by_name[name]
-        from snapkeep._core.manifest import manifest_path
-
         for path in (entry.path, manifest_path(catalog.storage, entry.path)):
             try:
                 catalog.storage.remove(path)

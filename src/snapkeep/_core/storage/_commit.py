@@ -1,0 +1,387 @@
+"""Commit strategies: how one file becomes visible under its final name, all at once.
+
+A :class:`CommitStrategy` is chosen per filesystem by :class:`~._storage.Storage`:
+
+- :class:`ReplaceCommit` -- the local filesystem: temp file in the same directory -> write ->
+  flush -> ``fsync`` -> ``os.replace`` -> ``fsync`` of the directory.
+- :class:`RenameCommit` -- filesystems whose only atomic primitive is a rename (ppe/pfio-style
+  objects): temp name -> write -> flush (-> ``fsync`` when the file has a descriptor) -> rename.
+- :class:`ObjectPutCommit` -- object stores and in-memory filesystems: the complete object is
+  uploaded under its final name in one PUT; an object larger than the spill threshold streams
+  through an upload that only becomes visible when completed (``autocommit=False`` then
+  ``commit()``; ``discard()`` aborts it). Never a temp object plus a copy.
+
+Every strategy leaves nothing visible under the final name when it fails, and a previous file of
+that name intact. Errors raised by the backend itself (including those ``torch.save`` hides behind
+an opaque ``RuntimeError``) surface as :class:`SnapshotStorageError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno as errno_mod
+import io
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, BinaryIO, NoReturn, Protocol
+
+from snapkeep._core.checksum import HashingWriter
+from snapkeep._core.errors import SnapshotStorageError
+
+logger = logging.getLogger(__name__)
+
+WriteFn = Callable[[BinaryIO], None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WriteResult:
+    """What a commit wrote.
+
+    Attributes:
+        path: final path of the committed file.
+        size_bytes: bytes written.
+        checksum: XXH3-128 hex digest of those bytes.
+    """
+
+    path: str
+    size_bytes: int
+    checksum: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Target:
+    """Where one commit goes.
+
+    Attributes:
+        path: final path on the filesystem.
+        temp_path: a reserved temporary name next to it (used by rename-based strategies).
+        url: ``path`` as the user would write it (``s3://b/k``), for messages.
+        endpoint: the service endpoint when one is configured, for messages (never credentials).
+    """
+
+    path: str
+    temp_path: str
+    url: str
+    endpoint: str | None = None
+
+
+class CommitStrategy(Protocol):
+    """Writes one file and publishes it atomically under ``target.path``.
+
+    ``write`` is called once per file, from whichever thread or process runs the save (the
+    trainer, a writer thread, or the worker process: strategies must be picklable and keep no
+    per-call state on ``self``). ``write_fn(file)`` produces the bytes; the file it receives is
+    write-only and refuses ``seek``.
+
+    On success the file is visible under its final name, complete. On any failure nothing is
+    visible under that name that was not there before (the previous file stays intact), the
+    strategy's temporary resources (temp file, pending upload) are released, and the error is
+    raised: a backend fault as :class:`SnapshotStorageError` (``__cause__`` = the backend's own
+    exception), anything ``write_fn`` raised by itself unchanged.
+    """
+
+    #: whether the filesystem has real directories that can vanish (False: key prefixes).
+    real_directories: bool
+
+    def write(self, fs: Any, target: Target, write_fn: WriteFn) -> WriteResult:
+        ...
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def storage_error(
+    exc: BaseException, url: str, size_bytes: int | None, action: str,
+    endpoint: str | None = None,
+) -> SnapshotStorageError:
+    """A :class:`SnapshotStorageError` for ``exc`` that names ``url`` and the endpoint, never
+    credentials (``storage_options`` are not looked at). ``size_bytes``: bytes written before
+    the fault, ``None`` for operations that write nothing."""
+    code = getattr(exc, "errno", None)
+    code = code if isinstance(code, int) else None
+    if code is not None and isinstance(exc, OSError) and not isinstance(exc, SnapshotStorageError):
+        reason = f"[errno {code}] {os.strerror(code)}"
+    else:
+        reason = f"{type(exc).__name__}: {exc}"
+    hint = ""
+    if code == errno_mod.ENOSPC:
+        hint = "; free space on that filesystem or lower n_retains"
+    elif code in (errno_mod.EACCES, errno_mod.EPERM, errno_mod.EROFS) or \
+            isinstance(exc, PermissionError):
+        hint = "; choose a writable out_dir or check the credentials in storage_options"
+    elif "Credentials" in type(exc).__name__:
+        hint = ("; pass credentials in storage_options (for s3fs: key and secret) or configure "
+                "the backend's usual credential sources")
+    elif _looks_unreachable(exc):
+        hint = "; check that the endpoint is reachable (storage_options endpoint_url)"
+    where = f" (endpoint {endpoint})" if endpoint else ""
+    after = f" after {size_bytes} bytes" if size_bytes is not None else ""
+    return SnapshotStorageError(
+        f"{action} {url}{where} failed{after}: {reason}{hint}",
+        errno=code, filename=url, size_bytes=size_bytes,
+    )
+
+
+def _looks_unreachable(exc: BaseException) -> bool:
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+                         "ConnectionClosedError", "ServerDisconnectedError"})
+
+
+def _raise_failure(
+    exc: BaseException, backend_error: BaseException | None, size_bytes: int, target: Target,
+    action: str,
+) -> NoReturn:
+    """Raise what a failed commit raises (see :class:`CommitStrategy`)."""
+    if isinstance(backend_error, SnapshotStorageError):
+        raise backend_error
+    if backend_error is not None:
+        raise storage_error(backend_error, target.url, size_bytes, action,
+                            target.endpoint) from backend_error
+    if isinstance(exc, OSError) and not isinstance(exc, SnapshotStorageError):
+        raise storage_error(exc, target.url, size_bytes, action, target.endpoint) from exc
+    raise exc
+
+
+class _Sink:
+    """Passes writes through and remembers the first error the backend raised.
+
+    ``torch.save`` replaces an exception raised by the file's ``write`` with an opaque
+    ``RuntimeError``; this keeps the real cause so it can be reported.
+    """
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            written = self._raw.write(data)
+        except Exception as e:
+            self.error = self.error or e
+            raise
+        return len(memoryview(data)) if written is None else int(written)
+
+    def flush(self) -> None:
+        try:
+            self._raw.flush()
+        except Exception as e:
+            self.error = self.error or e
+            raise
+
+
+# -- local: replace + fsync ------------------------------------------------------------------------
+class ReplaceCommit:
+    """Local filesystem: temp file -> write -> flush -> ``fsync`` -> ``os.replace`` -> ``fsync``
+    of the directory (the POSIX protocol; ``os.replace`` is atomic within one filesystem)."""
+
+    real_directories = True
+
+    def write(self, fs: Any, target: Target, write_fn: WriteFn) -> WriteResult:
+        tmp = target.temp_path
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as e:
+            raise storage_error(e, target.url, 0, "creating a temporary file for",
+                                target.endpoint) from e
+        try:
+            raw = os.fdopen(fd, "wb", buffering=1 << 20)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            raise
+        sink = _Sink(raw)
+        hashing = HashingWriter(sink)  # type: ignore[arg-type]
+        try:
+            with raw:
+                write_fn(hashing)  # type: ignore[arg-type]
+                sink.flush()
+                os.fsync(raw.fileno())
+            os.replace(tmp, target.path)
+        except BaseException as e:
+            _unlink_quietly(tmp)
+            _raise_failure(e, sink.error, hashing.size_bytes, target, "writing snapshot")
+        fsync_directory(os.path.dirname(target.path) or ".")
+        return WriteResult(path=target.path, size_bytes=hashing.size_bytes,
+                           checksum=hashing.hexdigest())
+
+
+# -- rename-capable filesystems (ppe/pfio-style objects) -------------------------------------------
+class RenameCommit:
+    """Temp name -> write -> flush (-> ``fsync`` when the file has a descriptor) -> rename.
+
+    For filesystems whose only atomic primitive is renaming a file (ppe/pfio-style objects, see
+    :class:`~._pfio.PfioFileSystem`); ``fs.replace(src, dst)`` must replace ``dst`` in one step.
+    Atomicity and durability are exactly those of the wrapped object's ``rename`` (POSIX:
+    ``rename(2)``, no directory ``fsync`` is available through that interface; pfio's S3: a
+    server-side copy, then a delete of the temp object).
+    """
+
+    real_directories = True
+
+    def write(self, fs: Any, target: Target, write_fn: WriteFn) -> WriteResult:
+        try:
+            f = fs.open(target.temp_path, "wb")
+        except Exception as e:
+            raise storage_error(e, target.url, 0, "creating a temporary file for",
+                                target.endpoint) from e
+        sink = _Sink(f)
+        hashing = HashingWriter(sink)  # type: ignore[arg-type]
+        try:
+            try:
+                write_fn(hashing)  # type: ignore[arg-type]
+                sink.flush()
+                _fsync_if_possible(f)
+            finally:
+                f.close()
+            fs.replace(target.temp_path, target.path)
+        except BaseException as e:
+            _remove_quietly(fs, target.temp_path)
+            _raise_failure(e, sink.error, hashing.size_bytes, target, "writing snapshot")
+        return WriteResult(path=target.path, size_bytes=hashing.size_bytes,
+                           checksum=hashing.hexdigest())
+
+
+# -- object stores and memory: one complete PUT ----------------------------------------------------
+class ObjectPutCommit:
+    """The complete object under its final name in one PUT; never a temp object plus a copy.
+
+    Bytes are buffered in memory; a file that stays below ``spill_bytes`` is sent with one
+    ``fs.pipe_file`` (a single PUT). Past ``spill_bytes`` the buffer spills into
+    ``fs.open(path, 'wb', autocommit=False)``, which streams parts (S3: a multipart upload) that no
+    reader can see until ``commit()`` completes it; on failure ``discard()`` aborts it.
+
+    Args:
+        spill_bytes: threshold in bytes for streaming; ``None`` never spills (the whole file is
+            buffered, for filesystems whose files do not honour ``autocommit=False``, such as
+            ``memory://`` whose ``pipe_file`` is one dict assignment).
+    """
+
+    real_directories = False
+
+    def __init__(self, spill_bytes: int | None) -> None:
+        self.spill_bytes = spill_bytes
+
+    def write(self, fs: Any, target: Target, write_fn: WriteFn) -> WriteResult:
+        upload = _Upload(fs, target.path, self.spill_bytes)
+        sink = _Sink(upload)
+        hashing = HashingWriter(sink)  # type: ignore[arg-type]
+        try:
+            write_fn(hashing)  # type: ignore[arg-type]
+        except BaseException as e:
+            upload.discard()
+            _raise_failure(e, sink.error, hashing.size_bytes, target, "uploading snapshot")
+        try:
+            upload.commit()
+        except BaseException as e:
+            upload.discard()
+            _raise_failure(e, e if isinstance(e, Exception) else None, hashing.size_bytes,
+                           target, "uploading snapshot")
+        return WriteResult(path=target.path, size_bytes=hashing.size_bytes,
+                           checksum=hashing.hexdigest())
+
+
+class _Upload:
+    """Buffer, then one PUT or a deferred-commit upload (see :class:`ObjectPutCommit`)."""
+
+    def __init__(self, fs: Any, path: str, spill_bytes: int | None) -> None:
+        self._fs = fs
+        self._path = path
+        self._spill = spill_bytes
+        self._buffer = io.BytesIO()
+        self._file: Any = None
+        self._discarded = False
+
+    def write(self, data: Any) -> int:
+        if self._discarded:
+            raise ValueError(f"the upload of {self._path} was discarded")
+        if self._file is not None:
+            self._file.write(data)
+            return len(memoryview(data))
+        n = self._buffer.write(data)
+        if self._spill is not None and self._buffer.tell() >= self._spill:
+            self._file = self._fs.open(self._path, "wb", autocommit=False)
+            view = self._buffer.getbuffer()
+            try:
+                self._file.write(view)
+            finally:
+                view.release()
+            self._buffer = io.BytesIO()
+        return n
+
+    def flush(self) -> None:
+        """Nothing to do: the data is published only by :meth:`commit`."""
+
+    def commit(self) -> None:
+        if self._discarded:
+            raise ValueError(f"the upload of {self._path} was discarded")
+        if self._file is None:
+            self._fs.pipe_file(self._path, self._buffer.getvalue())
+            self._buffer = io.BytesIO()
+            return
+        self._file.close()
+        self._file.commit()
+
+    def discard(self) -> None:
+        self._discarded = True
+        self._buffer = io.BytesIO()
+        f, self._file = self._file, None
+        if f is None:
+            return
+        try:
+            f.discard()
+        except Exception:  # the original error matters more than a failed abort
+            logger.warning("aborting the partial upload of %s failed; the store may keep its "
+                           "parts until a lifecycle rule removes them (nothing is visible under "
+                           "the name)", self._path, exc_info=True)
+        # An fsspec buffered file closed later (or by its finalizer) would flush and complete the
+        # upload it just discarded; mark it closed so nothing is sent.
+        try:
+            f.closed = True
+        except AttributeError:
+            pass
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _fsync_if_possible(f: Any) -> None:
+    try:
+        fileno = f.fileno()
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return
+    if isinstance(fileno, int):
+        os.fsync(fileno)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("could not remove temporary file %s: %s", path, e)
+
+
+def _remove_quietly(fs: Any, path: str) -> None:
+    try:
+        if fs.exists(path):
+            fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+    except Exception as e:
+        logger.warning("could not remove temporary file %s: %s", path, e)
+
+
+def fsync_directory(directory: str) -> None:
+    """``fsync`` a local directory so a rename in it is durable (skipped where unsupported)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as e:
+        logger.warning("cannot open directory %s to fsync it: %s", directory, e)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems (e.g. certain network mounts) refuse a dir fsync
+        logger.debug("fsync of directory %s not supported: %s", directory, e)
+    finally:
+        os.close(fd)

@@ -1,0 +1,112 @@
+"""The catalog: listing by step, verification against manifests, newest-valid selection."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import snapkeep
+from snapkeep._core.catalog import Catalog
+from snapkeep._core.manifest import Manifest, manifest_path
+from snapkeep._core.storage import resolve_storage
+
+
+def _writer_files(directory, template: str, steps) -> Catalog:
+    writer = snapkeep.writing.SimpleWriter(out_dir=str(directory))
+    for step in steps:
+        writer(template.format(step), str(directory), {"step": torch.tensor(step)}, step=step)
+    writer.finalize()
+    storage, d = resolve_storage(str(directory))
+    return Catalog(storage, d, template.replace("{}", "{.iteration}"))
+
+
+def test_entries_are_ordered_by_step(tmp_path):
+    catalog = _writer_files(tmp_path, "snap_{}", [2, 1000, 999, 10])
+    assert [e.name for e in catalog.entries()] == ["snap_2", "snap_10", "snap_999", "snap_1000"]
+    assert [e.step for e in catalog.entries()] == [2, 10, 999, 1000]
+
+
+def test_sub_directory_templates_are_listed(tmp_path):
+    catalog = _writer_files(tmp_path, "snaps/iter_{}", [3, 20])
+    entries = catalog.entries()
+    assert [e.name for e in entries] == ["snaps/iter_3", "snaps/iter_20"]
+    assert entries[0].path == os.path.join(str(tmp_path), "snaps", "iter_3")
+    assert catalog.verify(entries[1]).step == 20
+
+
+def _fail(reason):
+    def loader(entry):
+        raise reason
+    return loader
+
+
+def test_load_newest_skips_invalid_with_reasons(tmp_path):
+    catalog = _writer_files(tmp_path, "snap_{}", [1, 2, 3])
+
+    def loader(entry):
+        if entry.step == 3:
+            raise RuntimeError("zip archive: failed finding central directory")
+        return entry.step
+
+    with pytest.warns(RuntimeWarning, match="snap_3 .*central directory"):
+        entry, state = catalog.load_newest(loader)
+    assert (entry.name, state) == ("snap_2", 2)
+
+
+def test_load_newest_none_when_no_files(tmp_path):
+    storage, d = resolve_storage(str(tmp_path))
+    assert Catalog(storage, d, "snap_{.iteration}").load_newest(_fail(AssertionError())) is None
+
+
+@pytest.mark.parametrize("error", [RuntimeError("bad zip"), EOFError(), IndexError("x"),
+                                   TypeError("y"), ValueError("z")])
+def test_all_invalid_lists_every_reason(tmp_path, error):
+    catalog = _writer_files(tmp_path, "snap_{}", [1, 2])
+    with pytest.warns(RuntimeWarning), pytest.raises(snapkeep.NoValidSnapshotError) as info:
+        catalog.load_newest(_fail(error))
+    assert "snap_1" in str(info.value) and "snap_2" in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snap_1", "snap_2"]
+
+
+def test_unsafe_is_never_swallowed(tmp_path):
+    catalog = _writer_files(tmp_path, "snap_{}", [1, 2])
+    with pytest.raises(snapkeep.UnsafeSnapshotError):
+        catalog.load_newest(_fail(snapkeep.UnsafeSnapshotError("needs pickle")))
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"[]", b'"x"', b'{"format": "other"}',
+                                     b'{"format": "snapkeep.manifest/1"}'])
+def test_unreadable_manifest_means_unverified(tmp_path, content):
+    catalog = _writer_files(tmp_path, "snap_{}", [1])
+    entry = catalog.entries()[0]
+    with open(manifest_path(catalog.storage, entry.path), "wb") as f:
+        f.write(content)
+    assert catalog.manifest(entry) is None
+    assert catalog.verify(entry) is None
+
+
+def test_manifest_round_trip():
+    manifest = Manifest(name="s", size_bytes=3, checksum="ab", step=4, run_id="r",
+                        metrics={"loss": 0.5})
+    assert Manifest.from_bytes(manifest.to_bytes()) == manifest
+
+
+def test_overwriting_a_name_never_leaves_a_stale_manifest(tmp_path):
+    """A crash between a snapshot's commit and its manifest's, when the name is reused (a fixed
+    filename), must not leave the old manifest describing the new file."""
+    writer = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
+    writer("latest", str(tmp_path), {"v": torch.zeros(10)})
+    seen = {}
+
+    def savefun(obj, f):
+        seen["manifest_during_write"] = os.path.exists(tmp_path / ".snapkeep" / "latest.json")
+        torch.save(obj, f)
+
+    writer("latest", str(tmp_path), {"v": torch.ones(10)}, savefun=savefun)
+    writer.finalize()
+    assert seen["manifest_during_write"] is False
+    storage, d = resolve_storage(str(tmp_path))
+    catalog = Catalog(storage, d, "latest")
+    assert catalog.verify(catalog.entries()[0]) is not None

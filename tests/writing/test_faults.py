@@ -1,0 +1,198 @@
+"""Invariant 6: a background failure surfaces exactly once, with its cause, and nothing hangs.
+
+Faults are injected through savefuns (one that raises, one gated so it stalls) and by killing the
+process writers' worker with a real SIGKILL while it is inside a save. Every test is bounded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+from writer_gates import EventGate, InjectedError, SocketGate, failing_save, fast_start_method
+
+import snapkeep
+from snapkeep import writing
+
+ASYNC_WRITERS = [
+    pytest.param(writing.ThreadWriter, id="ThreadWriter"),
+    pytest.param(writing.ThreadQueueWriter, id="ThreadQueueWriter"),
+    pytest.param(writing.ProcessWriter, id="ProcessWriter"),
+    pytest.param(writing.ProcessQueueWriter, id="ProcessQueueWriter"),
+]
+START_METHOD = fast_start_method()
+ALL_WRITERS = [pytest.param(writing.SimpleWriter, id="SimpleWriter"), *ASYNC_WRITERS]
+
+
+def _make(writer_cls: type[writing.Writer], *args: Any, **kwargs: Any) -> Any:
+    if writer_cls in (writing.ProcessWriter, writing.ProcessQueueWriter):
+        kwargs["start_method"] = START_METHOD
+    return writer_cls(*args, **kwargs)
+
+
+def _state(i: int) -> dict[str, Any]:
+    return {"w": torch.full((64,), float(i)), "step": i}
+
+
+def _listing(out: str) -> tuple[list[str], list[str]]:
+    """Exact contents of ``out`` and of its manifest directory (temp files included)."""
+    manifests = os.path.join(out, ".snapkeep")
+    return sorted(os.listdir(out)), sorted(os.listdir(manifests)) if os.path.isdir(manifests) \
+        else []
+
+
+def _landed(out: str, names: list[str]) -> tuple[list[str], list[str]]:
+    return sorted([".snapkeep", *names]), sorted(f"{n}.json" for n in names)
+
+
+def _done(future: concurrent.futures.Future[Any]) -> None:
+    done, _ = concurrent.futures.wait([future], timeout=30)
+    assert done, "the background save never finished"
+
+
+def _assert_file(out: str, name: str, i: int) -> None:
+    loaded = torch.load(os.path.join(out, name), weights_only=True)
+    assert torch.equal(loaded["w"], torch.full((64,), float(i))) and loaded["step"] == i
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("writer_cls", ASYNC_WRITERS)
+def test_failed_save_raises_once_at_next_call_and_at_finalize(
+    writer_cls: type[writing.Writer], tmp_path: Any,
+) -> None:
+    out = str(tmp_path)
+    writer = _make(writer_cls)
+    handle = writer("s0", out, _state(0), savefun=failing_save)
+    _done(handle.committed)
+    assert isinstance(handle.committed.exception(), InjectedError)
+
+    with pytest.raises(snapkeep.SnapshotSaveError) as info:  # surfaces at the next call ...
+        writer("s1", out, _state(1))
+    assert type(info.value.__cause__) is InjectedError
+    assert "s0" in str(info.value)
+    assert isinstance(info.value, snapkeep.SnapshotError) and isinstance(info.value, RuntimeError)
+
+    for i in (2, 3):  # ... once: later snapshots land
+        writer(f"s{i}", out, _state(i))
+    writer.wait(timeout_s=30)
+    assert _listing(out) == _landed(out, ["s2", "s3"])  # no partial or temp file of s0 either
+    for i in (2, 3):
+        _assert_file(out, f"s{i}", i)
+
+    handle = writer("s4", out, _state(4), savefun=failing_save)
+    with pytest.raises(snapkeep.SnapshotSaveError) as info:  # or at finalize(), once
+        writer.finalize()
+    assert type(info.value.__cause__) is InjectedError and "s4" in str(info.value)
+    writer.finalize()  # a second finalize is a no-op and raises nothing
+    assert _listing(out) == _landed(out, ["s2", "s3"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("writer_cls", [
+    pytest.param(writing.ProcessWriter, id="ProcessWriter"),
+    pytest.param(writing.ProcessQueueWriter, id="ProcessQueueWriter"),
+])
+def test_worker_killed_mid_save_surfaces_worker_died_once(
+    writer_cls: type[writing.Writer], tmp_path: Any,
+) -> None:
+    out = str(tmp_path)
+    gate = SocketGate()
+    writer = _make(writer_cls, gate.savefun)
+    try:
+        handle = writer("s0", out, _state(0))
+        gate.wait_entered()  # the worker is inside savefun, its temp file open
+        pid = writer._saver.runner.pid  # type: ignore[attr-defined]
+        assert pid is not None and pid != os.getpid()
+        os.kill(pid, signal.SIGKILL)
+        _done(handle.committed)
+        assert isinstance(handle.committed.exception(), snapkeep.WorkerDiedError)
+
+        with pytest.raises(snapkeep.SnapshotSaveError) as info:
+            writer("s1", out, _state(1), savefun=torch.save)
+        assert type(info.value.__cause__) is snapkeep.WorkerDiedError
+        assert str(pid) in str(info.value.__cause__)
+
+        for i in (2, 3):  # a fresh worker serves later snapshots
+            writer(f"s{i}", out, _state(i), savefun=torch.save)
+        writer.finalize()
+        writer.finalize()
+    finally:
+        gate.close()
+    assert writer._saver.runner.pid is None  # type: ignore[attr-defined]
+    assert _listing(out) == _landed(out, ["s2", "s3"])  # the killed save left no temp file
+    for i in (2, 3):
+        _assert_file(out, f"s{i}", i)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("writer_cls", [
+    pytest.param(writing.ThreadWriter, id="ThreadWriter"),
+    pytest.param(writing.ThreadQueueWriter, id="ThreadQueueWriter"),
+])
+def test_stalled_save_times_out_naming_file_and_seconds(
+    writer_cls: type[writing.Writer], tmp_path: Any,
+) -> None:
+    out = str(tmp_path)
+    gate = EventGate()
+    writer = writer_cls(gate.savefun, max_pending=1, timeout_s=0.3)  # type: ignore[call-arg]
+    try:
+        first = writer("s0", out, _state(0))
+        gate.wait_entered()
+        with pytest.raises(snapkeep.SnapshotTimeoutError) as info:  # no free slot within 0.3 s
+            writer("s1", out, _state(1))
+        assert "s1" in str(info.value) and "0.3 s" in str(info.value)
+        assert "s0" in str(info.value)  # and what it waited for
+        assert isinstance(info.value, TimeoutError)
+
+        with pytest.raises(snapkeep.SnapshotTimeoutError) as info:
+            writer.wait(timeout_s=0.2)
+        assert "s0" in str(info.value) and "0.2 s" in str(info.value)
+
+        with pytest.raises(snapkeep.SnapshotTimeoutError) as info:
+            writer.finalize()  # bounded by the writer's timeout_s
+        assert "s0" in str(info.value) and "0.3 s" in str(info.value)
+        writer.finalize()  # no-op
+    finally:
+        gate.open()
+    _done(first.committed)  # the stalled save completes once released
+    assert _listing(out) == _landed(out, ["s0"])
+    _assert_file(out, "s0", 0)
+
+
+@pytest.mark.timeout(60)
+def test_stalled_process_save_wait_is_bounded(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    gate = SocketGate()
+    writer = _make(writing.ProcessWriter, gate.savefun, timeout_s=0.3)
+    try:
+        writer("s0", out, _state(0))
+        gate.wait_entered()
+        with pytest.raises(snapkeep.SnapshotTimeoutError, match=r"s0.*0\.2 s"):
+            writer.wait(timeout_s=0.2)
+        with pytest.raises(snapkeep.SnapshotTimeoutError, match=r"s1.*0\.3 s"):
+            writer("s1", out, _state(1))
+        gate.release()
+        writer.finalize()
+    finally:
+        gate.close()
+    assert _listing(out) == _landed(out, ["s0"])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("writer_cls", ALL_WRITERS)
+def test_finalize_without_saves_and_twice_is_a_no_op(
+    writer_cls: type[writing.Writer], tmp_path: Any,
+) -> None:
+    writer = writer_cls()
+    writer.finalize()
+    writer.finalize()
+    runner = writer._saver.runner
+    assert getattr(runner, "pid", None) is None  # no worker was started for nothing
+    assert os.listdir(tmp_path) == []
+    with _make(writer_cls) as w:  # also a context manager
+        w("s0", str(tmp_path), _state(0))
+    assert _listing(str(tmp_path)) == _landed(str(tmp_path), ["s0"])
