@@ -43,8 +43,11 @@ from _measure import GIB, TreeCpu, TreeMemory, median, table  # noqa: E402
 import snapkeep  # noqa: E402
 from snapkeep import writing  # noqa: E402
 
+ppe_writing: Any
 try:
-    import pytorch_pfn_extras.writing as ppe_writing
+    import pytorch_pfn_extras.writing as _ppe_writing
+
+    ppe_writing = _ppe_writing
 except ImportError:  # ppe is optional
     ppe_writing = None
 
@@ -173,7 +176,8 @@ class PpeContender(Contender):
 
     def save(self, name: str, state: dict[str, Any]) -> None:
         self._last = name
-        self.writer(name, self.out, state)
+        # an absolute name: ppe's queue writers ignore out_dir and write into the working dir
+        self.writer(os.path.join(self.out, name), self.out, state)
 
     def wait(self) -> None:
         worker = getattr(self.writer, "_worker", None)
@@ -380,8 +384,10 @@ def train_loop(contender: Contender | None, args: argparse.Namespace, out_dir: s
     model = torch.nn.Sequential(*layers)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     x = torch.randn(args.loop_batch, width)
-    if contender is not None:
+    if contender is not None:  # steady state: the worker start and first allocation excluded
         contender.open(out_dir)
+        contender.save("loop_warmup", state_of(model, optimizer))
+        contender.wait()
     t0 = time.perf_counter()
     for step in range(1, args.loop_steps + 1):
         optimizer.zero_grad()
@@ -437,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(root, exist_ok=True)
     mem = TreeMemory()
     base_rss = mem.current_bytes()
+    load_before = os.getloadavg()
     model, optimizer = make_state(args.state_gib, args.params)
     tensors = list(flat_tensors(state_of(model, optimizer)).values())
     state_bytes = sum(t.untyped_storage().nbytes() for t in tensors)
@@ -466,25 +473,26 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         loop_dir = os.path.join(root, "loop")
         os.makedirs(loop_dir, exist_ok=True)
+        # each writer's loop runs between two loops without snapshots; its overhead is against
+        # their mean, so a machine whose speed drifts does not bias one writer
         baselines = [train_loop(None, args, loop_dir)]
         print(f"loop without snapshots: {baselines[0]:.2f} s", flush=True)
-        for i, contender in enumerate(contenders(args.only)):
+        for contender in contenders(args.only):
             try:
                 elapsed = train_loop(contender, args, loop_dir)
             except Exception as e:
                 print(f"  loop with {contender.name} failed: {e}", flush=True)
                 continue
-            loop[contender.name] = elapsed
-            print(f"loop with {contender.name}: {elapsed:.2f} s", flush=True)
-            if i % 4 == 3:  # re-measure the baseline: the machine's speed drifts
-                baselines.append(train_loop(None, args, loop_dir))
-        baselines.append(train_loop(None, args, loop_dir))
-        base = median(baselines)
-        loop["baseline_s"] = base
+            baselines.append(train_loop(None, args, loop_dir))
+            base = (baselines[-2] + baselines[-1]) / 2
+            loop[contender.name] = {"elapsed_s": elapsed, "baseline_s": base,
+                                    "overhead_pct": 100.0 * (elapsed - base) / base}
+            print(f"loop with {contender.name}: {elapsed:.2f} s (without: {base:.2f} s)",
+                  flush=True)
         loop["baselines_s"] = baselines
         for r in rows:
             if r.name in loop:
-                r.loop_overhead_pct = 100.0 * (loop[r.name] - base) / base
+                r.loop_overhead_pct = loop[r.name]["overhead_pct"]
     mem.close()
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
@@ -493,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"state {state_bytes / GIB:.2f} GiB; floor {floor['floor_s']:.3f} s "
           f"({floor['floor_gb_s']:.1f} GB/s); DCP stall {dcp_stall:.3f} s; process RSS before "
-          f"the state {base_rss / GIB:.2f} GiB")
+          f"the state {base_rss / GIB:.2f} GiB; load average {load_before[0]:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after")
     print(text)
     for r in rows:
         if r.error:
@@ -504,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {"cpus": os.cpu_count(), "torch": torch.__version__,
                         "snapkeep": snapkeep.__version__, "python": platform.python_version(),
                         "threads": torch.get_num_threads()},
+            "load_average_before": load_before, "load_average_after": os.getloadavg(),
             "state_bytes": state_bytes, "base_rss_bytes": base_rss, "floor": floor,
             "rows": [dataclasses.asdict(r) for r in rows], "loop": loop,
         }

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import PART_BYTES, Backend
+from storage_backends import PART_BYTES, Backend
 
 import snapkeep
 from snapkeep import writing
@@ -69,7 +69,7 @@ def _skip_process_on_memory(backend: Backend, writer_cls: type) -> None:
         pytest.skip("memory:// lives in one process (process writers refuse it; tested below)")
 
 
-# -- each writer: snapshot, retention, autoload ---------------------------------------------------
+# -- each writer: snapshot, retention, autoload ----------------------------------------------------
 @pytest.mark.parametrize("writer_cls", WRITERS)
 def test_each_writer_snapshots_retains_and_autoloads(backend: Backend, writer_cls: type) -> None:
     _skip_process_on_memory(backend, writer_cls)

@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import BUCKET, PART_BYTES, Backend, MotoServer, TcpProxy, free_port, s3_options
+from storage_backends import (
+    BUCKET,
+    PART_BYTES,
+    Backend,
+    MotoServer,
+    TcpProxy,
+    free_port,
+    s3_options,
+)
 
 import snapkeep
 from snapkeep import writing
@@ -28,7 +36,7 @@ def _full_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc))
 
 
-# -- unknown protocols ------------------------------------------------------------------------------
+# -- unknown protocols -----------------------------------------------------------------------------
 def test_missing_backend_package_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     if importlib.util.find_spec("gcsfs") is not None:
         monkeypatch.setitem(sys.modules, "gcsfs", None)  # make it missing for this test
@@ -56,7 +64,7 @@ def test_storage_options_with_an_explicit_fs_are_refused() -> None:
         resolve_storage("run", fsspec.filesystem("memory"), {"key": "k"})
 
 
-# -- unreachable endpoint, missing credentials ------------------------------------------------------
+# -- unreachable endpoint, missing credentials -----------------------------------------------------
 @pytest.mark.s3
 def test_unreachable_endpoint_names_the_url_and_never_the_credentials(
     caplog: pytest.LogCaptureFixture,
@@ -96,7 +104,7 @@ def test_missing_credentials_name_the_url(moto_server: MotoServer,
     writer.finalize()
 
 
-# -- a connection dropped during an upload ----------------------------------------------------------
+# -- a connection dropped during an upload ---------------------------------------------------------
 @pytest.mark.s3
 def test_connection_dropped_mid_upload_leaves_no_object_and_surfaces_once(
     moto_server: MotoServer, caplog: pytest.LogCaptureFixture,

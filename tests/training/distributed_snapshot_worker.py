@@ -68,6 +68,7 @@ def main(rank: int, world_size: int, store_file: str, out_dir: str, report_dir: 
     writer = CountingWriter(out_dir=out_dir)
     model, manager = build(0, out_dir, writer)
     manager.extend(ext.snapshot(saver_rank=SAVER_RANK, n_retains=2), trigger=(1, "iteration"))
+    torch.manual_seed(1000 + rank)  # each rank has its own random stream
     for _ in range(3):
         with manager.run_iteration():
             sgd_step(model)
@@ -75,6 +76,7 @@ def main(rank: int, world_size: int, store_file: str, out_dir: str, report_dir: 
     dist.barrier()
     report["writer_calls"] = writer.calls
     report["listing"] = sorted(os.listdir(out_dir))
+    report["draw_after_snapshot"] = torch.rand(3).tolist()  # this rank's stream after iteration 3
     trained = {k: v.clone() for k, v in model.state_dict().items()}
 
     # phase 2: a different model on every rank; every rank autoloads the saver's choice
@@ -83,6 +85,7 @@ def main(rank: int, world_size: int, store_file: str, out_dir: str, report_dir: 
     snapshot = ext.snapshot(saver_rank=SAVER_RANK, autoload=True)
     report["loaded"] = snapshot.initialize(manager2)
     report["iteration"] = manager2.iteration
+    report["draw_after_resume"] = torch.rand(3).tolist()
     report["equal_after"] = all(torch.equal(v, trained[k]) for k, v in
                                 model2.state_dict().items())
     dist.barrier()

@@ -71,6 +71,14 @@ def test_every_rank_loads_the_saver_ranks_snapshot(reports):
         assert report["equal_after"], report
 
 
+def test_each_rank_resumes_its_own_random_stream(reports):
+    _, by_rank = reports
+    for report in by_rank:
+        assert report["draw_after_resume"] == report["draw_after_snapshot"], report
+    # the streams differ between ranks, so restoring the saver's state everywhere would fail
+    assert by_rank[0]["draw_after_snapshot"] != by_rank[1]["draw_after_snapshot"]
+
+
 def test_saver_rank_out_of_range_names_the_argument(reports):
     _, by_rank = reports
     for report in by_rank:

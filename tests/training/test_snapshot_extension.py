@@ -312,7 +312,7 @@ def test_dict_target_round_trip(tmp_path):
     assert fresh.manager.iteration == 0  # only the target was restored, not the manager
 
 
-# -- bad input: the error names the argument; nothing saved is lost ---------------------------------
+# -- bad input: the error names the argument; nothing saved is lost ------------------------------
 @pytest.fixture
 def saved(tmp_path) -> tuple[Path, dict[str, bytes]]:
     out = tmp_path / "run"

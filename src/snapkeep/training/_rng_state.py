@@ -1,15 +1,16 @@
 """Capture and restore of the global random number generators, for exact continuation.
 
-The captured dict only holds values that ``torch.load(..., weights_only=True)`` accepts:
-tensors, ints, floats, str, None, tuples, lists and dicts. NumPy's key array becomes an int64
-tensor and Python's state stays a tuple of ints.
+The captured dict only holds values that ``torch.load(..., weights_only=True)`` accepts and that
+compare with ``==`` (so two manager state_dicts can be compared, as ppe's tests do): bytes, ints,
+floats, str, None, tuples, lists and dicts. Generator states are ``bytes``; NumPy's key array is a
+tuple of ints; Python's state stays a tuple of ints.
 
 Layout (keys present only when the generator exists)::
 
     {'python': (version, (int, ...), gauss_next),
-     'numpy': ('MT19937', int64 tensor[624], pos, has_gauss, cached_gaussian),
-     'torch': uint8 tensor (CPU generator),
-     'cuda': [uint8 tensor, ...] (one per visible device, if CUDA was initialized)}
+     'numpy': ('MT19937', (int, ...) of 624, pos, has_gauss, cached_gaussian),
+     'torch': bytes (CPU generator),
+     'cuda': [bytes, ...] (one per visible device, if CUDA was initialized)}
 """
 
 from __future__ import annotations
@@ -45,20 +46,20 @@ def capture_rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "python": (int(version), tuple(int(v) for v in internal), gauss_next),
-        "torch": torch.get_rng_state(),
+        "torch": _to_bytes(torch.get_rng_state()),
     }
     np = _numpy()
     if np is not None:
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         state["numpy"] = (
             str(kind),
-            torch.from_numpy(keys.astype(np.int64)),
+            tuple(int(k) for k in keys),
             int(pos),
             int(has_gauss),
             float(cached),
         )
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
+        state["cuda"] = [_to_bytes(t) for t in torch.cuda.get_rng_state_all()]
     return state
 
 
@@ -76,14 +77,15 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         version, internal, gauss_next = state["python"]
         random.setstate((int(version), tuple(int(v) for v in internal), gauss_next))
     if "torch" in state:
-        torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+        torch.set_rng_state(_to_tensor(state["torch"]))
     if "numpy" in state:
         np = _numpy()
         if np is None:
             logger.warning("snapshot holds a NumPy RNG state but NumPy is not importable; skipped")
         else:
             kind, keys, pos, has_gauss, cached = state["numpy"]
-            keys_array = torch.as_tensor(keys).numpy().astype(np.uint32)
+            keys_array = np.asarray(
+                keys.tolist() if isinstance(keys, torch.Tensor) else list(keys), dtype=np.uint32)
             np.random.set_state((kind, keys_array, int(pos), int(has_gauss), float(cached)))
     if "cuda" in state:
         _restore_cuda(list(state["cuda"]))
@@ -103,4 +105,16 @@ def _restore_cuda(saved: list[Any]) -> None:
             len(saved), count, min(count, len(saved)),
         )
     for index in range(min(count, len(saved))):
-        torch.cuda.set_rng_state(torch.as_tensor(saved[index], dtype=torch.uint8), index)
+        torch.cuda.set_rng_state(_to_tensor(saved[index]), index)
+
+
+def _to_bytes(state: torch.Tensor) -> bytes:
+    return bytes(state.cpu().contiguous().numpy().tobytes()) if _numpy() is not None \
+        else bytes(state.cpu().tolist())
+
+
+def _to_tensor(state: Any) -> torch.Tensor:
+    """A saved generator state (bytes, or a uint8 tensor from older snapshots) as a tensor."""
+    if isinstance(state, (bytes, bytearray)):
+        return torch.tensor(list(state), dtype=torch.uint8)
+    return torch.as_tensor(state, dtype=torch.uint8)

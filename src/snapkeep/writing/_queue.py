@@ -134,6 +134,7 @@ class QueueWriter(Writer):
                     raise SnapshotTimeoutError(
                         f"finalize waited {self._saver.timeout_s} s for snapshot(s) {pending} "
                         "to commit; they are still being written")
+                self._join_queue()
                 self._started = False
             # The consumer has exited: a ticket it never ran (a custom consumer or queue that
             # dropped it) will never commit; release its slot instead of waiting forever.
@@ -144,6 +145,22 @@ class QueueWriter(Writer):
         finally:
             super().finalize()
 
+    def _join_queue(self) -> None:
+        """``queue.join()`` (as ppe) once the consumer has exited, without the unbounded wait:
+        items it never took are taken here first (their tickets are abandoned below), and a
+        ``queue.Queue`` with tasks still marked unfinished is not waited on."""
+        q = self._queue
+        try:
+            while q.empty() is False:  # `is False`: only a queue that says so is drained
+                q.get_nowait()
+                q.task_done()
+        except (queue.Empty, ValueError):
+            pass
+        if isinstance(q, queue.Queue) and q.unfinished_tasks:
+            logger.warning("the queue consumer exited with %d task(s) unfinished",
+                           q.unfinished_tasks)
+            return
+        q.join()
 
     def _join_consumer(self, timeout_s: float | None) -> bool:
         """Join the consumer within ``timeout_s`` (None: while it runs, logging every
@@ -155,7 +172,9 @@ class QueueWriter(Writer):
                 step = min(step, max(0.0, deadline - time.monotonic()))
             self._consumer.join(step)
             alive = getattr(self._consumer, "is_alive", None)
-            if not callable(alive) or not self._consumer.is_alive():
+            # Only a consumer that reports ``is_alive() is True`` is waited for again; one that
+            # cannot tell (a custom consumer, a mock) is joined once, as ppe did.
+            if not callable(alive) or alive() is not True:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False

@@ -99,7 +99,9 @@ def storage_error(
     code = getattr(exc, "errno", None)
     code = code if isinstance(code, int) else None
     if code is not None and isinstance(exc, OSError) and not isinstance(exc, SnapshotStorageError):
-        reason = f"[errno {code}] {os.strerror(code)}"
+        text = exc.strerror if isinstance(exc.strerror, str) and exc.strerror \
+            else os.strerror(code)
+        reason = f"[errno {code}] {text}"
     else:
         reason = f"{type(exc).__name__}: {exc}"
     hint = ""

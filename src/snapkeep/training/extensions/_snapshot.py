@@ -45,6 +45,7 @@ from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, 
 from snapkeep._core.storage import resolve_storage
 from snapkeep._core.structure import describe, find_mismatches
 from snapkeep.training import extension
+from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,9 @@ def _catalog_for(fmt: str, path: str, fs: Any) -> Catalog:
     return Catalog(storage, directory, fmt)
 
 
-def _find_snapshot_files(fmt: str, path: str, fs: Any = None) -> list[tuple[tuple[float, ...], str]]:
+def _find_snapshot_files(
+    fmt: str, path: str, fs: Any = None,
+) -> list[tuple[tuple[float, ...], str]]:
     """Snapshot files of template ``fmt`` directly under ``path``, as ppe's helper of that name.
 
     Names are matched against the whole template (not only its prefix and suffix); temporary
@@ -473,7 +476,15 @@ class _Snapshot(extension.Extension):
                 f"{describe(problems)}. Nothing was loaded or deleted; point out_dir elsewhere or "
                 "fix the model definition.")
         for obj, sub, _ in pairs:
-            obj.load_state_dict(sub)
+            obj.load_state_dict(self._strip_rank_state(sub))
+        self._restore_rank_state(state)
+
+    def _strip_rank_state(self, state: Any) -> Any:
+        """Hook for the distributed snapshot (per-rank RNG); the plain one keeps ``state``."""
+        return state
+
+    def _restore_rank_state(self, state: Any) -> None:
+        """Hook for the distributed snapshot (per-rank RNG)."""
 
     # -- retention -----------------------------------------------------------------------------
     def _register_retention(self, manager: Any) -> None:
@@ -563,6 +574,10 @@ def _apply_retention(
                 logger.debug("retention deleted %s (step %s)", path, entry.step)
 
 
+RANK_RNG_KEY = "_rng_state_by_rank"
+"""Key of the per-rank RNG states in a distributed manager snapshot (list indexed by rank)."""
+
+
 class _DistributedSnapshot(_Snapshot):
     """Snapshot under ``torch.distributed``: only ``saver_rank`` writes; all ranks load the
     snapshot the saver rank chose (as ppe's ``_DistributedSnapshot``)."""
@@ -580,14 +595,46 @@ class _DistributedSnapshot(_Snapshot):
             raise ValueError(
                 f"saver_rank must be an int in [0, {self._size}), got {saver_rank!r}")
         self._saver_rank = saver_rank
+        self._rank_rng: list[Any] | None = None
 
     def _is_saver(self) -> bool:
         return self._rank == self._saver_rank
 
     def _make_snapshot(self, manager: Any) -> None:
-        super()._make_snapshot(manager)
+        # Every rank's RNG state goes into the saver's snapshot, so a resumed rank continues its
+        # own random stream (restoring the saver's state everywhere would make ranks identical).
+        self._rank_rng = None
+        if self._target is None and self._size > 1 and getattr(manager, "_save_rng_state", False):
+            gathered: list[Any] = [None] * self._size
+            torch.distributed.all_gather_object(gathered, capture_rng_state())
+            self._rank_rng = gathered
+        try:
+            super()._make_snapshot(manager)
+        finally:
+            self._rank_rng = None
         if self._size > 1:
             torch.distributed.barrier()
+
+    def _state(self, manager: Any) -> Any:
+        state = super()._state(manager)
+        if self._rank_rng is not None and isinstance(state, dict):
+            state = {**state, RANK_RNG_KEY: self._rank_rng}
+        return state
+
+    def _strip_rank_state(self, state: Any) -> Any:
+        if isinstance(state, Mapping) and RANK_RNG_KEY in state:
+            return {k: v for k, v in state.items() if k != RANK_RNG_KEY}
+        return state
+
+    def _restore_rank_state(self, state: Any) -> None:
+        per_rank = state.get(RANK_RNG_KEY) if isinstance(state, Mapping) else None
+        if not per_rank:
+            return
+        if len(per_rank) != self._size:
+            logger.warning("snapshot holds RNG states of %d ranks, world size is %d; rank %d "
+                           "keeps the saver rank's state", len(per_rank), self._size, self._rank)
+            return
+        restore_rng_state(per_rank[self._rank])
 
     def _choose(self, catalog: Catalog) -> list[Entry] | None:
         entries = catalog.entries() if self._is_saver() else []
