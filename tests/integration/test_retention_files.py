@@ -4,6 +4,7 @@ across a restart, faults during deletion, the newest always kept, the saver rank
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 
@@ -21,8 +22,9 @@ from integration_support import (
 )
 
 import snapkeep
+from snapkeep._core.catalog import Catalog
 from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest
-from snapkeep.training.extensions._snapshot import _Snapshot
+from snapkeep.training.extensions._snapshot import _remove_orphan_manifests, _Snapshot
 
 
 def _expect(*steps: int) -> list[str]:
@@ -155,3 +157,37 @@ def test_retention_and_saving_only_on_the_saver_rank(tmp_path):
     train(manager, model, 2)
     manager.finalize()
     assert listing(tmp_path) == before  # and neither wrote nor deleted anything
+
+
+def test_orphan_manifests_of_the_lineage_are_removed(tmp_path):
+    """A kill between deleting a snapshot and deleting its manifest leaves the manifest; the
+    next retention pass removes it, but never another run's manifests or other files."""
+    manager, ext, model = make_run(tmp_path, n_retains=2)
+    train(manager, model, 3)
+    manager.finalize()
+    manifests = tmp_path / ".snapkeep"
+    ours = json.loads((manifests / "snapshot_iter_3.json").read_text())
+    (manifests / "snapshot_iter_1.json").write_text(json.dumps(ours))  # the orphan
+    theirs = dict(ours, run_id="another-run")
+    (manifests / "snapshot_iter_0.json").write_text(json.dumps(theirs))
+    (manifests / "notes.json").write_text("{}")
+
+    manager, _, model = make_run(tmp_path, n_retains=2)
+    train(manager, model, 1)
+    manager.finalize()
+    assert listing(tmp_path) == sorted(
+        [*_expect(3, 4), ".snapkeep/snapshot_iter_0.json", ".snapkeep/notes.json"])
+
+
+def test_a_manifest_committed_after_the_listing_is_not_an_orphan(tmp_path):
+    """An async writer may commit the next snapshot while retention runs: its manifest appears
+    after retention listed the snapshots, but its file exists, so it stays."""
+    manager, ext, model = make_run(tmp_path, autoload=False, n_retains=2)
+    train(manager, model, 2)
+    storage, directory = manager.writer.storage_for(str(tmp_path))
+    catalog = Catalog(storage, directory, "snapshot_iter_{.iteration}")
+    listed = catalog.entries()  # retention's listing ...
+    train(manager, model, 1)  # ... then snapshot 3 commits
+    _remove_orphan_manifests(catalog, listed, frozenset({ext.run_id}))
+    manager.finalize()
+    assert (tmp_path / ".snapkeep" / "snapshot_iter_3.json").exists()

@@ -119,6 +119,28 @@ class Catalog:
         removed += self.storage.remove_stale_temps(self.storage.join(directory, MANIFEST_DIR))
         return removed
 
+    def orphan_manifests(self, entries: list[Entry] | None = None) -> list[str]:
+        """Paths of this template's manifests whose snapshot file is gone (a process killed
+        between deleting a snapshot and deleting its manifest); ``entries`` is the current
+        listing (default :meth:`entries`). A manifest is always committed after its snapshot,
+        so one without a snapshot can only be left over from a deletion."""
+        split = self._split()
+        if split is None:
+            return []
+        sub, base = split
+        present = {e.name for e in (self.entries() if entries is None else entries)}
+        base_template = FilenameTemplate(base)
+        directory = self.storage.join(self.directory, sub) if sub else self.directory
+        manifest_dir = self.storage.join(directory, MANIFEST_DIR)
+        orphans = []
+        for name in self.storage.list_names(manifest_dir):
+            snapshot, dot, ext = name.rpartition(".")
+            if not dot or ext != "json" or base_template.parse(snapshot) is None:
+                continue
+            if (f"{sub}/{snapshot}" if sub else snapshot) not in present:
+                orphans.append(self.storage.join(manifest_dir, name))
+        return orphans
+
     def manifest(self, entry: Entry) -> Manifest | None:
         """The entry's manifest, or ``None`` when it has none (or it is unreadable)."""
         path = manifest_path(self.storage, entry.path)

@@ -234,14 +234,19 @@ class ProcessRunner:
                 raise self._died(job, process)
 
     def forget_arenas(self, keep: set[str]) -> None:
-        """Tell the worker to unmap arenas not in ``keep`` (they were replaced)."""
-        if self._conn is None or self._process is None or not self._process.is_alive():
-            return
-        self._known_arenas &= keep
-        try:
-            self._conn.send(("forget", sorted(keep)))
-        except (BrokenPipeError, OSError):
-            pass
+        """Tell the worker to unmap the arenas it opened that are not in ``keep`` (replaced by a
+        larger one when the state grew); a no-op when none is stale. Otherwise the worker's
+        mapping would keep a replaced arena's memory alive until it exits."""
+        with self._run_lock:  # the pipe carries one message at a time
+            if self._conn is None or self._process is None or not self._process.is_alive():
+                return
+            if not self._known_arenas - keep:
+                return
+            self._known_arenas &= keep
+            try:
+                self._conn.send(("forget", sorted(keep)))
+            except (BrokenPipeError, OSError):
+                pass
 
     def _died(self, job: SaveJob, process: Any) -> WorkerDiedError:
         process.join(timeout=1.0)

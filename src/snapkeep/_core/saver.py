@@ -348,6 +348,10 @@ class Saver:
             else:
                 arena: Any = slot.buffers.allocator  # a SharedArena for out-of-process runners
                 skeleton, table = arena.export(staged)
+                forget = getattr(self.runner, "forget_arenas", None)
+                if forget is not None:  # arenas replaced when the state grew: unmap them
+                    forget({n for s in list(self._slots)
+                            if (n := getattr(s.buffers.allocator, "name", None))})
                 record = self.runner.run(job, skeleton, arena.name, table)
         except BaseException as e:
             error = SnapshotSaveError(

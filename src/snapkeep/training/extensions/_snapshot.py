@@ -39,7 +39,7 @@ from snapkeep._core.catalog import Catalog, Entry
 from snapkeep._core.errors import SnapshotError, StateMismatchError
 from snapkeep._core.job import CommitRecord
 from snapkeep._core.loading import load_file
-from snapkeep._core.manifest import manifest_path
+from snapkeep._core.manifest import Manifest, manifest_path
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import resolve_storage
@@ -146,6 +146,8 @@ def snapshot(
 
     Args:
         savefun: ``savefun(obj, file)``, default ``torch.save``. Cannot be given with ``writer``.
+            :func:`snapkeep.codecs.save_safetensors` writes tensor-only states as safetensors
+            (autoload recognises the format from the file's first bytes).
         filename: template formatted with the manager, or a callable ``manager -> str``.
             Autoload and retention need a string template.
         target: object with ``state_dict``/``load_state_dict`` (or a dict of them); default: the
@@ -154,7 +156,10 @@ def snapshot(
         writer: a writer from :mod:`snapkeep.writing` (default: the manager's writer).
         snapshot_on_error: also take a snapshot when the training loop raises, and wait for it.
         n_retains: keep the newest ``n_retains`` snapshots by step; <= 0 keeps all (as ppe).
-        autoload: load the newest valid snapshot in ``initialize`` (returns its name, as ppe).
+            Only snapshots of this run's lineage are ever deleted (see the module docstring).
+        autoload: load the newest valid snapshot in ``initialize`` (returns its name, as ppe)
+            and continue its run lineage. With ``autoload=False``, existing snapshots of the
+            template are left alone and a warning says so.
         saver_rank: under ``torch.distributed``, only this rank writes; every rank loads the
             snapshot the saver rank chose.
         snapshot_mode: as ppe; ``DISTRIBUTED`` requires ``saver_rank``.
@@ -547,7 +552,8 @@ def _apply_retention(
     entries = []
     infos = []
     foreign = 0
-    for entry in catalog.entries():
+    listed = catalog.entries()
+    for entry in listed:
         manifest = catalog.manifest(entry)
         if (manifest.run_id if manifest is not None else None) not in lineage:
             foreign += 1
@@ -572,6 +578,42 @@ def _apply_retention(
                 logger.warning("retention could not delete %s (step %s): %s", path, entry.step, e)
             else:
                 logger.debug("retention deleted %s (step %s)", path, entry.step)
+    _remove_orphan_manifests(catalog, listed, lineage)
+
+
+def _remove_orphan_manifests(
+    catalog: Catalog, listed: list[Entry], lineage: frozenset[str | None],
+) -> None:
+    """Delete manifests of this lineage whose snapshot is gone (left by a kill between the two
+    deletes of a retention pass). A snapshot committed after ``listed`` was taken (an async
+    writer's next one) is found by the existence check: its file precedes its manifest."""
+    storage = catalog.storage
+    for path in catalog.orphan_manifests(listed):
+        snapshot = storage.join(storage.dirname(storage.dirname(path)),
+                                storage.basename(path)[:-len(".json")])
+        try:
+            if storage.exists(snapshot):
+                continue
+        except OSError as e:
+            logger.debug("leaving manifest %s: cannot check its snapshot (%s)", path, e)
+            continue
+        try:
+            run_id = Manifest.from_bytes(catalog.storage.read_bytes(path)).run_id
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, TypeError) as e:
+            logger.debug("leaving unreadable orphan manifest %s: %s", path, e)
+            continue
+        if run_id not in lineage:
+            continue
+        try:
+            catalog.storage.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.warning("retention could not delete the orphan manifest %s: %s", path, e)
+        else:
+            logger.info("removed manifest %s, whose snapshot was already deleted", path)
 
 
 RANK_RNG_KEY = "_rng_state_by_rank"
