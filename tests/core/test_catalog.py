@@ -37,7 +37,7 @@ def test_sub_directory_templates_are_listed(tmp_path):
 
 
 def _fail(reason):
-    def loader(entry):
+    def loader(entry, data):
         raise reason
     return loader
 
@@ -45,7 +45,8 @@ def _fail(reason):
 def test_load_newest_skips_invalid_with_reasons(tmp_path):
     catalog = _writer_files(tmp_path, "snap_{}", [1, 2, 3])
 
-    def loader(entry):
+    def loader(entry, data):
+        assert data is None  # local files are not prefetched
         if entry.step == 3:
             raise RuntimeError("zip archive: failed finding central directory")
         return entry.step

@@ -9,6 +9,7 @@ commits) is accepted only if it loads completely, with a warning.
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import pickle
 import struct
@@ -153,8 +154,12 @@ class Catalog:
                            entry.path)
             return None
 
-    def verify(self, entry: Entry) -> Manifest | None:
+    def verify(self, entry: Entry, data: bytes | None = None) -> Manifest | None:
         """Check the entry against its manifest; return the manifest (None if it has none).
+
+        Args:
+            entry: the snapshot.
+            data: its bytes when already fetched (remote stores), else the file is streamed.
 
         Raises:
             SnapshotCorruptError: size or checksum differs from the manifest, or the file is
@@ -164,8 +169,11 @@ class Catalog:
         if manifest is None:
             return None
         try:
-            with self.storage.open_read(entry.path) as f:
-                digest, size = digest_stream(f)
+            if data is not None:
+                digest, size = digest_stream(io.BytesIO(data))
+            else:
+                with self.storage.open_read(entry.path) as f:
+                    digest, size = digest_stream(f)
         except SnapshotStorageError:
             raise  # the store is unreachable: that says nothing about this snapshot
         except OSError as e:
@@ -181,12 +189,15 @@ class Catalog:
         return manifest
 
     def load_newest(
-        self, loader: Callable[[Entry], Any], *, candidates: list[Entry] | None = None,
+        self, loader: Callable[[Entry, bytes | None], Any], *,
+        candidates: list[Entry] | None = None,
     ) -> tuple[Entry, Any] | None:
         """Load the newest snapshot that verifies and loads; warn about each one skipped.
 
         Args:
-            loader: ``loader(entry) -> state``; a ``SnapshotCorruptError`` or a read/decode error
+            loader: ``loader(entry, data) -> state``, where ``data`` is the file's bytes when the
+                store is remote (fetched once, verified, then decoded from memory: one download)
+                and ``None`` for local files; a ``SnapshotCorruptError`` or a read/decode error
                 (any of :data:`DECODE_ERRORS` other than a refused unsafe load) marks the entry
                 invalid.
             candidates: entries to consider (default: :meth:`entries`).
@@ -206,8 +217,9 @@ class Catalog:
         reasons = []
         for entry in reversed(entries):
             try:
-                manifest = self.verify(entry)
-                state = loader(entry)
+                data = None if self.storage.is_local else self.storage.read_bytes(entry.path)
+                manifest = self.verify(entry, data)
+                state = loader(entry, data)
             except (UnsafeSnapshotError, SnapshotStorageError):
                 raise  # refused, or the store is unreachable: never fall back to an older one
             except DECODE_ERRORS as e:

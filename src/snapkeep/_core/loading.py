@@ -8,6 +8,7 @@ bytes, see :mod:`snapkeep._core.codec`) are decoded by safetensors, which never 
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 from typing import Any
@@ -30,6 +31,7 @@ def _refusal_reason(error: pickle.UnpicklingError) -> str:
 
 def load_file(
     storage: Storage, path: str, *, map_location: Any = "cpu", weights_only: bool = True,
+    data: bytes | None = None,
 ) -> Any:
     """Load one snapshot file (``torch.save`` or safetensors format).
 
@@ -38,6 +40,7 @@ def load_file(
         path: its path on ``storage``.
         map_location: as ``torch.load``'s (default ``'cpu'``).
         weights_only: ``True`` (default) refuses arbitrary pickled objects.
+        data: the file's bytes when already fetched (then ``storage`` is not read again).
 
     Raises:
         UnsafeSnapshotError: the file needs arbitrary unpickling and ``weights_only`` is True;
@@ -45,16 +48,20 @@ def load_file(
         RuntimeError, EOFError, pickle.UnpicklingError, ValueError: the file is not a readable
             torch or safetensors file.
     """
-    with storage.open_read(path) as f:
-        head = f.read(HEADER_PROBE_BYTES)
-        if is_safetensors_header(head):
-            return load_safetensors(head + f.read(), map_location=map_location)
+    if data is None and not storage.is_local:
+        data = storage.read_bytes(path)  # one download, decoded from memory
+    if data is not None:
+        if is_safetensors_header(data[:HEADER_PROBE_BYTES]):
+            return load_safetensors(data, map_location=map_location)
+    else:
+        with storage.open_read(path) as f:
+            head = f.read(HEADER_PROBE_BYTES)
+            if is_safetensors_header(head):
+                return load_safetensors(head + f.read(), map_location=map_location)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            if storage.is_local:
-                return torch.load(path, map_location=map_location, weights_only=weights_only)
-            with storage.open_read(path) as f:
-                return torch.load(f, map_location=map_location, weights_only=weights_only)
+            source: Any = path if data is None else io.BytesIO(data)
+            return torch.load(source, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as e:
         if weights_only and "weights only" in str(e).lower():
             raise UnsafeSnapshotError(

@@ -400,9 +400,9 @@ class _Snapshot(extension.Extension):
             return None
         target = manager if self._target is None else self._target
 
-        def loader(entry: Entry) -> Any:
+        def loader(entry: Entry, data: bytes | None) -> Any:
             return load_file(catalog.storage, entry.path, map_location=self._map_location,
-                             weights_only=self._weights_only)
+                             weights_only=self._weights_only, data=data)
 
         found = catalog.load_newest(loader, candidates=candidates)
         if found is None:
