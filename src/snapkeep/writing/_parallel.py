@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from snapkeep._core.executors import ProcessRunner, Runner, ThreadRunner
-from snapkeep._core.saver import Ticket
+from snapkeep._core.saver import Saver, Ticket
 from snapkeep.writing._base import SaveFun, StandardWriter
 
 
@@ -76,7 +76,31 @@ class RemoteSave(multiprocessing.Process):
         return 1 if self._failed else 0
 
 
-class ProcessWriter(StandardWriter):
+class WorkerProcessMixin:
+    """What the process writers share: one persistent worker process (started at
+    ``initialize``, so it boots while the trainer sets up) and savefuns that must be picklable."""
+
+    _start_method: str
+    _saver: Saver
+
+    def _make_runner(self) -> Runner:
+        return ProcessRunner(start_method=self._start_method)
+
+    def initialize(self, out_dir: str) -> None:
+        super().initialize(out_dir)  # type: ignore[misc]
+        runner = self._saver.runner
+        if isinstance(runner, ProcessRunner):
+            runner.start()
+
+    def __call__(self, filename: str, out_dir: str, target: Any, *,
+                 savefun: SaveFun | None = None, append: bool = False, **extra: Any) -> Any:
+        if savefun is not None:
+            _check_picklable(savefun)
+        return super().__call__(  # type: ignore[misc]
+            filename, out_dir, target, savefun=savefun, append=append, **extra)
+
+
+class ProcessWriter(WorkerProcessMixin, StandardWriter):
     """Writes snapshots in one persistent worker process (ppe's ``ProcessWriter``).
 
     The worker is started once with ``spawn`` (never a fork of the trainer, so it is safe with
@@ -101,15 +125,6 @@ class ProcessWriter(StandardWriter):
         _check_picklable(savefun)
         super().__init__(savefun=savefun, fs=fs, out_dir=out_dir, **kwargs)
 
-    def _make_runner(self) -> Runner:
-        return ProcessRunner(start_method=self._start_method)
-
-    def initialize(self, out_dir: str) -> None:
-        super().initialize(out_dir)
-        runner = self._saver.runner
-        if isinstance(runner, ProcessRunner):
-            runner.start()  # spawn now, while the trainer sets up, not at the first snapshot
-
     def create_worker(
         self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
         append: bool = False, **savefun_kwargs: Any,
@@ -127,13 +142,6 @@ class ProcessWriter(StandardWriter):
             self._work(None, filename, out_dir, target, savefun, append, savefun_kwargs)
             return True
         return self._saver.run(ticket)
-
-    def __call__(self, filename: str, out_dir: str, target: Any, *,
-                 savefun: SaveFun | None = None, append: bool = False, **extra: Any) -> Any:
-        if savefun is not None:
-            _check_picklable(savefun)
-        return super().__call__(filename, out_dir, target, savefun=savefun, append=append,
-                                **extra)
 
 
 def _check_picklable(savefun: Any) -> None:

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from snapkeep._core.errors import SnapshotSaveError, SnapshotTimeoutError
-from snapkeep._core.executors import ProcessRunner, Runner, ThreadRunner
+from snapkeep._core.executors import ThreadRunner
 from snapkeep._core.saver import SaveHandle, Ticket
 from snapkeep.writing._base import SaveFun, SimpleWriter, Writer
-from snapkeep.writing._parallel import _check_picklable
+from snapkeep.writing._parallel import WorkerProcessMixin, _check_picklable
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class ThreadQueueWriter(QueueWriter):
     _runner_class = ThreadRunner
 
 
-class ProcessQueueWriter(QueueWriter):
+class ProcessQueueWriter(WorkerProcessMixin, QueueWriter):
     """Queue writer whose tasks are written by one persistent worker process (ppe's
     ``ProcessQueueWriter``).
 
@@ -228,22 +228,6 @@ class ProcessQueueWriter(QueueWriter):
         _check_picklable(savefun)
         self._start_method = start_method
         super().__init__(savefun=savefun, fs=fs, out_dir=out_dir, task=task, **kwargs)
-
-    def _make_runner(self) -> Runner:
-        return ProcessRunner(start_method=self._start_method)
-
-    def initialize(self, out_dir: str) -> None:
-        super().initialize(out_dir)
-        runner = self._saver.runner
-        if isinstance(runner, ProcessRunner):
-            runner.start()
-
-    def __call__(self, filename: str, out_dir: str, target: Any, *,
-                 savefun: SaveFun | None = None, append: bool = False, **extra: Any) -> Any:
-        if savefun is not None:
-            _check_picklable(savefun)
-        return super().__call__(filename, out_dir, target, savefun=savefun, append=append,
-                                **extra)
 
 
 __all__ = ["QueueWriter", "ThreadQueueWriter", "ProcessQueueWriter", "Ticket"]
