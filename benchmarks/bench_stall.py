@@ -13,8 +13,12 @@ of ``--state-gib`` GiB (a model of 1/3 of it plus its Adam state), this measures
   place right after it returns (as ``optimizer.step()`` would); each file must hold the constant;
 - CPU seconds per GiB written (user + system, this process and its children, the probe's own
   refill excluded);
-- the floor: copying the state into preallocated buffers, measured in the same run;
-- end-to-end overhead of a CPU training loop that snapshots every ``--loop-every`` steps.
+- the floor: copying the state into preallocated buffers, timed right before every snapshot
+  (``stall / floor`` is the median of per-snapshot ratios, and ``stall / DCP`` compares those
+  normalised stalls, so load drift on a shared machine cancels out);
+- end-to-end overhead of a CPU training loop that snapshots every ``--loop-every`` steps, in
+  wall time and in CPU time of the process tree, from paired loop segments with and without a
+  snapshot (see :func:`train_loop`).
 
 Usage: ``python benchmarks/bench_stall.py --state-gib 0.25 --json out.json``
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import gc
 import json
@@ -160,6 +165,7 @@ class SnapkeepContender(Contender):
 
     def close(self) -> None:
         self.writer.finalize()
+        del self.writer  # its staging buffers go with it
 
 
 class PpeContender(Contender):
@@ -194,6 +200,7 @@ class PpeContender(Contender):
 
     def close(self) -> None:
         self.writer.finalize()
+        del self.writer
 
 
 class DcpContender(Contender):
@@ -273,52 +280,75 @@ class Row:
     durable_s: float = float("nan")
     peak_rss_gib: float = float("nan")
     rss_x_state: float = float("nan")
+    extra_rss_x_state: float = float("nan")
     rss_drift_mib: float = float("nan")
     torn: int = 0
     later: int = 0
     checked: int = 0
     cpu_s_per_gib: float = float("nan")
+    floor_s: float = float("nan")
     stall_x_floor: float = float("nan")
     stall_x_dcp: float = float("nan")
     loop_overhead_pct: float = float("nan")
+    loop_cpu_overhead_pct: float = float("nan")
     error: str | None = None
 
 
-def measure_floor(tensors: list[torch.Tensor], repeats: int) -> dict[str, float]:
-    storages = {t.untyped_storage().data_ptr(): t for t in tensors}
-    sources = [torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()) for t in
-               storages.values()]
-    buffers = [torch.empty_like(s) for s in sources]
-    times = []
-    for _ in range(repeats + 1):
+class Floor:
+    """The floor: one copy of the state's storages into preallocated, warm buffers, the faster
+    of ``Tensor.copy_`` (torch's threads) and a single-threaded ``memcpy`` (``ctypes.memmove``);
+    on a busy two-core machine the single-threaded copy is often the faster one."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        storages = {t.untyped_storage().data_ptr(): t for t in tensors}
+        self.sources = [torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+                        for t in storages.values()]
+        self.buffers = [torch.empty_like(s) for s in self.sources]
+        self.nbytes = sum(s.numel() for s in self.sources)
+        self.first_s = self.time()  # touches the buffers
+
+    def time_copy(self) -> float:
         t0 = time.perf_counter()
-        for d, s in zip(buffers, sources):
+        for d, s in zip(self.buffers, self.sources):
             d.copy_(s)
-        times.append(time.perf_counter() - t0)
-    del buffers
-    clone_times = []
-    for _ in range(2):
+        return time.perf_counter() - t0
+
+    def time_memcpy(self) -> float:
         t0 = time.perf_counter()
-        clones = [s.clone() for s in sources]
-        clone_times.append(time.perf_counter() - t0)
-        del clones
-    nbytes = sum(s.numel() for s in sources)
-    floor = median(times[1:])
-    return {"floor_s": floor, "floor_gb_s": nbytes / floor / 1e9,
-            "first_copy_s": times[0], "clone_s": median(clone_times),
-            "clone_gb_s": nbytes / median(clone_times) / 1e9}
+        for d, s in zip(self.buffers, self.sources):
+            ctypes.memmove(d.data_ptr(), s.data_ptr(), s.numel())
+        return time.perf_counter() - t0
+
+    def time(self) -> float:
+        return min(self.time_copy(), self.time_memcpy())
+
+    def summary(self, repeats: int) -> dict[str, float]:
+        copy_times = [self.time_copy() for _ in range(repeats)]
+        memcpy_times = [self.time_memcpy() for _ in range(repeats)]
+        times = [min(a, b) for a, b in zip(copy_times, memcpy_times)]
+        clone_times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            clones = [s.clone() for s in self.sources]
+            clone_times.append(time.perf_counter() - t0)
+            del clones
+        floor = median(times)
+        return {"floor_s": floor, "floor_gb_s": self.nbytes / floor / 1e9,
+                "torch_copy_s": median(copy_times), "memcpy_s": median(memcpy_times),
+                "first_copy_s": self.first_s, "clone_s": median(clone_times),
+                "clone_gb_s": self.nbytes / median(clone_times) / 1e9}
 
 
 def run_snapshots(contender: Contender, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  args: argparse.Namespace, out_dir: str, mem: TreeMemory, state_bytes: int
-                  ) -> Row:
+                  args: argparse.Namespace, out_dir: str, mem: TreeMemory, state_bytes: int,
+                  floor: Floor, base_rss: int) -> Row:
     row = Row(name=contender.name, family=contender.family)
     tensors = list(flat_tensors(state_of(model, optimizer)).values())
     expected = set(flat_tensors(state_of(model, optimizer)))
     count = 1 + args.repeats
     if contender.family == "snapkeep":
         count = max(count, args.flat_snapshots)
-    stalls, durables, cpus, rss_after = [], [], [], []
+    stalls, durables, cpus, rss_after, floors = [], [], [], [], []
     cpu = TreeCpu()
     mem.reset()
     contender.open(out_dir)
@@ -328,6 +358,7 @@ def run_snapshots(contender: Contender, model: torch.nn.Module, optimizer: torch
             fill(tensors, value)
             state = state_of(model, optimizer)
             gc.collect()
+            floors.append(floor.time())  # the floor under the same load, just before the call
             mem.start_window()
             cpu.start()
             t0 = time.perf_counter()
@@ -366,16 +397,31 @@ def run_snapshots(contender: Contender, model: torch.nn.Module, optimizer: torch
         row.stall_s = median(rest)
         row.stall_max_s = max(rest)
         row.durable_s = median(durables[1:args.repeats + 1] or durables)
+        row.floor_s = median(floors[1:args.repeats + 1] or floors)
+        row.stall_x_floor = median([s / f for s, f in zip(stalls[1:args.repeats + 1],
+                                                          floors[1:args.repeats + 1])])
         row.cpu_s_per_gib = median(cpus[1:] or cpus) / (state_bytes / GIB)
-        row.peak_rss_gib = mem.peak_bytes / GIB
-        row.rss_x_state = mem.peak_bytes / state_bytes
+        peak = mem.peak_bytes - floor.nbytes  # the benchmark's own floor buffers are resident
+        row.peak_rss_gib = peak / GIB
+        row.rss_x_state = peak / state_bytes
+        row.extra_rss_x_state = (peak - base_rss - state_bytes) / state_bytes
         if len(rss_after) >= 3:
             row.rss_drift_mib = (rss_after[-1] - rss_after[1]) / (1 << 20)
     return row
 
 
 # -- phase B: training-loop overhead ------------------------------------------------------------
-def train_loop(contender: Contender | None, args: argparse.Namespace, out_dir: str) -> float:
+def train_loop(contender: Contender, args: argparse.Namespace, out_dir: str) -> dict[str, Any]:
+    """Overhead of snapshotting every ``loop_every`` steps, from paired segments of one loop.
+
+    The loop runs ``2 * loop_pairs`` segments of ``loop_every`` steps; in each pair one segment
+    starts with a snapshot and ends once it is durable ("on"), the other takes none ("off"),
+    in the order on/off, off/on, on/off, ... (ABBA), so the machine's drifting speed cancels
+    out. Cost per snapshot = median over pairs of (on - off); overhead = that cost over the
+    median "off" segment, i.e. the overhead of snapshotting every ``loop_every`` steps. The
+    same in CPU seconds of the process tree. One untimed warm-up snapshot first starts workers
+    and allocates buffers (steady state).
+    """
     torch.manual_seed(0)
     width = args.loop_width
     layers: list[torch.nn.Module] = []
@@ -384,24 +430,50 @@ def train_loop(contender: Contender | None, args: argparse.Namespace, out_dir: s
     model = torch.nn.Sequential(*layers)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     x = torch.randn(args.loop_batch, width)
-    if contender is not None:  # steady state: the worker start and first allocation excluded
-        contender.open(out_dir)
-        contender.save("loop_warmup", state_of(model, optimizer))
-        contender.wait()
-    t0 = time.perf_counter()
-    for step in range(1, args.loop_steps + 1):
+
+    def step() -> None:
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
-        if contender is not None and step % args.loop_every == 0:
-            contender.save(f"loop_{step}", state_of(model, optimizer))
-    if contender is not None:
-        contender.wait()
+
+    for _ in range(2):
+        step()
+    contender.open(out_dir)
+    contender.save("loop_warmup", state_of(model, optimizer))
+    contender.wait()
+    cpu = TreeCpu()
+    pairs: list[dict[str, float]] = []
+    try:
+        for pair in range(args.loop_pairs):
+            order = (True, False) if pair % 2 == 0 else (False, True)
+            seg: dict[str, float] = {}
+            for on in order:
+                cpu.start()
+                t0 = time.perf_counter()
+                if on:
+                    contender.save(f"loop_{pair}", state_of(model, optimizer))
+                for _ in range(args.loop_every):
+                    step()
+                if on:
+                    contender.wait()
+                key = "on" if on else "off"
+                seg[key + "_s"] = time.perf_counter() - t0
+                seg[key + "_cpu_s"] = cpu.elapsed_s()
+            pairs.append(seg)
+    finally:
         contender.close()
-    elapsed = time.perf_counter() - t0
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.makedirs(out_dir)
-    return elapsed
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.makedirs(out_dir)
+    off = median([p["off_s"] for p in pairs])
+    off_cpu = median([p["off_cpu_s"] for p in pairs])
+    cost = median([p["on_s"] - p["off_s"] for p in pairs])
+    cost_cpu = median([p["on_cpu_s"] - p["off_cpu_s"] for p in pairs])
+    state_mib = sum(t.numel() * t.element_size() for t in
+                    flat_tensors(state_of(model, optimizer)).values()) / (1 << 20)
+    return {"pairs": pairs, "segment_s": off, "segment_cpu_s": off_cpu,
+            "cost_per_snapshot_s": cost, "cost_per_snapshot_cpu_s": cost_cpu,
+            "overhead_pct": 100.0 * cost / off, "cpu_overhead_pct": 100.0 * cost_cpu / off_cpu,
+            "state_mib": state_mib}
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -410,8 +482,10 @@ COLUMNS = [
     ("stall_s", "stall s (median)", ".3f"), ("stall_x_floor", "stall / floor", ".2f"),
     ("stall_x_dcp", "stall / DCP", ".2f"), ("durable_s", "durable s", ".2f"),
     ("peak_rss_gib", "peak RSS GiB", ".2f"), ("rss_x_state", "RSS / state", ".2f"),
+    ("extra_rss_x_state", "copies", ".2f"),
     ("rss_drift_mib", "RSS drift MiB", ".0f"), ("torn", "torn", "d"), ("later", "later", "d"),
     ("cpu_s_per_gib", "CPU s/GiB", ".2f"), ("loop_overhead_pct", "loop overhead %", ".1f"),
+    ("loop_cpu_overhead_pct", "loop CPU overhead %", ".1f"),
 ]
 
 
@@ -425,12 +499,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="directory for snapshots (default: a temp dir)")
     p.add_argument("--json", default=None, help="write the results as JSON here")
     p.add_argument("--only", nargs="*", default=None, help="substrings of writer names to run")
-    p.add_argument("--loop-steps", type=int, default=40)
     p.add_argument("--loop-every", type=int, default=10, help="snapshot every N loop steps")
-    p.add_argument("--loop-width", type=int, default=2048)
+    p.add_argument("--loop-width", type=int, default=1024)
     p.add_argument("--loop-depth", type=int, default=4)
-    p.add_argument("--loop-batch", type=int, default=256)
+    p.add_argument("--loop-batch", type=int, default=512)
+    p.add_argument("--loop-pairs", type=int, default=6,
+                   help="(with, without a snapshot) segment pairs per writer; median of them")
     p.add_argument("--no-loop", action="store_true", help="skip the training-loop phase")
+    p.add_argument("--loop-only", action="store_true", help="only the training-loop phase")
     args = p.parse_args(argv)
     if args.repeats < 5:
         p.error("--repeats must be >= 5 (the issue asks for a median of at least 5)")
@@ -450,22 +526,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"state: {state_bytes / GIB:.2f} GiB in {len(tensors)} tensors; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs",
           flush=True)
-    floor = measure_floor(tensors, args.repeats)
+    floor_copy = Floor(tensors)
+    floor = floor_copy.summary(args.repeats)
     print(f"floor: copy into preallocated buffers {floor['floor_s']:.3f} s "
-          f"({floor['floor_gb_s']:.1f} GB/s); clone into fresh memory {floor['clone_s']:.3f} s",
+          f"({floor['floor_gb_s']:.1f} GB/s; Tensor.copy_ {floor['torch_copy_s']:.3f} s, one "
+          f"memcpy {floor['memcpy_s']:.3f} s); clone into fresh memory {floor['clone_s']:.3f} s",
           flush=True)
 
     rows: list[Row] = []
-    for contender in contenders(args.only):
+    for contender in [] if args.loop_only else contenders(args.only):
         out_dir = os.path.join(root, contender.name.replace(" ", "_").replace("+", ""))
         os.makedirs(out_dir, exist_ok=True)
-        rows.append(run_snapshots(contender, model, optimizer, args, out_dir, mem, state_bytes))
+        rows.append(run_snapshots(contender, model, optimizer, args, out_dir, mem, state_bytes,
+                                  floor_copy, base_rss))
         shutil.rmtree(out_dir, ignore_errors=True)
         gc.collect()
-    dcp_stall = next((r.stall_s for r in rows if r.family == "dcp"), float("nan"))
+    # stall / DCP compares stalls normalised by their own floors, so load drift between writers
+    # on a shared machine cancels out
+    dcp = next((r for r in rows if r.family == "dcp"), None)
+    dcp_stall = dcp.stall_s if dcp is not None else float("nan")
     for r in rows:
-        r.stall_x_floor = r.stall_s / floor["floor_s"]
-        r.stall_x_dcp = r.stall_s / dcp_stall if dcp_stall == dcp_stall else float("nan")
+        if dcp is not None:
+            r.stall_x_dcp = r.stall_x_floor / dcp.stall_x_floor
+    del floor_copy  # free its buffers before the loop phase
+    print()
+    print(table([dataclasses.asdict(r) for r in rows], COLUMNS[:-2]), flush=True)
 
     loop: dict[str, Any] = {}
     if not args.no_loop:
@@ -473,26 +558,25 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         loop_dir = os.path.join(root, "loop")
         os.makedirs(loop_dir, exist_ok=True)
-        # each writer's loop runs between two loops without snapshots; its overhead is against
-        # their mean, so a machine whose speed drifts does not bias one writer
-        baselines = [train_loop(None, args, loop_dir)]
-        print(f"loop without snapshots: {baselines[0]:.2f} s", flush=True)
         for contender in contenders(args.only):
             try:
-                elapsed = train_loop(contender, args, loop_dir)
+                result = train_loop(contender, args, loop_dir)
             except Exception as e:
-                print(f"  loop with {contender.name} failed: {e}", flush=True)
+                print(f"  loop with {contender.name} failed: {type(e).__name__}: {e}",
+                      flush=True)
                 continue
-            baselines.append(train_loop(None, args, loop_dir))
-            base = (baselines[-2] + baselines[-1]) / 2
-            loop[contender.name] = {"elapsed_s": elapsed, "baseline_s": base,
-                                    "overhead_pct": 100.0 * (elapsed - base) / base}
-            print(f"loop with {contender.name}: {elapsed:.2f} s (without: {base:.2f} s)",
-                  flush=True)
-        loop["baselines_s"] = baselines
+            loop[contender.name] = result
+            print(f"loop with {contender.name}: {result['segment_s']:.2f} s per "
+                  f"{args.loop_every} steps, +{result['cost_per_snapshot_s']:.3f} s and "
+                  f"+{result['cost_per_snapshot_cpu_s']:.2f} CPU-s per snapshot of "
+                  f"{result['state_mib']:.0f} MiB: {result['overhead_pct']:.1f} % "
+                  f"({result['cpu_overhead_pct']:.1f} % CPU)", flush=True)
+        if args.loop_only:
+            rows = [Row(name=c.name, family=c.family) for c in contenders(args.only)]
         for r in rows:
             if r.name in loop:
                 r.loop_overhead_pct = loop[r.name]["overhead_pct"]
+                r.loop_cpu_overhead_pct = loop[r.name]["cpu_overhead_pct"]
     mem.close()
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)

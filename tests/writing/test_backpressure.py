@@ -110,6 +110,7 @@ def test_block_waits_for_a_slot_and_says_so(
         _release_all(gate, default_pending + 1)
         assert returned.wait(20), "the blocked call must return once a slot frees"
         blocked.join(10)
+        assert len(writer._saver._slots) == default_pending  # one buffer set per slot
         writer.finalize()
     finally:
         logging.getLogger("snapkeep").removeHandler(waiting)
@@ -117,7 +118,7 @@ def test_block_waits_for_a_slot_and_says_so(
     assert _snapshots(out) == [f"s{i}" for i in range(default_pending + 1)]
     for i in range(default_pending + 1):
         _check(out, f"s{i}", i)
-    assert len(writer._saver._slots) == default_pending
+    assert writer._saver._slots == []  # finalize released the staging buffers
 
 
 @pytest.mark.timeout(60)
@@ -203,8 +204,8 @@ def test_buffer_sets_never_exceed_max_pending_and_stay_warm(
         writer(f"s{i}", out, state)
         assert _allocated(writer) == 0
         writer.wait(timeout_s=30)
-    writer.finalize()
     assert len(writer._saver._slots) <= 2
+    writer.finalize()
     assert allocated[0] > 0 and sum(1 for a in allocated if a) <= 2
     _check_small = torch.load(os.path.join(out, "s23"), weights_only=True)
     assert torch.equal(_check_small["a"], torch.full((1024,), 19.0))

@@ -236,6 +236,8 @@ class Saver:
                 close = getattr(slot.buffers.allocator, "close", None)
                 if close is not None:
                     close()
+            with self._cond:  # a closed saver keeps no staging copies of the state
+                self._slots = [s for s in self._slots if s.handle is not None]
             _LIVE_SAVERS.discard(self)
         self.raise_pending_error()
 

@@ -13,9 +13,12 @@ persistent worker process reads them without another copy.
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
+import ctypes
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -108,6 +111,7 @@ class BufferSet:
         _collect(tree, (), sources, layout, storages)
         buffers, allocated = self.allocator.reserve(layout)
         streams: list[Any] = []
+        host_copies: list[tuple[int, int, int]] = []
         total = 0
         for src, dst in zip(storages, buffers):
             nbytes = src.nbytes()
@@ -123,14 +127,66 @@ class BufferSet:
                     dst_bytes.copy_(src_bytes, non_blocking=True)
                 if stream not in streams:
                     streams.append(stream)
+            elif src.device.type == "cpu":
+                host_copies.append((dst.data_ptr(), src.data_ptr(), nbytes))
             else:
                 dst_bytes.copy_(src_bytes)
+        copy_host(host_copies)
         for stream in streams:
             stream.synchronize()
         staged = _rebuild(tree, sources, buffers)
         return staged, StageStats(
             tensor_bytes=total, allocated_bytes=allocated, num_storages=len(buffers)
         )
+
+
+#: Host-to-host staging copies are cut into chunks of this many bytes, handed out one at a time
+#: to up to ``torch.get_num_threads()`` threads (the caller's included).
+COPY_CHUNK_BYTES = 16 << 20
+_COPY_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_COPY_POOL_LOCK = threading.Lock()
+
+
+def copy_host(copies: list[tuple[int, int, int]]) -> None:
+    """Copy ``(dst_ptr, src_ptr, nbytes)`` ranges between host buffers, each fully, in parallel.
+
+    ``Tensor.copy_`` splits a copy statically across its OpenMP threads and waits for the
+    slowest; on a busy machine (a background writer on one of two cores) that made staging 3-4x
+    slower than one ``memcpy``. Here chunks are taken dynamically, so a descheduled thread only
+    delays its current chunk. ``ctypes.memmove`` releases the GIL while it copies.
+    """
+    chunks = [(dst + off, src + off, min(COPY_CHUNK_BYTES, nbytes - off))
+              for dst, src, nbytes in copies for off in range(0, nbytes, COPY_CHUNK_BYTES)]
+    helpers = min(torch.get_num_threads(), len(chunks)) - 1
+    if helpers <= 0:
+        for chunk in chunks:
+            ctypes.memmove(*chunk)
+        return
+    pending = iter(chunks)
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                chunk = next(pending, None)
+            if chunk is None:
+                return
+            ctypes.memmove(*chunk)
+
+    futures = [_copy_pool().submit(work) for _ in range(helpers)]
+    work()
+    for future in futures:
+        future.result()
+
+
+def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _COPY_POOL
+    with _COPY_POOL_LOCK:
+        if _COPY_POOL is None:
+            _COPY_POOL = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, (os.cpu_count() or 2) - 1),
+                thread_name_prefix="snapkeep-stage")
+        return _COPY_POOL
 
 
 def _storage_ident(t: torch.Tensor) -> tuple[str, int, int]:
