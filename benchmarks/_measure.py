@@ -33,16 +33,19 @@ class TreeMemory:
 
     Resident bytes = sum over the tree of anonymous + file-backed RSS, plus the largest shared
     memory RSS of any one process (staging arenas are mapped by the trainer and its worker; they
-    are counted once). Cheap (``/proc/PID/status``), so it can sample every 10 ms without
-    disturbing the measurement. A forked child's copy-on-write pages are counted in the child
-    too, which overstates fork-based writers (ppe's ``ProcessWriter``) while they run.
+    are counted once). Each sample reads ``/proc/PID/status`` (microseconds); the list of
+    descendants (a scan of ``/proc``, milliseconds) is refreshed when a window starts and every
+    ``refresh_s`` within it, so sampling disturbs the measured copy as little as possible. A
+    forked child's copy-on-write pages are counted in the child too, which overstates fork-based
+    writers (ppe's ``ProcessWriter``) while they run.
 
-    Call :meth:`window` around the part to measure; :attr:`peak_bytes` is the peak inside
-    windows since the last :meth:`reset`.
+    Call :meth:`start_window` / :meth:`end_window` around the part to measure;
+    :attr:`peak_bytes` is the peak inside windows since the last :meth:`reset`.
     """
 
-    def __init__(self, interval_s: float = 0.01) -> None:
+    def __init__(self, interval_s: float = 0.02, refresh_s: float = 1.0) -> None:
         self.interval_s = interval_s
+        self.refresh_s = refresh_s
         self.peak_bytes = 0
         self._active = threading.Event()
         self._stop = threading.Event()
@@ -51,9 +54,9 @@ class TreeMemory:
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
         self._thread.start()
 
-    def current_bytes(self) -> int:
+    def current_bytes(self, refresh: bool = False) -> int:
         now = time.monotonic()
-        if now - self._pids_at > 0.1:
+        if refresh or now - self._pids_at > self.refresh_s:
             try:
                 self._pids = [c.pid for c in psutil.Process().children(recursive=True)]
             except psutil.Error:
@@ -77,7 +80,7 @@ class TreeMemory:
         self.peak_bytes = 0
 
     def start_window(self) -> None:
-        self.peak_bytes = max(self.peak_bytes, self.current_bytes())
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes(refresh=True))
         self._active.set()
 
     def end_window(self) -> None:

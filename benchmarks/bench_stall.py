@@ -358,8 +358,8 @@ def run_snapshots(contender: Contender, model: torch.nn.Module, optimizer: torch
             fill(tensors, value)
             state = state_of(model, optimizer)
             gc.collect()
+            mem.start_window()  # the floor is timed with the sampler running, as the stall is
             floors.append(floor.time())  # the floor under the same load, just before the call
-            mem.start_window()
             cpu.start()
             t0 = time.perf_counter()
             contender.save(f"snap_{r}", state)

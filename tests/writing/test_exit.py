@@ -20,10 +20,12 @@ import torch
 EXIT_BOUND_S = 60  # generous for a loaded CI machine; a healthy run takes a few seconds
 
 UNFINALIZED = textwrap.dedent("""
+    import logging
     import sys
     import torch
     from snapkeep import writing
 
+    logging.basicConfig(level=logging.WARNING)  # the exit drain logs what it waits for
     out = sys.argv[1]
     state = {"w": torch.arange(4096.0), "step": 3}
     queue_writer = writing.ThreadQueueWriter()
