@@ -3,6 +3,7 @@ and table formatting. Linux only (reads ``/proc``)."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -31,13 +32,15 @@ def _status_kib(pid: int) -> dict[str, int]:
 class TreeMemory:
     """Samples the resident memory of this process and its descendants in a thread.
 
-    Resident bytes = sum over the tree of anonymous + file-backed RSS, plus the largest shared
-    memory RSS of any one process (staging arenas are mapped by the trainer and its worker; they
-    are counted once). Each sample reads ``/proc/PID/status`` (microseconds); the list of
-    descendants (a scan of ``/proc``, milliseconds) is refreshed when a window starts and every
-    ``refresh_s`` within it, so sampling disturbs the measured copy as little as possible. A
-    forked child's copy-on-write pages are counted in the child too, which overstates fork-based
-    writers (ppe's ``ProcessWriter``) while they run.
+    Resident bytes = sum over the tree of anonymous RSS, plus the largest file-backed RSS and
+    the largest shared-memory RSS of any one process: a worker maps the same torch libraries
+    from the page cache as the trainer (about 0.2 GiB of file-backed pages each), and staging
+    arenas are mapped by the trainer and its worker; both exist once in physical memory. Each
+    sample reads ``/proc/PID/status`` (microseconds); the list of descendants (a scan of
+    ``/proc``, milliseconds) is refreshed when a window starts and every ``refresh_s`` within
+    it, so sampling disturbs the measured copy as little as possible. A forked child's copy-on-
+    write pages are counted in the child too, which overstates fork-based writers (ppe's
+    ``ProcessWriter``) while they run.
 
     Call :meth:`start_window` / :meth:`end_window` around the part to measure;
     :attr:`peak_bytes` is the peak inside windows since the last :meth:`reset`.
@@ -62,13 +65,13 @@ class TreeMemory:
             except psutil.Error:
                 self._pids = []
             self._pids_at = now
-        total_kib = 0
-        shmem_kib = 0
+        anon_kib = file_kib = shmem_kib = 0
         for pid in [os.getpid(), *self._pids]:
             s = _status_kib(pid)
-            total_kib += s["RssAnon"] + s["RssFile"]
+            anon_kib += s["RssAnon"]
+            file_kib = max(file_kib, s["RssFile"])
             shmem_kib = max(shmem_kib, s["RssShmem"])
-        return (total_kib + shmem_kib) * 1024
+        return (anon_kib + file_kib + shmem_kib) * 1024
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -133,6 +136,25 @@ def median(values: Sequence[float]) -> float:
         return float("nan")
     mid = len(s) // 2
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median (order statistics, binomial):
+    ``(lo, hi)`` with at least ``level`` coverage; ``(nan, nan)`` for fewer than 6 values."""
+    s = sorted(values)
+    n = len(s)
+    if n < 6:
+        return float("nan"), float("nan")
+    alpha = (1 - level) / 2
+    # largest k with P(Binomial(n, 1/2) <= k - 1) <= alpha: the interval is s[k-1] .. s[n-k]
+    k, tail = 0, 0.0
+    while True:
+        nxt = tail + math.comb(n, k) / 2**n
+        if nxt > alpha:
+            break
+        tail, k = nxt, k + 1
+    k = max(k, 1)
+    return s[k - 1], s[n - k]
 
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:

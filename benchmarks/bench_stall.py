@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import GIB, TreeCpu, TreeMemory, median, table  # noqa: E402
+from _measure import GIB, TreeCpu, TreeMemory, median, median_ci, table  # noqa: E402
 
 import snapkeep  # noqa: E402
 from snapkeep import writing  # noqa: E402
@@ -291,6 +291,7 @@ class Row:
     stall_x_dcp: float = float("nan")
     loop_overhead_pct: float = float("nan")
     loop_cpu_overhead_pct: float = float("nan")
+    loop_overhead_ci: str = ""
     error: str | None = None
 
 
@@ -466,13 +467,16 @@ def train_loop(contender: Contender, args: argparse.Namespace, out_dir: str) -> 
         os.makedirs(out_dir)
     off = median([p["off_s"] for p in pairs])
     off_cpu = median([p["off_cpu_s"] for p in pairs])
-    cost = median([p["on_s"] - p["off_s"] for p in pairs])
+    costs = [p["on_s"] - p["off_s"] for p in pairs]
+    cost = median(costs)
+    cost_lo, cost_hi = median_ci(costs)
     cost_cpu = median([p["on_cpu_s"] - p["off_cpu_s"] for p in pairs])
     state_mib = sum(t.numel() * t.element_size() for t in
                     flat_tensors(state_of(model, optimizer)).values()) / (1 << 20)
     return {"pairs": pairs, "segment_s": off, "segment_cpu_s": off_cpu,
             "cost_per_snapshot_s": cost, "cost_per_snapshot_cpu_s": cost_cpu,
             "overhead_pct": 100.0 * cost / off, "cpu_overhead_pct": 100.0 * cost_cpu / off_cpu,
+            "overhead_ci_pct": (100.0 * cost_lo / off, 100.0 * cost_hi / off),
             "state_mib": state_mib}
 
 
@@ -485,7 +489,7 @@ COLUMNS = [
     ("extra_rss_x_state", "copies", ".2f"),
     ("rss_drift_mib", "RSS drift MiB", ".0f"), ("torn", "torn", "d"), ("later", "later", "d"),
     ("cpu_s_per_gib", "CPU s/GiB", ".2f"), ("loop_overhead_pct", "loop overhead %", ".1f"),
-    ("loop_cpu_overhead_pct", "loop CPU overhead %", ".1f"),
+    ("loop_overhead_ci", "95 % CI", ""), ("loop_cpu_overhead_pct", "loop CPU overhead %", ".1f"),
 ]
 
 
@@ -503,7 +507,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--loop-width", type=int, default=1024)
     p.add_argument("--loop-depth", type=int, default=4)
     p.add_argument("--loop-batch", type=int, default=512)
-    p.add_argument("--loop-pairs", type=int, default=6,
+    p.add_argument("--loop-pairs", type=int, default=20,
                    help="(with, without a snapshot) segment pairs per writer; median of them")
     p.add_argument("--no-loop", action="store_true", help="skip the training-loop phase")
     p.add_argument("--loop-only", action="store_true", help="only the training-loop phase")
@@ -552,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             r.stall_x_dcp = r.stall_x_floor / dcp.stall_x_floor
     del floor_copy  # free its buffers before the loop phase
     print()
-    print(table([dataclasses.asdict(r) for r in rows], COLUMNS[:-2]), flush=True)
+    print(table([dataclasses.asdict(r) for r in rows], COLUMNS[:-3]), flush=True)
 
     loop: dict[str, Any] = {}
     if not args.no_loop:
@@ -571,14 +575,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loop with {contender.name}: {result['segment_s']:.2f} s per "
                   f"{args.loop_every} steps, +{result['cost_per_snapshot_s']:.3f} s and "
                   f"+{result['cost_per_snapshot_cpu_s']:.2f} CPU-s per snapshot of "
-                  f"{result['state_mib']:.0f} MiB: {result['overhead_pct']:.1f} % "
-                  f"({result['cpu_overhead_pct']:.1f} % CPU)", flush=True)
+                  f"{result['state_mib']:.0f} MiB: {result['overhead_pct']:.1f} % (95 % CI "
+                  f"{result['overhead_ci_pct'][0]:.1f} .. {result['overhead_ci_pct'][1]:.1f} %; "
+                  f"{result['cpu_overhead_pct']:.1f} % CPU)", flush=True)
         if args.loop_only:
             rows = [Row(name=c.name, family=c.family) for c in contenders(args.only)]
         for r in rows:
             if r.name in loop:
                 r.loop_overhead_pct = loop[r.name]["overhead_pct"]
                 r.loop_cpu_overhead_pct = loop[r.name]["cpu_overhead_pct"]
+                lo, hi = loop[r.name]["overhead_ci_pct"]
+                r.loop_overhead_ci = f"{lo:.1f} .. {hi:.1f}"
     mem.close()
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)

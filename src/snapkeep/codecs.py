@@ -4,10 +4,13 @@
 
     snapshot_object(model, "model_iter_{.iteration}", savefun=codecs.save_safetensors)
 
+``torch_save`` is what writers use when ``savefun`` is ``torch.save`` (the default): the same
+bytes, without the zip CRC-32 that ``torch.load`` never checks.
+
 ``autoload`` (and :func:`load_safetensors`) recognise such files by their first bytes, so no
 extra argument is needed to resume from them. See :mod:`snapkeep._core.codec` for the layout.
 """
 
-from snapkeep._core.codec import load_safetensors, save_safetensors
+from snapkeep._core.codec import load_safetensors, save_safetensors, torch_save
 
-__all__ = ["load_safetensors", "save_safetensors"]
+__all__ = ["load_safetensors", "save_safetensors", "torch_save"]

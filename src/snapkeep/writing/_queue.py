@@ -54,9 +54,11 @@ class QueueWriter(Writer):
         self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "",
         task: Any = None, *, max_pending: int | None = None, on_full: str = "block",
         timeout_s: float | None = None, storage_options: Mapping[str, Any] | None = None,
+        zip_crc32: bool = False,
     ) -> None:
         super().__init__(fs=fs, out_dir=out_dir, storage_options=storage_options,
-                         max_pending=max_pending, on_full=on_full, timeout_s=timeout_s)
+                         max_pending=max_pending, on_full=on_full, timeout_s=timeout_s,
+                         zip_crc32=zip_crc32)
         self._savefun = savefun
         self._started = False
         self._queued: list[Ticket] = []  # tickets put on the queue and not yet known to be done
@@ -83,7 +85,7 @@ class QueueWriter(Writer):
     def create_task(self, savefun: SaveFun) -> Any:
         """The default task: a :class:`SimpleWriter` with ``savefun`` (as ppe)."""
         return SimpleWriter(savefun=savefun, fs=self.fs, out_dir=self.out_dir,
-                            storage_options=self._storage_options)
+                            storage_options=self._storage_options, zip_crc32=self._zip_crc32)
 
     def create_queue(self) -> Any:
         """The queue between the trainer and the consumer."""
