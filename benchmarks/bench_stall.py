@@ -34,6 +34,7 @@ import gc
 import json
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -149,13 +150,15 @@ class Contender:
 class SnapkeepContender(Contender):
     family = "snapkeep"
 
-    def __init__(self, cls: type[writing.Writer]) -> None:
+    def __init__(self, cls: type[writing.Writer], **kwargs: Any) -> None:
         self.cls = cls
-        self.name = f"snapkeep {cls.__name__}"
+        self.kwargs = kwargs
+        extra = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        self.name = f"snapkeep {cls.__name__}" + (f" ({extra})" if extra else "")
 
     def open(self, out_dir: str) -> None:
         super().open(out_dir)
-        self.writer = self.cls()
+        self.writer = self.cls(**self.kwargs)
 
     def save(self, name: str, state: dict[str, Any]) -> None:
         self.writer(name, self.out, state)
@@ -541,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Row] = []
     for contender in [] if args.loop_only else contenders(args.only):
-        out_dir = os.path.join(root, contender.name.replace(" ", "_").replace("+", ""))
+        out_dir = os.path.join(root, re.sub(r"[^A-Za-z0-9_.-]+", "_", contender.name))
         os.makedirs(out_dir, exist_ok=True)
         rows.append(run_snapshots(contender, model, optimizer, args, out_dir, mem, state_bytes,
                                   floor_copy, base_rss))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from snapkeep._core.shm import ArenaReader, SharedArena
-from snapkeep._core.staging import BufferSet
+from snapkeep._core.staging import BufferSet, HeapAllocator
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -169,3 +169,29 @@ def test_cuda_sources_stage_into_pinned_cpu_buffers() -> None:
     assert staged["w"].device.type == "cpu" and staged["w"].is_pinned()
     assert torch.equal(staged["w"], torch.arange(1 << 20, dtype=torch.float32))
     assert stats.allocated_bytes == 4 << 20
+
+
+def test_cuda_sources_get_pinned_buffers_once_cpu_stand_in(monkeypatch) -> None:
+    """The pinned-buffer policy without a GPU: buffers for CUDA sources are pinned when they are
+    allocated, reused (not re-pinned) by later snapshots, and CPU sources are never pinned."""
+    pinned: list[int] = []
+
+    def fake_pin_memory(self, device=None):  # stands in for cudaHostRegister/cudaHostAlloc
+        pinned.append(self.nbytes())
+        return self
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.UntypedStorage, "pin_memory", fake_pin_memory)
+    allocator = HeapAllocator()
+    layout = [(("model", "w"), 4096, True), (("model", "b"), 64, False)]
+    first, allocated = allocator.reserve(layout)
+    assert pinned == [4096] and allocated == 4096 + 64
+    again, allocated = allocator.reserve(layout)
+    assert pinned == [4096] and allocated == 0
+    assert all(a is b for a, b in zip(first, again))
+    grown = [(("model", "w"), 8192, True), (("model", "b"), 64, False)]
+    allocator.reserve(grown)
+    assert pinned == [4096, 8192]  # only the grown buffer is reallocated (and pinned)
+    unpinned = HeapAllocator(pin_memory=False)
+    unpinned.reserve(layout)
+    assert pinned == [4096, 8192]
