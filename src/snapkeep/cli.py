@@ -107,13 +107,44 @@ def demo(out_dir: str, iterations: int, snapshot_interval: int, n_retains: int, 
 # -- inspection commands ----------------------------------------------------------------------
 
 
-def _catalog(directory: str, template: str) -> Catalog:
+def _parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``('key=abc', 'config_kwargs.connect_timeout=5')`` -> nested storage_options; a value is
+    read as JSON when it parses (numbers, true/false, objects), else kept as a string."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE",
+                                     param_hint="'--storage-option'")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        *parents, leaf = key.split(".")
+        node = options
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise click.BadParameter(f"{key!r} nests under a non-dict value",
+                                         param_hint="'--storage-option'")
+        node[leaf] = value
+    return options
+
+
+storage_option = click.option(
+    "--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
+    help="fsspec storage option for a URL (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000"
+         " -o anon=true; dotted keys nest (config_kwargs.connect_timeout=5).")
+
+
+def _catalog(directory: str, template: str, storage_options: tuple[str, ...] = ()) -> Catalog:
+    options = _parse_storage_options(storage_options)
     if "://" not in directory:
         import os
 
         if not os.path.isdir(directory):
             raise click.BadParameter(f"{directory!r} is not a directory", param_hint="'DIR'")
-    storage, path = resolve_storage(directory)
+    storage, path = resolve_storage(directory, storage_options=options or None)
     try:
         return Catalog(storage, path, template)
     except (TypeError, ValueError) as e:
@@ -150,9 +181,11 @@ template_option = click.option(
 @cli.command("ls")
 @click.argument("directory", metavar="DIR")
 @template_option
-def ls_command(directory: str, template: str) -> None:
-    """List the snapshots in DIR by step, with size and checksum status."""
-    catalog = _catalog(directory, template)
+@storage_option
+def ls_command(directory: str, template: str, storage_options: tuple[str, ...]) -> None:
+    """List the snapshots in DIR (a path or an fsspec URL) by step, with size and checksum
+    status."""
+    catalog = _catalog(directory, template, storage_options)
     entries = catalog.entries()
     if not entries:
         click.echo(f"no snapshots matching {template!r} in {directory}")
@@ -168,13 +201,14 @@ def ls_command(directory: str, template: str) -> None:
 @cli.command()
 @click.argument("directory", metavar="DIR")
 @template_option
-def verify(directory: str, template: str) -> None:
+@storage_option
+def verify(directory: str, template: str, storage_options: tuple[str, ...]) -> None:
     """Verify every snapshot in DIR against its checksum; exit 1 if any is corrupt.
 
     A snapshot without a manifest (written by ppe, or interrupted between the two commits) counts
     as valid when it loads completely. A DIR without snapshots also exits 1.
     """
-    catalog = _catalog(directory, template)
+    catalog = _catalog(directory, template, storage_options)
     entries = catalog.entries()
     if not entries:
         click.echo(f"no snapshots matching {template!r} in {directory}", err=True)
@@ -197,7 +231,8 @@ def verify(directory: str, template: str) -> None:
 @click.argument("file", metavar="FILE")
 @click.option("--unsafe", is_flag=True,
               help="Allow arbitrary unpickling (weights_only=False); only for trusted files.")
-def inspect(file: str, unsafe: bool) -> None:
+@storage_option
+def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...]) -> None:
     """Show the top-level keys, tensor counts and bytes of a snapshot FILE.
 
     The file is loaded with torch.load(weights_only=True) unless --unsafe is given.
@@ -206,7 +241,8 @@ def inspect(file: str, unsafe: bool) -> None:
 
     if "://" not in file and not os.path.isfile(file):
         raise click.BadParameter(f"{file!r} is not a file", param_hint="'FILE'")
-    storage, path = resolve_storage(file)
+    options = _parse_storage_options(storage_options)
+    storage, path = resolve_storage(file, storage_options=options or None)
     try:
         state = load_file(storage, path, weights_only=not unsafe)
     except UnsafeSnapshotError as e:

@@ -111,3 +111,13 @@ def test_overwriting_a_name_never_leaves_a_stale_manifest(tmp_path):
     storage, d = resolve_storage(str(tmp_path))
     catalog = Catalog(storage, d, "latest")
     assert catalog.verify(catalog.entries()[0]) is not None
+
+
+def test_counter_fields_match_whole_numbers_only():
+    from snapkeep._core.naming import FilenameTemplate
+
+    template = FilenameTemplate("snap_e{.epoch}_i{.iteration}_acc{.observation}")
+    assert template.parse("snap_e2_i300_acc0.75") == (300.0, 2.0, 0.75)
+    assert template.parse("snap_e2_i300.5_acc0.75") is None  # a stray name is not a snapshot
+    assert template.parse("snap_e2.0_i300_acc0.75") is None
+    assert FilenameTemplate("it_{.iteration:06d}").step_of("it_000120") == 120

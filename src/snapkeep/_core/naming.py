@@ -15,6 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 _NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
+_INTEGER = r"(-?\d+)"
+#: fields that are counters: their names only match whole numbers ("_iter_10.5" is not a snapshot)
+_INTEGER_FIELDS = ("iteration", "epoch")
 _PRIORITY = {"iteration": 0, "epoch": 1, "epoch_detail": 2}
 
 
@@ -93,8 +96,9 @@ class FilenameTemplate:
             parts.append(re.escape(literal))
             if field is None:
                 continue
-            parts.append(_NUMBER)
-            priorities.append(_PRIORITY.get(_attribute_of(field), 3))
+            attribute = _attribute_of(field)
+            parts.append(_INTEGER if attribute in _INTEGER_FIELDS else _NUMBER)
+            priorities.append(_PRIORITY.get(attribute, 3))
         return re.compile("".join(parts) + r"\Z"), priorities
 
     def parse(self, name: str) -> tuple[float, ...] | None:
