@@ -1,8 +1,9 @@
 """Disk full during a save: a clear error (file, bytes attempted, errno, what to do), previous
 snapshots intact, no temp file left; ``on_save_error`` decides whether training stops.
 
-Runs on a real 2 MiB tmpfs when one can be mounted (root), and always with an injected ENOSPC
-(a savefun that fails the way a full disk does)."""
+Runs on a real 2 MiB tmpfs and a real 2.2 MiB ext4 image (where snapkeep writes with O_DIRECT)
+when they can be mounted (root, loop devices), and always with an injected ENOSPC (a savefun that
+fails the way a full disk does)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,20 @@ def _try_mount(directory) -> bool:
     return done.returncode == 0
 
 
+def _try_mount_ext4(directory, image) -> bool:
+    """A 2.2 MiB ext4 filesystem in a loop-mounted image file (no journal, 1 KiB blocks)."""
+    directory.mkdir()
+    try:
+        subprocess.run(["truncate", "-s", "2304K", str(image)], check=True, timeout=30)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-b", "1024", "-N", "32",
+                        "-m", "0", str(image)], check=True, capture_output=True, timeout=60)
+        done = subprocess.run(["mount", "-o", "loop", str(image), str(directory)],
+                              capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
 def _enospc_savefun(limit_bytes: int):
     """A savefun that fails like a full disk once ``limit_bytes`` have been written in all: it
     encodes with torch.save, then writes the bytes in chunks, raising ENOSPC from ``write``."""
@@ -56,10 +71,16 @@ def _enospc_savefun(limit_bytes: int):
     return savefun
 
 
-@pytest.fixture(params=["tmpfs", "injected"])
+@pytest.fixture(params=["tmpfs", "ext4", "injected"])
 def full_disk(request, tmp_path):
     """``(out_dir, snapshot kwargs)`` where the third snapshot runs out of space."""
-    if request.param == "tmpfs":
+    if request.param == "ext4":
+        out = tmp_path / "small"
+        if not _try_mount_ext4(out, tmp_path / "ext4.img"):
+            pytest.skip("cannot mount an ext4 image here (needs root and loop devices)")
+        yield out, {}
+        subprocess.run(["umount", str(out)], capture_output=True, timeout=30, check=False)
+    elif request.param == "tmpfs":
         out = tmp_path / "small"
         if not _try_mount(out):
             pytest.skip("cannot mount a tmpfs here (needs root); the injected case covers it")

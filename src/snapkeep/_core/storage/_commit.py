@@ -28,6 +28,7 @@ from typing import Any, BinaryIO, NoReturn, Protocol
 
 from snapkeep._core.checksum import HashingWriter
 from snapkeep._core.errors import SnapshotStorageError
+from snapkeep._core.storage._direct import DirectFile, open_for_write
 
 logger = logging.getLogger(__name__)
 
@@ -172,33 +173,47 @@ class _Sink:
             self.error = self.error or e
             raise
 
+    def finish(self) -> None:
+        """The backend's own end of writing (``DirectFile.finish``), with the same error capture."""
+        finish = getattr(self._raw, "finish", None)
+        if finish is None:
+            return
+        try:
+            finish()
+        except Exception as e:
+            self.error = self.error or e
+            raise
+
 
 # -- local: replace + fsync ------------------------------------------------------------------------
 class ReplaceCommit:
     """Local filesystem: temp file -> write -> flush -> ``fsync`` -> ``os.replace`` -> ``fsync``
-    of the directory (the POSIX protocol; ``os.replace`` is atomic within one filesystem)."""
+    of the directory (the POSIX protocol; ``os.replace`` is atomic within one filesystem).
+
+    The temp file is written with ``O_DIRECT`` where the filesystem accepts it (see
+    :mod:`._direct`; ``direct_io=False`` always writes through the page cache).
+    """
 
     real_directories = True
+
+    def __init__(self, *, direct_io: bool = True) -> None:
+        self.direct_io = direct_io
 
     def write(self, fs: Any, target: Target, write_fn: WriteFn) -> WriteResult:
         tmp = target.temp_path
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd, direct = open_for_write(tmp, direct=self.direct_io)
         except OSError as e:
             raise storage_error(e, target.url, 0, "creating a temporary file for",
                                 target.endpoint) from e
-        try:
-            raw = os.fdopen(fd, "wb", buffering=1 << 20)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(tmp)
-            raise
+        raw = DirectFile(fd, direct)
         sink = _Sink(raw)
         hashing = HashingWriter(sink)  # type: ignore[arg-type]
         try:
             with raw:
                 write_fn(hashing)  # type: ignore[arg-type]
                 sink.flush()
+                sink.finish()
                 os.fsync(raw.fileno())
             os.replace(tmp, target.path)
         except BaseException as e:

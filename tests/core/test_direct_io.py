@@ -1,0 +1,126 @@
+"""Local files written with O_DIRECT (``_core.storage._direct``): same bytes, every size, and the
+fallbacks to buffered writes when the filesystem or a write refuses."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from snapkeep._core.storage import _direct
+from snapkeep._core.storage._direct import ALIGN_BYTES, CHUNK_BYTES, DirectFile, open_for_write
+
+SIZES = [0, 1, ALIGN_BYTES - 1, ALIGN_BYTES, ALIGN_BYTES + 1, CHUNK_BYTES - 1, CHUNK_BYTES,
+         CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 12345]
+
+
+def _payload(n: int) -> bytes:
+    return (bytes(range(251)) * (n // 251 + 1))[:n]
+
+
+def _write(path, pieces: list[bytes]) -> bool:
+    fd, direct = open_for_write(str(path))
+    with DirectFile(fd, direct) as f:
+        for piece in pieces:
+            assert f.write(piece) == len(piece)
+        f.flush()
+        f.finish()
+        os.fsync(f.fileno())
+        return f.direct
+
+
+def _direct_supported(tmp_path) -> bool:
+    fd, direct = open_for_write(str(tmp_path / "probe"))
+    os.close(fd)
+    return direct
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_round_trip_one_write_and_many_small_writes(tmp_path, size: int) -> None:
+    data = _payload(size)
+    _write(tmp_path / "one", [data])
+    pieces = [data[i:i + 7777] for i in range(0, size, 7777)]
+    _write(tmp_path / "many", pieces)
+    assert (tmp_path / "one").read_bytes() == data
+    assert (tmp_path / "many").read_bytes() == data
+
+
+def test_direct_is_used_where_the_filesystem_accepts_it(tmp_path) -> None:
+    if not _direct.SUPPORTED or not _direct_supported(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    assert _write(tmp_path / "f", [_payload(CHUNK_BYTES + 5)]) is True
+
+
+def test_einval_on_the_first_direct_write_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
+    if not _direct.SUPPORTED or not _direct_supported(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    real_write = os.write
+    calls = []
+
+    def refusing_write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(_direct.os, "write", refusing_write)
+    data = _payload(2 * CHUNK_BYTES + 999)
+    assert _write(tmp_path / "f", [data]) is False
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_short_unaligned_direct_write_continues_buffered(tmp_path, monkeypatch) -> None:
+    if not _direct.SUPPORTED or not _direct_supported(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    real_write = os.write
+    calls = []
+
+    def short_write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:  # the second chunk: only part of it lands, unaligned
+            flags = _direct.fcntl.fcntl(fd, _direct.fcntl.F_GETFL)
+            _direct.fcntl.fcntl(fd, _direct.fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            n = real_write(fd, bytes(memoryview(data)[:1000]))
+            _direct.fcntl.fcntl(fd, _direct.fcntl.F_SETFL, flags)
+            return n
+        return real_write(fd, data)
+
+    monkeypatch.setattr(_direct.os, "write", short_write)
+    data = _payload(3 * CHUNK_BYTES + 77)
+    _write(tmp_path / "f", [data])
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_full_disk_raises_enospc(tmp_path, monkeypatch) -> None:
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(_direct.os, "write", full)
+    with pytest.raises(OSError) as info:
+        _write(tmp_path / "f", [_payload(CHUNK_BYTES + 1)])
+    assert info.value.errno == errno.ENOSPC
+
+
+def test_two_files_open_at_once_in_one_thread(tmp_path) -> None:
+    a, b = _payload(CHUNK_BYTES + 10), _payload(5000)[::-1]
+    fda, da = open_for_write(str(tmp_path / "a"))
+    fdb, db = open_for_write(str(tmp_path / "b"))
+    with DirectFile(fda, da) as fa, DirectFile(fdb, db) as fb:
+        for i in range(0, len(a), 4000):
+            fa.write(a[i:i + 4000])
+            if i < len(b):
+                fb.write(b[i:i + 4000])
+        fa.finish()
+        fb.finish()
+    assert (tmp_path / "a").read_bytes() == a
+    assert (tmp_path / "b").read_bytes() == b
+
+
+def test_direct_io_off_writes_through_the_page_cache(tmp_path) -> None:
+    fd, direct = open_for_write(str(tmp_path / "f"), direct=False)
+    assert direct is False
+    with DirectFile(fd, direct) as f:
+        f.write(b"abc")
+        f.finish()
+    assert (tmp_path / "f").read_bytes() == b"abc"
