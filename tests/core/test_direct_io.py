@@ -4,7 +4,10 @@ fallbacks to buffered writes when the filesystem or a write refuses."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -79,10 +82,10 @@ def test_short_unaligned_direct_write_continues_buffered(tmp_path, monkeypatch) 
     def short_write(fd, data):
         calls.append(len(data))
         if len(calls) == 2:  # the second chunk: only part of it lands, unaligned
-            flags = _direct.fcntl.fcntl(fd, _direct.fcntl.F_GETFL)
-            _direct.fcntl.fcntl(fd, _direct.fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
             n = real_write(fd, bytes(memoryview(data)[:1000]))
-            _direct.fcntl.fcntl(fd, _direct.fcntl.F_SETFL, flags)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
             return n
         return real_write(fd, data)
 
@@ -124,3 +127,78 @@ def test_direct_io_off_writes_through_the_page_cache(tmp_path) -> None:
         f.write(b"abc")
         f.finish()
     assert (tmp_path / "f").read_bytes() == b"abc"
+
+
+def test_a_filesystem_refusing_o_direct_gets_buffered_writes(tmp_path, monkeypatch) -> None:
+    """Where setting O_DIRECT fails with EINVAL (ramfs, old tmpfs), the file is still created
+    once and written through the page cache (an open(2) with O_DIRECT would have failed after
+    creating the file, and an O_EXCL retry with EEXIST)."""
+    real_fcntl = fcntl.fcntl
+
+    def refusing_fcntl(fd, cmd, arg=0):
+        if cmd == fcntl.F_SETFL and arg & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(fcntl, "fcntl", refusing_fcntl)
+    data = _payload(CHUNK_BYTES + 3)
+    assert _write(tmp_path / "f", [data]) is False
+    assert (tmp_path / "f").read_bytes() == data
+
+
+def test_writes_after_close_raise_value_error(tmp_path) -> None:
+    fd, direct = open_for_write(str(tmp_path / "f"))
+    f = DirectFile(fd, direct)
+    f.close()
+    f.close()  # idempotent
+    with pytest.raises(ValueError, match="closed file"):
+        f.write(b"x")
+
+
+def test_buffers_are_reused_across_threads(tmp_path) -> None:
+    import threading
+
+    seen = []
+
+    def save(i: int) -> None:
+        fd, direct = open_for_write(str(tmp_path / f"f{i}"))
+        with DirectFile(fd, direct) as f:
+            seen.append(id(f._buf))
+            f.write(_payload(100))
+            f.finish()
+
+    for i in range(3):  # a thread per snapshot, as ThreadWriter
+        t = threading.Thread(target=save, args=(i,))
+        t.start()
+        t.join()
+    assert len(set(seen)) == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_share_the_buffers(tmp_path) -> None:
+    code = f"""
+import os, sys
+from snapkeep._core.storage._direct import DirectFile, open_for_write
+def write(name, byte):
+    fd, direct = open_for_write(os.path.join({str(tmp_path)!r}, name))
+    with DirectFile(fd, direct) as f:
+        f.write(bytes([byte]) * 5000)
+        f.finish()
+write("parent0", 1)  # the parent's buffer is now pooled
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    fd, direct = open_for_write(os.path.join({str(tmp_path)!r}, "child"))
+    f = DirectFile(fd, direct)
+    f.write(bytes([2]) * 5000)  # gathered, not yet written
+    os.write(w, b"x")
+    import time; time.sleep(0.5)
+    f.finish(); f.close()
+    os._exit(0)
+os.read(r, 1)
+write("parent1", 3)  # meanwhile the parent gathers into its own buffer
+os.waitpid(pid, 0)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert (tmp_path / "child").read_bytes() == bytes([2]) * 5000
+    assert (tmp_path / "parent1").read_bytes() == bytes([3]) * 5000

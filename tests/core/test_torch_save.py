@@ -93,3 +93,30 @@ def test_custom_savefun_is_untouched(tmp_path) -> None:
 def test_zip_crc32_must_be_bool() -> None:
     with pytest.raises(TypeError, match="zip_crc32 must be True or False"):
         writing.ThreadWriter(zip_crc32="yes")  # type: ignore[arg-type]
+
+
+def test_an_unpicklable_object_fails_cleanly_and_the_process_lives_on(tmp_path) -> None:
+    """A save that fails inside torch's writer must not leave it unfinished: its destructor
+    would finish the file later (on a closed file) and abort the process."""
+    import subprocess
+    import sys
+
+    code = f"""
+import gc, torch
+from snapkeep import writing
+w = writing.ThreadWriter()
+w("bad", {str(tmp_path)!r}, {{"f": lambda: 1}})
+try:
+    w.finalize()
+except Exception as e:
+    print("raised", type(e).__name__)
+gc.collect()
+w2 = writing.SimpleWriter()
+w2("good", {str(tmp_path)!r}, {{"x": torch.arange(3)}})
+print("alive")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "raised SnapshotSaveError" in done.stdout and "alive" in done.stdout
+    assert torch.equal(torch.load(os.path.join(tmp_path, "good"))["x"], torch.arange(3))

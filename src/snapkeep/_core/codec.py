@@ -185,7 +185,8 @@ _SAVE_PARAMS = ("obj", "zip_file", "pickle_module", "pickle_protocol",
 
 
 def _fast_save_supported() -> bool:
-    """Whether this torch exposes what :func:`torch_save` needs (torch >= 2.4 does)."""
+    """Whether this torch's internals are those :func:`torch_save` uses (checked at import; they
+    are in torch 2.13). Otherwise it is plain ``torch.save``."""
     ser = torch.serialization
     try:
         params = tuple(inspect.signature(ser._save).parameters)  # type: ignore[attr-defined]
@@ -222,6 +223,16 @@ def torch_save(obj: Any, f: BinaryIO, **kwargs: Any) -> None:
         return
     ser: Any = torch.serialization
     writer = torch._C.PyTorchFileWriter(f, False, ser._get_storage_alignment())
-    ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
+    try:
+        ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
+    except BaseException:
+        # as torch.save's context manager does: an unfinished writer would otherwise try to
+        # finish the file from its destructor, on a file that may be closed by then, and abort
+        # the process
+        try:
+            writer.write_end_of_file()
+        except Exception:  # the save's own error is what the caller must see
+            pass
+        raise
     writer.write_end_of_file()
     f.flush()

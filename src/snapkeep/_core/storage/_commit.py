@@ -206,7 +206,15 @@ class ReplaceCommit:
         except OSError as e:
             raise storage_error(e, target.url, 0, "creating a temporary file for",
                                 target.endpoint) from e
-        raw = DirectFile(fd, direct)
+        try:
+            raw = DirectFile(fd, direct)
+        except BaseException as e:
+            os.close(fd)
+            _unlink_quietly(tmp)
+            if isinstance(e, OSError):
+                raise storage_error(e, target.url, 0, "creating a temporary file for",
+                                    target.endpoint) from e
+            raise
         sink = _Sink(raw)
         hashing = HashingWriter(sink)  # type: ignore[arg-type]
         try:

@@ -12,14 +12,13 @@ also stops them from evicting the training data's cached pages.
 the device's logical block: bytes are gathered in a page-aligned buffer of :data:`CHUNK_BYTES`
 and written when it is full; the tail is padded to :data:`ALIGN_BYTES` and the file truncated to
 its real size. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE
-filesystems: ``EINVAL`` at open or at the first write), the same descriptor continues with
-ordinary buffered writes; the bytes on disk are the same either way.
+filesystems: ``EINVAL`` when the flag is set or at the first write), the same descriptor
+continues with ordinary buffered writes; the bytes on disk are the same either way.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -30,44 +29,90 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-#: Bytes gathered per ``O_DIRECT`` write (one reusable page-aligned buffer per thread).
+#: Bytes gathered per ``O_DIRECT`` write (reusable page-aligned buffers, one per open file).
 CHUNK_BYTES = 8 << 20
 #: Alignment of direct writes' lengths and offsets (covers 512-byte and 4 KiB logical blocks).
 ALIGN_BYTES = 4096
 #: Whether this platform has ``O_DIRECT`` (Linux); elsewhere files are written buffered.
 SUPPORTED = hasattr(os, "O_DIRECT")
+#: Free buffers kept for reuse (a writer thread per snapshot still reuses them).
+_POOL_MAX = 4
 
-_BUFFERS = threading.local()
+_POOL: list[mmap.mmap] = []
+_POOL_LOCK = threading.Lock()
 
 
-def _chunk_buffer() -> mmap.mmap:
-    """This thread's reusable buffer, or a fresh one while it is in use (a nested save)."""
-    if getattr(_BUFFERS, "busy", False):
-        return mmap.mmap(-1, CHUNK_BYTES)
-    buf = getattr(_BUFFERS, "buf", None)
-    if buf is None:
-        buf = mmap.mmap(-1, CHUNK_BYTES)  # anonymous mappings are page-aligned
-        _BUFFERS.buf = buf
-    _BUFFERS.busy = True
-    return buf
+def _new_buffer() -> mmap.mmap:
+    # private: a process forked later must not share (and scribble on) these pages
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if flags:
+        return mmap.mmap(-1, CHUNK_BYTES, flags=flags)  # anonymous mappings are page-aligned
+    return mmap.mmap(-1, CHUNK_BYTES)
+
+
+def _acquire_buffer() -> mmap.mmap:
+    with _POOL_LOCK:
+        if _POOL:
+            return _POOL.pop()
+    return _new_buffer()
+
+
+def _release_buffer(buf: mmap.mmap) -> None:
+    with _POOL_LOCK:
+        if len(_POOL) < _POOL_MAX:
+            _POOL.append(buf)
+            return
+    try:
+        buf.close()
+    except BufferError:  # still exported somewhere: unmapped when collected
+        pass
+
+
+def _forget_pool_in_child() -> None:
+    global _POOL_LOCK
+    _POOL.clear()
+    _POOL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Set or clear ``O_DIRECT`` on ``fd``; False when the filesystem refuses it."""
+    import fcntl  # POSIX only; never reached where O_DIRECT does not exist
+
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return False
+    return True
 
 
 def open_for_write(path: str, *, direct: bool = True) -> tuple[int, bool]:
     """Create ``path`` exclusively for writing; ``(fd, direct)`` where ``direct`` says whether
-    ``O_DIRECT`` was accepted.
+    ``O_DIRECT`` is on.
+
+    The file is created without ``O_DIRECT`` and the flag set afterwards: an ``open(2)`` with
+    ``O_DIRECT`` on a filesystem that refuses it fails *after* creating the file.
 
     Raises:
         OSError: from ``open(2)`` (``EEXIST``, ``ENOSPC``, ``EACCES``, ...).
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    if direct and SUPPORTED:
-        try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            logger.debug("O_DIRECT refused for %s; writing through the page cache", path)
-    return os.open(path, flags, 0o644), False
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    if not (direct and SUPPORTED):
+        return fd, False
+    try:
+        on = _set_direct(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not on:
+        logger.debug("O_DIRECT refused for %s; writing through the page cache", path)
+    return fd, on
 
 
 class DirectFile:
@@ -87,7 +132,7 @@ class DirectFile:
         self._fd = fd
         self._direct = direct
         self._opened_direct = direct
-        self._buf: mmap.mmap | None = _chunk_buffer()
+        self._buf: mmap.mmap | None = _acquire_buffer()
         self._view: memoryview | None = memoryview(self._buf)
         self._fill = 0  # bytes gathered in the buffer
         self.size_bytes = 0  # bytes accepted by write()
@@ -109,7 +154,10 @@ class DirectFile:
 
         Raises:
             OSError: from ``write(2)`` (``ENOSPC``, ``EIO``, ...).
+            ValueError: the file is closed.
         """
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
         view = memoryview(data).cast("B")
         n = len(view)
         pos = 0
@@ -134,6 +182,8 @@ class DirectFile:
         Raises:
             OSError: from ``write(2)`` or ``ftruncate(2)``.
         """
+        if self.closed:
+            raise ValueError("I/O operation on closed file")
         if self._fill:
             tail = self._fill
             if self._direct:
@@ -147,11 +197,17 @@ class DirectFile:
             os.ftruncate(self._fd, self.size_bytes)
 
     def close(self) -> None:
+        """Close the descriptor and return the buffer to the pool; idempotent."""
         if not self.closed:
             self.closed = True
+            if self._view is not None:
+                try:
+                    self._view.release()
+                except BufferError:  # a slice still exported somewhere: let GC release it
+                    pass
             self._view = None
-            if self._buf is not None and self._buf is getattr(_BUFFERS, "buf", None):
-                _BUFFERS.busy = False
+            if self._buf is not None:
+                _release_buffer(self._buf)
             self._buf = None
             os.close(self._fd)
 
@@ -193,7 +249,7 @@ class DirectFile:
                 self._fill = 0
                 return
             if written <= 0:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                raise OSError(errno.EIO, "write(2) wrote 0 bytes")
             done += written
             if done < length and done % ALIGN_BYTES:
                 # a short, unaligned direct write (the disk filled up): continue buffered
@@ -208,12 +264,11 @@ class DirectFile:
         while pos < len(view):
             written = os.write(self._fd, view[pos:])
             if written <= 0:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                raise OSError(errno.EIO, "write(2) wrote 0 bytes")
             pos += written
 
     def _fall_back(self) -> None:
         """Clear ``O_DIRECT`` on the descriptor; later writes go through the page cache."""
         logger.debug("O_DIRECT write refused; continuing through the page cache")
-        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        _set_direct(self._fd, False)
         self._direct = False
