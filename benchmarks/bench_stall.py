@@ -522,7 +522,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    root = args.out or tempfile.mkdtemp(prefix="snapkeep-bench-", dir=os.getcwd())
+    # absolute: ppe's writers join out_dir and filename themselves
+    root = os.path.abspath(args.out or tempfile.mkdtemp(prefix="snapkeep-bench-", dir=os.getcwd()))
     os.makedirs(root, exist_ok=True)
     mem = TreeMemory()
     base_rss = mem.current_bytes()
