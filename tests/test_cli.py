@@ -193,9 +193,19 @@ def test_inspect_refuses_unsafe_pickles_unless_asked(tmp_path: Path) -> None:
     torch.save({"when": datetime.date(2024, 1, 2), "w": torch.zeros(3)}, path)
     refused = invoke("inspect", str(path))
     assert refused.exit_code == 1 and "weights_only=False" in refused.output
+    assert "pass --unsafe" in refused.output
     allowed = invoke("inspect", "--unsafe", str(path))
     assert allowed.exit_code == 0, allowed.output
     assert "weights_only=False" in allowed.output
+
+
+def test_inspect_checks_the_manifest(run_dir: Path) -> None:
+    good = invoke("inspect", str(run_dir / "snapshot_iter_40"))
+    assert good.exit_code == 0 and "checksum: ok (xxh3_128" in good.output
+    flip_byte(run_dir / "snapshot_iter_80")  # still loads: only its values changed
+    bad = invoke("inspect", str(run_dir / "snapshot_iter_80"))
+    assert bad.exit_code == 1
+    assert "checksum: CORRUPT" in bad.output and "does not match its checksum" in bad.output
 
 
 @pytest.mark.parametrize("damage", ["truncate", "text"])

@@ -5,9 +5,11 @@ Run ``snapkeep --help`` (or ``python -m snapkeep.cli --help``) for the options.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -131,6 +133,21 @@ def _parse_storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
     return options
 
 
+@contextlib.contextmanager
+def _storage_errors(location: str) -> Iterator[None]:
+    """Storage failures (unreachable endpoint, credentials, a bad storage option) as one clear
+    error line instead of a traceback."""
+    try:
+        yield
+    except (click.ClickException, SystemExit):
+        raise
+    except (SnapshotError, OSError, TypeError, ValueError) as e:
+        hint = ("check the URL, that the endpoint is reachable and the -o storage options "
+                "(credentials, endpoint_url)" if "://" in location else "check the path")
+        raise click.ClickException(
+            f"cannot read {location}: {type(e).__name__}: {e}; {hint}") from e
+
+
 storage_option = click.option(
     "--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
     help="fsspec storage option for a URL (repeatable), e.g. -o endpoint_url=http://127.0.0.1:9000"
@@ -185,6 +202,11 @@ template_option = click.option(
 def ls_command(directory: str, template: str, storage_options: tuple[str, ...]) -> None:
     """List the snapshots in DIR (a path or an fsspec URL) by step, with size and checksum
     status."""
+    with _storage_errors(directory):
+        _ls(directory, template, storage_options)
+
+
+def _ls(directory: str, template: str, storage_options: tuple[str, ...]) -> None:
     catalog = _catalog(directory, template, storage_options)
     entries = catalog.entries()
     if not entries:
@@ -208,6 +230,11 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...]) -> N
     A snapshot without a manifest (written by ppe, or interrupted between the two commits) counts
     as valid when it loads completely. A DIR without snapshots also exits 1.
     """
+    with _storage_errors(directory):
+        _verify(directory, template, storage_options)
+
+
+def _verify(directory: str, template: str, storage_options: tuple[str, ...]) -> None:
     catalog = _catalog(directory, template, storage_options)
     entries = catalog.entries()
     if not entries:
@@ -233,7 +260,8 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...]) -> N
               help="Allow arbitrary unpickling (weights_only=False); only for trusted files.")
 @storage_option
 def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...]) -> None:
-    """Show the top-level keys, tensor counts and bytes of a snapshot FILE.
+    """Show the top-level keys, tensor counts and bytes of a snapshot FILE, and whether it
+    matches its checksum manifest (exit 1 if it does not).
 
     The file is loaded with torch.load(weights_only=True) unless --unsafe is given.
     """
@@ -242,16 +270,23 @@ def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...]) -> None:
     if "://" not in file and not os.path.isfile(file):
         raise click.BadParameter(f"{file!r} is not a file", param_hint="'FILE'")
     options = _parse_storage_options(storage_options)
-    storage, path = resolve_storage(file, storage_options=options or None)
+    with _storage_errors(file):
+        storage, path = resolve_storage(file, storage_options=options or None)
+        size = storage.size(path)
+        checksum = _checksum_status(storage, path)
     try:
         state = load_file(storage, path, weights_only=not unsafe)
     except UnsafeSnapshotError as e:
-        raise click.ClickException(str(e)) from e
+        raise click.ClickException(
+            f"{file} holds objects that need arbitrary unpickling (code could run while "
+            f"loading): {e}. If you trust this file, pass --unsafe.") from e
+    except (SnapshotError, OSError) as e:
+        raise click.ClickException(f"cannot read {file}: {type(e).__name__}: {e}") from e
     except Exception as e:  # torch.load fails with many types on a damaged file
         raise click.ClickException(f"{file}: not a readable torch file ({type(e).__name__}: "
-                                   f"{e})") from e
-    click.echo(f"{file}: {_bytes(storage.size(path))} on disk, "
-               f"{type(state).__name__} loaded with weights_only={not unsafe}")
+                                   f"{e}); checksum: {checksum}") from e
+    click.echo(f"{file}: {_bytes(size)} on disk, {type(state).__name__} loaded with "
+               f"weights_only={not unsafe}; checksum: {checksum}")
     items = state.items() if isinstance(state, dict) else [("<root>", state)]
     total_n = total_bytes = 0
     click.echo(f"{'key':<28} {'tensors':>8} {'bytes':>12}")
@@ -263,6 +298,24 @@ def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...]) -> None:
     if isinstance(state, dict) and "_start_iteration" in state:
         click.echo(f"manager state at iteration {state['_start_iteration']} "
                    f"(snapkeep {state.get('_snapkeep_version', '?')})")
+    if checksum.startswith("CORRUPT"):
+        click.echo(f"{file} does not match its checksum manifest: it loaded, but its values "
+                   "are not those that were saved", err=True)
+        sys.exit(1)
+
+
+def _checksum_status(storage: Storage, path: str) -> str:
+    """``'ok (xxh3_128 ...)'``, ``'no manifest'`` or ``'CORRUPT: ...'`` for one file."""
+    directory, name = storage.dirname(path), storage.basename(path)
+    catalog = Catalog(storage, directory, name.replace("{", "{{").replace("}", "}}"))
+    entry = Entry(name=name, path=path, key=(), step=None)
+    try:
+        manifest = catalog.verify(entry)
+    except SnapshotCorruptError as e:
+        return f"CORRUPT: {e}"
+    if manifest is None:
+        return "no manifest (unverified)"
+    return f"ok ({manifest.algorithm} {manifest.checksum})"
 
 
 def _tensor_stats(value: Any) -> tuple[int, int]:

@@ -56,3 +56,13 @@ def test_malformed_storage_option_is_a_usage_error_naming_it(tmp_path) -> None:
     result = CliRunner().invoke(cli, ["ls", str(tmp_path), "-o", "endpoint_url"])
     assert result.exit_code == 2
     assert "--storage-option" in result.output and "KEY=VALUE" in result.output
+
+
+def test_storage_failures_are_one_clear_line(moto_server: MotoServer) -> None:
+    url = f"s3://{BUCKET}/cli-{uuid.uuid4().hex[:8]}"
+    runner = CliRunner()
+    result = runner.invoke(cli, ["ls", url, *_flags(s3_options(moto_server.endpoint)),
+                                 "-o", "bogus_key=1"])
+    assert result.exit_code == 1
+    assert "cannot read s3://" in result.output and "storage options" in result.output
+    assert "Traceback" not in result.output

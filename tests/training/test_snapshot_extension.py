@@ -384,3 +384,33 @@ def test_target_without_load_state_dict_is_rejected(saved):
     with pytest.raises(TypeError, match=r"target \(SaveOnly\) has no load_state_dict"):
         ext.snapshot_object(SaveOnly(), "s_{.iteration}", autoload=True)
     assert contents(out) == before
+
+
+def test_snapshot_object_beside_an_autoloading_snapshot_continues_the_run(tmp_path, recwarn):
+    """ppe's usual pair: snapshot(autoload=True) for the trainer, snapshot_object(model) for the
+    weights. After a restart the weights' snapshots belong to the resumed run: no "starts
+    fresh" warning, one run id in every manifest, and n_retains deletes the old run's files."""
+    import json
+
+    def start() -> Run:
+        run = Run(tmp_path, seed=0)
+        run.manager.extend(ext.snapshot(autoload=True, n_retains=2), trigger=(2, "iteration"))
+        run.manager.extend(ext.snapshot_object(run.model, "model_iter_{.iteration}",
+                                               n_retains=2), trigger=(2, "iteration"))
+        return run
+
+    first = start()
+    first.train(6)
+    first.manager.finalize()
+    second = start()
+    assert second.manager.iteration == 6
+    second.train(4)
+    second.manager.finalize()
+    assert not [w for w in recwarn if "starts fresh" in str(w.message)]
+    names = listing(tmp_path)
+    assert [n for n in names if n.startswith("model_iter_")] == ["model_iter_10", "model_iter_8"]
+    assert [n for n in names if n.startswith("snapshot_iter_")] == \
+        ["snapshot_iter_10", "snapshot_iter_8"]
+    run_ids = {json.loads((tmp_path / MANIFESTS / f"{n}.json").read_text())["run_id"]
+               for n in names if n != MANIFESTS}
+    assert len(run_ids) == 1

@@ -1,5 +1,5 @@
 """Extensions shipped with snapkeep (as ``ppe.training.extensions``): snapshots."""
 
-from snapkeep.training.extensions._snapshot import snapshot, snapshot_object
+from snapkeep.training.extensions._snapshot import SnapshotMode, snapshot, snapshot_object
 
-__all__ = ["snapshot", "snapshot_object"]
+__all__ = ["SnapshotMode", "snapshot", "snapshot_object"]

@@ -23,6 +23,7 @@ once that this run starts fresh beside them.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
@@ -52,6 +53,25 @@ logger = logging.getLogger(__name__)
 
 ON_SAVE_ERROR = ("raise", "log")
 
+
+
+_LINEAGE_ATTRIBUTE = "_snapkeep_run_lineage"
+
+
+@dataclasses.dataclass
+class _RunLineage:
+    """The run id written into manifests and the ids whose snapshots retention may delete;
+    shared by the snapshot extensions of one manager."""
+
+    run_id: str
+    members: frozenset[str | None]
+
+
+def _has_autoloading_snapshot(manager: Any) -> bool:
+    """Whether another snapshot extension of ``manager`` resumes the run (``autoload=True``)."""
+    entries = getattr(manager, "_extensions", {})
+    return any(isinstance(getattr(e, "extension", None), _Snapshot)
+               and getattr(e.extension, "autoload", False) for e in entries.values())
 
 class SnapshotMode(enum.Enum):
     """As ppe's ``SnapshotMode``; ``SHARDED`` is not supported yet."""
@@ -266,13 +286,30 @@ class _Snapshot(extension.Extension):
             self._retention = AnyOf(*policies)
         self._retention_registered = False
         self.loaded_entry: Entry | None = None
-        self._run_id = uuid.uuid4().hex[:16]
-        self._lineage: frozenset[str | None] = frozenset({self._run_id})
+        run_id = uuid.uuid4().hex[:16]
+        self._shared = _RunLineage(run_id=run_id, members=frozenset({run_id}))
 
     @property
     def run_id(self) -> str:
-        """Run lineage id written into each snapshot's manifest (adopted on autoload)."""
-        return self._run_id
+        """Run lineage id written into each snapshot's manifest (adopted on autoload; shared by
+        every snapshot extension of one manager)."""
+        return self._shared.run_id
+
+    @property
+    def _run_id(self) -> str:
+        return self._shared.run_id
+
+    @_run_id.setter
+    def _run_id(self, value: str) -> None:
+        self._shared.run_id = value
+
+    @property
+    def _lineage(self) -> frozenset[str | None]:
+        return self._shared.members
+
+    @_lineage.setter
+    def _lineage(self, value: frozenset[str | None]) -> None:
+        self._shared.members = value
 
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self, manager: Any) -> str | None:  # type: ignore[override]
@@ -287,6 +324,13 @@ class _Snapshot(extension.Extension):
             SnapshotStorageError: the writer's output directory cannot be created.
         """
         self.writer = manager.writer if self.writer is None else self.writer
+        # one lineage per manager: a snapshot_object beside an autoloading snapshot continues
+        # the run that snapshot resumed (and its retention keeps deleting that run's files)
+        shared = getattr(manager, _LINEAGE_ATTRIBUTE, None)
+        if isinstance(shared, _RunLineage):
+            self._shared = shared
+        else:
+            setattr(manager, _LINEAGE_ATTRIBUTE, self._shared)
         self._check_template(manager)
         if self._is_saver():
             writer = self.writer
@@ -296,7 +340,7 @@ class _Snapshot(extension.Extension):
         loaded = None
         if self.autoload:
             loaded = self._autoload(manager)
-        elif self._is_saver():
+        elif self._is_saver() and not _has_autoloading_snapshot(manager):
             self._warn_about_existing(manager)
         self._register_retention(manager)
         return loaded
@@ -428,7 +472,9 @@ class _Snapshot(extension.Extension):
             self._run_id = run_id
             break
         lineage.add(self._run_id)
-        self._lineage = frozenset(lineage)
+        # union: another extension of this manager may have resumed (and adopted) already; the
+        # fresh id of this process wrote nothing yet, so keeping it deletes nothing extra
+        self._lineage = frozenset(lineage | self._lineage)
 
     def _remove_stale_temps(self, manager: Any) -> None:
         """The writer cleans its own directory; a template's sub-directory and the manifest
