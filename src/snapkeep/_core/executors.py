@@ -173,6 +173,7 @@ class ProcessRunner:
                 f"start_method must be 'spawn' or 'forkserver', got {start_method!r}"
             )
         self._ctx: Any = multiprocessing.get_context(start_method)
+        self._owner_pid = os.getpid()
         self._process: Any = None
         self._conn: Any = None
         self._lock = threading.Lock()
@@ -186,6 +187,9 @@ class ProcessRunner:
     def start(self) -> None:
         """Start the worker if it is not running (idempotent; also restarts a dead one)."""
         with self._lock:
+            if self._owner_pid != os.getpid():  # forked: start a worker of our own
+                self._process = self._conn = None
+                self._owner_pid = os.getpid()
             if self._process is not None and self._process.is_alive():
                 return
             self._stop_locked()
@@ -268,6 +272,8 @@ class ProcessRunner:
     def _stop_locked(self) -> None:
         process, conn = self._process, self._conn
         self._process = self._conn = None
+        if self._owner_pid != os.getpid():
+            return  # a forked child: the worker belongs to the parent; leave it running
         if conn is not None:
             try:
                 conn.send(None)

@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 import weakref
@@ -125,8 +126,11 @@ class Saver:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
         if on_full not in ON_FULL_POLICIES:
             raise ValueError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
-        if timeout_s is not None and timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0 seconds or None, got {timeout_s!r}")
+        if timeout_s is not None and (isinstance(timeout_s, bool)
+                                      or not isinstance(timeout_s, (int, float))
+                                      or not timeout_s > 0 or timeout_s == float("inf")):
+            raise ValueError(
+                f"timeout_s must be a finite number of seconds > 0 or None, got {timeout_s!r}")
         self.runner = runner
         self.max_pending = max_pending
         self.on_full = on_full
@@ -139,6 +143,7 @@ class Saver:
         self._hooks: list[PostCommitHook] = []
         self._closed = False
         self.last_stage_stats: StageStats | None = None
+        self._pid = os.getpid()
         _LIVE_SAVERS.add(self)
 
     # -- public ----------------------------------------------------------------------------------
@@ -408,8 +413,8 @@ def _drain_at_exit() -> None:
     """At interpreter exit, give pending background snapshots a bounded chance to commit, then
     stop workers and free shared memory. Never raises: errors are logged."""
     for saver in list(_LIVE_SAVERS):
-        if saver._closed:
-            continue
+        if saver._closed or saver._pid != os.getpid():
+            continue  # a forked child: the parent's threads and worker are not ours to wait for
         if saver.pending:
             logger.warning("waiting up to %.0f s for %d pending snapshot(s) at exit; call "
                            "writer.finalize() (or manager.finalize()) to wait explicitly",

@@ -179,6 +179,17 @@ def copy_host(copies: list[tuple[int, int, int]]) -> None:
         future.result()
 
 
+def _forget_copy_pool_in_child() -> None:
+    """A forked child has the pool object but not its threads: start a new one when needed."""
+    global _COPY_POOL, _COPY_POOL_LOCK
+    _COPY_POOL = None
+    _COPY_POOL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_copy_pool_in_child)
+
+
 def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _COPY_POOL
     with _COPY_POOL_LOCK:

@@ -71,7 +71,8 @@ class Writer:
         self._finalized = False
         self._cleanup_hooks: list[Callable[[], None]] = []
         self._saver = Saver(
-            self._make_runner(), max_pending=max_pending or self._default_max_pending,
+            self._make_runner(),
+            max_pending=self._default_max_pending if max_pending is None else max_pending,
             on_full=on_full, timeout_s=timeout_s,
         )
         self._saver.add_post_commit_hook(self._post_commit)

@@ -147,6 +147,11 @@ class ProcessWriter(WorkerProcessMixin, StandardWriter):
 def _check_picklable(savefun: Any) -> None:
     if savefun is None:
         return
+    if getattr(savefun, "__module__", None) == "__main__":
+        raise TypeError(
+            f"savefun {getattr(savefun, '__qualname__', savefun)!r} is defined in the training "
+            "script (__main__), which the ProcessWriter worker does not import (it never re-runs "
+            "the script); define it in an importable module, or use ThreadWriter")
     try:
         pickle.dumps(savefun)
     except Exception as e:

@@ -407,6 +407,11 @@ class _Snapshot(extension.Extension):
         if isinstance(writer, _SnapkeepWriter):
             extra = {"step": int(manager.iteration), "metrics": _metrics(manager),
                      "run_id": self._run_id}
+        if self._on_save_error == "log" and isinstance(writer, _SnapkeepWriter):
+            try:  # an earlier background failure is logged here, so this snapshot is still taken
+                writer._saver.raise_pending_error()
+            except (SnapshotError, OSError) as e:
+                logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
         try:
             writer(filename, manager.out, state, savefun=self._savefun, **extra)
         except (SnapshotError, OSError) as e:
