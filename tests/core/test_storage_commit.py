@@ -118,11 +118,18 @@ def _touch(path, age_s: float = 0.0) -> None:
         os.utime(path, (t, t))
 
 
+def _process_token() -> str:
+    from snapkeep._core.storage import _storage
+
+    return _storage._PROCESS_TOKEN
+
+
 def test_initialize_removes_temps_of_dead_writers_only(tmp_path):
     dead, live = _dead_pid(), os.getpid()
     names = {
         "dead": f".snapshot_iter_3{TEMP_MARKER}w0.{_host()}.{dead}.0a1b2c3d",
-        "live": f".snapshot_iter_4{TEMP_MARKER}w1.{_host()}.{live}.0a1b2c3d",
+        # this process's own temp names carry its token (see the test below for a predecessor's)
+        "live": f".snapshot_iter_4{TEMP_MARKER}w1.{_host()}.{live}.{_process_token()}0a1b2c3d",
         "other_host_young": f".snapshot_iter_5{TEMP_MARKER}w2.elsewhere.{dead}.0a1b2c3d",
         "other_host_old": f".snapshot_iter_6{TEMP_MARKER}w3.elsewhere.{dead}.0a1b2c3d",
         "unparsable_old": f".x{TEMP_MARKER}junk",
@@ -180,3 +187,37 @@ def test_other_files_are_neither_listed_nor_deleted(tmp_path):
     assert [e.name for e in catalog.entries()] == ["snapshot_iter_3"]
     assert sorted(os.listdir(tmp_path)) == sorted(
         [*others, ".snapkeep", "snapshot_iter_3", "snapshot_iter_99"])
+
+
+def test_stale_temps_are_told_apart_from_live_ones(tmp_path):
+    """Temp files of dead processes, of an earlier process with this pid (a restarted
+    container's pid 1) and older than a day go; those of live writers stay."""
+    import subprocess
+    import sys
+    import time
+
+    from snapkeep._core.storage import _storage
+
+    storage, d = resolve_storage(str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)
+    host, me, token = _storage._HOST, os.getpid(), _storage._PROCESS_TOKEN
+
+    def temp(name: str) -> str:
+        (tmp_path / name).write_bytes(b"partial")
+        return name
+
+    gone = [temp(f".s1{TEMP_MARKER}ab12cd34.{host}.{dead_pid}.0a1b2c3d4e5f6a7b"),
+            temp(f".s2{TEMP_MARKER}ab12cd34.{host}.{me}.ffffff00000000"),  # a predecessor
+            temp(f".s3{TEMP_MARKER}ab12cd34.otherhost.{me}.0a1b2c3d4e5f6a7b")]
+    old = time.time() - 25 * 3600
+    os.utime(tmp_path / gone[2], (old, old))
+    kept = [temp(f".s4{TEMP_MARKER}ab12cd34.{host}.{me}.{token}00000000"),  # ours, in use
+            temp(f".s5{TEMP_MARKER}ab12cd34.{host}.{os.getppid()}.0a1b2c3d4e5f6a7b"),
+            temp(f".s6{TEMP_MARKER}ab12cd34.otherhost.{me}.0a1b2c3d4e5f6a7b")]
+    removed = storage.remove_stale_temps(d)
+    assert sorted(os.path.basename(p) for p in removed) == sorted(gone)
+    assert sorted(n for n in os.listdir(tmp_path)) == sorted(kept)
+    # and the names this process makes carry its token
+    assert storage.temp_name_for(os.path.join(d, "x"), "t").rsplit(".", 1)[1].startswith(token)

@@ -36,6 +36,9 @@ TEMP_MARKER = ".snapkeep-tmp."
 #: Temporary files whose owner cannot be checked are removed once older than this.
 STALE_TEMP_AGE_S = 24 * 3600.0
 _HOST = socket.gethostname().replace(".", "_")
+#: Random per process, in every temp name: a restarted trainer that gets the same pid on the same
+#: host (pid 1 in a container) tells its predecessor's temp files from its own.
+_PROCESS_TOKEN = uuid.uuid4().hex[:6]
 
 #: Protocols whose files honour ``autocommit=False`` (an upload that becomes visible only when
 #: committed); objects past the spill threshold stream through it.
@@ -251,7 +254,8 @@ class Storage:
         base = self.basename(path)
         return self.join(
             self.dirname(path),
-            f".{base}{TEMP_MARKER}{tag}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}",
+            f".{base}{TEMP_MARKER}{tag}.{_HOST}.{os.getpid()}.{_PROCESS_TOKEN}"
+            f"{uuid.uuid4().hex[:8]}",
         )
 
     def write(
@@ -300,7 +304,8 @@ class Storage:
         """Remove temporary files left by crashed writers; return the removed paths.
 
         Only files that can no longer be in use are removed: those of a process on this host that
-        is no longer alive, and any older than :data:`STALE_TEMP_AGE_S`.
+        is no longer alive (or of an earlier process that had this process's pid, as a restarted
+        container's pid 1 does), and any older than :data:`STALE_TEMP_AGE_S`.
         """
         removed: list[str] = []
         try:
@@ -330,6 +335,8 @@ def _temp_is_abandoned(name: str, entry: dict[str, Any]) -> bool:
     if len(fields) >= 4:
         host, pid_text = fields[-3], fields[-2]
         if host == _HOST and pid_text.isdigit():
+            if int(pid_text) == os.getpid():  # ours, or a predecessor's with the same pid
+                return not fields[-1].startswith(_PROCESS_TOKEN)
             return not _pid_alive(int(pid_text))
     mtime: Any = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
     if callable(getattr(mtime, "timestamp", None)):
