@@ -50,46 +50,52 @@ def test_round_trip_one_write_and_many_small_writes(tmp_path, size: int) -> None
 
 
 def test_direct_is_used_where_the_filesystem_accepts_it(tmp_path) -> None:
-    if not _direct.SUPPORTED or not _direct_supported(tmp_path):
-        pytest.skip("this filesystem refuses O_DIRECT")
+    _require_direct(tmp_path)
     assert _write(tmp_path / "f", [_payload(CHUNK_BYTES + 5)]) is True
 
 
-def test_einval_on_the_first_direct_write_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
+def _require_direct(tmp_path) -> None:
     if not _direct.SUPPORTED or not _direct_supported(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
+
+
+def _fault_on_write(monkeypatch, nth: int, fault) -> None:
+    """Make the ``nth`` ``os.write`` of ``_direct`` run ``fault(fd, data, real_write)``."""
     real_write = os.write
     calls = []
 
-    def refusing_write(fd, data):
+    def write(fd, data):
         calls.append(len(data))
-        if len(calls) == 1:
-            raise OSError(errno.EINVAL, "Invalid argument")
+        if len(calls) == nth:
+            return fault(fd, data, real_write)
         return real_write(fd, data)
 
-    monkeypatch.setattr(_direct.os, "write", refusing_write)
+    monkeypatch.setattr(_direct.os, "write", write)
+
+
+def test_einval_on_the_first_direct_write_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
+    _require_direct(tmp_path)
+
+    def refuse(fd, data, real_write):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    _fault_on_write(monkeypatch, 1, refuse)
     data = _payload(2 * CHUNK_BYTES + 999)
     assert _write(tmp_path / "f", [data]) is False
     assert (tmp_path / "f").read_bytes() == data
 
 
 def test_short_unaligned_direct_write_continues_buffered(tmp_path, monkeypatch) -> None:
-    if not _direct.SUPPORTED or not _direct_supported(tmp_path):
-        pytest.skip("this filesystem refuses O_DIRECT")
-    real_write = os.write
-    calls = []
+    _require_direct(tmp_path)
 
-    def short_write(fd, data):
-        calls.append(len(data))
-        if len(calls) == 2:  # the second chunk: only part of it lands, unaligned
-            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-            n = real_write(fd, bytes(memoryview(data)[:1000]))
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
-            return n
-        return real_write(fd, data)
+    def short(fd, data, real_write):  # the second chunk: only part of it lands, unaligned
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        n = real_write(fd, bytes(memoryview(data)[:1000]))
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return n
 
-    monkeypatch.setattr(_direct.os, "write", short_write)
+    _fault_on_write(monkeypatch, 2, short)
     data = _payload(3 * CHUNK_BYTES + 77)
     _write(tmp_path / "f", [data])
     assert (tmp_path / "f").read_bytes() == data
