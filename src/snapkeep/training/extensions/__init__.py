@@ -1,5 +1,45 @@
-"""Extensions shipped with snapkeep (as ``ppe.training.extensions``): snapshots."""
+"""Extensions shipped with snapkeep, under ppe's names (as ``ppe.training.extensions``).
 
+Snapshots (``snapshot``, ``snapshot_object``) and the extensions of a usual ppe training loop:
+``LogReport``, ``PrintReport``, ``ProgressBar``, ``observe_lr``, ``observe_value``,
+``LRScheduler``, ``FailOnNonNumber`` and ``Evaluator``. Asking for another ppe extension
+(``PlotReport``, ``ParameterStatistics``, ...) raises an ``AttributeError`` that explains how
+to keep it: ppe's manager with snapkeep's snapshot extension.
+"""
+
+from typing import Any
+
+from snapkeep.training.extensions._not_shipped import NOT_SHIPPED, not_shipped_error
 from snapkeep.training.extensions._snapshot import SnapshotMode, snapshot, snapshot_object
+from snapkeep.training.extensions.evaluator import Evaluator
+from snapkeep.training.extensions.fail_on_non_number import FailOnNonNumber
+from snapkeep.training.extensions.log_report import LogReport
+from snapkeep.training.extensions.lr_scheduler import LRScheduler
+from snapkeep.training.extensions.print_report import PrintReport
+from snapkeep.training.extensions.progress_bar import ProgressBar
+from snapkeep.training.extensions.value_observation import observe_lr, observe_value
 
-__all__ = ["SnapshotMode", "snapshot", "snapshot_object"]
+PrintReportCLI = PrintReport  # ppe's names of the terminal versions
+ProgressBarCLI = ProgressBar
+
+__all__ = [
+    "Evaluator",
+    "FailOnNonNumber",
+    "LRScheduler",
+    "LogReport",
+    "PrintReport",
+    "PrintReportCLI",
+    "ProgressBar",
+    "ProgressBarCLI",
+    "SnapshotMode",
+    "observe_lr",
+    "observe_value",
+    "snapshot",
+    "snapshot_object",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in NOT_SHIPPED:
+        raise not_shipped_error(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
