@@ -16,6 +16,8 @@ from typing import Any
 from snapkeep._core.checksum import ALGORITHM
 
 MANIFEST_DIR = ".snapkeep"
+#: Appended to a snapshot's name to name its manifest (counted against NAME_MAX up front).
+MANIFEST_SUFFIX = ".json"
 FORMAT = "snapkeep.manifest/1"
 
 
@@ -66,9 +68,8 @@ class Manifest:
 
 def manifest_path(storage: Any, snapshot_path: str) -> str:
     """Where the manifest of ``snapshot_path`` lives on ``storage``."""
-    return storage.join(
-        storage.dirname(snapshot_path), MANIFEST_DIR, storage.basename(snapshot_path) + ".json"
-    )
+    name = storage.basename(snapshot_path) + MANIFEST_SUFFIX
+    return storage.join(storage.dirname(snapshot_path), MANIFEST_DIR, name)
 
 
 def now_unix_s() -> float:

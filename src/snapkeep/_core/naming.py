@@ -19,6 +19,51 @@ _INTEGER = r"(-?\d+)"
 #: fields that are counters: their names only match whole numbers ("_iter_10.5" is not a snapshot)
 _INTEGER_FIELDS = ("iteration", "epoch")
 _PRIORITY = {"iteration": 0, "epoch": 1, "epoch_detail": 2}
+#: What a snapshot name may be, for messages.
+ACCEPTED_NAMES = (
+    "a relative path inside out_dir such as 'snapshot_iter_100' or 'snaps/iter_100': no "
+    "absolute path, no '.', '..' or empty components, no NUL character, no component named "
+    "'.snapkeep' or containing '.snapkeep-tmp.' (snapkeep's own metadata and temporary files)"
+)
+#: Components snapkeep reserves in out_dir (manifest directory, temp marker): see manifest, storage.
+_RESERVED_COMPONENT = ".snapkeep"
+_RESERVED_MARKER = ".snapkeep-tmp."
+
+
+def check_name(name: str, what: str = "snapshot name") -> str:
+    """Return ``name`` when it stays inside its output directory; raise otherwise.
+
+    A name is a relative ``/``-separated path. It escapes (or clobbers snapkeep's own files) when
+    it is absolute, has a ``.``/``..``/empty component or a NUL character, or names snapkeep's
+    manifest directory or temporary-file marker (retention and the temp sweep would treat it as
+    their own).
+
+    Raises:
+        ValueError: naming ``name`` and what is accepted (:data:`ACCEPTED_NAMES`).
+        TypeError: ``name`` is not a str.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, got {type(name).__name__}")
+    problem = None
+    if not name:
+        problem = "it is empty"
+    elif "\0" in name:
+        problem = "it contains a NUL character"
+    elif name.startswith("/"):
+        problem = "it is an absolute path"
+    else:
+        for part in name.split("/"):
+            if part in ("", ".", ".."):
+                problem = f"it has a {part!r} component" if part else \
+                    "it has an empty component (a '//' or a trailing '/')"
+                break
+            if part == _RESERVED_COMPONENT or _RESERVED_MARKER in part:
+                problem = f"its component {part!r} is reserved for snapkeep's own files"
+                break
+    if problem is not None:
+        raise ValueError(f"{what} {name!r} is refused because {problem}; accepted: "
+                         f"{ACCEPTED_NAMES}")
+    return name
 
 
 def _attribute_of(field_name: str) -> str:
@@ -46,9 +91,25 @@ class FilenameTemplate:
     def __post_init__(self) -> None:
         if isinstance(self.template, str):
             try:
-                list(string.Formatter().parse(self.template))
+                fields = list(string.Formatter().parse(self.template))
             except ValueError as e:
                 raise ValueError(f"filename template {self.template!r} is malformed: {e}") from e
+            sample = []
+            for literal, field, _spec, _conv in fields:
+                sample.append(literal)
+                if field is None:
+                    continue
+                if re.fullmatch(r"\d*", field):  # '{}' / '{0}': the manager's repr
+                    raise ValueError(
+                        f"filename template {self.template!r} has the field {{{field}}}, which "
+                        "would put the manager object itself into the name; name an attribute "
+                        "of the manager in each field, e.g. filename='snapshot_iter_{.iteration}'"
+                        " or 'snap_e{.epoch}_i{.iteration}'")
+                sample.append("0")
+            try:
+                check_name("".join(sample))
+            except ValueError as e:
+                raise ValueError(f"filename template {self.template!r}: {e}") from None
         elif not callable(self.template):
             raise TypeError(
                 "filename must be a format string such as 'snapshot_iter_{.iteration}' or a "
@@ -64,8 +125,8 @@ class FilenameTemplate:
         """Return the concrete filename for ``manager``'s current state.
 
         Raises:
-            ValueError: the template names an attribute the manager lacks, or the result is empty
-                or an absolute path.
+            ValueError: the template names an attribute the manager lacks, or the result is not a
+                name inside out_dir (empty, absolute, ``..``, NUL; see :func:`check_name`).
         """
         if callable(self.template):
             name = self.template(manager)
@@ -85,7 +146,11 @@ class FilenameTemplate:
                 ) from e
         if not isinstance(name, str) or not name:
             raise ValueError(f"filename template {self.template!r} produced {name!r}")
-        return name
+        try:
+            return check_name(name, "filename")
+        except ValueError as e:
+            raise ValueError(f"filename template {self.template!r} produced a bad name: {e}") \
+                from None
 
     def _regex(self) -> tuple[re.Pattern[str], list[int]]:
         if not isinstance(self.template, str):

@@ -19,6 +19,7 @@ from snapkeep._core.codec import torch_save
 from snapkeep._core.errors import SnapshotSaveError, SnapshotStorageError
 from snapkeep._core.executors import InlineRunner, Runner, ThreadRunner
 from snapkeep._core.job import CommitRecord, SaveJob, execute
+from snapkeep._core.manifest import MANIFEST_SUFFIX
 from snapkeep._core.saver import SaveHandle, Saver, Ticket
 from snapkeep._core.storage import Storage, resolve_storage
 
@@ -216,7 +217,9 @@ class Writer:
         if savefun is torch.save and not self._zip_crc32:
             savefun = torch_save  # the same bytes without the zip CRC-32
         return SaveJob(
-            storage=storage, path=storage.join(directory, filename),
+            storage=storage,  # refuses names outside out_dir or over NAME_MAX (manifest too)
+            path=storage.child(directory, filename,
+                               reserve_bytes=0 if append else len(MANIFEST_SUFFIX)),
             savefun=savefun,  # type: ignore[arg-type]  # None fails in the save, as ppe
             savefun_kwargs=dict(savefun_kwargs), append=append, tag=self._tag, step=step,
             run_id=run_id, metrics=dict(metrics or {}), version=snapkeep.__version__,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
 import os
@@ -35,10 +36,18 @@ logger = logging.getLogger(__name__)
 TEMP_MARKER = ".snapkeep-tmp."
 #: Temporary files whose owner cannot be checked are removed once older than this.
 STALE_TEMP_AGE_S = 24 * 3600.0
-_HOST = socket.gethostname().replace(".", "_")
+#: This host, as 8 hex digits (temp names of other hosts on a shared filesystem are left alone).
+_HOST = hashlib.blake2s(socket.gethostname().encode(), digest_size=4).hexdigest()
 #: Random per process, in every temp name: a restarted trainer that gets the same pid on the same
 #: host (pid 1 in a container) tells its predecessor's temp files from its own.
 _PROCESS_TOKEN = uuid.uuid4().hex[:6]
+#: Bytes of the final name kept at the front of a temp name (for people reading a listing).
+TEMP_PREFIX_BYTES = 24
+#: Longest temp name :meth:`Storage.temp_name_for` makes, in bytes, whatever the final name:
+#: '.' + prefix + marker + host(8) '.' pid(base 36, <= 13) '.' token(6) + random(8).
+TEMP_NAME_MAX_BYTES = 1 + TEMP_PREFIX_BYTES + len(TEMP_MARKER) + 8 + 1 + 13 + 1 + 14
+#: NAME_MAX assumed where the filesystem cannot be asked (POSIX filesystems: 255 bytes).
+DEFAULT_NAME_MAX = 255
 
 #: Protocols whose files honour ``autocommit=False`` (an upload that becomes visible only when
 #: committed); objects past the spill threshold stream through it.
@@ -57,6 +66,37 @@ _PROTOCOL_PACKAGES = {
 def is_temp_name(name: str) -> bool:
     """Whether ``name`` (a basename) is a snapkeep temporary file."""
     return TEMP_MARKER in name
+
+
+def _truncate_utf8(text: str, max_bytes: int) -> str:
+    data = text.encode("utf-8", "surrogateescape")[:max_bytes]
+    return data.decode("utf-8", "ignore")
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if not n:
+            return out
+
+
+def check_path(path: str, what: str = "path") -> None:
+    """Refuse a path that could leave the directory it was built for: a ``..`` component or a NUL
+    character (every write and delete of :class:`Storage` checks this, whatever the caller).
+
+    Raises:
+        ValueError: naming the path and the rule.
+    """
+    if not isinstance(path, str):
+        raise TypeError(f"{what} must be a str, got {type(path).__name__}")
+    if "\0" in path:
+        raise ValueError(f"{what} {path!r} contains a NUL character; snapshot names must not")
+    if ".." in path.replace("\\", "/").split("/"):
+        raise ValueError(f"{what} {path!r} has a '..' component, which could leave out_dir; "
+                         "snapshot names must be relative paths inside out_dir")
 
 
 def commit_strategy_for(fs: Any) -> CommitStrategy:
@@ -121,6 +161,67 @@ class Storage:
 
     def basename(self, path: str) -> str:
         return os.path.basename(path) if self.is_local else posixpath.basename(path)
+
+    def child(self, directory: str, name: str, *, reserve_bytes: int = 0) -> str:
+        """``directory/name`` for a snapshot ``name`` that must stay inside ``directory``.
+
+        Args:
+            directory: the output directory.
+            name: a relative name (see :func:`snapkeep._core.naming.check_name`).
+            reserve_bytes: bytes the caller appends to the last component of ``name`` for a
+                companion file (the manifest's ``'.json'``), counted against NAME_MAX.
+
+        Raises:
+            ValueError: ``name`` escapes ``directory`` (absolute, ``..``, NUL, ...; the message
+                says what is accepted), or one of its components is longer than the
+                filesystem's NAME_MAX in bytes (the message names the limit).
+        """
+        from snapkeep._core.naming import check_name
+
+        check_name(name, "filename")
+        parts = name.split("/")
+        limit = self.name_max(directory)
+        if limit is not None:
+            for i, part in enumerate(parts):
+                extra = reserve_bytes if i == len(parts) - 1 else 0
+                size = len(part.encode("utf-8", "surrogateescape"))
+                if size + extra > limit:
+                    companion = (f" plus {extra} bytes for its manifest's name" if extra else "")
+                    raise ValueError(
+                        f"filename {name!r}: the component {_truncate_utf8(part, 40)!r}... is "
+                        f"{size} bytes{companion}, over the filesystem's NAME_MAX of {limit} "
+                        f"bytes for {self.url(directory) or '.'!r}; use a name of at most "
+                        f"{limit - extra} bytes per component")
+        return self.join(directory, *parts)
+
+    def name_max(self, directory: str) -> int | None:
+        """The longest file name in bytes that ``directory``'s filesystem accepts (NAME_MAX),
+        ``None`` where there is none to ask (object stores: keys, not names)."""
+        if not self.strategy.real_directories:
+            return None
+        if not self.is_local:
+            return DEFAULT_NAME_MAX
+        probe = os.path.abspath(directory or ".")
+        while True:
+            try:
+                return int(os.pathconf(probe, "PC_NAME_MAX"))
+            except FileNotFoundError:
+                parent = os.path.dirname(probe)
+                if parent == probe:
+                    return DEFAULT_NAME_MAX
+                probe = parent
+            except (OSError, ValueError):
+                return DEFAULT_NAME_MAX
+
+    def _check_write_path(self, path: str) -> None:
+        check_path(path)
+        limit = self.name_max(self.dirname(path))
+        base = self.basename(path)
+        if limit is not None and len(base.encode("utf-8", "surrogateescape")) > limit:
+            raise ValueError(
+                f"file name {_truncate_utf8(base, 40)!r}... is "
+                f"{len(base.encode('utf-8', 'surrogateescape'))} bytes, over the filesystem's "
+                f"NAME_MAX of {limit} bytes; nothing was written")
 
     def url(self, path: str) -> str:
         """``path`` as a user would write it (``s3://bucket/key``; local paths unchanged)."""
@@ -244,17 +345,26 @@ class Storage:
 
     def remove(self, path: str) -> None:
         """Delete one file. Raises ``FileNotFoundError`` when it is already gone (where the
-        backend can tell)."""
+        backend can tell), ``ValueError`` for a path with a ``..`` component or NUL (see
+        :func:`check_path`): no caller can make snapkeep delete outside out_dir that way."""
+        check_path(path)
         with self._backend_errors("deleting", path):
             self.fs.rm_file(path)
         self.fs.invalidate_cache(path)
 
     # -- commit ----------------------------------------------------------------------------------
-    def temp_name_for(self, path: str, tag: str) -> str:
-        base = self.basename(path)
+    def temp_name_for(self, path: str, tag: str = "") -> str:
+        """A fresh temporary name next to ``path``, at most :data:`TEMP_NAME_MAX_BYTES` long
+        whatever ``path``'s name (so any name the filesystem accepts can be written).
+
+        It carries the first bytes of the final name, this host (hashed), this process's pid (base
+        36) and per-process token, and 8 random hex digits; :meth:`remove_stale_temps` reads the
+        host, pid and token back. ``tag`` is accepted for compatibility and not used.
+        """
+        prefix = _truncate_utf8(self.basename(path), TEMP_PREFIX_BYTES)
         return self.join(
             self.dirname(path),
-            f".{base}{TEMP_MARKER}{tag}.{_HOST}.{os.getpid()}.{_PROCESS_TOKEN}"
+            f".{prefix}{TEMP_MARKER}{_HOST}.{_base36(os.getpid())}.{_PROCESS_TOKEN}"
             f"{uuid.uuid4().hex[:8]}",
         )
 
@@ -279,8 +389,11 @@ class Storage:
             SnapshotStorageError: a storage fault (names the URL, bytes written, errno or the
                 backend's error); nothing is left under ``path`` or a temporary name, and the
                 previous file under ``path`` is intact.
+            ValueError: ``path`` has a ``..`` component or NUL, or its name is longer than the
+                filesystem's NAME_MAX (checked before anything is written).
             Exception: whatever ``write_fn`` raised, after the same clean-up.
         """
+        self._check_write_path(path)
         target = Target(path=path, temp_path=self.temp_name_for(path, tag), url=self.url(path),
                         endpoint=self.endpoint)
         try:
@@ -330,14 +443,27 @@ class Storage:
         return removed
 
 
+def _temp_owner(name: str) -> tuple[str, int, str] | None:
+    """``(host, pid, token+random)`` of a temp name (this version's or the older long form)."""
+    fields = name.rsplit(TEMP_MARKER, 1)[1].split(".")
+    if len(fields) == 3 and len(fields[0]) == 8:  # host(8 hex).pid(base 36).token
+        try:
+            return fields[0], int(fields[1], 36), fields[2]
+        except ValueError:
+            return None
+    if len(fields) >= 4 and fields[-2].isdigit():  # older: tag.host.pid(decimal).token
+        return fields[-3], int(fields[-2]), fields[-1]
+    return None
+
+
 def _temp_is_abandoned(name: str, entry: dict[str, Any]) -> bool:
-    fields = name.split(TEMP_MARKER, 1)[1].split(".")
-    if len(fields) >= 4:
-        host, pid_text = fields[-3], fields[-2]
-        if host == _HOST and pid_text.isdigit():
-            if int(pid_text) == os.getpid():  # ours, or a predecessor's with the same pid
-                return not fields[-1].startswith(_PROCESS_TOKEN)
-            return not _pid_alive(int(pid_text))
+    owner = _temp_owner(name)
+    if owner is not None:
+        host, pid, token = owner
+        if host == _HOST:
+            if pid == os.getpid():  # ours, or a predecessor's with the same pid
+                return not token.startswith(_PROCESS_TOKEN)
+            return not _pid_alive(pid)
     mtime: Any = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
     if callable(getattr(mtime, "timestamp", None)):
         mtime = mtime.timestamp()
