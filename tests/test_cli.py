@@ -123,7 +123,8 @@ def test_verify_all_ok(run_dir: Path) -> None:
     lines = result.output.strip().splitlines()
     assert [line.split()[:2] for line in lines[:3]] == [
         ["OK", "snapshot_iter_40"], ["OK", "snapshot_iter_80"], ["OK", "snapshot_iter_120"]]
-    assert lines[-1] == "3 snapshot(s), 0 corrupt"
+    assert lines[-1] == ("3 snapshots, 0 corrupt or refused; autoload would resume from "
+                         "snapshot_iter_120")
 
 
 def flip_byte(path: Path) -> None:
@@ -141,7 +142,7 @@ def test_verify_exits_1_on_a_corrupted_snapshot_and_deletes_nothing(run_dir: Pat
     assert statuses == [["OK", "snapshot_iter_40"], ["CORRUPT", "snapshot_iter_80"],
                         ["OK", "snapshot_iter_120"]]
     assert "checksum" in result.output
-    assert result.output.strip().splitlines()[-1] == "3 snapshot(s), 1 corrupt"
+    assert result.output.strip().splitlines()[-1].startswith("3 snapshots, 1 corrupt or refused")
     assert listing(run_dir) == before
     table = rows(invoke("ls", str(run_dir)).output)
     assert [r[3] for r in table] == ["ok", "corrupt", "ok"]
@@ -216,7 +217,7 @@ def test_inspect_of_a_broken_file(run_dir: Path, damage: str) -> None:
     else:
         path.write_text("hello world\n")
     result = invoke("inspect", str(path))
-    assert result.exit_code == 1 and "not a readable torch file" in result.output
+    assert result.exit_code == 1 and "not a readable torch or safetensors file" in result.output
 
 
 def test_demo_refuses_a_snapshot_of_another_seed(run_dir: Path) -> None:
