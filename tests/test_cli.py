@@ -123,7 +123,8 @@ def test_verify_all_ok(run_dir: Path) -> None:
     lines = result.output.strip().splitlines()
     assert [line.split()[:2] for line in lines[:3]] == [
         ["OK", "snapshot_iter_40"], ["OK", "snapshot_iter_80"], ["OK", "snapshot_iter_120"]]
-    assert lines[-1] == "3 snapshot(s), 0 corrupt"
+    assert lines[-1] == ("3 snapshots, 0 corrupt or refused; autoload would resume from "
+                         "snapshot_iter_120")
 
 
 def flip_byte(path: Path) -> None:
@@ -141,7 +142,7 @@ def test_verify_exits_1_on_a_corrupted_snapshot_and_deletes_nothing(run_dir: Pat
     assert statuses == [["OK", "snapshot_iter_40"], ["CORRUPT", "snapshot_iter_80"],
                         ["OK", "snapshot_iter_120"]]
     assert "checksum" in result.output
-    assert result.output.strip().splitlines()[-1] == "3 snapshot(s), 1 corrupt"
+    assert result.output.strip().splitlines()[-1].startswith("3 snapshots, 1 corrupt or refused")
     assert listing(run_dir) == before
     table = rows(invoke("ls", str(run_dir)).output)
     assert [r[3] for r in table] == ["ok", "corrupt", "ok"]
@@ -216,7 +217,7 @@ def test_inspect_of_a_broken_file(run_dir: Path, damage: str) -> None:
     else:
         path.write_text("hello world\n")
     result = invoke("inspect", str(path))
-    assert result.exit_code == 1 and "not a readable torch file" in result.output
+    assert result.exit_code == 1 and "not a readable torch or safetensors file" in result.output
 
 
 def test_demo_refuses_a_snapshot_of_another_seed(run_dir: Path) -> None:
@@ -265,3 +266,68 @@ def test_help_lists_commands() -> None:
     assert result.exit_code == 0
     for name in ("demo", "ls", "verify", "inspect"):
         assert name in result.output
+
+
+# -- messages (issue 13) -----------------------------------------------------------------------
+
+
+def test_out_naming_a_file_is_a_usage_error(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("not a directory")
+    result = CliRunner().invoke(cli, ["demo", "--out", str(path), *SMALL])
+    assert result.exit_code == 2
+    assert "'--out'" in result.output and "exists and is not a directory" in result.output
+    assert "Errno" not in result.output and path.read_text() == "not a directory"
+
+
+def test_one_snapshot_is_singular(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    result = invoke("demo", "--out", str(out), "--iterations", "40", *SMALL)
+    assert result.exit_code == 0, result.output
+    assert "; 1 snapshot, kept snapshot_iter_40" in result.output
+    assert "3 snapshot" not in invoke("verify", str(out)).output
+    assert invoke("verify", str(out)).output.splitlines()[-1].startswith("1 snapshot, 0 corrupt")
+
+
+def test_model_size_help_is_lower_case() -> None:
+    output = invoke("demo", "--help").output
+    assert "hidden width preset (small=128" in output and "Hidden width" not in output
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_the_demo_says_how_to_resume(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "snapkeep.cli", "demo", "--out", str(out), "--iterations",
+         "1000000", "--model-size", "16", "--snapshot-interval", "20", "--log-interval", "20"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    started = threading.Event()
+
+    def watch() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "iteration" in line and "snapshot" not in line.split()[0]:
+                started.set()
+        started.set()
+
+    reader = threading.Thread(target=watch, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(90), "the demo printed no progress line"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    reader.join(timeout=10)
+    assert proc.returncode == 130, stderr
+    assert "Run the same command again to resume" in stderr and str(out) in stderr
+    assert "Aborted!" not in stderr

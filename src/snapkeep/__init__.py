@@ -18,10 +18,12 @@ from snapkeep.errors import (  # noqa: E402
     UnsafeSnapshotError,
     WorkerDiedError,
 )
+from snapkeep.loading import load_latest  # noqa: E402
 from snapkeep.reporting import report  # noqa: E402
 
 __all__ = [
-    "__version__", "errors", "reporting", "retention", "training", "writing", "report",
+    "__version__", "errors", "reporting", "retention", "training", "writing", "load_latest",
+    "report",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
     "WorkerDiedError",

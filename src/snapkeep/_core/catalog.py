@@ -13,7 +13,6 @@ import io
 import logging
 import pickle
 import struct
-import warnings
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +27,7 @@ from snapkeep._core.errors import (
 from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage
+from snapkeep._core.user_warnings import warn_user
 
 logger = logging.getLogger(__name__)
 
@@ -225,17 +225,15 @@ class Catalog:
             except DECODE_ERRORS as e:
                 reason = str(e) if isinstance(e, SnapshotCorruptError) \
                     else f"{entry.path}: {type(e).__name__}: {e}"
-                warnings.warn(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
-                              RuntimeWarning, stacklevel=2)
-                logger.warning("skipping snapshot %s (step %s): %s", entry.name, entry.step,
-                               reason)
+                warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
+                          RuntimeWarning)
                 reasons.append(reason)
                 continue
             if manifest is None:
-                warnings.warn(
+                warn_user(
                     f"snapshot {entry.name} (step {entry.step}) has no checksum manifest (written "
                     "by ppe or interrupted before its manifest was committed); it loaded "
-                    "completely but is unverified", RuntimeWarning, stacklevel=2)
+                    "completely but is unverified", RuntimeWarning)
             return entry, state
         raise NoValidSnapshotError(
             f"{len(entries)} snapshot file(s) of {self.template.template!r} in "

@@ -111,7 +111,7 @@ class ProcessWriter(WorkerProcessMixin, StandardWriter):
     Args:
         savefun: must be picklable (a module-level function such as ``torch.save``).
         start_method: ``'spawn'`` (default) or ``'forkserver'``.
-        See :class:`StandardWriter` for the others.
+        **kwargs: the other options of :class:`StandardWriter`.
 
     Raises:
         TypeError: ``savefun`` cannot be pickled to the worker.

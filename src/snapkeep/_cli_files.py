@@ -1,0 +1,217 @@
+"""Files and snapshot stores for the CLI: where a command's arguments point, whether they are
+regular files (never opening a FIFO or a directory as a file), each snapshot's status, and the
+one adapter to the store that owns a template's files.
+
+Exit codes (the table of ``snapkeep --help``):
+
+====  ===========================================================================================
+0     success: everything checked is valid, the snapshots are equal, the command did its work
+1     a check failed: a snapshot is corrupt, unloadable or refused as unsafe; no snapshot in
+      DIR (verify); the two snapshots differ (diff); a delete failed (prune); a state cannot be
+      converted
+2     usage error: unknown option, bad value, a path that is not a file/directory, DST exists
+3     the storage could not be read or written (unreachable endpoint, credentials, permissions)
+====  ===========================================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+from typing import Any
+
+import click
+
+from snapkeep._core.catalog import DECODE_ERRORS, Catalog, Entry
+from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError, UnsafeSnapshotError
+from snapkeep._core.loading import load_file
+from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path
+from snapkeep._core.storage import Storage, resolve_storage
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3
+#: What loading an untrusted file can raise (a hostile pickle nested very deep included).
+LOAD_ERRORS: tuple[type[BaseException], ...] = (*DECODE_ERRORS, RecursionError, MemoryError)
+#: Manifests larger than this are not read while looking for other templates.
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+class CheckFailed(click.ClickException):
+    """A check failed (exit code 1)."""
+
+    exit_code = EXIT_FAILED
+
+
+class StorageTrouble(click.ClickException):
+    """The storage could not be read or written (exit code 3)."""
+
+    exit_code = EXIT_STORAGE
+
+
+def open_store(storage: Storage, directory: str, template: str) -> Catalog:
+    """The one place the CLI builds the object that owns a template's files (entries, manifest,
+    verify; :func:`delete_entry` deletes)."""
+    return Catalog(storage, directory, template)
+
+
+def delete_entry(store: Catalog, entry: Entry) -> list[str]:
+    """Delete a snapshot and then its manifest; return the paths removed. Raises the storage's
+    error when the snapshot cannot be deleted (its manifest is then kept)."""
+    storage = store.storage
+    removed = []
+    storage.remove(entry.path)
+    removed.append(entry.path)
+    manifest = manifest_path(storage, entry.path)
+    if storage.exists(manifest):
+        storage.remove(manifest)
+        removed.append(manifest)
+    return removed
+
+
+def resolve(location: str, options: dict[str, Any]) -> tuple[Storage, str]:
+    """``(storage, path)`` of a path or fsspec URL."""
+    return resolve_storage(location, storage_options=options or None)
+
+
+def require_directory(location: str, storage: Storage, path: str, hint: str = "'DIR'") -> None:
+    """A local ``location`` must be a directory (usage error otherwise); URLs are not checked
+    (object stores have no directories)."""
+    if storage.is_local and not os.path.isdir(path):
+        raise click.BadParameter(f"{location!r} is not a directory", param_hint=hint)
+
+
+def file_kind(storage: Storage, path: str) -> str:
+    """``'file'``, ``'directory'``, ``'missing'`` or ``'special'`` (FIFO, socket, device), found
+    without opening the path (a FIFO would block)."""
+    if storage.is_local:
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            return "missing"
+        if stat.S_ISREG(mode):
+            return "file"
+        return "directory" if stat.S_ISDIR(mode) else "special"
+    storage.fs.invalidate_cache(path)
+    try:
+        info = storage.fs.info(path)
+    except FileNotFoundError:
+        return "missing"
+    return "directory" if info.get("type") == "directory" else "file"
+
+
+def require_file(location: str, storage: Storage, path: str, hint: str = "'FILE'") -> int:
+    """Check that ``location`` is a non-empty regular file and return its size in bytes.
+
+    Raises:
+        click.BadParameter: missing, a directory, a FIFO/socket/device (usage error).
+        CheckFailed: a 0-byte file.
+    """
+    kind = file_kind(storage, path)
+    if kind == "missing":
+        raise click.BadParameter(f"{location!r} is not a file (no such file)", param_hint=hint)
+    if kind == "directory":
+        raise click.BadParameter(
+            f"{location!r} is not a file but a directory; pass one snapshot file (snapkeep ls "
+            "lists a directory's snapshots)", param_hint=hint)
+    if kind == "special":
+        raise click.BadParameter(
+            f"{location!r} is not a file but a FIFO, socket or device; pass a regular snapshot "
+            "file", param_hint=hint)
+    size = storage.size(path)
+    if size == 0:
+        raise CheckFailed(f"{location} is empty (0 bytes): not a snapshot (an interrupted copy "
+                          "or a file truncated to nothing)")
+    return size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Status:
+    """What ``ls``/``verify`` found about one snapshot.
+
+    ``status`` is ``'ok'`` (matches its manifest), ``'corrupt'`` (does not, or does not load),
+    ``'unverified'`` (no manifest, loads completely), ``'unsafe'`` (no manifest, needs arbitrary
+    unpickling: autoload refuses it) or ``'no manifest'`` (not checked further, ``ls``).
+    """
+
+    status: str
+    detail: str = ""
+    manifest: Manifest | None = None
+
+
+def checksum_status(store: Catalog, entry: Entry) -> Status:
+    """The snapshot against its manifest; ``'no manifest'`` when it has none."""
+    try:
+        manifest = store.verify(entry)
+    except SnapshotCorruptError as e:
+        return Status(status="corrupt", detail=str(e), manifest=store.manifest(entry))
+    if manifest is None:
+        return Status(status="no manifest")
+    return Status(status="ok", detail=f"{manifest.algorithm} {manifest.checksum}",
+                  manifest=manifest)
+
+
+def load_status(store: Catalog, entry: Entry) -> Status:
+    """:func:`checksum_status`, and for a manifest-less file a complete load with
+    ``weights_only=True``, as autoload does: ``'unverified'``, ``'unsafe'`` or ``'corrupt'``."""
+    found = checksum_status(store, entry)
+    if found.status != "no manifest":
+        return found
+    try:
+        if file_kind(store.storage, entry.path) != "file":
+            return Status(status="corrupt", detail=f"{entry.path} is not a regular file")
+        load_file(store.storage, entry.path, weights_only=True)
+    except UnsafeSnapshotError as e:
+        return Status(status="unsafe", detail=str(e))
+    except SnapshotStorageError:
+        raise
+    except LOAD_ERRORS as e:
+        return Status(status="corrupt", detail=f"{type(e).__name__}: {e}" if str(e)
+                      else f"{type(e).__name__} (empty or truncated file)")
+    return Status(status="unverified", detail="no checksum manifest; loads completely")
+
+
+def manifest_of(storage: Storage, path: str) -> Manifest | None:
+    """The manifest of the snapshot file ``path`` (None when it has none or it is unreadable)."""
+    directory, name = storage.dirname(path), storage.basename(path)
+    store = open_store(storage, directory, name.replace("{", "{{").replace("}", "}}"))
+    return store.manifest(Entry(name=name, path=path, key=(), step=None))
+
+
+def file_checksum_status(storage: Storage, path: str) -> Status:
+    """:func:`checksum_status` of one file outside any template."""
+    directory, name = storage.dirname(path), storage.basename(path)
+    store = open_store(storage, directory, name.replace("{", "{{").replace("}", "}}"))
+    return checksum_status(store, Entry(name=name, path=path, key=(), step=None))
+
+
+def recorded_templates(storage: Storage, directory: str) -> list[str]:
+    """Templates the manifests in ``directory`` record, for ``ls`` on a directory of another
+    template: a manifest's ``template`` field when it has one, else its name with the recorded
+    step replaced by ``{.iteration}`` (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``)."""
+    manifest_dir = storage.join(directory, MANIFEST_DIR)
+    found: list[str] = []
+    try:
+        names = storage.list_names(manifest_dir)
+    except (OSError, ValueError):
+        return []
+    for name in names[:1000]:
+        path = storage.join(manifest_dir, name)
+        if not name.endswith(".json") or file_kind(storage, path) != "file" \
+                or storage.size(path) > MAX_MANIFEST_BYTES:
+            continue
+        try:
+            manifest = Manifest.from_bytes(storage.read_bytes(path))
+        except (ValueError, UnicodeDecodeError, TypeError):
+            continue
+        template = getattr(manifest, "template", None)
+        if not isinstance(template, str):
+            step = manifest.step
+            stem = manifest.name
+            if step is None or str(step) not in stem:
+                template = stem
+            else:
+                head, _, tail = stem.rpartition(str(step))
+                template = f"{head}{{.iteration}}{tail}"
+        if template not in found:
+            found.append(template)
+    return found

@@ -1,0 +1,326 @@
+"""``snapkeep ls``, ``verify``, ``inspect`` and ``diff``: read-only commands.
+
+JSON shapes (``--json``; every object has ``"schema"``, whose number changes only when a field
+is removed or changes meaning) are documented in ``docs/cli.md``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from snapkeep._cli_common import (
+    EXIT_CODES_EPILOG,
+    emit_json,
+    human_bytes,
+    json_option,
+    parse_storage_options,
+    plural,
+    progress,
+    storage_errors,
+    storage_option,
+    template_option,
+)
+from snapkeep._cli_files import (
+    EXIT_FAILED,
+    LOAD_ERRORS,
+    CheckFailed,
+    Status,
+    StorageTrouble,
+    checksum_status,
+    file_checksum_status,
+    load_status,
+    manifest_of,
+    open_store,
+    recorded_templates,
+    require_directory,
+    require_file,
+    resolve,
+)
+from snapkeep._cli_tree import TreeTooDeepError, compare, stats_by_key
+from snapkeep._core.catalog import Catalog
+from snapkeep._core.codec import HEADER_PROBE_BYTES, is_safetensors_header
+from snapkeep._core.errors import SnapshotStorageError, UnsafeSnapshotError
+from snapkeep._core.loading import load_file
+from snapkeep._core.manifest import Manifest
+from snapkeep._core.storage import Storage
+
+#: Manifest fields ``diff`` shows side by side (size, checksum and time always differ).
+METADATA_FIELDS = ("step", "run_id", "metrics", "snapkeep_version")
+
+
+def store_for(directory: str, template: str, storage_options: tuple[str, ...]) -> Catalog:
+    """The store of ``template`` in ``directory`` (a path or URL); usage errors name the option."""
+    storage, path = resolve(directory, parse_storage_options(storage_options))
+    require_directory(directory, storage, path)
+    try:
+        return open_store(storage, path, template)
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="'--template'") from e
+
+
+def _none_found(store: Catalog, directory: str, template: str) -> str:
+    """'no snapshots matching ...', naming the templates the directory's manifests record."""
+    message = f"no snapshots matching {template!r} in {directory}"
+    others = [t for t in recorded_templates(store.storage, store.directory) if t != template]
+    if others:
+        shown = ", ".join(repr(t) for t in others[:5])
+        message += (f"; its manifests record snapshots named like {shown}: pass "
+                    f"--template {others[0]!r}")
+    return message
+
+
+# -- ls ----------------------------------------------------------------------------------------
+
+
+@click.command("ls", epilog=EXIT_CODES_EPILOG)
+@click.argument("directory", metavar="DIR")
+@template_option
+@storage_option
+@json_option
+def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
+               as_json: bool) -> None:
+    """List the snapshots in DIR (a path or an fsspec URL) by step, with size and checksum
+    status (ok, corrupt, no manifest). Exits 0 even when there are none."""
+    with storage_errors(directory):
+        store = store_for(directory, template, storage_options)
+        entries = store.entries()
+        total = sum(store.storage.size(e.path) for e in entries)
+        rows = []
+        with progress(total, "checking") as bar:
+            for entry in entries:
+                size = store.storage.size(entry.path)
+                found = checksum_status(store, entry)
+                bar.update(size)
+                rows.append((entry, size, found))
+        others = [] if entries else recorded_templates(store.storage, store.directory)
+    if as_json:
+        emit_json({
+            "schema": "snapkeep.ls/1", "directory": directory, "template": template,
+            "snapshots": [_entry_json(e, size, found) for e, size, found in rows],
+            "other_templates": [t for t in others if t != template],
+        })
+        return
+    if not rows:
+        click.echo(_none_found(store, directory, template))
+        return
+    click.echo(f"{'step':>10}  {'size':>12}  {'status':<12}  name")
+    for entry, size, found in rows:
+        click.echo(f"{entry.step if entry.step is not None else '-':>10}  "
+                   f"{human_bytes(size):>12}  {found.status:<12}  {entry.name}")
+
+
+def _entry_json(entry: Any, size: int, found: Status) -> dict[str, Any]:
+    manifest = found.manifest
+    return {
+        "name": entry.name, "step": entry.step, "size_bytes": size, "status": found.status,
+        "detail": found.detail, "checksum": manifest.checksum if manifest else None,
+        "run_id": manifest.run_id if manifest else None,
+        "metrics": dict(manifest.metrics) if manifest else {},
+    }
+
+
+# -- verify ------------------------------------------------------------------------------------
+
+
+@click.command(epilog=EXIT_CODES_EPILOG)
+@click.argument("directory", metavar="DIR")
+@template_option
+@storage_option
+@json_option
+def verify(directory: str, template: str, storage_options: tuple[str, ...],
+           as_json: bool) -> None:
+    """Verify every snapshot in DIR against its checksum; exit 1 if any is corrupt or would be
+    refused by autoload.
+
+    A snapshot without a manifest (written by ppe, or interrupted between the two commits) is
+    checked as autoload checks it: a complete load with torch.load(weights_only=True). It counts
+    as 'unverified' when it loads, 'unsafe' when it needs arbitrary unpickling (autoload refuses
+    it) and 'corrupt' otherwise. A DIR without snapshots also exits 1.
+    """
+    with storage_errors(directory):
+        store = store_for(directory, template, storage_options)
+        entries = store.entries()
+        if not entries:
+            message = _none_found(store, directory, template)
+            if as_json:
+                emit_json({"schema": "snapkeep.verify/1", "directory": directory,
+                           "template": template, "snapshots": [], "bad": 0,
+                           "newest_loadable": None, "exit_code": EXIT_FAILED})
+            else:
+                click.echo(message, err=True)
+            sys.exit(EXIT_FAILED)
+        total = sum(store.storage.size(e.path) for e in entries)
+        results = []
+        with progress(total, "verifying") as bar:
+            for entry in entries:
+                found = load_status(store, entry)
+                bar.update(store.storage.size(entry.path))
+                results.append((entry, found))
+    bad = sum(found.status in ("corrupt", "unsafe") for _, found in results)
+    loadable = [e.name for e, found in results if found.status in ("ok", "unverified")]
+    code = EXIT_FAILED if bad else 0
+    if as_json:
+        emit_json({
+            "schema": "snapkeep.verify/1", "directory": directory, "template": template,
+            "snapshots": [{"name": e.name, "step": e.step, "status": found.status,
+                           "detail": found.detail} for e, found in results],
+            "bad": bad, "newest_loadable": loadable[-1] if loadable else None,
+            "exit_code": code,
+        })
+    else:
+        for entry, found in results:
+            click.echo(f"{found.status.upper():<10} {entry.name}  (step {entry.step})  "
+                       f"{found.detail}")
+        click.echo(f"{plural(len(results), 'snapshot')}, {bad} corrupt or refused; autoload "
+                   f"would resume from {loadable[-1] if loadable else 'none'}")
+    if code:
+        sys.exit(code)
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+def load_state(location: str, storage: Storage, path: str, *, unsafe: bool) -> Any:
+    """Load one file for inspect/diff/convert; every failure is one clear line (exit 1 or 3)."""
+    try:
+        return load_file(storage, path, weights_only=not unsafe)
+    except UnsafeSnapshotError as e:
+        raise CheckFailed(
+            f"{location} holds objects that need arbitrary unpickling (code could run while "
+            f"loading): {e}. If you trust this file, pass --unsafe.") from e
+    except SnapshotStorageError as e:
+        raise StorageTrouble(f"cannot read {location}: {e}") from e
+    except LOAD_ERRORS as e:
+        detail = str(e) or "empty or truncated file"
+        raise CheckFailed(f"{location}: not a readable torch or safetensors file "
+                          f"({type(e).__name__}: {detail})") from e
+
+
+def file_format(storage: Storage, path: str) -> str:
+    """``'safetensors'`` or ``'torch'`` from the file's first bytes."""
+    with storage.open_read(path) as f:
+        head = f.read(HEADER_PROBE_BYTES)
+    return "safetensors" if is_safetensors_header(head) else "torch"
+
+
+@click.command(epilog=EXIT_CODES_EPILOG)
+@click.argument("file", metavar="FILE")
+@click.option("--unsafe", is_flag=True,
+              help="Allow arbitrary unpickling (weights_only=False); only for trusted files.")
+@storage_option
+@json_option
+def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...], as_json: bool) -> None:
+    """Show the top-level keys, tensor counts and bytes of a snapshot FILE, and whether it
+    matches its checksum manifest (exit 1 if it does not).
+
+    The file is loaded with torch.load(weights_only=True) unless --unsafe is given.
+    """
+    with storage_errors(file):
+        storage, path = resolve(file, parse_storage_options(storage_options))
+        size = require_file(file, storage, path)
+        checksum = file_checksum_status(storage, path)
+        fmt = file_format(storage, path)
+        state = load_state(file, storage, path, unsafe=unsafe)
+        rows = stats_by_key(state)
+    iteration = state.get("_start_iteration") if isinstance(state, dict) else None
+    version = state.get("_snapkeep_version") if isinstance(state, dict) else None
+    corrupt = checksum.status == "corrupt"
+    if as_json:
+        emit_json({
+            "schema": "snapkeep.inspect/1", "file": file, "size_bytes": size, "format": fmt,
+            "type": type(state).__name__, "weights_only": not unsafe,
+            "checksum": {"status": checksum.status, "detail": checksum.detail},
+            "keys": [{"key": r.key, "tensors": r.tensors, "bytes": r.bytes} for r in rows],
+            "total": {"tensors": sum(r.tensors for r in rows),
+                      "bytes": sum(r.bytes for r in rows)},
+            "iteration": iteration if isinstance(iteration, int) else None,
+            "snapkeep_version": version if isinstance(version, str) else None,
+        })
+    else:
+        shown = {"ok": f"ok ({checksum.detail})", "no manifest": "no manifest (unverified)",
+                 "corrupt": f"CORRUPT: {checksum.detail}"}[checksum.status]
+        click.echo(f"{file}: {human_bytes(size)} on disk, {fmt} format, {type(state).__name__} "
+                   f"loaded with weights_only={not unsafe}; checksum: {shown}")
+        click.echo(f"{'key':<28} {'tensors':>8} {'bytes':>12}")
+        for r in rows:
+            click.echo(f"{r.key:<28} {r.tensors:>8} {human_bytes(r.bytes):>12}")
+        click.echo(f"{'total':<28} {sum(r.tensors for r in rows):>8} "
+                   f"{human_bytes(sum(r.bytes for r in rows)):>12}")
+        if iteration is not None:
+            click.echo(f"manager state at iteration {iteration} (snapkeep {version or '?'})")
+    if corrupt:
+        click.echo(f"{file} does not match its checksum manifest: it loaded, but its values "
+                   "are not those that were saved", err=True)
+        sys.exit(EXIT_FAILED)
+
+
+# -- diff --------------------------------------------------------------------------------------
+
+
+def _metadata(manifest: Manifest | None) -> dict[str, Any] | None:
+    if manifest is None:
+        return None
+    return {name: getattr(manifest, name) for name in METADATA_FIELDS}
+
+
+@click.command(epilog=EXIT_CODES_EPILOG)
+@click.argument("a", metavar="A")
+@click.argument("b", metavar="B")
+@click.option("--atol", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="Tensors whose max absolute difference is at most this count as equal.")
+@click.option("--unsafe", is_flag=True,
+              help="Allow arbitrary unpickling (weights_only=False); only for trusted files.")
+@storage_option
+@json_option
+def diff(a: str, b: str, atol: float, unsafe: bool, storage_options: tuple[str, ...],
+         as_json: bool) -> None:
+    """Compare two snapshot files A and B: keys, shapes, dtypes, the max absolute difference of
+    each tensor, other values, and the metadata their manifests record (step, run id, metrics,
+    version; shown, not compared). Exit 0 when the states are equal, 1 when they differ.
+    """
+    options = parse_storage_options(storage_options)
+    states, metadata = [], []
+    for location, hint in ((a, "'A'"), (b, "'B'")):
+        with storage_errors(location):
+            storage, path = resolve(location, options)
+            require_file(location, storage, path, hint=hint)
+            states.append(load_state(location, storage, path, unsafe=unsafe))
+            metadata.append(_metadata(manifest_of(storage, path)))
+    try:
+        result = compare(states[0], states[1], atol=atol)
+    except TreeTooDeepError as e:
+        raise CheckFailed(str(e)) from e
+    code = 0 if result.equal else EXIT_FAILED
+    if as_json:
+        emit_json({"schema": "snapkeep.diff/1", "a": a, "b": b, "atol": atol,
+                   "equal": result.equal, **result.as_json(),
+                   "metadata": {"a": metadata[0], "b": metadata[1]}})
+    else:
+        for key in result.only_in_a:
+            click.echo(f"only in A: {key}")
+        for key in result.only_in_b:
+            click.echo(f"only in B: {key}")
+        for row in result.tensors:
+            if row["equal"]:
+                continue
+            sa, sb = row["a"], row["b"]
+            what = [f"shape {sa['shape']} != {sb['shape']}" if sa["shape"] != sb["shape"] else "",
+                    f"dtype {sa['dtype']} != {sb['dtype']}" if sa["dtype"] != sb["dtype"] else "",
+                    f"max abs diff {row['max_abs_diff']:.6g}"
+                    if row["max_abs_diff"] is not None else "",
+                    f"{row['nan_mismatches']} NaN mismatches" if row["nan_mismatches"] else ""]
+            click.echo(f"tensor {row['key']}: {', '.join(w for w in what if w)}")
+        for row in result.values:
+            click.echo(f"value {row['key']}: {row['a']} != {row['b']}")
+        if metadata[0] != metadata[1]:
+            click.echo(f"metadata: A {metadata[0]}  B {metadata[1]}")
+        n_equal = sum(row["equal"] for row in result.tensors)
+        click.echo(f"{'equal' if result.equal else 'different'}: {n_equal} of "
+                   f"{plural(len(result.tensors), 'common tensor')} equal, "
+                   f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B, "
+                   f"{len(result.values)} other values differ")
+    if code:
+        sys.exit(code)

@@ -1,0 +1,299 @@
+"""``snapkeep prune`` and ``snapkeep convert``: the commands that write or delete.
+
+JSON shapes are documented in ``docs/cli.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from typing import Any
+
+import click
+
+from snapkeep._cli_common import (
+    EXIT_CODES_EPILOG,
+    emit_json,
+    json_option,
+    parse_storage_options,
+    plural,
+    progress,
+    storage_errors,
+    storage_option,
+    template_option,
+)
+from snapkeep._cli_files import (
+    EXIT_FAILED,
+    CheckFailed,
+    Status,
+    delete_entry,
+    file_checksum_status,
+    file_kind,
+    load_status,
+    require_file,
+    resolve,
+)
+from snapkeep._cli_inspect import _none_found, load_state, store_for
+from snapkeep._cli_tree import TreeTooDeepError, compare, leaves
+from snapkeep._core.catalog import Catalog, Entry
+from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest, SnapshotInfo, plan_deletions
+
+# -- prune -------------------------------------------------------------------------------------
+
+
+def _policy(keep_latest: int | None, keep_every: int | None, keep_best: int | None,
+            metric: str | None, mode: str) -> Any:
+    policies: list[Any] = []
+    if keep_latest is not None:
+        policies.append(KeepLatest(keep_latest))
+    if keep_every is not None:
+        policies.append(KeepEvery(keep_every))
+    if keep_best is not None:
+        if not metric:
+            raise click.BadParameter("--keep-best needs --metric NAME (a value the manifests "
+                                     "record, e.g. val/loss)", param_hint="'--metric'")
+        policies.append(KeepBest(keep_best, metric, mode))
+    elif metric:
+        raise click.BadParameter("--metric is only used with --keep-best N",
+                                 param_hint="'--metric'")
+    if not policies:
+        raise click.UsageError("give at least one policy: --keep-latest N, --keep-every K or "
+                               "--keep-best N --metric NAME")
+    return policies[0] if len(policies) == 1 else AnyOf(*policies)
+
+
+def _newest_valid(store: Catalog, entries: list[Entry]) -> tuple[Entry | None, dict[str, Status]]:
+    """The newest snapshot autoload would resume from (checked newest first), and the status
+    of every snapshot checked on the way."""
+    checked: dict[str, Status] = {}
+    for entry in reversed(entries):
+        found = load_status(store, entry)
+        checked[entry.name] = found
+        if found.status in ("ok", "unverified"):
+            return entry, checked
+    return None, checked
+
+
+@click.command(epilog=EXIT_CODES_EPILOG)
+@click.argument("directory", metavar="DIR")
+@click.option("--keep-latest", type=click.IntRange(min=1), metavar="N",
+              help="Keep the newest N snapshots by step (ppe's n_retains).")
+@click.option("--keep-every", type=click.IntRange(min=1), metavar="K",
+              help="Keep every snapshot whose step is a multiple of K.")
+@click.option("--keep-best", type=click.IntRange(min=1), metavar="N",
+              help="Keep the N snapshots with the best --metric (recorded in their manifests).")
+@click.option("--metric", metavar="NAME", help="Metric for --keep-best, e.g. val/loss.")
+@click.option("--mode", type=click.Choice(["min", "max"]), default="min", show_default=True,
+              help="Whether the best --metric is the lowest or the highest.")
+@click.option("--yes", is_flag=True, help="Delete; without it, only print what would be deleted.")
+@template_option
+@storage_option
+@json_option
+def prune(directory: str, keep_latest: int | None, keep_every: int | None,
+          keep_best: int | None, metric: str | None, mode: str, yes: bool, template: str,
+          storage_options: tuple[str, ...], as_json: bool) -> None:
+    """Delete the snapshots of DIR that no policy keeps (a snapshot is kept when any policy
+    keeps it), with their manifests. A dry run unless --yes is given.
+
+    The newest valid snapshot (the one autoload would resume from) is never deleted, nor is
+    the newest snapshot by step. Manifests whose snapshot is gone are deleted too.
+    """
+    policy = _policy(keep_latest, keep_every, keep_best, metric, mode)
+    with storage_errors(directory):
+        store = store_for(directory, template, storage_options)
+        entries = store.entries()
+        newest, checked = _newest_valid(store, entries) if entries else (None, {})
+        infos = []
+        for entry in entries:
+            manifest = store.manifest(entry)
+            infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
+                                      metrics=dict(manifest.metrics) if manifest else {}))
+        protect = [newest.name] if newest is not None else []
+        doomed = set(plan_deletions(policy, infos, protect=protect))
+        orphans = store.orphan_manifests(entries)
+        deleted: list[str] = []
+        failed: list[dict[str, str]] = []
+        if yes:
+            for entry in entries:
+                if entry.name not in doomed:
+                    continue
+                try:
+                    delete_entry(store, entry)
+                    deleted.append(entry.name)
+                except OSError as e:
+                    failed.append({"name": entry.name, "error": f"{type(e).__name__}: {e}"})
+            for path in orphans:
+                try:
+                    store.storage.remove(path)
+                except OSError as e:
+                    failed.append({"name": path, "error": f"{type(e).__name__}: {e}"})
+    code = EXIT_FAILED if failed else 0
+    if as_json:
+        emit_json({
+            "schema": "snapkeep.prune/1", "directory": directory, "template": template,
+            "dry_run": not yes,
+            "newest_valid": newest.name if newest is not None else None,
+            "keep": [e.name for e in entries if e.name not in doomed],
+            "delete": [{"name": e.name, "step": e.step,
+                        "status": checked[e.name].status if e.name in checked else None}
+                       for e in entries if e.name in doomed],
+            "orphan_manifests": orphans, "deleted": deleted, "failed": failed,
+            "exit_code": code,
+        })
+    elif not entries:
+        click.echo(_none_found(store, directory, template))
+    else:
+        verb = "deleted" if yes else "would delete"
+        for entry in entries:
+            click.echo(f"{(verb if entry.name in doomed else 'keep'):<13} {entry.name}  "
+                       f"(step {entry.step})")
+        for path in orphans:
+            click.echo(f"{verb:<13} {path}  (manifest without a snapshot)")
+        for row in failed:
+            click.echo(f"FAILED to delete {row['name']}: {row['error']}", err=True)
+        n = len(deleted) if yes else len(doomed)
+        click.echo(f"{verb} {plural(n, 'snapshot')}, kept {len(entries) - len(doomed)}"
+                   + ("" if yes else "; pass --yes to delete"))
+    if code:
+        sys.exit(code)
+
+
+# -- convert -----------------------------------------------------------------------------------
+
+
+def _is_dcp_directory(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _load_dcp(src: str) -> Any:
+    """A DCP (torch.distributed.checkpoint) directory consolidated into one state, through
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (no process group needed)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from snapkeep._core.storage import resolve_storage
+
+    with tempfile.TemporaryDirectory(prefix="snapkeep-convert-") as tmp:
+        target = os.path.join(tmp, "consolidated.pt")
+        try:
+            dcp_to_torch_save(src, target)
+        except (RuntimeError, ValueError, OSError, KeyError) as e:
+            raise CheckFailed(f"{src}: the DCP checkpoint cannot be consolidated "
+                              f"({type(e).__name__}: {e})") from e
+        storage, path = resolve_storage(target)
+        return load_state(src, storage, path, unsafe=False)
+
+
+def _format_for(dst: str, to: str | None) -> str:
+    if to is not None:
+        return to
+    return "safetensors" if dst.endswith(".safetensors") else "torch"
+
+
+@click.command(epilog=EXIT_CODES_EPILOG)
+@click.argument("src", metavar="SRC")
+@click.argument("dst", metavar="DST")
+@click.option("--to", type=click.Choice(["torch", "safetensors"]), default=None,
+              help="Format of DST [default: safetensors when DST ends in .safetensors, else "
+                   "torch].")
+@click.option("--force", is_flag=True, help="Replace DST when it exists.")
+@click.option("--unsafe", is_flag=True,
+              help="Allow arbitrary unpickling of SRC (weights_only=False); trusted files only.")
+@storage_option
+def convert(src: str, dst: str, to: str | None, force: bool, unsafe: bool,
+            storage_options: tuple[str, ...]) -> None:
+    """Convert the snapshot SRC to DST: torch.save <-> safetensors, or a DCP checkpoint
+    directory (torch.distributed.checkpoint, sharded) to one torch.save file.
+
+    SRC is verified against its checksum manifest first (a corrupt SRC is refused). DST is
+    written through snapkeep's writer (atomic, with a checksum manifest), then read back,
+    verified and compared with SRC's state. safetensors holds tensors only: a state with other
+    values (optimizer hyper-parameters, iteration counters) is refused with the first such key.
+    """
+    fmt = _format_for(dst, to)
+    options = parse_storage_options(storage_options)
+    with progress(5, "converting", unit="step") as steps:
+        with storage_errors(src):
+            if "://" not in src and _is_dcp_directory(src):
+                state = _load_dcp(src)
+                steps.update(2)
+            else:
+                storage, path = resolve(src, options)
+                require_file(src, storage, path, hint="'SRC'")
+                before = file_checksum_status(storage, path)
+                if before.status == "corrupt":
+                    raise CheckFailed(f"{src} does not match its checksum manifest, not "
+                                      f"converted: {before.detail}")
+                steps.update(1)
+                state = load_state(src, storage, path, unsafe=unsafe)
+                steps.update(1)
+        try:
+            for _ in leaves(state):  # refuse a hostile nesting before anything is written
+                pass
+        except TreeTooDeepError as e:
+            raise CheckFailed(f"{src}: {e}") from e
+        if fmt == "safetensors":
+            _check_tensors_only(state)
+        with storage_errors(dst):
+            dst_storage, dst_path = resolve(dst, options)
+            kind = file_kind(dst_storage, dst_path)
+            if kind == "directory" or (kind != "missing" and not force):
+                raise click.BadParameter(
+                    f"{dst!r} exists{' and is a directory' if kind == 'directory' else ''}; "
+                    "pass --force to replace a file, or choose another DST", param_hint="'DST'")
+            _write(state, fmt, dst_storage, dst_path, options)
+            steps.update(1)
+            after = file_checksum_status(dst_storage, dst_path)
+            if after.status != "ok":
+                raise CheckFailed(f"{dst} was written but does not verify: {after.status} "
+                                  f"{after.detail}")
+            steps.update(1)
+            back = load_state(dst, dst_storage, dst_path, unsafe=unsafe)
+            try:
+                difference = compare(state, back)
+            except TreeTooDeepError as e:
+                raise CheckFailed(str(e)) from e
+            if not difference.equal:
+                raise CheckFailed(f"{dst} reads back different from {src}: "
+                                  f"{difference.as_json()}")
+            steps.update(1)
+    size = dst_storage.size(dst_path)
+    click.echo(f"converted {src} -> {dst} ({fmt}, {size} bytes, checksum "
+               f"{after.detail}; read back equal)")
+
+
+def _write(state: Any, fmt: str, storage: Any, path: str, options: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` with a :class:`snapkeep.writing.SimpleWriter` (atomic commit
+    and a checksum manifest)."""
+    from snapkeep import writing
+    from snapkeep.codecs import save_safetensors, torch_save
+
+    savefun = save_safetensors if fmt == "safetensors" else torch_save
+    directory, name = storage.dirname(path), storage.basename(path)
+    url = storage.url(directory)
+    writer = writing.SimpleWriter(out_dir=url, storage_options=options or None)
+    try:
+        writer(name, url, state, savefun=savefun)
+    finally:
+        writer.finalize()
+
+
+def _check_tensors_only(state: Any) -> None:
+    """safetensors stores nested dicts of tensors only; name the first other value."""
+    import torch
+
+    from snapkeep._cli_tree import MAX_DEPTH
+
+    stack: list[tuple[str, Any, int]] = [("", state, 0)]
+    while stack:
+        where, node, depth = stack.pop()
+        if isinstance(node, dict):
+            if depth >= MAX_DEPTH:
+                raise CheckFailed(f"the state nests dicts deeper than {MAX_DEPTH} levels")
+            stack.extend((f"{where}/{k}" if where else str(k), v, depth + 1)
+                         for k, v in node.items())
+        elif not isinstance(node, torch.Tensor):
+            raise CheckFailed(
+                f"the value at {where or '<root>'!r} is a {type(node).__name__}, not a tensor; "
+                "safetensors stores dicts of tensors only (a manager snapshot holds optimizer "
+                "settings and counters: keep torch format, or convert a model's state_dict)")

@@ -1,0 +1,112 @@
+"""Load the newest verified snapshot of a directory without building a manager.
+
+:func:`load_latest` is what ``snapshot(autoload=True)`` does before it applies the state, for
+evaluation scripts, notebooks and exports: the same choice of file (the highest step parsed from
+the filename template among snapshots that verify), the same fallback to an older snapshot (with a
+warning naming each one skipped), and the same errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from snapkeep._core.catalog import Catalog, Entry
+from snapkeep._core.loading import load_file
+from snapkeep._core.storage import resolve_storage
+
+__all__ = ["DEFAULT_TEMPLATE", "load_latest"]
+
+logger = logging.getLogger(__name__)
+
+#: ppe's default snapshot filename (``extensions.snapshot()``).
+DEFAULT_TEMPLATE = "snapshot_iter_{.iteration}"
+
+
+def _store(storage: Any, directory: str, template: str) -> Catalog:
+    """The object owning the template's files in ``directory`` (one call site to port)."""
+    return Catalog(storage, directory, template)
+
+
+def load_latest(
+    out_dir: str | os.PathLike[str], *, template: str = DEFAULT_TEMPLATE,
+    map_location: Any = "cpu", weights_only: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Any | None:
+    """Return the state of the newest verified snapshot in ``out_dir``, or ``None`` when there
+    is none.
+
+    The snapshot is chosen as autoload chooses it: the highest step parsed from ``template``
+    (never mtime) among files that match their checksum manifest, or -- without a manifest
+    (written by ppe, or interrupted before it) -- load completely. A file that fails is skipped
+    with a ``RuntimeWarning`` naming it, and the next older one is tried.
+
+    Example::
+
+        state = snapkeep.load_latest("result/demo")
+        if state is not None:
+            model.load_state_dict(state["models"]["main"])
+
+    Args:
+        out_dir: the snapshot directory: a local path or an fsspec URL (``s3://bucket/run``,
+            ``memory://run``); the trainer's ``manager.out`` or the writer's ``out_dir``.
+        template: the filename template the snapshots were written with (the ``filename`` of
+            ``extensions.snapshot``); snapshots are ordered by its fields (``{.iteration}``).
+        map_location: as ``torch.load``'s (default ``'cpu'``: tensors are loaded to CPU memory
+            whatever device they were saved from).
+        weights_only: ``True`` (default) loads tensors, containers and primitive values only
+            (``torch.load(weights_only=True)``); ``False`` allows arbitrary unpickling, which
+            can run code: trusted files only.
+        storage_options: fsspec options for a URL (``endpoint_url``, credentials, ...).
+
+    Returns:
+        The state as saved (for a manager snapshot a dict with ``models``, ``optimizers``,
+        ``extensions``, ...; for ``snapshot_object(model, ...)`` the model's ``state_dict``),
+        or ``None`` when ``out_dir`` holds no file matching ``template`` -- the case in which
+        autoload starts fresh.
+
+    Raises:
+        NoValidSnapshotError: files of the template exist but none verifies and loads (each
+            reason listed); nothing is deleted.
+        UnsafeSnapshotError: the newest valid file needs ``weights_only=False``; nothing in it
+            was executed, and no older snapshot is loaded instead.
+        SnapshotStorageError: the storage could not be reached (a URL's endpoint, credentials).
+        FileNotFoundError: ``out_dir`` is a local path that does not exist (a typo would
+            otherwise look like "no snapshots").
+        ValueError: ``template`` is malformed.
+        TypeError: an argument has the wrong type.
+    """
+    if not isinstance(out_dir, (str, os.PathLike)):
+        raise TypeError(f"load_latest: out_dir must be a path or URL string, got "
+                        f"{type(out_dir).__name__}")
+    if not isinstance(template, str):
+        raise TypeError(f"load_latest: template must be a str such as {DEFAULT_TEMPLATE!r}, "
+                        f"got {type(template).__name__}")
+    if not isinstance(weights_only, bool):
+        raise TypeError(f"load_latest: weights_only must be True or False, got "
+                        f"{weights_only!r}")
+    location = os.fspath(out_dir)
+    storage, directory = resolve_storage(
+        location, storage_options=dict(storage_options) if storage_options else None)
+    if storage.is_local and not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"load_latest: out_dir {location!r} does not exist or is not a directory; pass the "
+            "directory the snapshots were written to (the trainer's out_dir)")
+    try:
+        store = _store(storage, directory, template)
+    except ValueError as e:
+        raise ValueError(f"load_latest: template {template!r} is malformed: {e}") from e
+
+    def loader(entry: Entry, data: bytes | None) -> Any:
+        return load_file(storage, entry.path, map_location=map_location,
+                         weights_only=weights_only, data=data)
+
+    found = store.load_newest(loader)
+    if found is None:
+        logger.info("no snapshot matching %r in %s", template, location)
+        return None
+    entry, state = found
+    logger.info("loaded snapshot %s (step %s)", entry.path, entry.step)
+    return state

@@ -1,0 +1,65 @@
+"""The documentation site's runnable examples run as written.
+
+Every ```python block of docs/*.md is a standalone script: it runs in a fresh directory, twice
+(snapshot examples resume on the second run and must print the same), and a ``# expected``
+comment line right after a ``print(...)`` line must appear in what it printed. Fragments that
+are not meant to run use ```text or ```sh. Every public error class has a troubleshooting
+section, and the on-disk format page lists every manifest field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import snapkeep.errors
+from snapkeep._core.manifest import Manifest
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+BLOCKS = [(page.name, i, block)
+          for page in sorted(DOCS.glob("*.md"))
+          for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(),
+                                               flags=re.S))]
+
+
+def test_docs_have_runnable_examples() -> None:
+    assert {page for page, _, _ in BLOCKS} >= {"index.md", "writers.md"}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("page", "index", "block"), BLOCKS,
+                         ids=[f"{page}-{i}" for page, i, _ in BLOCKS])
+def test_docs_example_runs_as_written(tmp_path: pathlib.Path, page: str, index: int,
+                                      block: str) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(block)
+    outputs = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=150)
+        assert run.returncode == 0, run.stderr
+        outputs.append(run.stdout)
+    lines = block.splitlines()
+    expected = [line[2:] for prev, line in zip(lines, lines[1:])
+                if prev.startswith("print(") and line.startswith("# ")]
+    assert expected, f"{page} block {index} checks no output"
+    for line in expected:
+        assert line in outputs[0].splitlines(), (line, outputs[0])
+    assert outputs[0] == outputs[1]
+
+
+def test_every_public_error_class_is_in_troubleshooting() -> None:
+    text = (DOCS / "troubleshooting.md").read_text()
+    headings = set(re.findall(r"^## (\w+)$", text, flags=re.M))
+    assert set(snapkeep.errors.__all__) <= headings
+
+
+def test_the_format_page_lists_every_manifest_field() -> None:
+    text = (DOCS / "format.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)` \|", text, flags=re.M))
+    assert rows == {f.name for f in dataclasses.fields(Manifest)} | {"format"}
