@@ -73,6 +73,19 @@ def _has_autoloading_snapshot(manager: Any) -> bool:
     return any(isinstance(getattr(e, "extension", None), _Snapshot)
                and getattr(e.extension, "autoload", False) for e in entries.values())
 
+def _snapkeep_writer_for(manager: Any) -> Any:
+    """The manager's writer; under ppe's manager (whose default writer is ppe's) a snapkeep
+    ``SimpleWriter`` on the same ``out`` instead, so autoload verifies and retention runs."""
+    writer = manager.writer
+    if writer is None or isinstance(writer, _SnapkeepWriter):
+        return writer
+    from snapkeep.writing import SimpleWriter
+
+    logger.info("the manager's writer is a %s, not a snapkeep writer; snapshots are written by "
+                "a snapkeep SimpleWriter into %r", type(writer).__name__, manager.out)
+    return SimpleWriter(out_dir=manager.out)
+
+
 class SnapshotMode(enum.Enum):
     """As ppe's ``SnapshotMode``; ``SHARDED`` is not supported yet."""
 
@@ -323,7 +336,8 @@ class _Snapshot(extension.Extension):
             ValueError: the filename template names an attribute the manager does not have.
             SnapshotStorageError: the writer's output directory cannot be created.
         """
-        self.writer = manager.writer if self.writer is None else self.writer
+        if self.writer is None:
+            self.writer = _snapkeep_writer_for(manager)
         # one lineage per manager: a snapshot_object beside an autoloading snapshot continues
         # the run that snapshot resumed (and its retention keeps deleting that run's files)
         shared = getattr(manager, _LINEAGE_ATTRIBUTE, None)
