@@ -46,6 +46,7 @@ from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, 
 from snapkeep._core.storage import resolve_storage
 from snapkeep._core.structure import describe, find_mismatches
 from snapkeep.training import extension
+from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 from snapkeep.writing import Writer as _SnapkeepWriter
 
@@ -74,10 +75,11 @@ def _has_autoloading_snapshot(manager: Any) -> bool:
                and getattr(e.extension, "autoload", False) for e in entries.values())
 
 def _snapkeep_writer_for(manager: Any) -> Any:
-    """The manager's writer; under ppe's manager (whose default writer is ppe's) a snapkeep
-    ``SimpleWriter`` on the same ``out`` instead, so autoload verifies and retention runs."""
+    """The manager's writer; when that is one of ppe's writers (ppe's manager makes one by
+    default) a snapkeep ``SimpleWriter`` on the same ``out`` instead, so that autoload verifies
+    and retention runs."""
     writer = manager.writer
-    if writer is None or isinstance(writer, _SnapkeepWriter):
+    if not type(writer).__module__.startswith("pytorch_pfn_extras."):
         return writer
     from snapkeep.writing import SimpleWriter
 
@@ -171,6 +173,7 @@ def snapshot(
     weights_only: bool = True,
     map_location: Any = "cpu",
     on_save_error: str = "raise",
+    generators: Mapping[str, Any] | None = None,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
 
@@ -202,6 +205,11 @@ def snapshot(
         map_location: ``torch.load``'s ``map_location`` for autoload (default ``'cpu'``).
         on_save_error: ``'raise'`` (default) stops training on a failed save; ``'log'`` logs it
             and continues.
+        generators: RNGs the training loop owns, by name (``torch.Generator`` of a
+            ``DataLoader``, ``random.Random``, NumPy generators, or objects with
+            ``state_dict``/``load_state_dict``), saved and restored with the global RNG states
+            in this extension's part of the manager's state (snapkeep addition; manager
+            snapshots only).
 
     Raises:
         TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type.
@@ -214,7 +222,7 @@ def snapshot(
         target=target, condition=condition, writer=writer, filename=filename,
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
         savefun=savefun, retention=retention, weights_only=weights_only,
-        map_location=map_location, on_save_error=on_save_error,
+        map_location=map_location, on_save_error=on_save_error, generators=generators,
     )
     if snapshot_mode == SnapshotMode.DEFAULT and saver_rank is None:
         return _Snapshot(**kwargs)
@@ -244,7 +252,7 @@ def _check_target(target: Any) -> None:
                 "manager) or a dict of them")
 
 
-class _Snapshot(extension.Extension):
+class _Snapshot(ContinuationMixin, extension.Extension):
     """Takes snapshots of the manager or a target; see :func:`snapshot`."""
 
     trigger = 1, "epoch"
@@ -257,8 +265,10 @@ class _Snapshot(extension.Extension):
         snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
         savefun: Any = None, *, retention: RetentionPolicy | None = None,
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
+        generators: Mapping[str, Any] | None = None,
     ) -> None:
         _check_target(target)
+        self._generators = check_generators(generators)
         if condition is None:
             condition = _always_true
         elif not callable(condition):
@@ -336,6 +346,7 @@ class _Snapshot(extension.Extension):
             ValueError: the filename template names an attribute the manager does not have.
             SnapshotStorageError: the writer's output directory cannot be created.
         """
+        self._bind_continuation(manager)
         if self.writer is None:
             self.writer = _snapkeep_writer_for(manager)
         # one lineage per manager: a snapshot_object beside an autoloading snapshot continues
