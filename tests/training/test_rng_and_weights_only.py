@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep.training import Extension, triggers
+from snapkeep.training import Extension, extensions, triggers
 from snapkeep.training._rng_state import restore_rng_state
 
 
@@ -25,24 +25,68 @@ def _draw():
     )
 
 
-def test_rng_state_round_trip(make_manager):
+def _with_snapshot(manager, **kwargs):
+    manager.extend(extensions.snapshot(**kwargs), name="snapshot")
+    return manager
+
+
+def test_rng_state_round_trip_through_the_snapshot_extension(make_manager):
     random.seed(1)
     np.random.seed(1)
     torch.manual_seed(1)
     _draw()
-    manager = make_manager()
+    manager = _with_snapshot(make_manager())
     state = manager.state_dict()
+    assert "_rng_state" not in state  # ppe's layout: it lives in the extension's part
+    assert set(state["extensions"]["snapshot"]["extension"]["rng"]) >= {"python", "numpy",
+                                                                        "torch"}
     expected = _draw()
     assert _draw() != expected  # the generators have moved on
 
-    make_manager().load_state_dict(state)
+    _with_snapshot(make_manager()).load_state_dict(state)
     assert _draw() == expected
 
 
+def test_registered_generators_round_trip(make_manager):
+    gen, rnd, npgen = torch.Generator().manual_seed(5), random.Random(5), np.random.default_rng(5)
+    regs = {"loader": gen, "aug": rnd, "np": npgen}
+
+    def draw():
+        return (torch.rand(2, generator=gen).tolist(), rnd.random(), npgen.random(2).tolist())
+
+    state = _with_snapshot(make_manager(), generators=regs).state_dict()
+    expected = draw()
+    assert draw() != expected
+    _with_snapshot(make_manager(), generators=regs).load_state_dict(state)
+    assert draw() == expected
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True)["extensions"] == state["extensions"]
+
+
+def test_bad_generators_are_rejected_naming_the_argument():
+    with pytest.raises(TypeError, match=r"generators\['x'\].*accepted: torch.Generator"):
+        extensions.snapshot(generators={"x": object()})
+
+
+def test_old_snapkeep_state_with_top_level_rng_still_loads(make_manager):
+    torch.manual_seed(3)
+    state = make_manager().state_dict()
+    state.pop("ppe_version")
+    state["_snapkeep_version"] = snapkeep.__version__
+    from snapkeep.training._rng_state import capture_rng_state
+
+    state["_rng_state"] = capture_rng_state()
+    expected = torch.rand(3).tolist()
+    make_manager().load_state_dict(state)
+    assert torch.rand(3).tolist() == expected
+
+
 def test_save_rng_state_false_neither_saves_nor_restores(make_manager):
-    with_rng = make_manager().state_dict()
-    manager = make_manager(save_rng_state=False)
-    assert "_rng_state" not in manager.state_dict()
+    with_rng = _with_snapshot(make_manager()).state_dict()
+    manager = _with_snapshot(make_manager(save_rng_state=False))
+    assert "rng" not in manager.state_dict()["extensions"]["snapshot"]["extension"]
     torch.manual_seed(2)
     expected = torch.rand(2)
     torch.manual_seed(2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep.training import triggers
+from snapkeep.training import extensions, triggers
 
 
 def _build(make_manager, log):
@@ -24,6 +24,8 @@ def _build(make_manager, log):
                    trigger=triggers.OnceTrigger())
     manager.extend(lambda m: log.append(("every2", m.iteration)), name="every2",
                    trigger=(2, "iteration"))
+    # continuation state (the stop trigger's) travels in the snapshot extension's part
+    manager.extend(extensions.snapshot(), name="snapshot", trigger=(1000, "iteration"))
     return manager
 
 
@@ -42,7 +44,7 @@ def test_resumed_manager_continues_exactly_like_the_original(make_manager):
     _run(original, [5.0, 3.0, 4.0])
     state = original.state_dict()
     first_log.clear()
-    expected_stops = _run(original, [3.5, 2.0, 2.5, 2.6, 2.7])
+    expected_stops = _run(original, [3.5, 3.6])
     expected_log = list(first_log)
 
     resumed_log: list = []
@@ -53,9 +55,10 @@ def test_resumed_manager_continues_exactly_like_the_original(make_manager):
     resumed.load_state_dict(state)
     assert resumed.iteration == 3
     resumed_log.clear()  # (nothing ran during load)
-    assert _run(resumed, [3.5, 2.0, 2.5, 2.6, 2.7]) == expected_stops
+    assert _run(resumed, [3.5, 3.6]) == expected_stops
     assert resumed_log == expected_log
-    assert expected_stops[-1] is True  # three checks without improvement on 2.0
+    # 4.0, 3.5, 3.6: three checks without improvement on 3.0 -- only with the saved count
+    assert expected_stops == [False, True]
 
 
 def test_trigger_state_layout_matches_ppe(make_manager):
@@ -69,13 +72,14 @@ def test_trigger_state_layout_matches_ppe(make_manager):
     }
     assert state["extensions"]["once"] == {"extension": {}, "trigger": {"_flag_first": False}}
     assert state["extensions"]["every2"] == {"extension": {}, "trigger": {}}
-    assert state["_stop_trigger"]["count"] == 0
-    assert state["_stop_trigger"]["best"] == 3.0
-    assert set(state) >= {
+    continuation = state["extensions"]["snapshot"]["extension"]
+    assert continuation["stop_trigger"]["count"] == 0
+    assert continuation["stop_trigger"]["best"] == 3.0
+    assert set(state) == {  # ppe 0.9.0's keys exactly
         "_start_iteration", "_start_execution", "models", "optimizers", "state_objects",
-        "extensions", "_snapkeep_version", "_rng_state",
+        "extensions", "ppe_version",
     }
-    assert state["_snapkeep_version"] == snapkeep.__version__
+    assert state["ppe_version"] == snapkeep.__version__
 
 
 def test_ppe_state_dict_loads_without_warning(make_manager):
@@ -106,8 +110,11 @@ def test_ppe_state_dict_loads_without_warning(make_manager):
 @pytest.mark.parametrize(
     ("mutate", "pattern"),
     [
+        (lambda s: s.update(ppe_version="0.0.1"), "saved by version 0.0.1"),
+        (lambda s: s.update(ppe_version="23.0.0"), "saved by version 23.0.0"),
+        (lambda s: s.pop("ppe_version"), "records no version"),
+        # a snapkeep 0.1.0 state dict
         (lambda s: s.update(_snapkeep_version="0.0.1"), "saved by snapkeep version 0.0.1"),
-        (lambda s: s.pop("_snapkeep_version"), "records no version"),
     ],
 )
 def test_version_mismatch_or_absence_warns(make_manager, mutate, pattern):
@@ -161,3 +168,23 @@ def test_model_and_optimizer_state_restored(make_manager):
     training_manager.load_state_dict(state)
     assert torch.equal(other.weight, model.weight)
     assert other_opt.state_dict()["state"][0]["step"] == 3
+
+
+def test_max_epochs_zero_makes_a_manager_that_only_loads(make_manager):
+    source = make_manager()
+    with source.run_iteration():
+        pass
+    state = source.state_dict()
+    loader = make_manager(max_epochs=0)
+    assert loader.stop_trigger is True
+    loader.load_state_dict(state)
+    assert loader.iteration == 1
+    assert loader.stop_trigger is True
+
+
+def test_finalized_manager_error_matches_ppe_text(make_manager):
+    manager = make_manager()
+    manager.finalize()
+    with pytest.raises(RuntimeError, match="finalized manager"):
+        with manager.run_iteration():
+            pass

@@ -1,16 +1,17 @@
 """Layout of the manager's ``state_dict`` and its version checks.
 
-ppe's keys, loadable by ppe and from ppe::
+ppe 0.9.0's layout, key for key (loadable by ppe's manager, and ppe's snapshots load here)::
 
     _start_iteration, _start_execution   ints
     models, optimizers, state_objects    {name: obj.state_dict()}
     extensions                           {name: {'extension': ..., 'trigger': ...}}
+    ppe_version                          str: snapkeep's version (``ppe.__version__`` after
+                                         ``import snapkeep as ppe``)
 
-snapkeep's additions (ignored by ppe's loader; optional when loading)::
-
-    _stop_trigger, _internal_stop_trigger   stop trigger states (e.g. EarlyStoppingTrigger)
-    _snapkeep_version                       str, checked on load
-    _rng_state                              see ``_rng_state.capture_rng_state``
+What a resumed run needs beyond that (RNG states, stop trigger states, registered generators)
+travels in the snapshot extension's own part, ``extensions[name]['extension']`` (see
+``_continuation``). Snapshots of snapkeep 0.1.0 also had ``_rng_state``, ``_stop_trigger``,
+``_internal_stop_trigger`` and ``_snapkeep_version`` at the top level; they still load.
 """
 
 from __future__ import annotations
@@ -20,19 +21,25 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
+from snapkeep.training._rng_state import restore_rng_state
 
 if TYPE_CHECKING:
     from snapkeep.training.manager import ExtensionsManager
 
-__all__ = ["RNG_STATE_KEY", "VERSION_KEY", "load_manager_state", "manager_state"]
+__all__ = ["PPE_VERSION_KEY", "RNG_STATE_KEY", "VERSION_KEY", "load_manager_state",
+           "manager_state"]
 
 logger = logging.getLogger(__name__)
 
+PPE_VERSION_KEY = "ppe_version"
+"""``state_dict`` key holding the version that produced it (ppe's key; snapkeep's version)."""
 VERSION_KEY = "_snapkeep_version"
-"""``state_dict`` key holding the snapkeep version that produced it."""
+"""Top-level key of snapkeep 0.1.0 state dicts (read when loading; no longer written)."""
 RNG_STATE_KEY = "_rng_state"
-"""``state_dict`` key holding the global RNG states (see ``save_rng_state``)."""
+"""Top-level key of the RNG states in snapkeep 0.1.0 state dicts (restored when loading)."""
+
+#: The ppe release whose API and layout snapkeep follows: its state dicts load without warning.
+COMPATIBLE_PPE_VERSION = "0.9.0"
 
 
 def snapkeep_version() -> str:
@@ -41,9 +48,9 @@ def snapkeep_version() -> str:
     return str(snapkeep.__version__)
 
 
-def manager_state(manager: ExtensionsManager, *, save_rng_state: bool) -> dict[str, Any]:
+def manager_state(manager: ExtensionsManager) -> dict[str, Any]:
     """Builds ``manager.state_dict()`` (see the module docstring for the layout)."""
-    state: dict[str, Any] = {
+    return {
         "_start_iteration": manager.iteration,
         "_start_execution": manager.execution,
         "models": {name: model.state_dict() for name, model in manager.models.items()},
@@ -54,13 +61,8 @@ def manager_state(manager: ExtensionsManager, *, save_rng_state: bool) -> dict[s
         "extensions": {
             name: entry.state_dict() for name, entry in manager._extensions.items()
         },
-        "_stop_trigger": manager._stop_trigger.state_dict(),
-        "_internal_stop_trigger": manager._internal_stop_trigger.state_dict(),
-        VERSION_KEY: snapkeep_version(),
+        PPE_VERSION_KEY: snapkeep_version(),
     }
-    if save_rng_state:
-        state[RNG_STATE_KEY] = capture_rng_state()
-    return state
 
 
 def load_manager_state(
@@ -80,6 +82,13 @@ def load_manager_state(
     if "state_objects" in to_load:
         for name, obj in manager._state_objects.items():
             obj.load_state_dict(_entry(to_load, "state_objects", name))
+    # snapkeep 0.1.0 snapshots: continuation state at the top level
+    if "_stop_trigger" in to_load:
+        manager._stop_trigger.load_state_dict(to_load["_stop_trigger"])
+    if "_internal_stop_trigger" in to_load:
+        manager._internal_stop_trigger.load_state_dict(to_load["_internal_stop_trigger"])
+    if restore_rng and RNG_STATE_KEY in to_load:
+        restore_rng_state(to_load[RNG_STATE_KEY])
     saved_extensions = to_load.get("extensions", {})
     for name, entry in manager._extensions.items():
         if name in saved_extensions:
@@ -88,40 +97,31 @@ def load_manager_state(
             logger.warning(
                 "extension %r has no saved state at iteration %d; it starts fresh", name, start
             )
-    if "_stop_trigger" in to_load:
-        manager._stop_trigger.load_state_dict(to_load["_stop_trigger"])
-    if "_internal_stop_trigger" in to_load:
-        manager._internal_stop_trigger.load_state_dict(to_load["_internal_stop_trigger"])
-    if restore_rng and RNG_STATE_KEY in to_load:
-        restore_rng_state(to_load[RNG_STATE_KEY])
 
 
 def check_version(to_load: Mapping[str, Any]) -> None:
-    """Warns unless ``to_load`` was saved by this snapkeep version or by ppe.
-
-    A dict with ``'ppe_version'`` but no snapkeep version comes from ppe; it is logged, not
-    warned about, since loading ppe snapshots is the point of the compatible layout.
-    """
+    """Warns (``UserWarning``, as ppe's manager) unless ``to_load`` was saved by this snapkeep
+    version or by ppe 0.9.0, whose layout snapkeep follows."""
     current = snapkeep_version()
-    saved = to_load.get(VERSION_KEY)
-    if saved is None:
-        ppe_version = to_load.get("ppe_version")
-        if ppe_version is None:
+    saved = to_load.get(VERSION_KEY)  # snapkeep 0.1.0
+    if saved is not None:
+        if saved != current:
             warnings.warn(
-                f"the state dict records no version ({VERSION_KEY!r} missing); loading it "
-                f"into snapkeep {current} anyway",
-                UserWarning,
-                stacklevel=4,
-            )
-        else:
-            logger.info("loading a state dict saved by pytorch-pfn-extras %s", ppe_version)
-    elif saved != current:
+                f"the state dict was saved by snapkeep version {saved}, this is snapkeep "
+                f"version {current}; loading it anyway", UserWarning, stacklevel=4)
+        return
+    version = to_load.get(PPE_VERSION_KEY)
+    if version is None:
         warnings.warn(
-            f"the state dict was saved by snapkeep version {saved}, this is snapkeep "
-            f"version {current}; loading it anyway",
-            UserWarning,
-            stacklevel=4,
-        )
+            f"the state dict records no version ({PPE_VERSION_KEY!r} missing); loading it into "
+            f"snapkeep {current} anyway", UserWarning, stacklevel=4)
+    elif version == COMPATIBLE_PPE_VERSION:
+        logger.info("loading a state dict saved by pytorch-pfn-extras %s", version)
+    elif version != current:
+        warnings.warn(
+            f"the state dict was saved by version {version} (snapkeep, or ppe before "
+            f"{COMPATIBLE_PPE_VERSION}); this is snapkeep {current}; loading it anyway",
+            UserWarning, stacklevel=4)
 
 
 def _entry(to_load: Mapping[str, Any], section: str, name: str) -> Any:

@@ -12,6 +12,7 @@ records the state every other extension and trigger left for that iteration.
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -65,6 +66,12 @@ class Extension:
     needs_model_state: bool = False
     is_async: bool = False
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Inside ppe's manager an extension that is not an instance of ppe's `Extension` is
+        # wrapped, and the wrapper drops `needs_model_state`, `state_dict` and the rest; so when
+        # ppe is loaded, instances are made of a subclass that also derives from ppe's class.
+        return object.__new__(_with_ppe_base(cls))
+
     @property
     def default_name(self) -> str:
         """Name used when none is given: the class name unless overridden."""
@@ -110,6 +117,30 @@ class Extension:
 
     def load_state_dict(self, to_load: dict[str, Any]) -> None:
         """Restores state produced by :meth:`state_dict`."""
+
+
+_PPE_EXTENSION_MODULE = "pytorch_pfn_extras.training.extension"
+_ppe_variants: dict[type, type] = {}
+
+
+def _with_ppe_base(cls: type) -> type:
+    """``cls``, or (when ppe's extension module is already imported) a subclass of ``cls`` and of
+    ppe's ``Extension``, so that ppe's manager runs the extension itself (ppe's ``_as_extension``
+    checks ``isinstance(ext, Extension)``). snapkeep never imports ppe: a process that uses ppe's
+    manager has imported it before creating extensions. Attributes and methods come from ``cls``
+    (first in the MRO); ``type(ext).__name__`` is unchanged."""
+    module = sys.modules.get(_PPE_EXTENSION_MODULE)
+    ppe_base = getattr(module, "Extension", None)
+    if not isinstance(ppe_base, type) or issubclass(cls, ppe_base):
+        return cls
+    variant = _ppe_variants.get(cls)
+    if variant is None:
+        variant = type(cls.__name__, (cls, ppe_base), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        })
+        _ppe_variants[cls] = variant
+    return variant
 
 
 class _WrappedExtension(Extension):

@@ -31,6 +31,7 @@ import torch
 from snapkeep import reporting
 from snapkeep.training._manager_protocol import StateObjectProtocol, WriterLike
 from snapkeep.training._manager_state import (
+    PPE_VERSION_KEY,
     RNG_STATE_KEY,
     VERSION_KEY,
     load_manager_state,
@@ -44,12 +45,22 @@ from snapkeep.training.extension import (
     ExtensionLike,
 )
 
-__all__ = ["ExtensionsManager", "VERSION_KEY", "RNG_STATE_KEY"]
+__all__ = ["ExtensionsManager", "PPE_VERSION_KEY", "VERSION_KEY", "RNG_STATE_KEY"]
 
 logger = logging.getLogger(__name__)
 
 _get_time = time.perf_counter
 TransformModel = Callable[[str, torch.nn.Module], torch.nn.Module]
+
+
+class _StopAtOnce(Trigger):
+    """Stop trigger of ``max_epochs=0``: training is over before it starts."""
+
+    def __call__(self, manager: Any) -> bool:
+        return True
+
+    def get_training_length(self) -> tuple[float, str]:
+        return (0, "epoch")
 
 
 def _identity_transform(name: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -76,7 +87,9 @@ class ExtensionsManager:
     Args:
         models: A module (registered as ``'main'``) or a mapping of names to modules.
         optimizers: An optimizer (registered as ``'main'``) or a mapping of names to optimizers.
-        max_epochs: Training length in epochs; ignored when ``stop_trigger`` is given.
+        max_epochs: Training length in epochs, >= 0; ignored when ``stop_trigger`` is given.
+            0 makes a manager that only loads (``stop_trigger`` is ``True`` at once), as ppe
+            allows.
         iters_per_epoch: Iterations per epoch, >= 1.
         extensions: Extensions to register with their default options.
         out_dir: Output directory of the default writer (ignored when ``writer`` is given).
@@ -89,9 +102,10 @@ class ExtensionsManager:
             and a ``True`` value only emits a warning.
         state_objects: Names to objects with ``state_dict``/``load_state_dict`` whose state is
             saved and restored with the manager's.
-        save_rng_state: Save Python's, NumPy's, torch's CPU and CUDA RNG states in
-            ``state_dict()`` and restore them in ``load_state_dict()``, so a resumed run draws
-            the same numbers as an uninterrupted one. snapkeep addition.
+        save_rng_state: Let snapkeep's snapshot extension save Python's, NumPy's, torch's CPU
+            and CUDA RNG states in its part of the state dict and restore them when it loads,
+            so a resumed run draws the same numbers as an uninterrupted one (also restores the
+            top-level ``_rng_state`` of snapkeep 0.1.0 snapshots). snapkeep addition.
 
     Raises:
         ValueError: ``iters_per_epoch < 1``, ``models`` is neither a module nor a mapping, or a
@@ -134,6 +148,8 @@ class ExtensionsManager:
             optimizers if isinstance(optimizers, collections.abc.Mapping) else {"main": optimizers}
         )
         self.max_epochs: int = max_epochs
+        if stop_trigger is None and max_epochs == 0:
+            stop_trigger = _StopAtOnce()
         self._stop_trigger: Trigger = get_trigger(
             (max_epochs, "epoch") if stop_trigger is None else stop_trigger
         )
@@ -440,7 +456,8 @@ class ExtensionsManager:
             KeyError: A name in ``step_optimizers`` is not a registered optimizer.
         """
         if self._finalized:
-            raise RuntimeError("Attempted to run a closed manager: finalize() already ran")
+            raise RuntimeError(
+                "Attempted to run a finalized manager (a closed manager: finalize() already ran)")
         names = list(step_optimizers or [])
         unknown = [n for n in names if n not in self._optimizers]
         if unknown:
@@ -500,17 +517,15 @@ class ExtensionsManager:
     # -- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Returns the training state.
+        """Returns the training state, in ppe 0.9.0's layout.
 
-        Layout: ppe's keys ``_start_iteration``, ``_start_execution``, ``models``,
-        ``optimizers``, ``state_objects`` and ``extensions`` (each
-        ``{'extension': ..., 'trigger': ...}``), plus snapkeep's ``_stop_trigger`` and
-        ``_internal_stop_trigger`` (stop trigger states), ``_snapkeep_version`` and, with
-        ``save_rng_state``, ``_rng_state``. Everything added by snapkeep loads with
-        ``torch.load(weights_only=True)``; so does the whole dict when the models, optimizers,
-        extensions and state objects return such values.
+        Keys: ``_start_iteration``, ``_start_execution``, ``models``, ``optimizers``,
+        ``state_objects``, ``extensions`` (each ``{'extension': ..., 'trigger': ...}``) and
+        ``ppe_version`` (snapkeep's version). RNG and stop trigger states are in the snapshot
+        extension's ``'extension'`` part. The dict loads with ``torch.load(weights_only=True)``
+        when the models, optimizers, extensions and state objects return such values.
         """
-        return manager_state(self, save_rng_state=self._save_rng_state)
+        return manager_state(self)
 
     def load_state_dict(self, to_load: Mapping[str, Any]) -> None:
         """Restores a state produced by :meth:`state_dict` or by ppe's manager.

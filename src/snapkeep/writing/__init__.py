@@ -13,6 +13,7 @@ writer                   where the save runs                         in flight (
 
 from snapkeep.writing._base import SimpleWriter, StandardWriter, Writer
 from snapkeep.writing._parallel import ProcessWriter, RemoteSave, ThreadWriter
+from snapkeep.writing._ppe_fs import PpeFileSystem
 from snapkeep.writing._queue import ProcessQueueWriter, QueueWriter, ThreadQueueWriter
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "QueueWriter",
     "ThreadQueueWriter",
     "ProcessQueueWriter",
+    "PpeFileSystem",
 ]

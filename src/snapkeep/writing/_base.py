@@ -22,6 +22,7 @@ from snapkeep._core.job import CommitRecord, SaveJob, execute
 from snapkeep._core.manifest import MANIFEST_SUFFIX
 from snapkeep._core.saver import SaveHandle, Saver, Ticket
 from snapkeep._core.storage import Storage, resolve_storage
+from snapkeep.writing._ppe_fs import PpeFileSystem
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class Writer:
     Args:
         fs: an fsspec filesystem, or a ppe/pfio-style filesystem object; ``None`` picks the
             filesystem from ``out_dir`` (a local path or an fsspec URL such as ``s3://b/run``).
+            The attribute ``writer.fs`` is a :class:`~snapkeep.writing.PpeFileSystem` over the
+            same storage, for ppe's snapshot extension (autoload, ``n_retains``).
         out_dir: directory this writer uses. When empty, the ``out_dir`` passed to ``__call__``
             (the manager's ``out``) is used -- ppe instead wrote into the working directory.
         storage_options: keyword arguments for the fsspec filesystem (endpoint, credentials).
@@ -62,7 +65,8 @@ class Writer:
             raise TypeError(f"zip_crc32 must be True or False, got {zip_crc32!r}")
         if not isinstance(out_dir, str):
             out_dir = str(out_dir)
-        self.fs = fs
+        self._fs = fs
+        self.fs = PpeFileSystem(fs, storage_options)  # what ppe's snapshot extension calls
         self.out_dir = out_dir
         self._storage_options = dict(storage_options or {})
         self._zip_crc32 = zip_crc32
@@ -179,7 +183,7 @@ class Writer:
         directory = self._directory(out_dir)
         cached = self._storages.get(directory)
         if cached is None:
-            cached = resolve_storage(directory, self.fs, self._storage_options)
+            cached = resolve_storage(directory, self._fs, self._storage_options)
             if not self._saver.runner.in_process:  # the storage is pickled to a worker process
                 cached[0].require_process_shareable(cached[1], type(self).__name__)
             self._storages[directory] = cached

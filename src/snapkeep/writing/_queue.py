@@ -84,7 +84,7 @@ class QueueWriter(Writer):
 
     def create_task(self, savefun: SaveFun) -> Any:
         """The default task: a :class:`SimpleWriter` with ``savefun`` (as ppe)."""
-        return SimpleWriter(savefun=savefun, fs=self.fs, out_dir=self.out_dir,
+        return SimpleWriter(savefun=savefun, fs=self._fs, out_dir=self.out_dir,
                             storage_options=self._storage_options, zip_crc32=self._zip_crc32)
 
     def create_queue(self) -> Any:

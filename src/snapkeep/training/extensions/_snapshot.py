@@ -46,6 +46,7 @@ from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, 
 from snapkeep._core.storage import resolve_storage
 from snapkeep._core.structure import describe, find_mismatches
 from snapkeep.training import extension
+from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 from snapkeep.writing import Writer as _SnapkeepWriter
 
@@ -72,6 +73,20 @@ def _has_autoloading_snapshot(manager: Any) -> bool:
     entries = getattr(manager, "_extensions", {})
     return any(isinstance(getattr(e, "extension", None), _Snapshot)
                and getattr(e.extension, "autoload", False) for e in entries.values())
+
+def _snapkeep_writer_for(manager: Any) -> Any:
+    """The manager's writer; when that is one of ppe's writers (ppe's manager makes one by
+    default) a snapkeep ``SimpleWriter`` on the same ``out`` instead, so that autoload verifies
+    and retention runs."""
+    writer = manager.writer
+    if not type(writer).__module__.startswith("pytorch_pfn_extras."):
+        return writer
+    from snapkeep.writing import SimpleWriter
+
+    logger.info("the manager's writer is a %s, not a snapkeep writer; snapshots are written by "
+                "a snapkeep SimpleWriter into %r", type(writer).__name__, manager.out)
+    return SimpleWriter(out_dir=manager.out)
+
 
 class SnapshotMode(enum.Enum):
     """As ppe's ``SnapshotMode``; ``SHARDED`` is not supported yet."""
@@ -158,6 +173,7 @@ def snapshot(
     weights_only: bool = True,
     map_location: Any = "cpu",
     on_save_error: str = "raise",
+    generators: Mapping[str, Any] | None = None,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
 
@@ -189,6 +205,11 @@ def snapshot(
         map_location: ``torch.load``'s ``map_location`` for autoload (default ``'cpu'``).
         on_save_error: ``'raise'`` (default) stops training on a failed save; ``'log'`` logs it
             and continues.
+        generators: RNGs the training loop owns, by name (``torch.Generator`` of a
+            ``DataLoader``, ``random.Random``, NumPy generators, or objects with
+            ``state_dict``/``load_state_dict``), saved and restored with the global RNG states
+            in this extension's part of the manager's state (snapkeep addition; manager
+            snapshots only).
 
     Raises:
         TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type.
@@ -201,7 +222,7 @@ def snapshot(
         target=target, condition=condition, writer=writer, filename=filename,
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
         savefun=savefun, retention=retention, weights_only=weights_only,
-        map_location=map_location, on_save_error=on_save_error,
+        map_location=map_location, on_save_error=on_save_error, generators=generators,
     )
     if snapshot_mode == SnapshotMode.DEFAULT and saver_rank is None:
         return _Snapshot(**kwargs)
@@ -231,7 +252,7 @@ def _check_target(target: Any) -> None:
                 "manager) or a dict of them")
 
 
-class _Snapshot(extension.Extension):
+class _Snapshot(ContinuationMixin, extension.Extension):
     """Takes snapshots of the manager or a target; see :func:`snapshot`."""
 
     trigger = 1, "epoch"
@@ -244,8 +265,10 @@ class _Snapshot(extension.Extension):
         snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
         savefun: Any = None, *, retention: RetentionPolicy | None = None,
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
+        generators: Mapping[str, Any] | None = None,
     ) -> None:
         _check_target(target)
+        self._generators = check_generators(generators)
         if condition is None:
             condition = _always_true
         elif not callable(condition):
@@ -323,7 +346,9 @@ class _Snapshot(extension.Extension):
             ValueError: the filename template names an attribute the manager does not have.
             SnapshotStorageError: the writer's output directory cannot be created.
         """
-        self.writer = manager.writer if self.writer is None else self.writer
+        self._bind_continuation(manager)
+        if self.writer is None:
+            self.writer = _snapkeep_writer_for(manager)
         # one lineage per manager: a snapshot_object beside an autoloading snapshot continues
         # the run that snapshot resumed (and its retention keeps deleting that run's files)
         shared = getattr(manager, _LINEAGE_ATTRIBUTE, None)

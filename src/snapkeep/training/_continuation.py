@@ -1,0 +1,224 @@
+"""Continuation state: what a resumed run needs, besides models and optimizers, to go on exactly
+as an uninterrupted one would. The snapshot extension carries it in its own ``state_dict()``, so
+it travels in ``manager.state_dict()['extensions'][name]['extension']`` under snapkeep's manager
+and under ppe's (whose layout has no other place for it), and it is restored while the manager
+loads, i.e. before the training loop builds its next ``DataLoader`` iterator (ppe autoloads at
+the first ``stop_trigger`` check)::
+
+    {'format': 'snapkeep.continuation/1',
+     'rng': {...},                      # see _rng_state.capture_rng_state; absent when disabled
+     'generators': {name: state},       # objects the loop registered (snapshot(generators=...))
+     'stop_trigger': {...},             # the manager's stop trigger state (EarlyStoppingTrigger)
+     'internal_stop_trigger': {...}}
+
+Every value loads with ``torch.load(weights_only=True)`` and compares with ``==``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from snapkeep.training._rng_state import (
+    _to_bytes,
+    _to_tensor,
+    capture_rng_state,
+    restore_rng_state,
+)
+
+__all__ = ["FORMAT", "capture", "check_generators", "restore"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "snapkeep.continuation/1"
+
+_GENERATOR_KINDS = (
+    "torch.Generator, random.Random, numpy.random.Generator/RandomState, or an object with "
+    "state_dict()/load_state_dict()")
+
+
+def check_generators(generators: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validate ``snapshot(generators=...)``.
+
+    Raises:
+        TypeError: not a mapping of str to supported objects (the message names the kinds).
+    """
+    if generators is None:
+        return {}
+    if not isinstance(generators, Mapping):
+        raise TypeError(f"generators must be a mapping of names to generators, got "
+                        f"{type(generators).__name__}")
+    for name, obj in generators.items():
+        if not isinstance(name, str) or _kind(obj) is None:
+            raise TypeError(f"generators[{name!r}] is a {type(obj).__name__}; accepted: "
+                            f"{_GENERATOR_KINDS}")
+    return dict(generators)
+
+
+def _kind(obj: Any) -> str | None:
+    if isinstance(obj, torch.Generator):
+        return "torch"
+    if isinstance(obj, random.Random):
+        return "python"
+    if hasattr(getattr(obj, "bit_generator", None), "state"):
+        return "numpy_generator"
+    if callable(getattr(obj, "get_state", None)) and callable(getattr(obj, "set_state", None)):
+        return "numpy_random_state"
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict",
+                                                                       None)):
+        return "state_dict"
+    return None
+
+
+def _plain(value: Any) -> Any:
+    """NumPy arrays and scalars inside a bit generator's state as tuples/ints."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        out = tolist()
+        return tuple(out) if isinstance(out, list) else out
+    return value
+
+
+def _capture_one(obj: Any) -> Any:
+    kind = _kind(obj)
+    if kind == "torch":
+        return _to_bytes(obj.get_state())
+    if kind == "python":
+        version, internal, gauss = obj.getstate()
+        return (int(version), tuple(int(v) for v in internal), gauss)
+    if kind == "numpy_generator":
+        return _plain(obj.bit_generator.state)
+    if kind == "numpy_random_state":
+        kind_name, keys, pos, has_gauss, cached = obj.get_state(legacy=True)
+        return (str(kind_name), tuple(int(k) for k in keys), int(pos), int(has_gauss),
+                float(cached))
+    return obj.state_dict()
+
+
+def _restore_one(obj: Any, state: Any) -> None:
+    kind = _kind(obj)
+    if kind == "torch":
+        obj.set_state(_to_tensor(state))
+    elif kind == "python":
+        version, internal, gauss = state
+        obj.setstate((int(version), tuple(int(v) for v in internal), gauss))
+    elif kind == "numpy_generator":
+        import numpy as np
+
+        restored = dict(state)
+        inner = restored.get("state")
+        if isinstance(inner, Mapping) and isinstance(inner.get("key"), tuple):
+            inner = {**inner, "key": np.asarray(inner["key"], dtype=np.uint32)}
+            restored["state"] = inner
+        obj.bit_generator.state = restored
+    elif kind == "numpy_random_state":
+        import numpy as np
+
+        kind_name, keys, pos, has_gauss, cached = state
+        obj.set_state((kind_name, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss),
+                       float(cached)))
+    else:
+        obj.load_state_dict(state)
+
+
+def capture(manager: Any, *, rng: bool, generators: Mapping[str, Any]) -> dict[str, Any]:
+    """The continuation state of ``manager`` now (see the module docstring).
+
+    Args:
+        manager: snapkeep's or ppe's manager (its stop triggers are read when present).
+        rng: include Python's, NumPy's, torch's CPU and CUDA global generator states.
+        generators: objects registered by the loop, by name.
+    """
+    state: dict[str, Any] = {"format": FORMAT}
+    if rng:
+        state["rng"] = capture_rng_state()
+    if generators:
+        state["generators"] = {name: _capture_one(g) for name, g in generators.items()}
+    for key in ("_stop_trigger", "_internal_stop_trigger"):
+        trigger = getattr(manager, key, None)
+        to_state = getattr(trigger, "state_dict", None)
+        if callable(to_state):
+            state[key.lstrip("_")] = to_state()
+    return state
+
+
+def restore(manager: Any, state: Mapping[str, Any], *, rng: bool,
+            generators: Mapping[str, Any]) -> None:
+    """Restore what :func:`capture` returned.
+
+    Generators registered now but absent from ``state`` (and the reverse) are logged and left
+    as they are.
+
+    Raises:
+        ValueError: ``state`` is not a continuation state of a known format.
+    """
+    if state.get("format") != FORMAT:
+        raise ValueError(f"not a snapkeep continuation state (format {state.get('format')!r}, "
+                         f"expected {FORMAT!r})")
+    for key in ("stop_trigger", "internal_stop_trigger"):
+        trigger = getattr(manager, "_" + key, None)
+        load = getattr(trigger, "load_state_dict", None)
+        if key in state and callable(load):
+            load(state[key])
+    saved = state.get("generators", {})
+    for name, obj in generators.items():
+        if name in saved:
+            _restore_one(obj, saved[name])
+        else:
+            logger.warning("generator %r has no saved state; it continues from its current "
+                           "state", name)
+    for name in sorted(set(saved) - set(generators)):
+        logger.warning("the snapshot holds the state of generator %r, which is not registered "
+                       "now; ignored", name)
+    if rng and "rng" in state:
+        restore_rng_state(state["rng"])
+
+
+class ContinuationMixin:
+    """Gives a snapshot extension the continuation state as its ``state_dict()``.
+
+    Only an extension that snapshots the manager (``target`` None) carries it; ``snapshot_object``
+    keeps ppe's empty state. The manager is the one the extension was initialized with; RNG
+    capture follows the manager's ``save_rng_state`` (snapkeep's manager; on by default under
+    ppe's manager).
+    """
+
+    _target: Any
+    _generators: dict[str, Any]
+    _continuation_manager: Any = None
+
+    def _bind_continuation(self, manager: Any) -> None:
+        """Remember ``manager`` (call at the start of ``initialize``, before autoload)."""
+        self._continuation_manager = manager
+
+    def _carries_continuation(self) -> bool:
+        return self._target is None
+
+    def _rng_enabled(self) -> bool:
+        return bool(getattr(self._continuation_manager, "_save_rng_state", True))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The continuation state (module docstring of ``snapkeep.training._continuation``) when
+        this extension snapshots the manager; ``{}`` otherwise (as ppe)."""
+        if not self._carries_continuation():
+            return {}
+        return capture(self._continuation_manager, rng=self._rng_enabled(),
+                       generators=self._generators)
+
+    def load_state_dict(self, to_load: dict[str, Any]) -> None:
+        """Restore RNG, generator and stop trigger states saved by :meth:`state_dict`; an empty
+        dict (ppe's snapshot, snapkeep 0.1.0) restores nothing.
+
+        Raises:
+            ValueError: a non-empty state of an unknown format.
+        """
+        if not to_load or not self._carries_continuation():
+            return
+        restore(self._continuation_manager, to_load, rng=self._rng_enabled(),
+                generators=self._generators)

@@ -1,0 +1,206 @@
+"""``writer.fs`` as ppe's snapshot extension uses it, over snapkeep's storage.
+
+ppe 0.9.0's ``training.extensions.snapshot`` talks to its writer's filesystem directly:
+
+* ``autoload``: ``fs.list(writer.out_dir, recursive=True)`` (names relative to ``out_dir``),
+  ``fs.stat(path).last_modified`` for each name matching the template's prefix and suffix (the
+  newest mtime wins), then ``fs.open(path, 'rb')`` handed to ``torch.load``;
+* ``n_retains``: the same listing after every save, then ``fs.remove(path)`` for each stale one.
+
+:class:`PpeFileSystem` answers those calls from snapkeep's :class:`~snapkeep._core.storage.Storage`
+(local paths, fsspec URLs, or the ``fs=`` object given to the writer) while keeping snapkeep's
+guarantees where ppe's code path lets it:
+
+* listings never show temp files of saves in flight nor the ``.snapkeep`` manifest directory;
+* ``open(path, 'rb')`` verifies the file against its checksum manifest first and raises
+  :class:`~snapkeep.SnapshotCorruptError` naming the file instead of handing ppe torn bytes (ppe
+  picks one file, so there is no fallback to an older snapshot on this path: snapkeep's own
+  snapshot extension falls back);
+* ``remove(path)`` deletes the snapshot's manifest with it, and an already-deleted file is not an
+  error (two cleanup passes may race), so ppe's cleanup hook never fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import logging
+import posixpath
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
+
+from snapkeep._core.checksum import digest_stream
+from snapkeep._core.errors import SnapshotCorruptError
+from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path
+from snapkeep._core.storage import Storage, resolve_storage
+from snapkeep._core.storage._storage import is_temp_name
+
+logger = logging.getLogger(__name__)
+
+_READ_MODES = ("r", "rb")
+
+
+@dataclasses.dataclass(frozen=True)
+class FileStat:
+    """What ppe reads from ``fs.stat(path)`` (the fields of ppe's ``_PosixFileStat``).
+
+    Attributes:
+        filename: the path as given.
+        last_modified: modification time in seconds since the epoch (what ppe orders by).
+        size: size in bytes.
+    """
+
+    filename: str
+    last_modified: float
+    size: int
+
+
+class PpeFileSystem:
+    """The pfio-style filesystem object ppe expects as ``writer.fs`` (see the module docstring).
+
+    Paths are those ppe builds: ``os.path.join(writer.out_dir, name)``, local paths or fsspec
+    URLs; they are resolved like a writer's ``out_dir``.
+
+    Args:
+        fs: the ``fs=`` given to the writer (None: chosen from each path).
+        storage_options: the writer's ``storage_options``.
+    """
+
+    def __init__(self, fs: Any = None, storage_options: Mapping[str, Any] | None = None) -> None:
+        self._fs = fs
+        self._options = dict(storage_options or {})
+
+    def _resolve(self, path: str) -> tuple[Storage, str]:
+        return resolve_storage(path or ".", self._fs, self._options or None)
+
+    # -- what ppe's snapshot extension calls -------------------------------------------------------
+    def list(self, path_or_prefix: str | None = None, recursive: bool = False) -> Iterator[str]:
+        """Names under ``path_or_prefix`` relative to it (ppe's order: unspecified); with
+        ``recursive``, files in sub-directories as ``'sub/name'``. Temp files and the manifest
+        directory are never listed; a missing directory lists nothing."""
+        storage, directory = self._resolve(path_or_prefix or "")
+        yield from _walk(storage, directory, "", recursive)
+
+    def stat(self, path: str) -> FileStat:
+        """Size and modification time of ``path``.
+
+        Raises:
+            FileNotFoundError: ``path`` does not exist.
+        """
+        storage, p = self._resolve(path)
+        info = storage.fs.info(p)
+        return FileStat(filename=path, last_modified=_mtime(info), size=int(info.get("size") or 0))
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:
+        """Open ``path`` for reading after checking it against its checksum manifest.
+
+        A file without a manifest (written by ppe) is opened unverified.
+
+        Raises:
+            SnapshotCorruptError: size or checksum differ from the manifest.
+            ValueError: ``mode`` is not ``'r'`` or ``'rb'`` (snapkeep writers commit files
+                themselves; write through the writer).
+        """
+        if mode not in _READ_MODES:
+            raise ValueError(
+                f"mode must be one of {_READ_MODES} for a snapkeep writer's fs, got {mode!r}: "
+                "snapkeep writers commit files atomically themselves; save through the writer")
+        storage, p = self._resolve(path)
+        data = None if storage.is_local else storage.read_bytes(p)
+        _verify(storage, p, data)
+        raw: IO[bytes] = io.BytesIO(data) if data is not None else storage.open_read(p)
+        if mode == "r":
+            return io.TextIOWrapper(raw, **kwargs)
+        return raw
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        """Delete the snapshot ``path`` and its manifest; a file already gone is not an error
+        (logged). ``recursive`` is accepted for ppe's signature; directories are not removed."""
+        storage, p = self._resolve(path)
+        for target in (p, manifest_path(storage, p)):
+            try:
+                storage.remove(target)
+            except FileNotFoundError:
+                logger.debug("remove: %s is already gone", storage.url(target))
+            else:
+                logger.debug("removed %s", storage.url(target))
+
+    def exists(self, path: str) -> bool:
+        storage, p = self._resolve(path)
+        return storage.exists(p)
+
+    def isdir(self, path: str) -> bool:
+        storage, p = self._resolve(path)
+        return bool(storage.fs.isdir(p))
+
+    def makedirs(self, path: str, mode: int = 0o777, exist_ok: bool = False) -> None:
+        """Create ``path`` and its parents (``mode`` is ignored; ``exist_ok`` as ``os``)."""
+        storage, p = self._resolve(path)
+        if not exist_ok and storage.exists(p):
+            raise FileExistsError(path)
+        storage.makedirs(p)
+
+    def __enter__(self) -> PpeFileSystem:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing to release (ppe's interface)."""
+
+
+def _walk(storage: Storage, directory: str, prefix: str, recursive: bool) -> Iterator[str]:
+    try:
+        entries = storage.fs.ls(directory or ".", detail=True, refresh=True)
+    except FileNotFoundError:
+        return
+    for entry in sorted(entries, key=lambda e: str(e["name"])):
+        name = posixpath.basename(str(entry["name"]).rstrip("/"))
+        if is_temp_name(name) or name == MANIFEST_DIR:
+            continue
+        yield prefix + name
+        if recursive and entry.get("type") == "directory":
+            yield from _walk(storage, storage.join(directory, name), f"{prefix}{name}/", True)
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return 0.0
+
+
+def _verify(storage: Storage, path: str, data: bytes | None) -> None:
+    mpath = manifest_path(storage, path)
+    try:
+        manifest = Manifest.from_bytes(storage.read_bytes(mpath))
+    except FileNotFoundError:
+        logger.info("%s has no checksum manifest (written by ppe?); loading it unverified",
+                    storage.url(path))
+        return
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
+        logger.warning("manifest %s is unreadable (%s); loading %s unverified",
+                       storage.url(mpath), e, storage.url(path))
+        return
+    if data is not None:
+        digest, size = digest_stream(io.BytesIO(data))
+    else:
+        with storage.open_read(path) as f:
+            digest, size = digest_stream(f)
+    if size != manifest.size_bytes or digest != manifest.checksum:
+        raise SnapshotCorruptError(
+            f"{storage.url(path)}: {size} bytes with {manifest.algorithm} checksum {digest}, its "
+            f"manifest recorded {manifest.size_bytes} bytes and {manifest.checksum} (truncated or "
+            "corrupted). ppe's autoload loads only the newest file; move it away to resume from "
+            "the previous one, or use snapkeep.training.extensions.snapshot, which falls back "
+            "to the newest valid snapshot by itself")

@@ -1,0 +1,102 @@
+"""The plug-in path: snapkeep's writers under ppe's snapshot extension, snapkeep's snapshot
+extension under ppe's manager (ppe 0.9.0, installed by the dev extras)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+import torch
+
+ppe = pytest.importorskip("pytorch_pfn_extras")
+
+import snapkeep  # noqa: E402
+from snapkeep.training import extensions as sk_extensions  # noqa: E402
+
+WRITERS = ["SimpleWriter", "ThreadWriter", "ThreadQueueWriter"]
+
+
+def _train(out: pathlib.Path, *, until: int, writer: object | None, ext: object,
+           model: torch.nn.Module | None = None) -> tuple[object, torch.nn.Module]:
+    model = model or torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = {"writer": writer} if writer is not None else {"out_dir": str(out)}
+    manager = ppe.training.ExtensionsManager(model, optimizer, 4, iters_per_epoch=3, **kwargs)
+    manager.extend(ext)
+    x = torch.arange(6.0).reshape(2, 3)
+    while not manager.stop_trigger:
+        with manager.run_iteration(step_optimizers=["main"]):
+            model(x).sum().backward()
+        if manager.iteration >= until:
+            break
+    manager.finalize()
+    return manager, model
+
+
+def _names(out: pathlib.Path) -> tuple[list[str], list[str]]:
+    return (sorted(n for n in os.listdir(out) if n != ".snapkeep"),
+            sorted(os.listdir(out / ".snapkeep")))
+
+
+@pytest.mark.parametrize("writer_name", WRITERS)
+def test_ppe_snapshot_with_snapkeep_writer_autoloads_and_retains(tmp_path, writer_name):
+    cls = getattr(snapkeep.writing, writer_name)
+    w = cls(out_dir=str(tmp_path))
+    ext = ppe.training.extensions.snapshot(writer=w, autoload=True, n_retains=2)
+    _train(tmp_path, until=9, writer=w, ext=ext)
+    assert _names(tmp_path) == (["snapshot_iter_6", "snapshot_iter_9"],
+                                ["snapshot_iter_6.json", "snapshot_iter_9.json"])
+    w2 = cls(out_dir=str(tmp_path))
+    ext2 = ppe.training.extensions.snapshot(writer=w2, autoload=True, n_retains=2)
+    manager, _ = _train(tmp_path, until=100, writer=w2, ext=ext2)
+    assert manager.iteration == 12
+    assert _names(tmp_path) == (["snapshot_iter_12", "snapshot_iter_9"],
+                                ["snapshot_iter_12.json", "snapshot_iter_9.json"])
+
+
+def test_ppe_autoload_refuses_a_corrupt_snapshot(tmp_path):
+    w = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
+    _train(tmp_path, until=6, writer=w,
+           ext=ppe.training.extensions.snapshot(writer=w, autoload=True))
+    newest = tmp_path / "snapshot_iter_6"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    w2 = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
+    with pytest.raises(snapkeep.SnapshotCorruptError, match="snapshot_iter_6"):
+        _train(tmp_path, until=9, writer=w2,
+               ext=ppe.training.extensions.snapshot(writer=w2, autoload=True))
+
+
+def test_writer_fs_hides_temps_and_manifests(tmp_path):
+    w = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
+    w("snap_1", "", {"a": 1})
+    (tmp_path / "snap_2.snapkeep-tmp.x").write_bytes(b"partial")
+    assert sorted(w.fs.list(str(tmp_path), recursive=True)) == ["snap_1"]
+    assert w.fs.stat(str(tmp_path / "snap_1")).size == (tmp_path / "snap_1").stat().st_size
+    with w.fs.open(str(tmp_path / "snap_1"), "rb") as f:
+        assert torch.load(f, weights_only=True) == {"a": 1}
+    with pytest.raises(ValueError, match="mode"):
+        w.fs.open(str(tmp_path / "snap_1"), "wb")
+    w.fs.remove(str(tmp_path / "snap_1"))
+    w.fs.remove(str(tmp_path / "snap_1"))  # already gone: not an error
+    assert not (tmp_path / ".snapkeep" / "snap_1.json").exists()
+    assert not w.fs.exists(str(tmp_path / "snap_1"))
+    w.finalize()
+
+
+def test_snapkeep_extension_is_a_ppe_extension_inside_ppe_manager(tmp_path):
+    ext = sk_extensions.snapshot(autoload=True, n_retains=2)
+    assert isinstance(ext, ppe.training.Extension)
+    assert type(ext).__name__ == "_Snapshot"
+    manager, _ = _train(tmp_path, until=6, writer=None, ext=ext)
+    entry = manager._extensions["_Snapshot"]
+    assert entry.extension is ext  # not wrapped: needs_model_state and state_dict kept
+    assert entry.priority == ppe.training.extension.PRIORITY_SNAPSHOT
+    assert _names(tmp_path)[0] == ["snapshot_iter_3", "snapshot_iter_6"]
+    manager2, _ = _train(tmp_path, until=100, writer=None,
+                         ext=sk_extensions.snapshot(autoload=True, n_retains=2))
+    assert manager2.iteration == 12
+    assert _names(tmp_path) == (["snapshot_iter_12", "snapshot_iter_9"],
+                                ["snapshot_iter_12.json", "snapshot_iter_9.json"])
