@@ -74,7 +74,8 @@ def _has_autoloading_snapshot(manager: Any) -> bool:
                and getattr(e.extension, "autoload", False) for e in entries.values())
 
 class SnapshotMode(enum.Enum):
-    """As ppe's ``SnapshotMode``; ``SHARDED`` is not supported yet."""
+    """As ppe's ``SnapshotMode``; ``SHARDED`` saves through torch.distributed.checkpoint (see
+    ``extensions.sharded_snapshot``)."""
 
     DEFAULT = enum.auto()
     DISTRIBUTED = enum.auto()
@@ -210,9 +211,9 @@ def snapshot(
             raise ValueError("snapshot_mode=DISTRIBUTED requires saver_rank (an int rank)")
         return _DistributedSnapshot(saver_rank=saver_rank, **kwargs)
     if snapshot_mode == SnapshotMode.SHARDED:
-        raise NotImplementedError(
-            "snapshot_mode=SHARDED is not supported by snapkeep yet; use DISTRIBUTED with "
-            "saver_rank, or torch.distributed.checkpoint for sharded state")
+        from snapkeep.training.extensions._sharded import _ShardedSnapshot  # imports this module
+
+        return _ShardedSnapshot(saver_rank=saver_rank, **kwargs)
     raise ValueError(f"snapshot_mode must be a SnapshotMode, got {snapshot_mode!r}")
 
 
