@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def test_dcp_tools_read_the_snapshot(trained, tmp_path):
         assert torch.equal(full["models"]["main"][key], value), key
 
 
-@pytest.mark.parametrize("world_size", [2, 1])
+@pytest.mark.parametrize("world_size", [2, 1, 3])
 def test_resume_reshards_with_identical_parameters(trained, tmp_path, world_size):
     out, rep = trained
     saved = torch.load(rep / "params_rank0.pt", weights_only=True)
@@ -93,3 +94,20 @@ def test_a_rank_failing_during_a_save_fails_every_rank_and_commits_nothing(tmp_p
         assert error is not None and "rank(s) [1]" in error and "injected" in error, errors
     assert (out / "snapshot_iter_1" / MARKER).exists()
     assert not (out / "snapshot_iter_2" / MARKER).exists()
+
+
+def test_a_corrupt_shard_makes_every_rank_fall_back_together(trained, tmp_path):
+    out, rep = trained
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    shard = copy / "snapshot_iter_3" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    run(WORKER, 2, [str(tmp_path / "init"), str(copy), str(tmp_path), "resume"],
+        timeout_s=TIMEOUT_S)
+    saved = torch.load(rep / "params_rank0.pt", weights_only=True)
+    for rank, report in enumerate(reports(tmp_path, "resume", 2)):
+        assert (report["loaded"], report["iteration"]) == ("snapshot_iter_2", 2), report
+        _assert_same(torch.load(tmp_path / f"resumed_rank{rank}.pt", weights_only=True),
+                     saved[2])

@@ -84,7 +84,7 @@ def agree_on_resume(
     group: dist.ProcessGroup | None,
     listing: Sequence[tuple[tuple[float, ...], str]],
     check: Callable[[str], str | None],
-    *, what: str, timeout_s: float | None = None,
+    *, what: str, timeout_s: float | None = None, required: bool = True,
 ) -> str | None:
     """Choose the snapshot every rank resumes from, once, together.
 
@@ -100,6 +100,9 @@ def agree_on_resume(
         check: ``check(name) -> None`` when this rank can read and verify its part of ``name``,
             else a short reason; an exception it raises counts as its reason.
         what: named in messages (e.g. the template and directory).
+        required: whether this rank objects to a snapshot missing from its own listing
+            (False: ``check`` is asked about every candidate, e.g. a rank that receives the
+            snapshot's bytes from the saver rank instead of reading its node-local disk).
 
     Returns:
         The chosen name (the same on every rank), or None when no rank has any snapshot.
@@ -118,7 +121,7 @@ def agree_on_resume(
     refused: dict[str, dict[int, str]] = {}
     for _, name in union:
         reason: str | None
-        if name not in own:
+        if required and name not in own:
             reason = "not found on this rank"
         else:
             try:

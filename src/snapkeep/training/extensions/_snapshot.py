@@ -730,6 +730,12 @@ class _DistributedSnapshot(_Snapshot):
             return
         restore_rng_state(per_rank[self._rank])
 
+    def _autoload(self, manager: Any) -> str | None:
+        # every rank agrees on one snapshot (node-local directories too); see _agreed_load
+        from snapkeep.training.extensions._agreed_load import agreed_autoload
+
+        return agreed_autoload(self, manager)
+
     def _choose(self, catalog: Catalog) -> list[Entry] | None:
         entries = catalog.entries() if self._is_saver() else []
         box: list[Any] = [entries]
