@@ -8,7 +8,8 @@ snapshots. Phases, each written to ``BASE_DIR/report_rank<RANK>.json``:
 - ``newest``: fresh models autoload; every rank must resume at iteration 3 (rank 1 receives the
   saver rank's bytes);
 - ``fallback``: the saver rank's snapshot_iter_3 is corrupted; every rank falls back to 2;
-- ``none``: every snapshot corrupted; every rank raises the same NoCommonSnapshotError.
+- ``none``: every snapshot corrupted; every rank raises the same NoCommonSnapshotError;
+- ``failing_save``: the saver rank's writer raises at iteration 2; every rank raises.
 """
 
 from __future__ import annotations
@@ -53,6 +54,34 @@ def resume(rank: int, out_dir: str) -> dict[str, Any]:
             "weight": model.weight.detach().flatten().tolist()}
 
 
+class FailingWriter(writing.SimpleWriter):
+    """Raises like a full disk from its second snapshot on."""
+
+    calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls >= 2:
+            raise OSError(28, "No space left on device (injected)")
+        return super().__call__(*args, **kwargs)
+
+
+def failing_save(rank: int, out_dir: str) -> dict[str, Any]:
+    """The saver rank's writer fails at iteration 2: every rank must raise, naming rank 0."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    manager = ExtensionsManager(model, {}, 10, iters_per_epoch=5, out_dir=out_dir,
+                                writer=FailingWriter(out_dir=out_dir))
+    manager.extend(ext.snapshot(saver_rank=0, timeout_s=30), trigger=(1, "iteration"))
+    try:
+        for _ in range(3):
+            with manager.run_iteration():
+                pass
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "iteration": manager.iteration}
+    return {"error": None, "iteration": manager.iteration}
+
+
 def main() -> None:
     rank, world_size = int(sys.argv[1]), int(sys.argv[2])
     init_file, base = sys.argv[3], sys.argv[4]
@@ -82,6 +111,8 @@ def main() -> None:
             corrupt(os.path.join(out_dir, f"snapshot_iter_{step}"))
     dist.barrier()
     report["none"] = resume(rank, out_dir)
+    dist.barrier()
+    report["failing_save"] = failing_save(rank, os.path.join(base, f"fail{rank}"))
     with open(os.path.join(base, f"report_rank{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.barrier()

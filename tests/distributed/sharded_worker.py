@@ -8,7 +8,9 @@ n_retains=2, autoload=True)`` every iteration for ITERS iterations (default 4); 
 full parameters after each iteration to ``REPORT_DIR/params_rank<R>.pt``.
 MODE ``resume``: builds a differently initialised model, autoloads, reports what it loaded and
 its full parameters and Adam state. ``SNAPKEEP_TEST_FAIL_RANK=<r>`` makes rank r's storage
-writer raise during the save of iteration 2 (the fault test).
+writer raise during the save of iteration 2 (the fault test);
+``SNAPKEEP_TEST_DIE_RANK=<r>`` makes rank r exit with code 3 before the last snapshot;
+``SNAPKEEP_TEST_TIMEOUT_S`` is the snapshot's ``timeout_s`` (default 120).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def main() -> None:
     model, optimizer = build(seed, world_size)
     manager = ExtensionsManager(model, optimizer, 1000, iters_per_epoch=ITERS_PER_EPOCH,
                                 out_dir=out_dir, writer=writing.SimpleWriter(out_dir=out_dir))
-    snapshot = ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, n_retains=2, autoload=True)
+    snapshot = ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, n_retains=2, autoload=True,
+                            timeout_s=float(os.environ.get("SNAPKEEP_TEST_TIMEOUT_S", "120")))
     manager.extend(snapshot, trigger=(1, "iteration"))
     fail_rank = os.environ.get("SNAPKEEP_TEST_FAIL_RANK")
     try:
@@ -97,7 +100,12 @@ def main() -> None:
                     optimizer.zero_grad()
                     if fail_rank is not None and i == 1 and rank == int(fail_rank):
                         inject_write_fault()
-                states[manager.iteration] = full_state(model, optimizer)
+                    if i == iters - 1 and rank == int(os.environ.get("SNAPKEEP_TEST_DIE_RANK",
+                                                                     "-1")):
+                        snapshot.wait()  # the previous snapshot is committed everywhere
+                        os._exit(3)  # dies before the last snapshot (SIGKILL-like)
+                if "SNAPKEEP_TEST_DIE_RANK" not in os.environ:  # a collective of its own
+                    states[manager.iteration] = full_state(model, optimizer)
             manager.finalize()
             torch.save(states, os.path.join(report_dir, f"params_rank{rank}.pt"))
             report["iteration"] = manager.iteration

@@ -52,3 +52,11 @@ def test_no_common_snapshot_is_the_same_clear_error_on_every_rank(by_rank):
     assert errors[0].startswith("NoCommonSnapshotError")
     for step in (1, 2, 3):
         assert f"snapshot_iter_{step} (rank 0: " in errors[0]
+
+
+def test_a_save_failing_on_the_saver_rank_raises_on_every_rank_naming_it(by_rank):
+    for report in by_rank:
+        failure = report["failing_save"]
+        assert failure["iteration"] == 2, failure
+        assert failure["error"].startswith("RankFailedError: snapshot at iteration 2"), failure
+        assert "rank(s) [0]: rank 0: " in failure["error"] and "injected" in failure["error"]

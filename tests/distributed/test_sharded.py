@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed
-from ranks import reports, run
+from ranks import finish, reports, run, start
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TIMEOUT_S = 150
@@ -111,3 +111,18 @@ def test_a_corrupt_shard_makes_every_rank_fall_back_together(trained, tmp_path):
         assert (report["loaded"], report["iteration"]) == ("snapshot_iter_2", 2), report
         _assert_same(torch.load(tmp_path / f"resumed_rank{rank}.pt", weights_only=True),
                      saved[2])
+
+
+def test_a_rank_that_dies_makes_the_others_fail_within_the_timeout(tmp_path):
+    out, rep = tmp_path / "out", tmp_path / "reports"
+    rep.mkdir()
+    procs = start(WORKER, 2, [str(tmp_path / "init"), str(out), str(rep), "train", "3"],
+                  env={"SNAPKEEP_TEST_DIE_RANK": "1", "SNAPKEEP_TEST_TIMEOUT_S": "10"})
+    outputs = finish(procs, TIMEOUT_S)  # bounded: the survivor gives up after timeout_s
+    assert procs[1].returncode == 3, outputs[1]
+    assert procs[0].returncode == 0, outputs[0]
+    error = json.loads((rep / "train_rank0.json").read_text()).get("error")
+    assert error is not None and "snapshot_iter_3" in error, error
+    assert error.startswith(("CollectiveTimeoutError", "RankFailedError")), error
+    assert (out / "snapshot_iter_2" / MARKER).exists()
+    assert not (out / "snapshot_iter_3" / MARKER).exists()

@@ -45,10 +45,10 @@ def all_gather(group: dist.ProcessGroup | None, value: Any, *, what: str,
     try:
         dist.all_gather_object(out, value, group=group)
     except RuntimeError as e:  # gloo: DistBackendError / "Timed out" / connection closed
-        bound = f" within {timeout_s:g} s" if timeout_s is not None else ""
+        bound = f" for more than {timeout_s:g} s" if timeout_s is not None else ""
         raise CollectiveTimeoutError(
-            f"{what}: rank {dist.get_rank()} gave up waiting for the other ranks{bound} "
-            f"(a rank died, hangs or failed outside snapkeep): {type(e).__name__}: "
+            f"{what}: rank {dist.get_rank()} lost the other ranks (one died, hung{bound} or "
+            f"failed outside snapkeep): {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}") from e
     return out
 

@@ -17,6 +17,7 @@ different iterations. Here, on snapkeep's ``control`` group (bounded by ``timeou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -130,3 +131,30 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
     logger.info("rank %d resumed from %s (step %s), chosen with every rank", rank, entry.path,
                 entry.step)
     return entry.name
+
+
+def distributed_save(snapshot: Any, manager: Any, save: Callable[[Any], None],
+                     capture_rng: Callable[[], Any]) -> None:
+    """One ``snapshot(saver_rank=...)`` snapshot on every rank (collective, bounded): gather
+    every rank's RNG state to the saver rank, let the saver rank write, then exchange the
+    outcome so that a failure on the saver rank (or any other) raises the same
+    :class:`~snapkeep.errors.RankFailedError` on every rank, within ``timeout_s``."""
+    size = snapshot._size
+    if size == 1:
+        save(manager)
+        return
+    groups = background_groups(snapshot.timeout_s)
+    what = f"snapshot at iteration {manager.iteration} (saver rank {snapshot._saver_rank})"
+    snapshot._rank_rng = None
+    if snapshot._target is None and getattr(manager, "_save_rng_state", False):
+        snapshot._rank_rng = all_gather(groups.control, capture_rng(),
+                                        what=f"{what}: gathering RNG states",
+                                        timeout_s=groups.timeout_s)
+    error: BaseException | None = None
+    try:
+        save(manager)
+    except Exception as e:  # exchanged below: every rank raises, naming this one
+        error = e
+    finally:
+        snapshot._rank_rng = None
+    exchange_outcomes(groups.control, error, what=what, timeout_s=groups.timeout_s)
