@@ -10,6 +10,7 @@ to keep it: ppe's manager with snapkeep's snapshot extension.
 from typing import Any
 
 from snapkeep.training.extensions._not_shipped import NOT_SHIPPED, not_shipped_error
+from snapkeep.training.extensions._sharded import sharded_snapshot
 from snapkeep.training.extensions._snapshot import SnapshotMode, snapshot, snapshot_object
 from snapkeep.training.extensions.evaluator import Evaluator
 from snapkeep.training.extensions.fail_on_non_number import FailOnNonNumber
@@ -34,6 +35,7 @@ __all__ = [
     "SnapshotMode",
     "observe_lr",
     "observe_value",
+    "sharded_snapshot",
     "snapshot",
     "snapshot_object",
 ]

@@ -89,7 +89,8 @@ def _snapkeep_writer_for(manager: Any) -> Any:
 
 
 class SnapshotMode(enum.Enum):
-    """As ppe's ``SnapshotMode``; ``SHARDED`` is not supported yet."""
+    """As ppe's ``SnapshotMode``; ``SHARDED`` saves through torch.distributed.checkpoint (see
+    ``extensions.sharded_snapshot``)."""
 
     DEFAULT = enum.auto()
     DISTRIBUTED = enum.auto()
@@ -174,6 +175,7 @@ def snapshot(
     map_location: Any = "cpu",
     on_save_error: str = "raise",
     generators: Mapping[str, Any] | None = None,
+    timeout_s: float | None = None,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
 
@@ -210,6 +212,9 @@ def snapshot(
             ``state_dict``/``load_state_dict``), saved and restored with the global RNG states
             in this extension's part of the manager's state (snapkeep addition; manager
             snapshots only).
+        timeout_s: with ``saver_rank`` or ``SHARDED``: bound in seconds (default 600) of every
+            collective snapkeep makes; a rank that fails raises the same error on every rank,
+            naming it, and a rank that died makes the others raise within ``timeout_s``.
 
     Raises:
         TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type.
@@ -229,11 +234,11 @@ def snapshot(
     if snapshot_mode in (SnapshotMode.DEFAULT, SnapshotMode.DISTRIBUTED):
         if saver_rank is None:
             raise ValueError("snapshot_mode=DISTRIBUTED requires saver_rank (an int rank)")
-        return _DistributedSnapshot(saver_rank=saver_rank, **kwargs)
+        return _DistributedSnapshot(saver_rank=saver_rank, timeout_s=timeout_s, **kwargs)
     if snapshot_mode == SnapshotMode.SHARDED:
-        raise NotImplementedError(
-            "snapshot_mode=SHARDED is not supported by snapkeep yet; use DISTRIBUTED with "
-            "saver_rank, or torch.distributed.checkpoint for sharded state")
+        from snapkeep.training.extensions._sharded import _ShardedSnapshot  # imports this module
+
+        return _ShardedSnapshot(saver_rank=saver_rank, timeout_s=timeout_s or 600.0, **kwargs)
     raise ValueError(f"snapshot_mode must be a SnapshotMode, got {snapshot_mode!r}")
 
 
@@ -700,8 +705,13 @@ class _DistributedSnapshot(_Snapshot):
     """Snapshot under ``torch.distributed``: only ``saver_rank`` writes; all ranks load the
     snapshot the saver rank chose (as ppe's ``_DistributedSnapshot``)."""
 
-    def __init__(self, *, saver_rank: int, **kwargs: Any) -> None:
+    def __init__(self, *, saver_rank: int, timeout_s: float | None = None, **kwargs: Any
+                 ) -> None:
         super().__init__(**kwargs)
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
+                timeout_s, (int, float)) or timeout_s <= 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.timeout_s = 600.0 if timeout_s is None else float(timeout_s)
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
             raise RuntimeError(
                 "snapshot(saver_rank=...) requires torch.distributed to be initialized "
@@ -721,17 +731,10 @@ class _DistributedSnapshot(_Snapshot):
     def _make_snapshot(self, manager: Any) -> None:
         # Every rank's RNG state goes into the saver's snapshot, so a resumed rank continues its
         # own random stream (restoring the saver's state everywhere would make ranks identical).
-        self._rank_rng = None
-        if self._target is None and self._size > 1 and getattr(manager, "_save_rng_state", False):
-            gathered: list[Any] = [None] * self._size
-            torch.distributed.all_gather_object(gathered, capture_rng_state())
-            self._rank_rng = gathered
-        try:
-            super()._make_snapshot(manager)
-        finally:
-            self._rank_rng = None
-        if self._size > 1:
-            torch.distributed.barrier()
+        # on snapkeep's control group, bounded by timeout_s; a failure on any rank raises on all
+        from snapkeep.training.extensions._agreed_load import distributed_save
+
+        distributed_save(self, manager, super()._make_snapshot, capture_rng_state)
 
     def _state(self, manager: Any) -> Any:
         state = super()._state(manager)
@@ -753,6 +756,12 @@ class _DistributedSnapshot(_Snapshot):
                            "keeps the saver rank's state", len(per_rank), self._size, self._rank)
             return
         restore_rng_state(per_rank[self._rank])
+
+    def _autoload(self, manager: Any) -> str | None:
+        # every rank agrees on one snapshot (node-local directories too); see _agreed_load
+        from snapkeep.training.extensions._agreed_load import agreed_autoload
+
+        return agreed_autoload(self, manager)
 
     def _choose(self, catalog: Catalog) -> list[Entry] | None:
         entries = catalog.entries() if self._is_saver() else []

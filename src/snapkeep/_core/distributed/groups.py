@@ -1,0 +1,97 @@
+"""Process groups for snapkeep's own collectives, kept apart from the training's.
+
+Two gloo groups over all ranks, created once per process (a collective call: every rank creates
+them at the same point, in ``initialize`` of the first sharded/preemption extension):
+
+- ``commit``: used only by the background commit thread (DCP's planning collectives, gathering
+  every rank's success and checksums). Nothing on the training thread uses it, so a commit never
+  interleaves with the training's own collectives.
+- ``control``: used only by the training thread for snapkeep's agreements (which snapshot to
+  resume, the preemption flag, on-error snapshots).
+
+Both are created with ``timeout=timeout_s``, so a rank that died or hangs makes the others'
+collectives on them fail within that time instead of blocking forever (gloo honours the group
+timeout per operation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import threading
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_cache: dict[float, Groups] = {}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Groups:
+    """snapkeep's process groups (see the module docstring).
+
+    Attributes:
+        rank: this process's rank in the default group.
+        world_size: number of ranks.
+        commit: group of the background commit thread.
+        control: group of the training thread's agreements.
+        timeout_s: the bound of every collective on both groups.
+    """
+
+    rank: int
+    world_size: int
+    commit: dist.ProcessGroup
+    control: dist.ProcessGroup
+    timeout_s: float
+
+
+def require_initialized(who: str) -> None:
+    """Raise unless ``torch.distributed`` has a default process group.
+
+    Raises:
+        RuntimeError: naming ``who`` and how to fix it.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{who} requires torch.distributed to be initialized "
+            "(torch.distributed.init_process_group, e.g. under torchrun) before it is created")
+
+
+def is_distributed() -> bool:
+    """Whether a default process group exists (else snapkeep runs single-process)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def background_groups(timeout_s: float) -> Groups:
+    """snapkeep's groups with collective timeout ``timeout_s`` (created on the first call with
+    that timeout; a collective call on the first use: every rank must make it).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        ValueError: ``timeout_s`` is not a positive number.
+    """
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    require_initialized("snapkeep's distributed snapshots")
+    with _lock:
+        found = _cache.get(float(timeout_s))
+        if found is not None:
+            return found
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        commit = dist.new_group(backend="gloo", timeout=timeout)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+        groups = Groups(rank=dist.get_rank(), world_size=dist.get_world_size(), commit=commit,
+                        control=control, timeout_s=float(timeout_s))
+        _cache[float(timeout_s)] = groups
+        logger.debug("rank %d: created snapkeep's commit and control groups (timeout %.1f s)",
+                     groups.rank, timeout_s)
+        return groups
+
+
+def forget_groups() -> None:
+    """Drop the cached groups (after ``destroy_process_group``; the next call creates new ones)."""
+    with _lock:
+        _cache.clear()

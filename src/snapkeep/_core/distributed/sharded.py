@@ -1,0 +1,316 @@
+"""Sharded saves and loads through ``torch.distributed.checkpoint`` (DCP), committed as one
+snapshot.
+
+The save path, top to bottom (:meth:`ShardedSaver.save` on the training thread, then
+:meth:`ShardedSaver._commit` on the commit thread of every rank, in the same order on all
+ranks):
+
+1. training thread: wait for the previous snapshot (one in flight), stage the local shards into
+   reused CPU buffers (:class:`~.staging.Stager`); return. Training may now mutate its state.
+2. commit thread, on snapkeep's ``commit`` process group only (never the training's):
+   a. agree that every rank staged (rank 0 first uncommits an old directory of the same name);
+   b. ``dcp.save`` of the staged tree into the snapshot directory (each rank writes its own
+      ``__<rank>_*.distcp`` files with fsync; rank 0 writes ``.metadata``);
+   c. every rank checksums the files it wrote and fsyncs the directory; the records are
+      gathered to rank 0;
+   d. rank 0 writes the marker (the manifest of every file) last, atomically and durably, and
+      tells every rank the outcome;
+   e. rank 0 runs retention (deletes whole directories, marker first).
+   A failure on any rank at any step is exchanged at the next agreement, so every rank raises
+   the same :class:`RankFailedError` and no marker is written. A rank that dies makes the others
+   fail within the group's ``timeout_s``.
+3. the error of a failed background commit is raised once, at the next save or at ``wait``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from snapkeep._core.catalog import Entry
+from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
+from snapkeep._core.distributed.errors import RankFailedError
+from snapkeep._core.distributed.groups import Groups
+from snapkeep._core.distributed.sharded_store import (
+    FileRecord,
+    ShardedManifest,
+    ShardedStore,
+    fsync_local_directory,
+    hash_file,
+)
+from snapkeep._core.distributed.staging import Stager
+from snapkeep._core.manifest import now_unix_s
+
+logger = logging.getLogger(__name__)
+
+METADATA_NAME = ".metadata"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardedJob:
+    """What to record about one sharded snapshot.
+
+    Attributes:
+        name: directory name relative to the output directory (the formatted template).
+        step: training iteration.
+        run_id: run lineage.
+        metrics: observation values (best-N retention).
+        version: snapkeep version.
+    """
+
+    name: str
+    step: int | None = None
+    run_id: str | None = None
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    version: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedHandle:
+    """Futures of one sharded save: ``staged`` (training may continue; done when ``save``
+    returns) and ``committed`` (the marker is durable; its result is the manifest on rank 0 and
+    None elsewhere, its exception the commit's error)."""
+
+    staged: concurrent.futures.Future[None]
+    committed: concurrent.futures.Future[ShardedManifest | None]
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file-system writer (fsync on) that remembers the files this rank wrote."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self.written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
+        return future
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor values are unpickled with
+    ``torch.load(weights_only=...)`` (DCP always passes ``weights_only=False``)."""
+
+    def __init__(self, weights_only: bool) -> None:
+        super().__init__()
+        self._weights_only = weights_only
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        loaded = torch.load(value, weights_only=self._weights_only)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import (  # DCP's own helper
+                set_element,
+            )
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class ShardedSaver:
+    """Saves state trees of DTensors/tensors as sharded snapshots (see the module docstring).
+
+    Args:
+        store: the snapshots of the template.
+        groups: snapkeep's process groups (None: a single process, no collectives).
+        retain: called on rank 0 on the commit thread after each commit with the new manifest
+            (retention); its exceptions are logged, never fatal.
+    """
+
+    def __init__(self, store: ShardedStore, groups: Groups | None,
+                 retain: Callable[[ShardedManifest], None] | None = None) -> None:
+        if not store.storage.is_local:
+            raise ValueError(
+                "snapshot_mode=SHARDED writes to a local or shared (mounted) directory; got "
+                f"{store.storage.url(store.directory)!r}")
+        self.store = store
+        self.groups = groups
+        self.rank = groups.rank if groups else 0
+        self.world_size = groups.world_size if groups else 1
+        self._retain = retain
+        self._stager = Stager()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[ShardedManifest | None] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.last_stage_s = 0.0
+
+    @property
+    def _group(self) -> dist.ProcessGroup | None:
+        return self.groups.commit if self.groups else None
+
+    @property
+    def _timeout_s(self) -> float | None:
+        return self.groups.timeout_s if self.groups else None
+
+    # -- training thread -------------------------------------------------------------------------
+    def save(self, state: dict[str, Any], job: ShardedJob) -> ShardedHandle:
+        """Stage ``state`` and commit it in the background; collective (every rank calls it,
+        for the same ``job.name``, in the same order).
+
+        Args:
+            state: nested dicts of DTensors (sharded), tensors (replicated: saved once) and
+                ``bytes`` (saved once per key; put rank-specific values under rank keys).
+            job: name and manifest facts.
+
+        Returns:
+            The handle; ``staged`` is done.
+
+        Raises:
+            Exception: the error of the previous snapshot's commit (once), as raised there.
+        """
+        if self._closed:
+            raise RuntimeError("the sharded saver is closed (finalize() was called)")
+        self.wait()  # one snapshot in flight: the buffers are free again
+        staging_error: BaseException | None = None
+        start = time.perf_counter()
+        staged: Any = None
+        try:
+            staged = self._stager.stage(state)
+        except Exception as e:  # the other ranks hear of it at the first agreement
+            staging_error = e
+        self.last_stage_s = time.perf_counter() - start
+        staged_future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        staged_future.set_result(None)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="snapkeep-sharded-commit")
+        with self._lock:
+            self._pending = self._executor.submit(self._commit, staged, staging_error, job)
+            return ShardedHandle(staged=staged_future, committed=self._pending)
+
+    def wait(self) -> None:
+        """Wait until the snapshot in flight is committed (or failed) on this rank; raise its
+        error once. Each collective of the commit is bounded by the group's ``timeout_s``."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the snapshot in flight (raising its error once), then stop the commit
+        thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    # -- commit thread -----------------------------------------------------------------------------
+    def _commit(self, staged: Any, staging_error: BaseException | None,
+                job: ShardedJob) -> ShardedManifest | None:
+        store, group, timeout_s = self.store, self._group, self._timeout_s
+        path = store.path_of(job.name)
+        what = f"sharded snapshot {path} (step {job.step})"
+        start = time.perf_counter()
+        # a. everyone staged; rank 0 uncommits an old directory of this name before any write
+        error: BaseException | None = staging_error
+        if error is None and self.rank == 0:
+            try:
+                store.remove_marker(path)
+                store.storage.makedirs(path)
+            except OSError as e:
+                error = e
+        exchange_outcomes(group, error, what=f"{what}: preparing", timeout_s=timeout_s)
+        # b. DCP writes every rank's shards (its own collectives run on the commit group)
+        writer = _RecordingWriter(path)
+        try:
+            dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
+        except CheckpointException as e:
+            failures = getattr(e, "failures", {}) or {}
+            raise RankFailedError(f"{what}: torch.distributed.checkpoint.save",
+                                  {int(r): f"{type(x).__name__}: {x}"
+                                   for r, x in failures.items()}) from e
+        # c. checksums of this rank's files, made durable; gathered to every rank
+        records: dict[str, FileRecord] = {}
+        error = None
+        try:
+            names = list(writer.written) + ([METADATA_NAME] if self.rank == 0 else [])
+            for name in names:
+                digest, size = hash_file(store.storage, store.storage.join(path, name))
+                records[name] = FileRecord(size_bytes=size, checksum=digest, rank=self.rank)
+            fsync_local_directory(path)
+        except OSError as e:
+            error = e
+        outcomes = exchange_outcomes(group, error, what=f"{what}: checksumming",
+                                     timeout_s=timeout_s)
+        del outcomes
+        gathered = all_gather(group, records, what=f"{what}: gathering checksums",
+                              timeout_s=timeout_s)
+        # d. rank 0 commits the marker last; every rank learns the outcome
+        manifest: ShardedManifest | None = None
+        error = None
+        if self.rank == 0:
+            files: dict[str, FileRecord] = {}
+            for per_rank in gathered:
+                files.update(per_rank)
+            manifest = ShardedManifest(
+                name=job.name, world_size=self.world_size, files=files, step=job.step,
+                created_unix_s=now_unix_s(), snapkeep_version=job.version, run_id=job.run_id,
+                metrics=dict(job.metrics))
+            try:
+                store.write_marker(path, manifest, tag=f"r{self.rank}")
+            except OSError as e:
+                error = e
+        exchange_outcomes(group, error, what=f"{what}: committing the marker",
+                          timeout_s=timeout_s)
+        logger.info("rank %d: committed %s in %.3f s (%d file(s) of this rank)", self.rank,
+                    what, time.perf_counter() - start, len(records))
+        # e. retention on rank 0 only, after the commit; never fatal
+        if manifest is not None and self._retain is not None:
+            try:
+                self._retain(manifest)
+            except Exception as e:  # retention failures are logged, never fatal (DESIGN 5)
+                logger.warning("retention after %s failed: %s", what, e)
+        return manifest
+
+
+def saved_keys(store: ShardedStore, entry: Entry) -> set[str]:
+    """Flattened keys (``'models.main.weight'``) stored in the snapshot ``entry``.
+
+    Raises:
+        OSError, ValueError: its DCP metadata cannot be read.
+    """
+    reader = FileSystemReader(entry.path)
+    return set(reader.read_metadata().state_dict_metadata)
+
+
+def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
+                 groups: Groups | None, weights_only: bool = True) -> None:
+    """Load the snapshot ``entry`` into ``state`` in place, resharding to the current world
+    size and to ``state``'s placements (DCP's planner does the resharding): collective.
+
+    Args:
+        state: the tree to load into, shaped like the saved one (DTensors of the current mesh,
+            tensors, ``bytes`` placeholders); keys absent from the snapshot must be removed
+            beforehand (see :func:`saved_keys`).
+        groups: snapkeep's groups (their ``control`` group is used; None: single process).
+        weights_only: unpickle non-tensor values with ``torch.load(weights_only=...)``.
+
+    Raises:
+        Exception: DCP's error on this rank (the caller exchanges outcomes).
+    """
+    reader = FileSystemReader(entry.path)
+    group = groups.control if groups else None
+    dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(weights_only),
+             process_group=group, no_dist=group is None)
+
+
+__all__ = ["ShardedHandle", "ShardedJob", "ShardedSaver", "load_sharded", "saved_keys"]

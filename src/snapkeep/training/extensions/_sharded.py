@@ -1,0 +1,408 @@
+"""``snapshot(snapshot_mode=SnapshotMode.SHARDED)``: sharded snapshots through
+``torch.distributed.checkpoint`` (DCP), committed as one snapshot per directory.
+
+Every rank calls the extension (it is collective); each writes its own shards of DTensor state
+(FSDP2 ``fully_shard``) into the directory named by the template, and one marker written last
+by rank 0 after every rank's files are durable makes it a snapshot (see
+:mod:`snapkeep._core.distributed.sharded`). Models and optimizers go through
+``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` (so Adam's lazily
+created state loads into a fresh optimizer); everything else of the manager (iteration,
+extensions, triggers) is saved once, and each rank's RNG state under its rank. Loading reshards
+to the current world size (saved on 2 ranks, resumed on 1 or 3).
+
+Layout of the DCP state (its flattened keys are what DCP's tools show)::
+
+    models.<name>.<fqn>                     model state (DTensor shards or tensors)
+    optimizers.<name>.state.<fqn>.<key>     optimizer state, keyed by parameter FQN
+    optimizers.<name>.param_groups          ...
+    objects.<name>                          bytes: torch.save of other state (the manager's
+                                            iteration, extensions, triggers...)
+    rank_state.rank<r>                      bytes: torch.save of rank r's RNG states
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from snapkeep._core.catalog import Entry
+from snapkeep._core.distributed import (
+    Groups,
+    ShardedJob,
+    ShardedManifest,
+    ShardedSaver,
+    ShardedStore,
+    agree_on_resume,
+    background_groups,
+    exchange_outcomes,
+    is_distributed,
+    load_sharded,
+    saved_keys,
+)
+from snapkeep._core.errors import SnapshotError
+from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
+from snapkeep.training.extensions._snapshot import _metrics, _Snapshot
+from snapkeep.writing import Writer as _SnapkeepWriter
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Default bound of every snapkeep collective (seconds)."""
+
+_MANAGER_OBJECT = "manager"
+
+
+def sharded_snapshot(
+    filename: str = "snapshot_iter_{.iteration}",
+    *,
+    target: Any = None,
+    condition: Callable[[], bool] | None = None,
+    writer: Any = None,
+    snapshot_on_error: bool = False,
+    n_retains: int = -1,
+    autoload: bool = False,
+    retention: RetentionPolicy | None = None,
+    weights_only: bool = True,
+    on_save_error: str = "raise",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> _ShardedSnapshot:
+    """Returns a sharded snapshot extension; ``snapshot(snapshot_mode=SnapshotMode.SHARDED)``
+    returns one with the default ``timeout_s``.
+
+    Every rank must add it (it is collective). Runs once per epoch by default, as
+    :func:`snapshot`. Works single-process too (no process group: plain DCP files).
+
+    Args:
+        filename: template of the snapshot directory (string; its directory part literal).
+        target: a module, or a dict of modules, optimizers and other ``state_dict`` objects;
+            default: the manager (its models, optimizers and the rest of its state).
+        condition: callable with no arguments; the snapshot is skipped when it returns False
+            (it must return the same on every rank).
+        writer: a snapkeep writer whose ``out_dir``/``fs`` say where to write (default: the
+            manager's); its own save machinery is not used.
+        snapshot_on_error: also snapshot when the loop raises, and wait for the commit. Only
+            useful when every rank raises (else it fails after ``timeout_s``).
+        n_retains: keep the newest ``n_retains`` snapshots by step (rank 0 deletes whole
+            directories after a commit); <= 0 keeps all.
+        autoload: in ``initialize``, all ranks agree on the newest snapshot every rank can read
+            and verify (its share of the files' checksums), load it resharded to the current
+            world size and return its name.
+        retention: a policy from :mod:`snapkeep.retention` (any-of with ``n_retains``).
+        weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
+        on_save_error: ``'raise'`` (default) or ``'log'``.
+        timeout_s: bound in seconds of every snapkeep collective (commit agreement, resume
+            agreement); a rank that died or hangs makes the others raise
+            :class:`~snapkeep.errors.CollectiveTimeoutError` within it.
+
+    Raises:
+        ValueError: a callable ``filename``, a template with fields in its directory part, a
+            non-positive ``timeout_s``, or a remote ``out_dir`` (not supported yet).
+    """
+    return _ShardedSnapshot(
+        target=target, condition=condition, writer=writer, filename=filename,
+        snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
+        retention=retention, weights_only=weights_only, on_save_error=on_save_error,
+        timeout_s=timeout_s)
+
+
+class _ShardedSnapshot(_Snapshot):
+    """See :func:`sharded_snapshot`."""
+
+    def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, saver_rank: int | None = None,
+                 savefun: Any = None, map_location: Any = "cpu", **kwargs: Any) -> None:
+        if savefun is not None:
+            raise TypeError("snapshot_mode=SHARDED writes through torch.distributed.checkpoint; "
+                            "savefun cannot be given")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or timeout_s <= 0:
+            raise ValueError(
+                f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        super().__init__(**kwargs)
+        if not self._template.parsable:
+            raise ValueError(
+                "snapshot_mode=SHARDED needs a string filename template such as "
+                f"'snapshot_iter_{{.iteration}}', got {self.filename!r}")
+        del saver_rank, map_location  # every rank writes its shards; tensors load where they live
+        self.timeout_s = float(timeout_s)
+        self._groups: Groups | None = None
+        self._sharded_store: ShardedStore | None = None
+        self._saver: ShardedSaver | None = None
+
+    # -- setup ---------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._groups.rank if self._groups else 0
+
+    def _store(self, manager: Any) -> ShardedStore:
+        if self._sharded_store is None:
+            writer = manager.writer if self.writer is None else self.writer
+            self.writer = writer
+            if not isinstance(writer, _SnapkeepWriter):
+                raise TypeError(
+                    "snapshot_mode=SHARDED needs a snapkeep writer (for out_dir and fs), got "
+                    f"{type(writer).__name__}")
+            storage, directory = writer.storage_for(manager.out)
+            self._sharded_store = ShardedStore(storage, directory, self._template)
+        return self._sharded_store
+
+    def _engine(self, manager: Any) -> ShardedSaver:
+        if self._saver is None:
+            retain = self._retain if self.rank == 0 and self._retention is not None else None
+            self._saver = ShardedSaver(self._store(manager), self._groups, retain=retain)
+        return self._saver
+
+    def initialize(self, manager: Any) -> str | None:  # type: ignore[override]
+        """Create snapkeep's process groups (collective), autoload (returns the loaded name or
+        None) and sweep uncommitted directories (rank 0).
+
+        Raises:
+            NoCommonSnapshotError: snapshots exist but none is readable on every rank.
+            RankFailedError: loading failed on some rank (named); no rank continues.
+            CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
+        """
+        if is_distributed():
+            self._groups = background_groups(self.timeout_s)
+        store = self._store(manager)
+        if self.rank == 0:
+            store.storage.makedirs(store.directory)
+        loaded = self._autoload(manager) if self.autoload else None
+        if self.rank == 0:
+            for entry in store.uncommitted():
+                logger.info("removing uncommitted sharded snapshot directory %s (no marker; "
+                            "left by a crash)", entry.path)
+                try:
+                    store.delete(entry)
+                except OSError as e:
+                    logger.warning("could not remove uncommitted %s: %s", entry.path, e)
+        self._engine(manager)
+        return loaded
+
+    # -- state ---------------------------------------------------------------------------------
+    def _parts(self, manager: Any) -> tuple[dict[str, torch.nn.Module],
+                                            dict[str, torch.optim.Optimizer], dict[str, Any]]:
+        """``(models, optimizers, other objects)`` of the target."""
+        target = manager if self._target is None else self._target
+        if target is manager:
+            return dict(manager.models), dict(manager.optimizers), {_MANAGER_OBJECT: manager}
+        objects = dict(target) if type(target) is dict else {"target": target}
+        models = {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
+        optimizers = {k: v for k, v in objects.items() if isinstance(v, torch.optim.Optimizer)}
+        others = {k: v for k, v in objects.items() if k not in models and k not in optimizers}
+        return models, optimizers, others
+
+    @staticmethod
+    def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module],
+                  name: str) -> torch.nn.Module:
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for model in models.values():
+            if any(id(p) in params for p in model.parameters()):
+                return model
+        raise ValueError(f"optimizer {name!r} holds no parameter of the snapshot's models "
+                         f"{sorted(models)}; SHARDED saves optimizers with their model")
+
+    def _other_state(self, name: str, obj: Any) -> Any:
+        if name == _MANAGER_OBJECT and self._target is None:
+            state = dict(obj.state_dict())
+            for key in ("models", "optimizers", "_rng_state"):
+                state.pop(key, None)
+            return state
+        return obj.state_dict()
+
+    def _state(self, manager: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+        models, optimizers, others = self._parts(manager)
+        state: dict[str, Any] = {
+            "models": {n: get_model_state_dict(m) for n, m in models.items()},
+            "optimizers": {n: get_optimizer_state_dict(self._model_of(o, models, n), o)
+                           for n, o in optimizers.items()},
+            "objects": {n: _to_bytes(self._other_state(n, o)) for n, o in others.items()},
+        }
+        if self._target is None and getattr(manager, "_save_rng_state", False):
+            state["rank_state"] = {f"rank{self.rank}": _to_bytes(capture_rng_state())}
+        return state
+
+    # -- saving --------------------------------------------------------------------------------
+    def _make_snapshot(self, manager: Any) -> None:
+        saver = self._engine(manager)
+        name = self._template.format(manager)
+        job = ShardedJob(name=name, step=int(manager.iteration), run_id=self._run_id,
+                         metrics=_metrics(manager), version=_version())
+        try:
+            saver.save(self._state(manager), job)
+        except (SnapshotError, OSError) as e:
+            if self._on_save_error == "raise":
+                raise
+            logger.error("rank %d: sharded snapshot %s at iteration %s failed and "
+                         "on_save_error='log': %s", self.rank, name, manager.iteration, e)
+
+    def wait(self) -> None:
+        """Wait until the snapshot in flight is committed on every rank (raising its error)."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
+        if self._snapshot_on_error:
+            self._make_snapshot(manager)
+            self.wait()
+
+    def finalize(self, manager: Any) -> None:
+        """Wait for the snapshot in flight (its error raised, or logged with
+        ``on_save_error='log'``) and stop the commit thread. Idempotent."""
+        saver = self._saver
+        if saver is None:
+            return
+        try:
+            saver.close()
+        except (SnapshotError, OSError) as e:
+            if self._on_save_error == "raise":
+                raise
+            logger.error("rank %d: a sharded snapshot failed before finalize and "
+                         "on_save_error='log': %s", self.rank, e)
+
+    def _retain(self, manifest: ShardedManifest) -> None:
+        """Retention on rank 0 after a commit: whole directories of this run's lineage."""
+        store = self._sharded_store
+        policy = self._retention
+        if store is None or policy is None:
+            return
+        entries: list[Entry] = []
+        infos = []
+        for entry in store.entries():
+            found = store.manifest(entry)
+            if found is None or found.run_id not in self._lineage:
+                continue
+            entries.append(entry)
+            infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
+                                      metrics=dict(found.metrics)))
+        by_name = {e.name: e for e in entries}
+        for name in plan_deletions(policy, infos, protect=[manifest.name]):
+            try:
+                store.delete(by_name[name])
+            except OSError as e:
+                logger.warning("retention could not delete %s (step %s): %s",
+                               by_name[name].path, by_name[name].step, e)
+            else:
+                logger.debug("retention deleted %s", by_name[name].path)
+
+    def _register_retention(self, manager: Any) -> None:
+        """Retention runs inside the sharded commit (rank 0); nothing to register."""
+
+    # -- autoload ------------------------------------------------------------------------------
+    def _autoload(self, manager: Any) -> str | None:
+        store = self._store(manager)
+        groups = self._groups
+        control = groups.control if groups else None
+        timeout_s = groups.timeout_s if groups else None
+        world_size = groups.world_size if groups else 1
+        what = f"resuming {store.template.template!r} in {store.directory!r}"
+        listing = [(e.key, e.name) for e in store.entries()]
+
+        def check(name: str) -> str | None:
+            store.verify_part(store.entry(name), self.rank, world_size)
+            return None
+
+        chosen = agree_on_resume(control, listing, check, what=what, timeout_s=timeout_s)
+        if chosen is None:
+            return None
+        entry = store.entry(chosen)
+        # 1. build what to load into (local), 2. DCP load (collective), 3. apply (local)
+        error: BaseException | None = None
+        template: dict[str, Any] = {}
+        try:
+            template = self._load_template(manager, saved_keys(store, entry))
+        except Exception as e:  # exchanged below: every rank fails together
+            error = e
+        exchange_outcomes(control, error, what=f"{what}: preparing to load {entry.path}",
+                          timeout_s=timeout_s)
+        try:
+            load_sharded(store, entry, template, groups=groups, weights_only=self._weights_only)
+            self._apply_loaded(manager, template, entry)
+        except Exception as e:  # exchanged below
+            error = e
+        exchange_outcomes(control, error, what=f"{what}: loading {entry.path}",
+                          timeout_s=timeout_s)
+        manifest = store.manifest(entry)
+        if manifest is not None and manifest.run_id is not None:
+            self._run_id = manifest.run_id
+            self._lineage = frozenset(self._lineage | {manifest.run_id})
+        self.loaded_entry = entry
+        logger.info("rank %d resumed from sharded snapshot %s (step %s, saved on %s rank(s))",
+                    self.rank, entry.path, entry.step,
+                    manifest.world_size if manifest else "?")
+        return entry.name
+
+    def _load_template(self, manager: Any, keys: set[str]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+        models, optimizers, others = self._parts(manager)
+        template: dict[str, Any] = {
+            "models": {n: get_model_state_dict(m) for n, m in models.items()},
+            "optimizers": {n: get_optimizer_state_dict(self._model_of(o, models, n), o)
+                           for n, o in optimizers.items()},
+            "objects": {n: b"" for n in others},
+        }
+        missing = [f"objects.{n}" for n in others if f"objects.{n}" not in keys]
+        if missing:
+            raise KeyError(f"the snapshot lacks {missing}; it was saved from another target")
+        own = f"rank{self.rank}"
+        if self._target is None and f"rank_state.{own}" in keys:
+            template["rank_state"] = {own: b""}
+        return template
+
+    def _apply_loaded(self, manager: Any, loaded: dict[str, Any], entry: Entry) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+        models, optimizers, others = self._parts(manager)
+        for name, obj in others.items():
+            state = _from_bytes(loaded["objects"][name], self._weights_only)
+            if name == _MANAGER_OBJECT and self._target is None:
+                # the manager's own loader restores iteration, extensions and triggers; models
+                # and optimizers are set from the sharded state just below
+                state = {**state,
+                         "models": {n: m.state_dict() for n, m in models.items()},
+                         "optimizers": {n: o.state_dict() for n, o in optimizers.items()}}
+            obj.load_state_dict(state)
+        for name, model in models.items():
+            set_model_state_dict(model, loaded["models"][name])
+        for name, optimizer in optimizers.items():
+            set_optimizer_state_dict(self._model_of(optimizer, models, name), optimizer,
+                                     loaded["optimizers"][name])
+        rank_state = loaded.get("rank_state", {}).get(f"rank{self.rank}")
+        if rank_state is not None and getattr(manager, "_save_rng_state", False):
+            restore_rng_state(_from_bytes(rank_state, self._weights_only))
+        elif self._target is None and getattr(manager, "_save_rng_state", False):
+            logger.warning("rank %d: %s holds no RNG state of this rank (saved on fewer ranks); "
+                           "its random streams start from the current state", self.rank,
+                           entry.path)
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes, weights_only: bool) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
+
+
+def _version() -> str:
+    import snapkeep
+
+    return str(snapkeep.__version__)
+
+
+__all__ = ["sharded_snapshot"]

@@ -1,0 +1,63 @@
+"""Start the ranks of a gloo job as subprocesses, bounded in time, leaving none behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=SRC + (os.pathsep + path if path else ""),
+               PYTHONWARNINGS="ignore")
+    env.update(extra or {})
+    return env
+
+
+def start(script: Path, world_size: int, args: Sequence[str], *,
+          env: dict[str, str] | None = None, ranks: Sequence[int] | None = None,
+          ) -> list[subprocess.Popen[str]]:
+    """Start ``script RANK WORLD_SIZE *args`` for each rank (all by default)."""
+    return [subprocess.Popen([sys.executable, str(script), str(rank), str(world_size), *args],
+                             env=rank_env(env), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+            for rank in (range(world_size) if ranks is None else ranks)]
+
+
+def finish(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """Wait for every process (``timeout_s`` in all, then kill them); return their outputs."""
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout_s)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return outputs
+
+
+def run(script: Path, world_size: int, args: Sequence[str], *, timeout_s: float,
+        env: dict[str, str] | None = None) -> list[str]:
+    """Run every rank to the end; fail (with the outputs) when one exits non-zero."""
+    procs = start(script, world_size, args, env=env)
+    outputs = finish(procs, timeout_s)
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        if proc.returncode != 0:
+            raise AssertionError(f"rank {rank} exited with {proc.returncode}:\n{output}")
+    return outputs
+
+
+def reports(report_dir: Path, prefix: str, world_size: int) -> list[dict[str, Any]]:
+    return [json.loads((report_dir / f"{prefix}_rank{r}.json").read_text())
+            for r in range(world_size)]
