@@ -4,9 +4,8 @@
 ``ppe.training.extensions.snapshot``, ``ppe.writing.ThreadWriter``, ``ppe.reporting.report``.
 """
 
-__version__ = "0.1.0"
-
 from snapkeep import errors, reporting, retention, training, writing  # noqa: E402
+from snapkeep._version import __version__
 from snapkeep.errors import (  # noqa: E402
     NoValidSnapshotError,
     SnapshotCorruptError,

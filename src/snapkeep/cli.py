@@ -15,10 +15,8 @@ from typing import Any
 import click
 import torch
 
-from snapkeep._core.catalog import Catalog, Entry
-from snapkeep._core.errors import SnapshotCorruptError, SnapshotError, UnsafeSnapshotError
-from snapkeep._core.loading import load_file
-from snapkeep._core.storage import Storage, resolve_storage
+from snapkeep.errors import SnapshotCorruptError, SnapshotError, UnsafeSnapshotError
+from snapkeep.store import Entry, SnapshotStore, Storage, load_file, resolve_storage
 
 DEFAULT_TEMPLATE = "snapshot_iter_{.iteration}"
 
@@ -154,7 +152,7 @@ storage_option = click.option(
          " -o anon=true; dotted keys nest (config_kwargs.connect_timeout=5).")
 
 
-def _catalog(directory: str, template: str, storage_options: tuple[str, ...] = ()) -> Catalog:
+def _catalog(directory: str, template: str, storage_options: tuple[str, ...] = ()) -> SnapshotStore:
     options = _parse_storage_options(storage_options)
     if "://" not in directory:
         import os
@@ -163,12 +161,12 @@ def _catalog(directory: str, template: str, storage_options: tuple[str, ...] = (
             raise click.BadParameter(f"{directory!r} is not a directory", param_hint="'DIR'")
     storage, path = resolve_storage(directory, storage_options=options or None)
     try:
-        return Catalog(storage, path, template)
+        return SnapshotStore(storage, path, template)
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="'--template'") from e
 
 
-def _status(catalog: Catalog, entry: Entry) -> tuple[str, str]:
+def _status(catalog: SnapshotStore, entry: Entry) -> tuple[str, str]:
     """``(status, detail)``: ok / corrupt / no manifest (loads) / no manifest (unreadable)."""
     try:
         manifest = catalog.verify(entry)
@@ -307,7 +305,7 @@ def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...]) -> None:
 def _checksum_status(storage: Storage, path: str) -> str:
     """``'ok (xxh3_128 ...)'``, ``'no manifest'`` or ``'CORRUPT: ...'`` for one file."""
     directory, name = storage.dirname(path), storage.basename(path)
-    catalog = Catalog(storage, directory, name.replace("{", "{{").replace("}", "}}"))
+    catalog = SnapshotStore(storage, directory, name.replace("{", "{{").replace("}", "}}"))
     entry = Entry(name=name, path=path, key=(), step=None)
     try:
         manifest = catalog.verify(entry)

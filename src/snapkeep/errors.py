@@ -8,12 +8,13 @@ from snapkeep._core.errors import (
     SnapshotStorageError,
     SnapshotTimeoutError,
     StateMismatchError,
+    StoreLockedError,
     UnsafeSnapshotError,
     WorkerDiedError,
 )
 
 __all__ = [
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
-    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
-    "WorkerDiedError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "StoreLockedError",
+    "UnsafeSnapshotError", "WorkerDiedError",
 ]
