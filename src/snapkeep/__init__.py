@@ -14,6 +14,7 @@ from snapkeep.errors import (  # noqa: E402
     SnapshotStorageError,
     SnapshotTimeoutError,
     StateMismatchError,
+    StoreLockedError,
     UnsafeSnapshotError,
     WorkerDiedError,
 )
@@ -22,6 +23,6 @@ from snapkeep.reporting import report  # noqa: E402
 __all__ = [
     "__version__", "errors", "reporting", "retention", "training", "writing", "report",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
-    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
-    "WorkerDiedError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "StoreLockedError",
+    "UnsafeSnapshotError", "WorkerDiedError",
 ]
