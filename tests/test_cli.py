@@ -32,7 +32,9 @@ def demo_json(*args: str) -> dict[str, Any]:
 
 
 def listing(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+    """Every path under ``directory`` but the store's lock files."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                  if p.suffix != ".lock")
 
 
 @pytest.fixture(scope="module")

@@ -52,3 +52,37 @@ def test_only_storage_imports_fsspec() -> None:
         and "_core/storage" not in path.as_posix()
     ]
     assert offenders == []
+
+
+def test_writing_never_imports_the_package_root() -> None:
+    """``import snapkeep`` (or ``from snapkeep import x``) from writing runs the root
+    ``__init__``, which imports training: the version comes from ``snapkeep._version``."""
+    offenders = [
+        str(path.relative_to(SRC))
+        for path in _files("writing")
+        if "snapkeep" in _imports(path)
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("where", ["training", "cli.py", "demo.py"])
+def test_training_cli_and_demo_use_public_names_only(where: str) -> None:
+    """training, the CLI and the demo reach the core through public modules (snapkeep.store,
+    snapkeep.errors, snapkeep.retention, snapkeep.writing), as a user would."""
+    files = _files(where) if (SRC / where).is_dir() else [SRC / where]
+    offenders = [
+        f"{path.relative_to(SRC)} imports {name}"
+        for path in files
+        for name in _imports(path)
+        if name == "snapkeep._core" or name.startswith("snapkeep._core.")
+    ]
+    assert all(path.exists() for path in files) and files
+    assert offenders == []
+
+
+def test_a_violation_is_seen(tmp_path: pathlib.Path) -> None:
+    """The walker sees both import forms (so the checks above can fail)."""
+    path = tmp_path / "m.py"
+    path.write_text("import snapkeep\nfrom snapkeep._core.store import SnapshotStore\n"
+                    "def f():\n    from snapkeep._core import saver\n")
+    assert _imports(path) >= {"snapkeep", "snapkeep._core.store", "snapkeep._core"}

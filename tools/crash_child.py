@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 import snapkeep
-from snapkeep._core.catalog import Catalog
 from snapkeep._core.storage import TEMP_MARKER
+from snapkeep.store import SnapshotStore as Catalog
 from snapkeep.training import ExtensionsManager, extensions
 
 TEMPLATE = "snapshot_iter_{.iteration}"

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from snapkeep._core.catalog import Catalog
 from snapkeep._core.loading import load_file
 from snapkeep._core.storage import resolve_storage
+from snapkeep.store import SnapshotStore as Catalog
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_child.py")
 sys.path.insert(0, os.path.dirname(CHILD))

@@ -4,9 +4,8 @@
 ``ppe.training.extensions.snapshot``, ``ppe.writing.ThreadWriter``, ``ppe.reporting.report``.
 """
 
-__version__ = "0.1.0"
-
 from snapkeep import errors, reporting, retention, training, writing  # noqa: E402
+from snapkeep._version import __version__
 from snapkeep.errors import (  # noqa: E402
     NoValidSnapshotError,
     SnapshotCorruptError,
@@ -15,6 +14,7 @@ from snapkeep.errors import (  # noqa: E402
     SnapshotStorageError,
     SnapshotTimeoutError,
     StateMismatchError,
+    StoreLockedError,
     UnsafeSnapshotError,
     WorkerDiedError,
 )
@@ -25,6 +25,6 @@ __all__ = [
     "__version__", "errors", "reporting", "retention", "training", "writing", "load_latest",
     "report",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
-    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
-    "WorkerDiedError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "StoreLockedError",
+    "UnsafeSnapshotError", "WorkerDiedError",
 ]

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from snapkeep._cli_files import CheckFailed, StorageTrouble
 from snapkeep._cli_tree import TreeTooDeepError
-from snapkeep._core.errors import SnapshotError, SnapshotStorageError
+from snapkeep.errors import SnapshotError, SnapshotStorageError
 
 DEFAULT_TEMPLATE = "snapshot_iter_{.iteration}"
 #: Work on fewer bytes than this shows no progress bar.

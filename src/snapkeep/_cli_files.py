@@ -23,11 +23,18 @@ from typing import Any
 
 import click
 
-from snapkeep._core.catalog import DECODE_ERRORS, Catalog, Entry
-from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError, UnsafeSnapshotError
-from snapkeep._core.loading import load_file
-from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path
-from snapkeep._core.storage import Storage, resolve_storage
+from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError, UnsafeSnapshotError
+from snapkeep.store import (
+    DECODE_ERRORS,
+    MANIFEST_DIR,
+    Entry,
+    Manifest,
+    SnapshotStore,
+    Storage,
+    load_file,
+    manifest_path,
+    resolve_storage,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3
 #: What loading an untrusted file can raise (a hostile pickle nested very deep included).
@@ -48,13 +55,13 @@ class StorageTrouble(click.ClickException):
     exit_code = EXIT_STORAGE
 
 
-def open_store(storage: Storage, directory: str, template: str) -> Catalog:
+def open_store(storage: Storage, directory: str, template: str) -> SnapshotStore:
     """The one place the CLI builds the object that owns a template's files (entries, manifest,
     verify; :func:`delete_entry` deletes)."""
-    return Catalog(storage, directory, template)
+    return SnapshotStore(storage, directory, template)
 
 
-def delete_entry(store: Catalog, entry: Entry) -> list[str]:
+def delete_entry(store: SnapshotStore, entry: Entry) -> list[str]:
     """Delete a snapshot and then its manifest; return the paths removed. Raises the storage's
     error when the snapshot cannot be deleted (its manifest is then kept)."""
     storage = store.storage
@@ -138,7 +145,7 @@ class Status:
     manifest: Manifest | None = None
 
 
-def checksum_status(store: Catalog, entry: Entry) -> Status:
+def checksum_status(store: SnapshotStore, entry: Entry) -> Status:
     """The snapshot against its manifest; ``'no manifest'`` when it has none."""
     try:
         manifest = store.verify(entry)
@@ -150,7 +157,7 @@ def checksum_status(store: Catalog, entry: Entry) -> Status:
                   manifest=manifest)
 
 
-def load_status(store: Catalog, entry: Entry) -> Status:
+def load_status(store: SnapshotStore, entry: Entry) -> Status:
     """:func:`checksum_status`, and for a manifest-less file a complete load with
     ``weights_only=True``, as autoload does: ``'unverified'``, ``'unsafe'`` or ``'corrupt'``."""
     found = checksum_status(store, entry)

@@ -40,18 +40,15 @@ from snapkeep._cli_files import (
     resolve,
 )
 from snapkeep._cli_tree import TreeTooDeepError, compare, stats_by_key
-from snapkeep._core.catalog import Catalog
-from snapkeep._core.codec import HEADER_PROBE_BYTES, is_safetensors_header
-from snapkeep._core.errors import SnapshotStorageError, UnsafeSnapshotError
-from snapkeep._core.loading import load_file
-from snapkeep._core.manifest import Manifest
-from snapkeep._core.storage import Storage
+from snapkeep.codecs import HEADER_PROBE_BYTES, is_safetensors_header
+from snapkeep.errors import SnapshotStorageError, UnsafeSnapshotError
+from snapkeep.store import Manifest, SnapshotStore, Storage, load_file
 
 #: Manifest fields ``diff`` shows side by side (size, checksum and time always differ).
 METADATA_FIELDS = ("step", "run_id", "metrics", "snapkeep_version")
 
 
-def store_for(directory: str, template: str, storage_options: tuple[str, ...]) -> Catalog:
+def store_for(directory: str, template: str, storage_options: tuple[str, ...]) -> SnapshotStore:
     """The store of ``template`` in ``directory`` (a path or URL); usage errors name the option."""
     storage, path = resolve(directory, parse_storage_options(storage_options))
     require_directory(directory, storage, path)
@@ -61,7 +58,7 @@ def store_for(directory: str, template: str, storage_options: tuple[str, ...]) -
         raise click.BadParameter(str(e), param_hint="'--template'") from e
 
 
-def _none_found(store: Catalog, directory: str, template: str) -> str:
+def _none_found(store: SnapshotStore, directory: str, template: str) -> str:
     """'no snapshots matching ...', naming the templates the directory's manifests record."""
     message = f"no snapshots matching {template!r} in {directory}"
     others = [t for t in recorded_templates(store.storage, store.directory) if t != template]

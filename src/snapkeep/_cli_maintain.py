@@ -36,8 +36,8 @@ from snapkeep._cli_files import (
 )
 from snapkeep._cli_inspect import _none_found, load_state, store_for
 from snapkeep._cli_tree import TreeTooDeepError, compare, leaves
-from snapkeep._core.catalog import Catalog, Entry
 from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest, SnapshotInfo, plan_deletions
+from snapkeep.store import Entry, SnapshotStore
 
 # -- prune -------------------------------------------------------------------------------------
 
@@ -63,7 +63,9 @@ def _policy(keep_latest: int | None, keep_every: int | None, keep_best: int | No
     return policies[0] if len(policies) == 1 else AnyOf(*policies)
 
 
-def _newest_valid(store: Catalog, entries: list[Entry]) -> tuple[Entry | None, dict[str, Status]]:
+def _newest_valid(
+    store: SnapshotStore, entries: list[Entry],
+) -> tuple[Entry | None, dict[str, Status]]:
     """The newest snapshot autoload would resume from (checked newest first), and the status
     of every snapshot checked on the way."""
     checked: dict[str, Status] = {}
@@ -171,7 +173,7 @@ def _load_dcp(src: str) -> Any:
     ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (no process group needed)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from snapkeep._core.storage import resolve_storage
+    from snapkeep.store import resolve_storage
 
     with tempfile.TemporaryDirectory(prefix="snapkeep-convert-") as tmp:
         target = os.path.join(tmp, "consolidated.pt")

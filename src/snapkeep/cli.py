@@ -17,7 +17,7 @@ import click
 from snapkeep._cli_common import DEFAULT_TEMPLATE, EXIT_CODES_EPILOG, plural
 from snapkeep._cli_inspect import diff, inspect, ls_command, verify
 from snapkeep._cli_maintain import convert, prune
-from snapkeep._core.errors import SnapshotError
+from snapkeep.errors import SnapshotError
 
 __all__ = ["DEFAULT_TEMPLATE", "cli", "main"]
 

@@ -11,6 +11,15 @@ bytes, without the zip CRC-32 that ``torch.load`` never checks.
 extra argument is needed to resume from them. See :mod:`snapkeep._core.codec` for the layout.
 """
 
-from snapkeep._core.codec import load_safetensors, save_safetensors, torch_save
+from snapkeep._core.codec import (
+    HEADER_PROBE_BYTES,
+    is_safetensors_header,
+    load_safetensors,
+    save_safetensors,
+    torch_save,
+)
 
-__all__ = ["load_safetensors", "save_safetensors", "torch_save"]
+__all__ = [
+    "HEADER_PROBE_BYTES", "is_safetensors_header", "load_safetensors", "save_safetensors",
+    "torch_save",
+]

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import snapkeep
-from snapkeep._core.catalog import Catalog
+from snapkeep.store import SnapshotStore
 from snapkeep.training import PRIORITY_SNAPSHOT, Extension, ExtensionsManager, extensions
 from snapkeep.training.triggers import Trigger
 
@@ -415,7 +415,7 @@ def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
     accuracy, eval_loss = evaluate(model, test_x, test_y)
     iterations_run = manager.iteration - first
     storage, directory = writer.storage_for(config.out_dir)
-    entries = Catalog(storage, directory, TEMPLATE).entries()
+    entries = SnapshotStore(storage, directory, TEMPLATE).entries()
     size = storage.size(entries[-1].path) if entries else None
     stalls_ms = [1e3 * s for s in snap.stall_s]
     return DemoResult(

@@ -1,5 +1,10 @@
 """Public exception types (see :mod:`snapkeep._core.errors`)."""
 
+from snapkeep._core.distributed.errors import (
+    CollectiveTimeoutError,
+    NoCommonSnapshotError,
+    RankFailedError,
+)
 from snapkeep._core.errors import (
     NoValidSnapshotError,
     SnapshotCorruptError,
@@ -8,12 +13,14 @@ from snapkeep._core.errors import (
     SnapshotStorageError,
     SnapshotTimeoutError,
     StateMismatchError,
+    StoreLockedError,
     UnsafeSnapshotError,
     WorkerDiedError,
 )
 
 __all__ = [
+    "CollectiveTimeoutError", "NoCommonSnapshotError", "RankFailedError",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
-    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
-    "WorkerDiedError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "StoreLockedError",
+    "UnsafeSnapshotError", "WorkerDiedError",
 ]

@@ -13,9 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from snapkeep._core.catalog import Catalog, Entry
-from snapkeep._core.loading import load_file
-from snapkeep._core.storage import resolve_storage
+from snapkeep.store import Entry, SnapshotStore, load_file, resolve_storage
 
 __all__ = ["DEFAULT_TEMPLATE", "load_latest"]
 
@@ -25,9 +23,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TEMPLATE = "snapshot_iter_{.iteration}"
 
 
-def _store(storage: Any, directory: str, template: str) -> Catalog:
+def _store(storage: Any, directory: str, template: str) -> SnapshotStore:
     """The object owning the template's files in ``directory`` (one call site to port)."""
-    return Catalog(storage, directory, template)
+    return SnapshotStore(storage, directory, template)
 
 
 def load_latest(

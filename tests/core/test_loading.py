@@ -74,7 +74,8 @@ def test_code_on_unpickling_is_refused_by_default(tmp_path, use_torch):
     assert isinstance(info.value, pickle.UnpicklingError)
     assert not os.path.exists(marker)
     assert box.state == {"x": 0}
-    assert os.listdir(tmp_path) == ["box_7"]  # nothing deleted
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "box_7"]  # nothing deleted
+    assert [n for n in os.listdir(tmp_path / ".snapkeep") if not n.endswith(".lock")] == []
 
 
 def test_explicit_weights_only_false_loads_it(tmp_path):

@@ -58,10 +58,13 @@ def train(
 
 
 def listing(directory: str | os.PathLike[str]) -> list[str]:
-    """Every file under ``directory`` (relative paths, hidden ones included), sorted."""
+    """Every file under ``directory`` (relative paths, hidden ones included), sorted; the
+    store's lock files (``.snapkeep/*.lock``, never deleted by design) are left out."""
     out = []
     for root, _dirs, files in os.walk(directory):
         for name in files:
+            if name.endswith(".lock") and os.path.basename(root) == ".snapkeep":
+                continue
             out.append(os.path.relpath(os.path.join(root, name), directory))
     return sorted(out)
 

@@ -18,8 +18,8 @@ import torch
 from integration_support import assert_params, listing, make_model, make_run, train
 
 import snapkeep
-from snapkeep._core.catalog import Catalog
 from snapkeep._core.storage import TEMP_MARKER, resolve_storage
+from snapkeep._core.store import SnapshotStore
 
 TMPFS_BYTES = 2 << 20
 #: Parameters of a model whose snapshot is ~0.8 MiB: two fit into the tmpfs, the third does not.
@@ -105,7 +105,7 @@ def _no_temps(directory) -> bool:
 
 def _verify_all(directory) -> list[str]:
     storage, d = resolve_storage(str(directory))
-    catalog = Catalog(storage, d, "snapshot_iter_{.iteration}")
+    catalog = SnapshotStore(storage, d, "snapshot_iter_{.iteration}")
     entries = catalog.entries()
     for entry in entries:
         assert catalog.verify(entry) is not None

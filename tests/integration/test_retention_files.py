@@ -22,9 +22,9 @@ from integration_support import (
 )
 
 import snapkeep
-from snapkeep._core.catalog import Catalog
+from snapkeep._core.store import SnapshotStore
 from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest
-from snapkeep.training.extensions._snapshot import _remove_orphan_manifests, _Snapshot
+from snapkeep.training.extensions._snapshot import _Snapshot
 
 
 def _expect(*steps: int) -> list[str]:
@@ -185,9 +185,9 @@ def test_a_manifest_committed_after_the_listing_is_not_an_orphan(tmp_path):
     manager, ext, model = make_run(tmp_path, autoload=False, n_retains=2)
     train(manager, model, 2)
     storage, directory = manager.writer.storage_for(str(tmp_path))
-    catalog = Catalog(storage, directory, "snapshot_iter_{.iteration}")
+    catalog = SnapshotStore(storage, directory, "snapshot_iter_{.iteration}")
     listed = catalog.entries()  # retention's listing ...
     train(manager, model, 1)  # ... then snapshot 3 commits
-    _remove_orphan_manifests(catalog, listed, frozenset({ext.run_id}))
+    catalog._remove_orphan_manifests(listed, frozenset({ext.run_id}))
     manager.finalize()
     assert (tmp_path / ".snapkeep" / "snapshot_iter_3.json").exists()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from snapkeep import writing
-from snapkeep._core.catalog import Catalog
 from snapkeep._core.storage import TEMP_MARKER, PfioFileSystem, RenameCommit, resolve_storage
+from snapkeep._core.store import SnapshotStore
 from snapkeep.training import ExtensionsManager, extensions
 
 
@@ -122,7 +122,7 @@ def test_pfio_failed_write_leaves_no_temp_and_keeps_the_previous(tmp_path: Any) 
     assert seen["listed"] == ["snap"]  # ... and was never listed
     assert _listing(tmp_path) == ["snap"]
     assert (tmp_path / "run" / "snap").read_bytes() == b"old"
-    assert Catalog(storage, path, "snap").entries()[0].name == "snap"
+    assert SnapshotStore(storage, path, "snap").entries()[0].name == "snap"
 
 
 def test_pfio_filesystem_pickles_with_its_object(tmp_path: Any) -> None:

@@ -8,8 +8,8 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from snapkeep import writing
-from snapkeep._core.catalog import Catalog
 from snapkeep._core.loading import load_file
+from snapkeep._core.store import SnapshotStore
 
 
 class CountingMemoryFS(MemoryFileSystem):
@@ -36,7 +36,7 @@ def test_remote_autoload_downloads_each_snapshot_once():
     writer("snap_5", "", state)
     writer.finalize()
     storage, directory = writer.storage_for("")
-    catalog = Catalog(storage, directory, "snap_{.iteration}")
+    catalog = SnapshotStore(storage, directory, "snap_{.iteration}")
     fs.reads.clear()
 
     found = catalog.load_newest(

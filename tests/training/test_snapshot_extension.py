@@ -45,7 +45,8 @@ class Run:
 
 
 def listing(directory: Path | str) -> list[str]:
-    return sorted(os.listdir(directory))
+    """Names in ``directory``, without the store's lock file (``.snapkeep/*.lock``)."""
+    return sorted(n for n in os.listdir(directory) if not n.endswith(".lock"))
 
 
 def snapshots_and_manifests(directory: Path) -> tuple[list[str], list[str]]:
@@ -179,11 +180,81 @@ def test_snapshot_on_error_saves_the_state_of_the_failed_loop(tmp_path, writer_c
     run.manager.extend(ext.snapshot(snapshot_on_error=True), trigger=(100, "iteration"))
     with pytest.raises(RuntimeError, match="loss is nan"):
         run.train(5, fail_at=3)
-    assert snapshots_and_manifests(tmp_path) == (["snapshot_iter_2"], ["snapshot_iter_2.json"])
-    state = torch.load(tmp_path / "snapshot_iter_2", weights_only=True)
+    # written under its own name (mid-iteration state; see the on-error tests below)
+    assert snapshots_and_manifests(tmp_path) == (
+        ["snapshot_iter_2.on-error"], ["snapshot_iter_2.on-error.json"])
+    state = torch.load(tmp_path / "snapshot_iter_2.on-error", weights_only=True)
     assert state["_start_iteration"] == 2
     assert tensors_equal(state["models"]["main"], run.model.state_dict())
     writer.finalize()
+
+
+class _BatchNormRun(Run):
+    """A model with BatchNorm: forward updates running statistics before the loss is known, so
+    a failure after forward leaves mid-iteration state (as a NaN loss does in real training)."""
+
+    def __init__(self, out: Path | str, *, writer: Any = None) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.manager = ExtensionsManager(self.model, self.optimizer, 10, iters_per_epoch=2,
+                                         out_dir=str(out), writer=writer)
+
+    def train(self, iterations: int, *, fail_at: int | None = None) -> None:
+        for _ in range(iterations):
+            with self.manager.run_iteration():
+                self.optimizer.zero_grad()
+                loss = self.model(torch.randn(4, 3)).pow(2).sum()
+                if fail_at is not None and self.manager.iteration + 1 == fail_at:
+                    raise RuntimeError("loss is nan")  # after forward, before the step
+                loss.backward()
+                self.optimizer.step()
+
+
+@pytest.mark.parametrize("writer_class", [writing.SimpleWriter, writing.ThreadWriter])
+def test_on_error_snapshot_never_replaces_or_outranks_a_clean_one(tmp_path, writer_class):
+    run = _BatchNormRun(tmp_path, writer=writer_class(out_dir=str(tmp_path)))
+    run.manager.extend(ext.snapshot(snapshot_on_error=True, n_retains=1),
+                       trigger=(1, "iteration"))
+    with pytest.raises(RuntimeError, match="loss is nan"):
+        run.train(5, fail_at=3)
+    run.manager.finalize()
+    clean_bytes = (tmp_path / "snapshot_iter_2").read_bytes()
+    clean = torch.load(tmp_path / "snapshot_iter_2", weights_only=True)
+    on_error = torch.load(tmp_path / "snapshot_iter_2.on-error", weights_only=True)
+    # both exist; they differ (forward of iteration 3 updated the running statistics)
+    assert snapshots_and_manifests(tmp_path) == (
+        ["snapshot_iter_2", "snapshot_iter_2.on-error"],
+        ["snapshot_iter_2.json", "snapshot_iter_2.on-error.json"])
+    key = "1.running_mean"
+    assert not torch.equal(clean["models"]["main"][key], on_error["models"]["main"][key])
+
+    resumed = _BatchNormRun(tmp_path, writer=writer_class(out_dir=str(tmp_path)))
+    snapshot = ext.snapshot(autoload=True, n_retains=1)
+    resumed.manager.extend(snapshot, trigger=(1, "iteration"))
+    resumed.manager.start_extensions()
+    assert snapshot.loaded_entry is not None and snapshot.loaded_entry.name == "snapshot_iter_2"
+    assert torch.equal(resumed.model.state_dict()[key], clean["models"]["main"][key])
+    resumed.train(1)  # retention (n_retains=1) never deletes the on-error snapshot
+    resumed.manager.finalize()
+    assert (tmp_path / "snapshot_iter_2.on-error").exists()
+    assert sorted(snapshots_and_manifests(tmp_path)[0]) == [
+        "snapshot_iter_2.on-error", "snapshot_iter_3"]
+    assert clean_bytes != (tmp_path / "snapshot_iter_3").read_bytes()
+
+
+def test_autoload_never_resumes_from_an_on_error_snapshot_alone(tmp_path):
+    run = _BatchNormRun(tmp_path, writer=writing.SimpleWriter(out_dir=str(tmp_path)))
+    run.manager.extend(ext.snapshot(snapshot_on_error=True), trigger=(100, "iteration"))
+    with pytest.raises(RuntimeError, match="loss is nan"):
+        run.train(5, fail_at=3)
+    run.manager.finalize()
+    assert (tmp_path / "snapshot_iter_2.on-error").exists()
+    resumed = _BatchNormRun(tmp_path, writer=writing.SimpleWriter(out_dir=str(tmp_path)))
+    snapshot = ext.snapshot(autoload=True)
+    resumed.manager.extend(snapshot, trigger=(100, "iteration"))
+    resumed.manager.start_extensions()
+    assert snapshot.loaded_entry is None and resumed.manager.iteration == 0
 
 
 def test_without_snapshot_on_error_nothing_is_saved(tmp_path):
@@ -191,7 +262,8 @@ def test_without_snapshot_on_error_nothing_is_saved(tmp_path):
     run.manager.extend(ext.snapshot(), trigger=(100, "iteration"))
     with pytest.raises(RuntimeError, match="loss is nan"):
         run.train(5, fail_at=3)
-    assert listing(tmp_path) == []
+    assert listing(tmp_path) == [".snapkeep"]  # only the store's lock file
+    assert listing(tmp_path / ".snapkeep") == []
 
 
 # -- n_retains -------------------------------------------------------------------------------------

@@ -65,3 +65,7 @@ class StateMismatchError(SnapshotError, ValueError):
 
 class UnsafeSnapshotError(SnapshotError, pickle.UnpicklingError):
     """A snapshot needs arbitrary unpickling, which is refused unless ``weights_only=False``."""
+
+
+class StoreLockedError(SnapshotError, RuntimeError):
+    """Another live trainer holds the lock of this output directory and filename template."""

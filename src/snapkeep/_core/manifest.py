@@ -66,6 +66,56 @@ class Manifest:
         return cls(**{k: v for k, v in body.items() if k in fields})
 
 
+class ManifestError(ValueError):
+    """A manifest file exists but is not a valid snapkeep manifest."""
+
+
+def read_manifest(storage: Any, path: str) -> Manifest | None:
+    """The manifest at ``path`` on ``storage``; ``None`` when there is none.
+
+    The one way manifests are read (autoload, verify, retention, CLI).
+
+    Raises:
+        ManifestError: the file is not a valid manifest (not JSON, not a snapkeep manifest, or
+            a field of the wrong type); the message names ``path``.
+        SnapshotStorageError: the store could not be reached.
+    """
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        return None
+    try:
+        manifest = Manifest.from_bytes(data)
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
+        raise ManifestError(f"manifest {path}: {e}") from e
+    problems = _type_problems(manifest)
+    if problems:
+        raise ManifestError(f"manifest {path}: {'; '.join(problems)}")
+    return manifest
+
+
+def _type_problems(m: Manifest) -> list[str]:
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    out = []
+    if not isinstance(m.name, str):
+        out.append("name must be a string")
+    if not is_int(m.size_bytes) or m.size_bytes < 0:
+        out.append("size_bytes must be an int >= 0")
+    if not isinstance(m.checksum, str) or not isinstance(m.algorithm, str):
+        out.append("checksum and algorithm must be strings")
+    if m.step is not None and not is_int(m.step):
+        out.append("step must be an int or null")
+    if m.run_id is not None and not isinstance(m.run_id, str):
+        out.append("run_id must be a string or null")
+    if not isinstance(m.metrics, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in m.metrics.items()):
+        out.append("metrics must map strings to numbers")
+    return out
+
+
 def manifest_path(storage: Any, snapshot_path: str) -> str:
     """Where the manifest of ``snapshot_path`` lives on ``storage``."""
     name = storage.basename(snapshot_path) + MANIFEST_SUFFIX

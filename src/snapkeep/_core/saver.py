@@ -1,4 +1,9 @@
-"""The saver: staging, back-pressure, error surfacing and post-commit hooks for one writer.
+"""The saver: staging, back-pressure, commit, retention and error surfacing for one writer.
+
+The save path, top to bottom: :meth:`Saver.submit` (back-pressure, stage) -> :meth:`Saver.run`
+(``store.commit_job`` through the runner, in whichever thread or process it runs) -> the
+retention stage of the save (:class:`~snapkeep._core.store.Retain`: ``store.retain``, in the
+trainer process) -> post-commit hooks (ppe's ``_add_cleanup_hook``) -> the slot is released.
 
 ``submit(job, tree)`` waits for a free buffer set (back-pressure), stages ``tree`` into it and
 returns a :class:`Ticket` whose :class:`SaveHandle` has two futures: ``staged`` (resolved before
@@ -39,6 +44,7 @@ from snapkeep._core.errors import SnapshotError, SnapshotSaveError, SnapshotTime
 from snapkeep._core.executors import Runner
 from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.staging import BufferSet, StageStats
+from snapkeep._core.store import Retain
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,7 @@ class Ticket:
     handle: SaveHandle
     job: SaveJob
     staged: Any
+    retain: Retain | None = None
 
 
 class Saver:
@@ -152,8 +159,10 @@ class Saver:
         (caller's thread for inline runners). A failing hook is logged, never fatal."""
         self._hooks.append(hook)
 
-    def submit(self, job: SaveJob, tree: Any) -> Ticket | None:
+    def submit(self, job: SaveJob, tree: Any, *, retain: Retain | None = None) -> Ticket | None:
         """Reserve a slot (per ``on_full``), stage ``tree`` into it and return the ticket.
+
+        ``retain``: the retention stage run after the commit (the store, policy and lineage).
 
         Returns ``None`` when the snapshot was skipped (``on_full='skip'``).
 
@@ -180,11 +189,11 @@ class Saver:
             raise
         self.last_stage_stats = stats
         handle.staged.set_result(stats)
-        return Ticket(slot=slot, handle=handle, job=job, staged=staged)
+        return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain)
 
-    def save_now(self, job: SaveJob, tree: Any) -> CommitRecord:
+    def save_now(self, job: SaveJob, tree: Any, *, retain: Retain | None = None) -> CommitRecord:
         """Synchronous save: ``submit`` + ``run`` in the caller's thread; raises its error."""
-        ticket = self.submit(job, tree)
+        ticket = self.submit(job, tree, retain=retain)
         if ticket is None:
             raise SnapshotError(f"snapshot {job.path!r} was skipped")
         self.run(ticket, report=False)
@@ -374,8 +383,10 @@ class Saver:
             self._release(slot, handle)
             return False
         del staged
-        # outcome and post-commit hooks (retention) first: once every slot is free, wait() and
-        # finalize() may return, and by then everything about the snapshot must be done
+        # retention and post-commit hooks first: once every slot is free, wait() and finalize()
+        # may return, and by then everything about the snapshot must be done
+        if ticket.retain is not None:
+            ticket.retain.after_commit(record)
         handle.committed.set_result(record)
         self._run_hooks(record)
         self._release(slot, handle)

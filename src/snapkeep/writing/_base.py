@@ -14,14 +14,15 @@ from typing import Any
 
 import torch
 
-import snapkeep
 from snapkeep._core.codec import torch_save
 from snapkeep._core.errors import SnapshotSaveError, SnapshotStorageError
 from snapkeep._core.executors import InlineRunner, Runner, ThreadRunner
-from snapkeep._core.job import CommitRecord, SaveJob, execute
+from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.manifest import MANIFEST_SUFFIX
 from snapkeep._core.saver import SaveHandle, Saver, Ticket
 from snapkeep._core.storage import Storage, resolve_storage
+from snapkeep._core.store import Retain
+from snapkeep._version import __version__
 from snapkeep.writing._ppe_fs import PpeFileSystem
 
 logger = logging.getLogger(__name__)
@@ -139,13 +140,27 @@ class Writer:
         self, filename: str, out_dir: str, target: Any, savefun: SaveFun | None, append: bool,
         **savefun_kwargs: Any,
     ) -> CommitRecord:
-        """Save synchronously in the caller's thread, without staging (ppe's ``Writer.save``)."""
+        """Save synchronously and return when durable (ppe's ``Writer.save``).
+
+        The same save path as ``__call__`` plus a wait: staging (for background writers),
+        back-pressure (waits for a free slot per ``on_full``), commit, post-commit hooks.
+
+        Raises:
+            RuntimeError: the writer is finalized.
+            SnapshotError: the snapshot was skipped (``on_full='skip'`` with every slot busy).
+            Exception: the save's own error.
+        """
+        self._refuse_if_finalized()
         job = self._job(filename, out_dir, savefun, append, savefun_kwargs)
         if not self._initialized:
             self.initialize(self._directory(out_dir))
-        record = execute(job, target)
-        self._post_commit(record)
-        return record
+        return self._saver.save_now(job, target)
+
+    def _refuse_if_finalized(self) -> None:
+        if self._finalized:
+            raise RuntimeError(
+                f"{type(self).__name__} is finalized: it saves nothing more; create a new "
+                "writer to save again")
 
     def __enter__(self) -> Writer:
         return self
@@ -226,20 +241,22 @@ class Writer:
                                reserve_bytes=0 if append else len(MANIFEST_SUFFIX)),
             savefun=savefun,  # type: ignore[arg-type]  # None fails in the save, as ppe
             savefun_kwargs=dict(savefun_kwargs), append=append, tag=self._tag, step=step,
-            run_id=run_id, metrics=dict(metrics or {}), version=snapkeep.__version__,
+            run_id=run_id, metrics=dict(metrics or {}), version=__version__,
         )
 
     def _submit(
         self, filename: str, out_dir: str, target: Any, savefun: SaveFun | None, append: bool,
         savefun_kwargs: Mapping[str, Any], extra: Mapping[str, Any],
     ) -> Ticket | None:
-        if self._finalized:
-            raise RuntimeError(
-                f"{type(self).__name__} is finalized; create a new writer to save again")
+        self._refuse_if_finalized()
+        extra = dict(extra)
+        retain = extra.pop("retain", None)
+        if retain is not None and not isinstance(retain, Retain):
+            raise TypeError(f"retain must be a snapkeep.store.Retain, got {retain!r}")
         job = self._job(filename, out_dir, savefun, append, savefun_kwargs, **extra)
         if not self._initialized:
             self.initialize(self._directory(out_dir))
-        ticket = self._saver.submit(job, target)
+        ticket = self._saver.submit(job, target, retain=retain)
         self.last_handle = ticket.handle if ticket is not None else None
         return ticket
 

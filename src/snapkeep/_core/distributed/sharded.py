@@ -40,7 +40,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from snapkeep._core.catalog import Entry
 from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
 from snapkeep._core.distributed.errors import RankFailedError
 from snapkeep._core.distributed.groups import Groups
@@ -53,6 +52,7 @@ from snapkeep._core.distributed.sharded_store import (
 )
 from snapkeep._core.distributed.staging import Stager
 from snapkeep._core.manifest import now_unix_s
+from snapkeep._core.store import Entry
 
 logger = logging.getLogger(__name__)
 

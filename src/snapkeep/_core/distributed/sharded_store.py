@@ -20,11 +20,11 @@ import logging
 import os
 from typing import Any
 
-from snapkeep._core.catalog import Entry
 from snapkeep._core.checksum import ALGORITHM, digest_stream
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage
+from snapkeep._core.store import Entry
 
 logger = logging.getLogger(__name__)
 

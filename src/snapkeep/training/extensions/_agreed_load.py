@@ -22,15 +22,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from snapkeep._core.catalog import Entry
-from snapkeep._core.distributed import (
+from snapkeep.distributed import (
     agree_on_resume,
     all_gather,
     background_groups,
     exchange_outcomes,
 )
-from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
-from snapkeep._core.loading import load_file
+from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError
+from snapkeep.store import Entry, load_file
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
         RankFailedError: loading or applying failed on some rank (named, on every rank).
         CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
     """
-    catalog = snapshot._catalog(manager)
+    catalog = snapshot._store_of(manager)
     if catalog is None:
         return None
     groups = background_groups(getattr(snapshot, "timeout_s", DEFAULT_TIMEOUT_S))
@@ -127,7 +126,7 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
         error = e
     exchange_outcomes(group, error, what=f"{what}: loading {chosen}", timeout_s=timeout_s)
     snapshot.loaded_entry = entry
-    snapshot._adopt_lineage(catalog, entries or [entry], entry)
+    snapshot._shared.adopt(catalog, entries or [entry], entry)
     logger.info("rank %d resumed from %s (step %s), chosen with every rank", rank, entry.path,
                 entry.step)
     return entry.name

@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from snapkeep._core.catalog import Entry
-from snapkeep._core.distributed import (
+from snapkeep.distributed import (
     Groups,
     ShardedJob,
     ShardedManifest,
@@ -44,8 +43,9 @@ from snapkeep._core.distributed import (
     load_sharded,
     saved_keys,
 )
-from snapkeep._core.errors import SnapshotError
-from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep.errors import SnapshotError
+from snapkeep.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep.store import ON_ERROR_SUFFIX, Entry
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 from snapkeep.training.extensions._snapshot import _metrics, _Snapshot
 from snapkeep.writing import Writer as _SnapkeepWriter
@@ -139,7 +139,7 @@ class _ShardedSnapshot(_Snapshot):
     def rank(self) -> int:
         return self._groups.rank if self._groups else 0
 
-    def _store(self, manager: Any) -> ShardedStore:
+    def _sharded_store_of(self, manager: Any) -> ShardedStore:
         if self._sharded_store is None:
             writer = manager.writer if self.writer is None else self.writer
             self.writer = writer
@@ -154,7 +154,7 @@ class _ShardedSnapshot(_Snapshot):
     def _engine(self, manager: Any) -> ShardedSaver:
         if self._saver is None:
             retain = self._retain if self.rank == 0 and self._retention is not None else None
-            self._saver = ShardedSaver(self._store(manager), self._groups, retain=retain)
+            self._saver = ShardedSaver(self._sharded_store_of(manager), self._groups, retain=retain)
         return self._saver
 
     def initialize(self, manager: Any) -> str | None:  # type: ignore[override]
@@ -168,7 +168,7 @@ class _ShardedSnapshot(_Snapshot):
         """
         if is_distributed():
             self._groups = background_groups(self.timeout_s)
-        store = self._store(manager)
+        store = self._sharded_store_of(manager)
         if self.rank == 0:
             store.storage.makedirs(store.directory)
         loaded = self._autoload(manager) if self.autoload else None
@@ -231,9 +231,11 @@ class _ShardedSnapshot(_Snapshot):
         return state
 
     # -- saving --------------------------------------------------------------------------------
-    def _make_snapshot(self, manager: Any) -> None:
+    def _make_snapshot(self, manager: Any, *, on_error: bool = False) -> None:
         saver = self._engine(manager)
         name = self._template.format(manager)
+        if on_error:  # mid-iteration state: never under a clean snapshot's name
+            name += ON_ERROR_SUFFIX
         job = ShardedJob(name=name, step=int(manager.iteration), run_id=self._run_id,
                          metrics=_metrics(manager), version=_version())
         try:
@@ -298,7 +300,7 @@ class _ShardedSnapshot(_Snapshot):
 
     # -- autoload ------------------------------------------------------------------------------
     def _autoload(self, manager: Any) -> str | None:
-        store = self._store(manager)
+        store = self._sharded_store_of(manager)
         groups = self._groups
         control = groups.control if groups else None
         timeout_s = groups.timeout_s if groups else None
@@ -332,8 +334,8 @@ class _ShardedSnapshot(_Snapshot):
                           timeout_s=timeout_s)
         manifest = store.manifest(entry)
         if manifest is not None and manifest.run_id is not None:
-            self._run_id = manifest.run_id
-            self._lineage = frozenset(self._lineage | {manifest.run_id})
+            self._shared.run_id = manifest.run_id
+            self._shared.members = frozenset(self._shared.members | {manifest.run_id})
         self.loaded_entry = entry
         logger.info("rank %d resumed from sharded snapshot %s (step %s, saved on %s rank(s))",
                     self.rank, entry.path, entry.step,

@@ -5,74 +5,59 @@ Differences from ppe that users rely on:
 - ``autoload`` picks the snapshot with the highest step parsed from the filename template (not
   the newest mtime), verifies its checksum, falls back to the next older valid one with a warning
   naming each skipped file, and raises :class:`~snapkeep.NoValidSnapshotError` when snapshot
-  files exist but none is valid (ppe silently started over).
+  files exist but none is valid (ppe silently started over). It is all-or-nothing: a snapshot
+  that does not fit the target raises :class:`~snapkeep.StateMismatchError` before anything is
+  loaded (see :mod:`._restore`).
 - Loading is safe by default (``torch.load(weights_only=True)``); ``weights_only=False`` opts in to
   arbitrary unpickling.
-- ``n_retains`` (and ``retention=``) run after each commit, on the saver rank only, and never
-  delete the newest snapshot.
+- ``n_retains`` (and ``retention=``) are the last stage of each save, run by the core's saver
+  after the commit (on the saver rank only), and never delete the newest snapshot.
+- One trainer per ``out_dir`` and template: ``initialize`` takes the store's lock (before
+  autoload) and ``finalize`` releases it; a second trainer gets
+  :class:`~snapkeep.errors.StoreLockedError` naming the holder. Local filesystems only; see
+  :mod:`snapkeep._core.lock` for what is not locked.
+- On-error snapshots (``snapshot_on_error=True``) get their own name (``<name>.on-error``), so
+  they never replace or outrank a clean snapshot; autoload never resumes from one.
 
-Run lineage (guards against pointing a new experiment at an old output directory): each
-extension instance has a ``run_id`` that is recorded in every snapshot's manifest. ``autoload``
-adopts the run id of the snapshot it resumes from (for a manifest-less snapshot, that of the
-newest older snapshot with a manifest, and the manifest-less files join the lineage), so a
-resumed run keeps one id across restarts. Retention only ever deletes snapshots of the current
-lineage; snapshots of any other run (or manifest-less ones, unless resumed from) are kept. With
-``autoload=False`` and snapshots of the template already in the directory, ``initialize`` warns
-once that this run starts fresh beside them.
+Run lineage (which snapshots retention may delete) is in :mod:`._lineage`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import math
 import types
-import uuid
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed
 
-from snapkeep._core.catalog import Catalog, Entry
-from snapkeep._core.errors import SnapshotError, StateMismatchError
-from snapkeep._core.job import CommitRecord
-from snapkeep._core.loading import load_file
-from snapkeep._core.manifest import Manifest, manifest_path
-from snapkeep._core.naming import FilenameTemplate
-from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
-from snapkeep._core.storage import resolve_storage
-from snapkeep._core.structure import describe, find_mismatches
+from snapkeep.errors import SnapshotError
+from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
+from snapkeep.store import (
+    ON_ERROR_SUFFIX,
+    Entry,
+    FilenameTemplate,
+    Retain,
+    SnapshotStore,
+    StoreLock,
+    load_file,
+)
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
-from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
+from snapkeep.training.extensions import _lineage, _restore
+from snapkeep.training.extensions._find import (  # noqa: F401  (ppe's helpers, importable here)
+    _find_latest_snapshot,
+    _find_snapshot_files,
+    _find_stale_snapshots,
+)
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
 
 ON_SAVE_ERROR = ("raise", "log")
 
-
-
-_LINEAGE_ATTRIBUTE = "_snapkeep_run_lineage"
-
-
-@dataclasses.dataclass
-class _RunLineage:
-    """The run id written into manifests and the ids whose snapshots retention may delete;
-    shared by the snapshot extensions of one manager."""
-
-    run_id: str
-    members: frozenset[str | None]
-
-
-def _has_autoloading_snapshot(manager: Any) -> bool:
-    """Whether another snapshot extension of ``manager`` resumes the run (``autoload=True``)."""
-    entries = getattr(manager, "_extensions", {})
-    return any(isinstance(getattr(e, "extension", None), _Snapshot)
-               and getattr(e.extension, "autoload", False) for e in entries.values())
 
 def _snapkeep_writer_for(manager: Any) -> Any:
     """The manager's writer; when that is one of ppe's writers (ppe's manager makes one by
@@ -99,50 +84,6 @@ class SnapshotMode(enum.Enum):
 
 def _always_true() -> bool:
     return True
-
-
-# -- ppe's module-level helpers, ordered by the step parsed from the name (never by mtime) --------
-def _catalog_for(fmt: str, path: str, fs: Any) -> Catalog:
-    storage, directory = resolve_storage(path, fs)
-    return Catalog(storage, directory, fmt)
-
-
-def _find_snapshot_files(
-    fmt: str, path: str, fs: Any = None,
-) -> list[tuple[tuple[float, ...], str]]:
-    """Snapshot files of template ``fmt`` directly under ``path``, as ppe's helper of that name.
-
-    Names are matched against the whole template (not only its prefix and suffix); temporary
-    files, manifests and other files are never listed. Unlike ppe, the first element of each
-    pair is the sort key parsed from the name (iteration, then epoch, then other fields), not
-    the mtime, and the list is ordered by it (oldest first).
-
-    Args:
-        fmt: a filename template such as ``'snapshot_iter_{.iteration}'``.
-        path: directory (local path or fsspec URL).
-        fs: filesystem as accepted by the writers' ``fs`` (None: picked from ``path``).
-    """
-    return [(entry.key, entry.name) for entry in _catalog_for(fmt, path, fs).entries()]
-
-
-def _find_latest_snapshot(fmt: str, path: str, fs: Any = None) -> str | None:
-    """Name of the snapshot with the highest step in ``path`` (None when there is none), as
-    ppe's helper of that name but by step instead of mtime. The file is not verified here;
-    ``autoload`` verifies and falls back to older snapshots."""
-    files = _find_snapshot_files(fmt, path, fs)
-    return files[-1][1] if files else None
-
-
-def _find_stale_snapshots(
-    fmt: str, path: str, n_retains: int, fs: Any = None
-) -> Iterator[str]:
-    """Names of the snapshots beyond the newest ``n_retains`` by step, oldest first (as ppe's
-    helper of that name, which used mtime). Yields nothing when ``n_retains`` <= 0."""
-    files = _find_snapshot_files(fmt, path, fs)
-    if n_retains <= 0:
-        return
-    for _, name in files[: max(len(files) - n_retains, 0)]:
-        yield name
 
 
 def snapshot_object(target: Any, filename: str, savefun: Any = None, **kwargs: Any) -> _Snapshot:
@@ -192,11 +133,15 @@ def snapshot(
             manager (its state_dict holds models, optimizers, extensions, triggers, RNG state).
         condition: callable with no arguments; the snapshot is skipped when it returns False.
         writer: a writer from :mod:`snapkeep.writing` (default: the manager's writer).
-        snapshot_on_error: also take a snapshot when the training loop raises, and wait for it.
+        snapshot_on_error: also take a snapshot when the training loop raises, and wait for it
+            (as ppe). It holds mid-iteration state, so it is written as ``<name>.on-error``
+            (``snapkeep.store.ON_ERROR_SUFFIX``): it never replaces a clean snapshot of the
+            same iteration, autoload never resumes from it and retention never deletes it.
         n_retains: keep the newest ``n_retains`` snapshots by step; <= 0 keeps all (as ppe).
             Only snapshots of this run's lineage are ever deleted (see the module docstring).
         autoload: load the newest valid snapshot in ``initialize`` (returns its name, as ppe)
-            and continue its run lineage. With ``autoload=False``, existing snapshots of the
+            and continue its run lineage. All or nothing: the snapshot is checked to fit the
+            target first (see ``_restore``). With ``autoload=False``, existing snapshots of the
             template are left alone and a warning says so.
         saver_rank: under ``torch.distributed``, only this rank writes; every rank loads the
             snapshot the saver rank chose.
@@ -234,6 +179,8 @@ def snapshot(
     if snapshot_mode in (SnapshotMode.DEFAULT, SnapshotMode.DISTRIBUTED):
         if saver_rank is None:
             raise ValueError("snapshot_mode=DISTRIBUTED requires saver_rank (an int rank)")
+        from snapkeep.training.extensions._distributed import _DistributedSnapshot
+
         return _DistributedSnapshot(saver_rank=saver_rank, timeout_s=timeout_s, **kwargs)
     if snapshot_mode == SnapshotMode.SHARDED:
         from snapkeep.training.extensions._sharded import _ShardedSnapshot  # imports this module
@@ -242,27 +189,13 @@ def snapshot(
     raise ValueError(f"snapshot_mode must be a SnapshotMode, got {snapshot_mode!r}")
 
 
-def _check_target(target: Any) -> None:
-    if target is None:
-        return
-    objects = target.items() if type(target) is dict else [("target", target)]
-    for key, obj in objects:
-        missing = [m for m in ("state_dict", "load_state_dict")
-                   if not callable(getattr(obj, m, None))]
-        if missing:
-            where = "target" if type(target) is not dict else f"target[{key!r}]"
-            raise TypeError(
-                f"{where} ({type(obj).__name__}) has no {' or '.join(missing)}; snapshot targets "
-                "must be objects with state_dict()/load_state_dict() (modules, optimizers, the "
-                "manager) or a dict of them")
-
-
 class _Snapshot(ContinuationMixin, extension.Extension):
     """Takes snapshots of the manager or a target; see :func:`snapshot`."""
 
     trigger = 1, "epoch"
     priority = extension.PRIORITY_SNAPSHOT
     needs_model_state = True
+    _snapkeep_snapshot_extension = True  # _lineage.SNAPSHOT_MARKER
 
     def __init__(
         self, target: Any = None, condition: Any = None, writer: Any = None,
@@ -272,7 +205,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
         generators: Mapping[str, Any] | None = None,
     ) -> None:
-        _check_target(target)
+        _restore.check_target(target)
         self._generators = check_generators(generators)
         if condition is None:
             condition = _always_true
@@ -309,13 +242,11 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if len(policies) == 1:
             self._retention = policies[0]
         elif policies:
-            from snapkeep._core.retention import AnyOf
-
             self._retention = AnyOf(*policies)
-        self._retention_registered = False
         self.loaded_entry: Entry | None = None
-        run_id = uuid.uuid4().hex[:16]
-        self._shared = _RunLineage(run_id=run_id, members=frozenset({run_id}))
+        self._shared = _lineage.RunLineage.fresh()
+        self._store: SnapshotStore | None = None
+        self._lock: StoreLock | None = None
 
     @property
     def run_id(self) -> str:
@@ -327,26 +258,20 @@ class _Snapshot(ContinuationMixin, extension.Extension):
     def _run_id(self) -> str:
         return self._shared.run_id
 
-    @_run_id.setter
-    def _run_id(self, value: str) -> None:
-        self._shared.run_id = value
-
     @property
     def _lineage(self) -> frozenset[str | None]:
         return self._shared.members
 
-    @_lineage.setter
-    def _lineage(self, value: frozenset[str | None]) -> None:
-        self._shared.members = value
-
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self, manager: Any) -> str | None:  # type: ignore[override]
-        """Resolve the writer, autoload (returns the loaded file name or None, as ppe) and
-        register retention.
+        """Resolve the writer, lock the store, sweep it and autoload (returns the loaded file
+        name or None, as ppe).
 
         Raises:
+            StoreLockedError: another trainer holds this out_dir and template.
             NoValidSnapshotError: snapshot files exist but none verifies.
-            StateMismatchError: the chosen snapshot does not fit the target (first 10 listed).
+            StateMismatchError: the chosen snapshot does not fit the target (first 10 listed);
+                nothing was loaded.
             UnsafeSnapshotError: the snapshot needs ``weights_only=False``.
             ValueError: the filename template names an attribute the manager does not have.
             SnapshotStorageError: the writer's output directory cannot be created.
@@ -356,23 +281,28 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             self.writer = _snapkeep_writer_for(manager)
         # one lineage per manager: a snapshot_object beside an autoloading snapshot continues
         # the run that snapshot resumed (and its retention keeps deleting that run's files)
-        shared = getattr(manager, _LINEAGE_ATTRIBUTE, None)
-        if isinstance(shared, _RunLineage):
-            self._shared = shared
-        else:
-            setattr(manager, _LINEAGE_ATTRIBUTE, self._shared)
+        self._shared = _lineage.shared_lineage(manager, self._shared)
         self._check_template(manager)
-        if self._is_saver():
-            writer = self.writer
-            if isinstance(writer, _SnapkeepWriter) and not writer.initialized:
-                writer.initialize(manager.out)  # an unusable out_dir fails now, naming it
-            self._remove_stale_temps(manager)
-        loaded = None
-        if self.autoload:
-            loaded = self._autoload(manager)
-        elif self._is_saver() and not _has_autoloading_snapshot(manager):
-            self._warn_about_existing(manager)
-        self._register_retention(manager)
+        try:
+            if self._is_saver():
+                writer = self.writer
+                if isinstance(writer, _SnapkeepWriter) and not writer.initialized:
+                    writer.initialize(manager.out)  # an unusable out_dir fails now, naming it
+                store = self._store_of(manager, quiet=True)
+                if store is not None:
+                    if self._lock is None:
+                        self._lock = store.lock()
+                    store.sweep(self._lineage)
+            loaded = None
+            if self.autoload:
+                loaded = self._autoload(manager)
+            elif self._is_saver() and not _lineage.has_autoloading_snapshot(manager):
+                store = self._store_of(manager, quiet=True)
+                if store is not None:
+                    _lineage.warn_about_existing(store, self._run_id)
+        except BaseException:
+            self._release_lock()
+            raise
         return loaded
 
     def _check_template(self, manager: Any) -> None:
@@ -391,9 +321,11 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                          self.filename, e)
 
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
+        """With ``snapshot_on_error``, snapshot the (mid-iteration) state as ``<name>.on-error``
+        and wait for it (as ppe, but never under a clean snapshot's name)."""
         super().on_error(manager, exc, tb)
         if self._snapshot_on_error:
-            self._make_snapshot(manager)
+            self._make_snapshot(manager, on_error=True)
             wait = getattr(self.writer, "wait", None)
             if callable(wait):
                 wait()
@@ -403,17 +335,23 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             self._make_snapshot(manager)
 
     def finalize(self, manager: Any) -> None:
-        """Finalize the writer (waits for pending snapshots). A background save failure raised
-        there is logged instead when ``on_save_error='log'``."""
+        """Finalize the writer (waits for pending snapshots) and release the store's lock. A
+        background save failure raised there is logged instead when ``on_save_error='log'``."""
         writer = self.writer
-        if writer is None:
-            return
         try:
-            writer.finalize()
+            if writer is not None:
+                writer.finalize()
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
                 raise
             logger.error("a snapshot failed before finalize and on_save_error='log': %s", e)
+        finally:
+            self._release_lock()
+
+    def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     # -- saving --------------------------------------------------------------------------------
     def _is_saver(self) -> bool:
@@ -425,18 +363,23 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             return {k: v.state_dict() for k, v in target.items()}
         return target.state_dict()
 
-    def _make_snapshot(self, manager: Any) -> None:
+    def _make_snapshot(self, manager: Any, *, on_error: bool = False) -> None:
         writer = manager.writer if self.writer is None else self.writer
         self.writer = writer
         if not self._is_saver():
             return
-        self._register_retention(manager)
         state = self._state(manager)
         filename = self._template.format(manager)
         extra: dict[str, Any] = {}
+        if on_error:
+            filename += ON_ERROR_SUFFIX
         if isinstance(writer, _SnapkeepWriter):
             extra = {"step": int(manager.iteration), "metrics": _metrics(manager),
                      "run_id": self._run_id}
+            store = self._store_of(manager, quiet=True)
+            if store is not None:
+                extra["retain"] = Retain(store=store, lineage=self._lineage,
+                                         policy=None if on_error else self._retention)
         if self._on_save_error == "log" and isinstance(writer, _SnapkeepWriter):
             try:  # an earlier background failure is logged here, so this snapshot is still taken
                 writer._saver.raise_pending_error()
@@ -450,8 +393,10 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             logger.error("snapshot %s at iteration %s failed and on_save_error='log': %s",
                          filename, manager.iteration, e)
 
-    # -- autoload ------------------------------------------------------------------------------
-    def _catalog(self, manager: Any, *, quiet: bool = False) -> Catalog | None:
+    # -- the store and autoload -----------------------------------------------------------------
+    def _store_of(self, manager: Any, *, quiet: bool = False) -> SnapshotStore | None:
+        """The store of this template in the writer's directory (None: a non-snapkeep writer or
+        a callable template, where autoload, retention and the lock are not available)."""
         writer = self.writer
         if not isinstance(writer, _SnapkeepWriter):
             if not quiet:
@@ -464,105 +409,45 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                                "callable", self.filename)
             return None
         storage, directory = writer.storage_for(manager.out)
-        return Catalog(storage, directory, self._template)
+        store = self._store
+        if store is None or store.storage is not storage or store.directory != directory:
+            store = self._store = SnapshotStore(storage, directory, self._template)
+        return store
 
-    def _choose(self, catalog: Catalog) -> list[Entry] | None:
+    def _choose(self, store: SnapshotStore) -> list[Entry] | None:
         """Candidates for autoload (all ranks use the saver rank's list in distributed mode)."""
-        return catalog.entries()
+        return store.entries()
 
     def _autoload(self, manager: Any) -> str | None:
-        catalog = self._catalog(manager)
-        if catalog is None:
+        store = self._store_of(manager)
+        if store is None:
             return None
-        candidates = self._choose(catalog)
+        candidates = self._choose(store)
         if not candidates:
             return None
         target = manager if self._target is None else self._target
 
         def loader(entry: Entry, data: bytes | None) -> Any:
-            return load_file(catalog.storage, entry.path, map_location=self._map_location,
+            return load_file(store.storage, entry.path, map_location=self._map_location,
                              weights_only=self._weights_only, data=data)
 
-        found = catalog.load_newest(loader, candidates=candidates)
+        found = store.load_newest(loader, candidates=candidates)
         if found is None:
             return None
         entry, state = found
         self._apply(target, state, entry)
         self.loaded_entry = entry
-        self._adopt_lineage(catalog, candidates, entry)
+        self._shared.adopt(store, candidates, entry)
         logger.info("resumed from snapshot %s (step %s, run id %s)", entry.path, entry.step,
                     self._run_id)
         return entry.name
 
-    def _adopt_lineage(self, catalog: Catalog, candidates: list[Entry], loaded: Entry) -> None:
-        """Continue the run lineage of the snapshot just loaded (see the module docstring)."""
-        older = [e for e in candidates if e.key <= loaded.key]
-        lineage: set[str | None] = set()
-        for entry in reversed(older):
-            manifest = catalog.manifest(entry)
-            run_id = manifest.run_id if manifest is not None else None
-            if run_id is None:
-                lineage.add(None)  # a manifest-less (ppe) snapshot we resumed through
-                continue
-            self._run_id = run_id
-            break
-        lineage.add(self._run_id)
-        # union: another extension of this manager may have resumed (and adopted) already; the
-        # fresh id of this process wrote nothing yet, so keeping it deletes nothing extra
-        self._lineage = frozenset(lineage | self._lineage)
-
-    def _remove_stale_temps(self, manager: Any) -> None:
-        """The writer cleans its own directory; a template's sub-directory and the manifest
-        directory are only known here."""
-        catalog = self._catalog(manager, quiet=True)
-        if catalog is not None:
-            catalog.remove_stale_temps()
-
-    def _warn_about_existing(self, manager: Any) -> None:
-        """``autoload=False`` beside existing snapshots of the template: say so, once."""
-        catalog = self._catalog(manager, quiet=True)
-        entries = catalog.entries() if catalog is not None else []
-        if not entries or catalog is None:
-            return
-        run_ids = sorted({str(m.run_id) if (m := catalog.manifest(e)) else "unknown"
-                          for e in entries})
-        message = (
-            f"{catalog.directory!r} already holds {len(entries)} snapshot(s) of "
-            f"{self._template.template!r} (steps {entries[0].step}..{entries[-1].step}, run ids "
-            f"{', '.join(run_ids[:5])}) and autoload=False: this run (run id {self._run_id}) "
-            "starts fresh. Retention will not delete them, but a snapshot of this run with the "
-            "same name replaces the old file; use another out_dir or autoload=True to resume.")
-        warnings.warn(message, UserWarning, stacklevel=3)
-        logger.warning("%s", message)
-
     def _apply(self, target: Any, state: Any, entry: Entry) -> None:
-        if type(target) is dict:
-            if not isinstance(state, Mapping):
-                raise StateMismatchError(
-                    f"snapshot {entry.path} holds a {type(state).__name__}, target is a dict")
-            missing = [k for k in target if k not in state]
-            if missing:
-                raise StateMismatchError(
-                    f"snapshot {entry.path} lacks target key(s) {missing[:10]}; nothing was "
-                    "loaded or deleted")
-            pairs = [(target[k], state[k], f"[{k!r}]") for k in target]
-        else:
-            pairs = [(target, state, "")]
-        problems: list[str] = []
-        for obj, sub, where in pairs:
-            for module, module_state, prefix in _modules_to_check(obj, sub, where):
-                if module is None:
-                    problems.append(f"missing {prefix}")
-                    continue
-                problems += [f"{prefix}/{p}" if prefix else p
-                             for p in find_mismatches(module.state_dict(), module_state)]
-        if problems:
-            raise StateMismatchError(
-                f"snapshot {entry.path} (step {entry.step}) does not match the target: "
-                f"{describe(problems)}. Nothing was loaded or deleted; point out_dir elsewhere or "
-                "fix the model definition.")
+        """Check that ``state`` fits ``target`` entirely, then load it (all or nothing)."""
+        pairs = _restore.pairs_to_load(target, self._strip_rank_state(state), entry)
+        _restore.require_fit(pairs, entry)
         for obj, sub, _ in pairs:
-            obj.load_state_dict(self._strip_rank_state(sub))
+            obj.load_state_dict(sub)
         self._restore_rank_state(state)
 
     def _strip_rank_state(self, state: Any) -> Any:
@@ -571,44 +456,6 @@ class _Snapshot(ContinuationMixin, extension.Extension):
 
     def _restore_rank_state(self, state: Any) -> None:
         """Hook for the distributed snapshot (per-rank RNG)."""
-
-    # -- retention -----------------------------------------------------------------------------
-    def _register_retention(self, manager: Any) -> None:
-        if self._retention_registered or self._retention is None or not self._is_saver():
-            return
-        catalog = self._catalog(manager)
-        writer = self.writer
-        if catalog is None or not isinstance(writer, _SnapkeepWriter):
-            return
-        policy = self._retention
-        self._retention_registered = True
-
-        def retain(record: CommitRecord) -> None:
-            _apply_retention(catalog, policy, record, self._lineage)
-
-        writer.add_post_commit_hook(retain)
-
-
-def _modules_to_check(
-    obj: Any, state: Any, where: str,
-) -> list[tuple[torch.nn.Module | None, Any, str]]:
-    """``(module, its saved state, where)`` for the modules in ``obj`` whose state_dict layout
-    must match exactly: ``obj`` itself when it is a module, or each of a manager's ``models``
-    (from the snapshot's ``'models'`` section). Optimizers have lazily created state and
-    validate themselves. ``module`` is None when the snapshot has no entry for it."""
-    if isinstance(obj, torch.nn.Module):
-        return [(obj, state, where)]
-    saved = state.get("models") if isinstance(state, Mapping) else None
-    models = getattr(obj, "models", None) if isinstance(saved, Mapping) else None
-    if not isinstance(saved, Mapping) or not isinstance(models, Mapping):
-        return []
-    out: list[tuple[torch.nn.Module | None, Any, str]] = []
-    for name, model in models.items():
-        prefix = f"{where}models[{name!r}]"
-        if not isinstance(model, torch.nn.Module):
-            continue
-        out.append((model, saved[name], prefix) if name in saved else (None, None, prefix))
-    return out
 
 
 def _metrics(manager: Any) -> dict[str, float]:
@@ -623,154 +470,13 @@ def _metrics(manager: Any) -> dict[str, float]:
     return out
 
 
-def _apply_retention(
-    catalog: Catalog, policy: RetentionPolicy, record: CommitRecord,
-    lineage: frozenset[str | None],
-) -> None:
-    """Delete what ``policy`` does not keep among the snapshots of the run ``lineage`` (run ids
-    from the manifests; None = manifest-less); never the newest or the just-committed one, and
-    never a snapshot of another run."""
-    entries = []
-    infos = []
-    foreign = 0
-    listed = catalog.entries()
-    for entry in listed:
-        manifest = catalog.manifest(entry)
-        if (manifest.run_id if manifest is not None else None) not in lineage:
-            foreign += 1
-            continue
-        entries.append(entry)
-        metrics = dict(manifest.metrics) if manifest is not None else {}
-        infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
-                                  metrics=metrics))
-    if foreign:
-        logger.debug("retention after %s leaves %d snapshot(s) of other runs alone", record.path,
-                     foreign)
-    by_name = {e.name: e for e in entries}
-    protect = [e.name for e in entries if e.path == record.path]
-    for name in plan_deletions(policy, infos, protect=protect):
-        entry = by_name[name]
-        for path in (entry.path, manifest_path(catalog.storage, entry.path)):
-            try:
-                catalog.storage.remove(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                logger.warning("retention could not delete %s (step %s): %s", path, entry.step, e)
-            else:
-                logger.debug("retention deleted %s (step %s)", path, entry.step)
-    _remove_orphan_manifests(catalog, listed, lineage)
+def __getattr__(name: str) -> Any:
+    """``_DistributedSnapshot`` and ``RANK_RNG_KEY`` moved to ``_distributed``."""
+    if name in ("_DistributedSnapshot", "RANK_RNG_KEY"):
+        from snapkeep.training.extensions import _distributed
 
-
-def _remove_orphan_manifests(
-    catalog: Catalog, listed: list[Entry], lineage: frozenset[str | None],
-) -> None:
-    """Delete manifests of this lineage whose snapshot is gone (left by a kill between the two
-    deletes of a retention pass). A snapshot committed after ``listed`` was taken (an async
-    writer's next one) is found by the existence check: its file precedes its manifest."""
-    storage = catalog.storage
-    for path in catalog.orphan_manifests(listed):
-        snapshot = storage.join(storage.dirname(storage.dirname(path)),
-                                storage.basename(path)[:-len(".json")])
-        try:
-            if storage.exists(snapshot):
-                continue
-        except OSError as e:
-            logger.debug("leaving manifest %s: cannot check its snapshot (%s)", path, e)
-            continue
-        try:
-            run_id = Manifest.from_bytes(catalog.storage.read_bytes(path)).run_id
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError, TypeError) as e:
-            logger.debug("leaving unreadable orphan manifest %s: %s", path, e)
-            continue
-        if run_id not in lineage:
-            continue
-        try:
-            catalog.storage.remove(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            logger.warning("retention could not delete the orphan manifest %s: %s", path, e)
-        else:
-            logger.info("removed manifest %s, whose snapshot was already deleted", path)
-
-
-RANK_RNG_KEY = "_rng_state_by_rank"
-"""Key of the per-rank RNG states in a distributed manager snapshot (list indexed by rank)."""
-
-
-class _DistributedSnapshot(_Snapshot):
-    """Snapshot under ``torch.distributed``: only ``saver_rank`` writes; all ranks load the
-    snapshot the saver rank chose (as ppe's ``_DistributedSnapshot``)."""
-
-    def __init__(self, *, saver_rank: int, timeout_s: float | None = None, **kwargs: Any
-                 ) -> None:
-        super().__init__(**kwargs)
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
-                timeout_s, (int, float)) or timeout_s <= 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        self.timeout_s = 600.0 if timeout_s is None else float(timeout_s)
-        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            raise RuntimeError(
-                "snapshot(saver_rank=...) requires torch.distributed to be initialized "
-                "(torch.distributed.init_process_group) before the extension is created")
-        self._size = torch.distributed.get_world_size()
-        self._rank = torch.distributed.get_rank()
-        if isinstance(saver_rank, bool) or not isinstance(saver_rank, int) \
-                or not 0 <= saver_rank < self._size:
-            raise ValueError(
-                f"saver_rank must be an int in [0, {self._size}), got {saver_rank!r}")
-        self._saver_rank = saver_rank
-        self._rank_rng: list[Any] | None = None
-
-    def _is_saver(self) -> bool:
-        return self._rank == self._saver_rank
-
-    def _make_snapshot(self, manager: Any) -> None:
-        # Every rank's RNG state goes into the saver's snapshot, so a resumed rank continues its
-        # own random stream (restoring the saver's state everywhere would make ranks identical).
-        # on snapkeep's control group, bounded by timeout_s; a failure on any rank raises on all
-        from snapkeep.training.extensions._agreed_load import distributed_save
-
-        distributed_save(self, manager, super()._make_snapshot, capture_rng_state)
-
-    def _state(self, manager: Any) -> Any:
-        state = super()._state(manager)
-        if self._rank_rng is not None and isinstance(state, dict):
-            state = {**state, RANK_RNG_KEY: self._rank_rng}
-        return state
-
-    def _strip_rank_state(self, state: Any) -> Any:
-        if isinstance(state, Mapping) and RANK_RNG_KEY in state:
-            return {k: v for k, v in state.items() if k != RANK_RNG_KEY}
-        return state
-
-    def _restore_rank_state(self, state: Any) -> None:
-        per_rank = state.get(RANK_RNG_KEY) if isinstance(state, Mapping) else None
-        if not per_rank:
-            return
-        if len(per_rank) != self._size:
-            logger.warning("snapshot holds RNG states of %d ranks, world size is %d; rank %d "
-                           "keeps the saver rank's state", len(per_rank), self._size, self._rank)
-            return
-        restore_rng_state(per_rank[self._rank])
-
-    def _autoload(self, manager: Any) -> str | None:
-        # every rank agrees on one snapshot (node-local directories too); see _agreed_load
-        from snapkeep.training.extensions._agreed_load import agreed_autoload
-
-        return agreed_autoload(self, manager)
-
-    def _choose(self, catalog: Catalog) -> list[Entry] | None:
-        entries = catalog.entries() if self._is_saver() else []
-        box: list[Any] = [entries]
-        if self._size > 1:
-            torch.distributed.broadcast_object_list(box, src=self._saver_rank)
-        chosen: list[Entry] = box[0]
-        return [Entry(name=e.name, path=catalog.storage.join(catalog.directory, e.name),
-                      key=e.key, step=e.step) for e in chosen]
+        return getattr(_distributed, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["snapshot", "snapshot_object", "SnapshotMode"]

@@ -8,18 +8,18 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep._core.catalog import Catalog
 from snapkeep._core.manifest import Manifest, manifest_path
 from snapkeep._core.storage import resolve_storage
+from snapkeep._core.store import SnapshotStore
 
 
-def _writer_files(directory, template: str, steps) -> Catalog:
+def _writer_files(directory, template: str, steps) -> SnapshotStore:
     writer = snapkeep.writing.SimpleWriter(out_dir=str(directory))
     for step in steps:
         writer(template.format(step), str(directory), {"step": torch.tensor(step)}, step=step)
     writer.finalize()
     storage, d = resolve_storage(str(directory))
-    return Catalog(storage, d, template.replace("{}", "{.iteration}"))
+    return SnapshotStore(storage, d, template.replace("{}", "{.iteration}"))
 
 
 def test_entries_are_ordered_by_step(tmp_path):
@@ -58,7 +58,8 @@ def test_load_newest_skips_invalid_with_reasons(tmp_path):
 
 def test_load_newest_none_when_no_files(tmp_path):
     storage, d = resolve_storage(str(tmp_path))
-    assert Catalog(storage, d, "snap_{.iteration}").load_newest(_fail(AssertionError())) is None
+    store = SnapshotStore(storage, d, "snap_{.iteration}")
+    assert store.load_newest(_fail(AssertionError())) is None
 
 
 @pytest.mark.parametrize("error", [RuntimeError("bad zip"), EOFError(), IndexError("x"),
@@ -109,7 +110,7 @@ def test_overwriting_a_name_never_leaves_a_stale_manifest(tmp_path):
     writer.finalize()
     assert seen["manifest_during_write"] is False
     storage, d = resolve_storage(str(tmp_path))
-    catalog = Catalog(storage, d, "latest")
+    catalog = SnapshotStore(storage, d, "latest")
     assert catalog.verify(catalog.entries()[0]) is not None
 
 

@@ -1,0 +1,605 @@
+"""The snapshot store: the only owner of the files of one filename template in one directory.
+
+``SnapshotStore(storage, directory, template)`` commits (data + manifest as one unit), lists by
+step, verifies, loads the newest valid snapshot, deletes (file + manifest), applies retention,
+sweeps stale temps and orphan manifests, and takes the directory lock. The save path is
+``saver`` (stage, back-pressure) -> :func:`commit_job` (in whichever thread or process runs the
+save) -> :meth:`SnapshotStore.retain` (in the trainer process): those two modules read top to
+bottom.
+
+"Latest" is the highest key parsed from the filename template (iteration, then epoch) among
+snapshots that verify -- never mtime. Verification checks the file against the checksum manifest
+recorded at commit; a snapshot without a manifest (ppe-written, or a crash between the two
+commits) is accepted only if it loads completely, with a warning. A manifest that is present but
+invalid makes its snapshot "unverified" the same way, with a warning naming it.
+
+On-error snapshots (``snapshot(snapshot_on_error=True)``) hold mid-iteration state. They are
+committed under ``<name>`` + :data:`ON_ERROR_SUFFIX`, which no template entry ever has: they
+never replace a clean snapshot, are never listed by :meth:`SnapshotStore.entries`, so autoload
+and retention never use or delete them. They stay for inspection or manual recovery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import struct
+import time
+import zipfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from snapkeep._core.checksum import digest_stream
+from snapkeep._core.errors import (
+    NoValidSnapshotError,
+    SnapshotCorruptError,
+    SnapshotStorageError,
+    UnsafeSnapshotError,
+)
+from snapkeep._core.job import CommitRecord, SaveJob
+from snapkeep._core.lock import StoreLock
+from snapkeep._core.manifest import (
+    MANIFEST_DIR,
+    Manifest,
+    ManifestError,
+    manifest_path,
+    now_unix_s,
+    read_manifest,
+)
+from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep._core.storage import Storage
+from snapkeep._core.user_warnings import warn_user
+
+logger = logging.getLogger(__name__)
+
+#: What a failed verification or decode of untrusted bytes can raise. A file raising one of these
+#: is skipped (named in a warning); an :class:`UnsafeSnapshotError` is never swallowed.
+DECODE_ERRORS: tuple[type[BaseException], ...] = (
+    SnapshotCorruptError, RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError,
+    KeyError, IndexError, TypeError, AttributeError, struct.error, zipfile.BadZipFile,
+)
+
+
+#: Appended to the name of a snapshot taken when the training loop raised (mid-iteration state).
+ON_ERROR_SUFFIX = ".on-error"
+#: Name length limit assumed where the filesystem cannot be asked (POSIX NAME_MAX of ext4, xfs).
+DEFAULT_NAME_MAX = 255
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One snapshot file of a store.
+
+    Attributes:
+        name: file name relative to the output directory (what the template produced).
+        path: full path on the storage.
+        key: sort key parsed from the name (iteration first).
+        step: the first number of the key (the iteration when the template has one).
+    """
+
+    name: str
+    path: str
+    key: tuple[float, ...]
+    step: int | None
+
+
+class SnapshotStore:
+    """The snapshots of one template in one directory (see the module docstring).
+
+    Args:
+        storage: where they live.
+        directory: the output directory on ``storage``.
+        template: the filename template; a ``str`` template or :class:`FilenameTemplate`.
+
+    Thread use: listing, verification and loading may run on any thread; :meth:`retain` runs on
+    the thread that dispatches commits (the saver's). Every method is safe against a concurrent
+    commit of the same template by this process (a commit publishes the data file before its
+    manifest; retention never deletes the newest or the just-committed snapshot).
+    """
+
+    def __init__(self, storage: Storage, directory: str, template: FilenameTemplate | str) -> None:
+        self.storage = storage
+        self.directory = directory
+        self.template = template if isinstance(template, FilenameTemplate) \
+            else FilenameTemplate(template)
+        # paths this process committed: retention treats them as this run's files even when
+        # their manifest is missing (e.g. removed after a failed manifest write)
+        self._committed: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({self.storage.url(self.directory)!r}, {self.template.template!r})"
+
+    # -- listing ------------------------------------------------------------------------------
+    def entries(self) -> list[Entry]:
+        """Committed snapshot files of this template, oldest (lowest key) first.
+
+        Temporary files, manifests, on-error snapshots and files that do not match the template
+        are never listed. Only templates whose directory part is literal
+        (``'snap/iter_{.iteration}'``) are listable; others yield [].
+        """
+        split = self._split()
+        if split is None:
+            return []
+        sub, base = split
+        base_template = FilenameTemplate(base)
+        directory = self._subdir(sub)
+        found = []
+        for name in self.storage.list_names(directory):
+            if name.endswith(ON_ERROR_SUFFIX):
+                continue
+            key = base_template.parse(name)
+            if key is None:
+                continue
+            rel = f"{sub}/{name}" if sub else name
+            found.append(Entry(name=rel, path=self.storage.join(directory, name), key=key,
+                               step=int(key[0]) if key else None))
+        found.sort(key=lambda e: (e.key, e.name))
+        return found
+
+    def _subdir(self, sub: str) -> str:
+        return self.storage.join(self.directory, sub) if sub else self.directory
+
+    def _split(self) -> tuple[str, str] | None:
+        """``(sub-directory, base template)`` of a listable template, else None."""
+        if not self.template.parsable:
+            return None
+        template = str(self.template.template)
+        sub, _, base = template.rpartition("/")
+        if "{" in sub:
+            logger.warning("filename template %r has fields in its directory part; snapshots "
+                           "cannot be listed for autoload or retention", template)
+            return None
+        return sub, base
+
+    def entry_for(self, path: str) -> Entry | None:
+        """The entry of a path of this store (None when it is not one of its snapshots)."""
+        for entry in self.entries():
+            if entry.path == path:
+                return entry
+        return None
+
+    # -- manifests and verification ----------------------------------------------------------------
+    def manifest(self, entry: Entry) -> Manifest | None:
+        """The entry's manifest, or ``None`` when it has none or it is invalid (a warning names
+        it: the snapshot is then treated as unverified)."""
+        path = manifest_path(self.storage, entry.path)
+        try:
+            return read_manifest(self.storage, path)
+        except ManifestError as e:
+            message = f"{e}; treating snapshot {entry.path} as unverified"
+            warn_user(message, RuntimeWarning)
+            return None
+
+    def verify(self, entry: Entry, data: bytes | None = None) -> Manifest | None:
+        """Check the entry against its manifest; return the manifest (None if it has none).
+
+        Args:
+            entry: the snapshot.
+            data: its bytes when already fetched (remote stores), else the file is streamed.
+
+        Raises:
+            SnapshotCorruptError: size or checksum differs from the manifest, or the file is
+                unreadable.
+            SnapshotStorageError: the store could not be reached.
+        """
+        manifest = self.manifest(entry)
+        if manifest is None:
+            return None
+        try:
+            if data is not None:
+                digest, size = digest_stream(io.BytesIO(data))
+            else:
+                with self.storage.open_read(entry.path) as f:
+                    digest, size = digest_stream(f)
+        except SnapshotStorageError:
+            raise  # the store is unreachable: that says nothing about this snapshot
+        except OSError as e:
+            raise SnapshotCorruptError(f"{entry.path}: unreadable ({e})") from e
+        if size != manifest.size_bytes:
+            raise SnapshotCorruptError(
+                f"{entry.path}: size {size} bytes, manifest recorded {manifest.size_bytes} "
+                "(truncated or overwritten)")
+        if digest != manifest.checksum:
+            raise SnapshotCorruptError(
+                f"{entry.path}: {manifest.algorithm} checksum {digest} does not match the "
+                f"recorded {manifest.checksum} (corrupted)")
+        return manifest
+
+    def load_newest(
+        self, loader: Callable[[Entry, bytes | None], Any], *,
+        candidates: list[Entry] | None = None,
+    ) -> tuple[Entry, Any] | None:
+        """Load the newest snapshot that verifies and loads; warn about each one skipped.
+
+        Args:
+            loader: ``loader(entry, data) -> state``, where ``data`` is the file's bytes when the
+                store is remote (fetched once, verified, then decoded from memory: one download)
+                and ``None`` for local files; a ``SnapshotCorruptError`` or a read/decode error
+                (any of :data:`DECODE_ERRORS` other than a refused unsafe load) marks the entry
+                invalid.
+            candidates: entries to consider (default: :meth:`entries`).
+
+        Returns:
+            ``(entry, state)``, or ``None`` when there are no snapshot files at all.
+
+        Raises:
+            NoValidSnapshotError: snapshot files exist but none is valid (each reason listed);
+                nothing is deleted.
+            UnsafeSnapshotError: the newest valid file needs arbitrary unpickling.
+            SnapshotStorageError: the store could not be reached (not treated as corruption).
+        """
+        entries = self.entries() if candidates is None else candidates
+        if not entries:
+            return None
+        reasons = []
+        for entry in reversed(entries):
+            try:
+                data = None if self.storage.is_local else self.storage.read_bytes(entry.path)
+                manifest = self.verify(entry, data)
+                state = loader(entry, data)
+            except (UnsafeSnapshotError, SnapshotStorageError):
+                raise  # refused, or the store is unreachable: never fall back to an older one
+            except DECODE_ERRORS as e:
+                reason = str(e) if isinstance(e, SnapshotCorruptError) \
+                    else f"{entry.path}: {type(e).__name__}: {e}"
+                warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
+                          RuntimeWarning)
+                reasons.append(reason)
+                continue
+            if manifest is None:
+                warn_user(
+                    f"snapshot {entry.name} (step {entry.step}) has no checksum manifest (written "
+                    "by ppe or interrupted before its manifest was committed) or an invalid one; "
+                    "it loaded completely but is unverified", RuntimeWarning)
+            return entry, state
+        raise NoValidSnapshotError(
+            f"{len(entries)} snapshot file(s) of {self.template.template!r} in "
+            f"{self.directory!r}, none valid; refusing to start over silently. Reasons: "
+            + "; ".join(reasons[:10])
+            + ". Move them away to start fresh, or restore a good copy.")
+
+    # -- commit ------------------------------------------------------------------------------
+    def note_committed(self, path: str) -> None:
+        """Record that this process committed ``path`` (called by the saver after each commit):
+        retention treats it as this run's snapshot even if its manifest goes missing."""
+        self._committed.add(path)
+
+    # -- deletion and retention --------------------------------------------------------------------
+    def delete(self, entry: Entry, *, by: str = "snapkeep") -> bool:
+        """Delete a snapshot and then its manifest (a kill between the two leaves an orphan
+        manifest, removed by :meth:`sweep`). A failed delete is logged, not raised (DESIGN 5).
+
+        Args:
+            entry: the snapshot.
+            by: who deletes, for the log (``'retention'``).
+
+        Returns:
+            True when the snapshot file is gone.
+        """
+        gone = True
+        for path in (entry.path, manifest_path(self.storage, entry.path)):
+            try:
+                self.storage.remove(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                gone = gone and path != entry.path
+                logger.warning("%s could not delete %s (step %s): %s", by, path, entry.step, e)
+            else:
+                logger.debug("deleted %s (step %s)", path, entry.step)
+        self._committed.discard(entry.path)
+        return gone
+
+    def retain(
+        self, policy: RetentionPolicy, lineage: frozenset[str | None] | set[str | None], *,
+        protect: Sequence[str] = (),
+    ) -> list[Entry]:
+        """Delete what ``policy`` does not keep among the snapshots of the run ``lineage``.
+
+        The last stage of the save path (the saver calls it after each commit, on the saver rank,
+        in the trainer process). A snapshot belongs to the lineage when its manifest's run id is
+        in ``lineage`` (``None`` in it: manifest-less snapshots), or when this process committed
+        it (even if its manifest is missing or invalid). Snapshots of other runs are never
+        deleted; neither is the newest one, nor one whose path is in ``protect``.
+
+        Args:
+            policy: a pure policy from :mod:`snapkeep.retention`.
+            lineage: run ids whose snapshots may be deleted.
+            protect: paths never to delete (the snapshot just committed).
+
+        Returns:
+            The entries deleted.
+        """
+        entries: list[Entry] = []
+        infos: list[SnapshotInfo] = []
+        foreign = 0
+        listed = self.entries()
+        for entry in listed:
+            manifest = self.manifest(entry)
+            ours = entry.path in self._committed
+            if not ours and (manifest.run_id if manifest is not None else None) not in lineage:
+                foreign += 1
+                continue
+            entries.append(entry)
+            metrics = dict(manifest.metrics) if manifest is not None else {}
+            infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
+                                      metrics=metrics))
+        if foreign:
+            logger.debug("retention in %s leaves %d snapshot(s) of other runs alone",
+                         self.directory, foreign)
+        by_name = {e.name: e for e in entries}
+        keep = [e.name for e in entries if e.path in set(protect)]
+        deleted = []
+        for name in plan_deletions(policy, infos, protect=keep):
+            entry = by_name[name]
+            if self.delete(entry, by="retention"):
+                deleted.append(entry)
+                logger.debug("retention deleted %s (step %s)", entry.path, entry.step)
+        self._remove_orphan_manifests(listed, lineage)
+        return deleted
+
+    # -- sweeping ------------------------------------------------------------------------------
+    def sweep(self, lineage: frozenset[str | None] | None = None) -> list[str]:
+        """Remove temporary files of crashed writers (see ``Storage.remove_stale_temps``) from
+        this template's directory and its manifest directory, and manifests whose snapshot is
+        gone (of run ``lineage`` only, or of any run when None); return the removed paths."""
+        split = self._split()
+        if split is None:
+            return []
+        directory = self._subdir(split[0])
+        removed = self.storage.remove_stale_temps(directory)
+        removed += self.storage.remove_stale_temps(self.storage.join(directory, MANIFEST_DIR))
+        removed += self._remove_orphan_manifests(None, lineage)
+        return removed
+
+    def orphan_manifests(self, entries: list[Entry] | None = None) -> list[str]:
+        """Paths of this template's manifests whose snapshot file is gone (a process killed
+        between deleting a snapshot and deleting its manifest); ``entries`` is the current
+        listing (default :meth:`entries`)."""
+        split = self._split()
+        if split is None:
+            return []
+        sub, base = split
+        present = {e.name for e in (self.entries() if entries is None else entries)}
+        base_template = FilenameTemplate(base)
+        manifest_dir = self.storage.join(self._subdir(sub), MANIFEST_DIR)
+        orphans = []
+        for name in self.storage.list_names(manifest_dir):
+            snapshot, dot, ext = name.rpartition(".")
+            if not dot or ext != "json" or base_template.parse(snapshot) is None:
+                continue
+            if (f"{sub}/{snapshot}" if sub else snapshot) not in present:
+                orphans.append(self.storage.join(manifest_dir, name))
+        return orphans
+
+    def _remove_orphan_manifests(
+        self, listed: list[Entry] | None, lineage: frozenset[str | None] | set[str | None] | None,
+    ) -> list[str]:
+        """Delete orphan manifests (of ``lineage`` when given). A snapshot committed after
+        ``listed`` was taken (an async writer's next one) is found by the existence check: its
+        file precedes its manifest."""
+        storage = self.storage
+        removed = []
+        for path in self.orphan_manifests(listed):
+            snapshot = storage.join(storage.dirname(storage.dirname(path)),
+                                    storage.basename(path)[:-len(".json")])
+            try:
+                if storage.exists(snapshot):
+                    continue
+            except OSError as e:
+                logger.debug("leaving manifest %s: cannot check its snapshot (%s)", path, e)
+                continue
+            if lineage is not None:
+                try:
+                    manifest = read_manifest(storage, path)
+                except (OSError, ManifestError) as e:
+                    logger.debug("leaving invalid orphan manifest %s: %s", path, e)
+                    continue
+                if manifest is None or manifest.run_id not in lineage:
+                    continue
+            try:
+                storage.remove(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                logger.warning("could not delete the orphan manifest %s: %s", path, e)
+                continue
+            removed.append(path)
+            logger.info("removed manifest %s, whose snapshot was already deleted", path)
+        return removed
+
+    # -- lock ------------------------------------------------------------------------------
+    def lock(self) -> StoreLock | None:
+        """Take the exclusive lock of this template in this directory (one trainer per out_dir
+        and template); see :class:`StoreLock`. Returns None on storages without a local
+        filesystem (object stores, pfio-style objects): there nothing is locked.
+
+        Raises:
+            StoreLockedError: another live process holds it (the message names its pid, host and
+                since when).
+            SnapshotStorageError: the lock file cannot be created.
+        """
+        if not self.storage.is_local or not self.template.parsable:
+            logger.info("%r: no directory lock on this storage; two trainers writing the same "
+                        "template here would interfere", self)
+            return None
+        split = self._split()
+        sub = split[0] if split is not None else ""
+        return StoreLock.acquire(self.storage.join(self._subdir(sub), MANIFEST_DIR),
+                                  str(self.template.template), self.storage.url(self.directory))
+
+
+# -- the commit of one snapshot (runs in the trainer, a writer thread or the worker process) ------
+def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
+    """Encode ``obj`` with ``job.savefun`` and commit it with its manifest, as one unit.
+
+    Order: the name and its manifest's name are checked against the filesystem's limit before
+    anything is written; the data file is committed atomically and durably, then its manifest.
+    When the manifest cannot be committed (disk full, name refused), the data file is removed
+    again and the error raised: a snapshot never stays committed without its manifest because
+    of a failed write (a kill between the two commits still can leave one; it then loads as
+    unverified).
+
+    Raises:
+        ValueError: the name or its manifest's name is longer than the filesystem allows (the
+            message names the limit); nothing was written.
+        SnapshotStorageError: an OS/storage fault (file, bytes and errno named); nothing partial
+            is left under ``job.path``.
+        Exception: whatever ``savefun`` raised, after the same clean-up.
+    """
+    if not callable(job.savefun):
+        raise TypeError(
+            f"savefun must be a callable like torch.save(obj, file), got {job.savefun!r}"
+        )
+    start = time.perf_counter()
+    storage = job.storage
+    directory = storage.dirname(job.path)
+    if not job.append:
+        check_name_length(storage, job.path)
+    storage.makedirs(directory)
+    if job.append:
+        storage.append(job.path, lambda f: job.savefun(obj, f, **job.savefun_kwargs))
+        return CommitRecord(
+            path=job.path, size_bytes=storage.size(job.path), checksum=None,
+            write_s=time.perf_counter() - start, step=job.step,
+        )
+    mpath = manifest_path(storage, job.path)
+    storage.makedirs(storage.dirname(mpath))
+    previous_manifest = _drop_stale_manifest(storage, mpath)
+    try:
+        result = storage.write(
+            job.path, lambda f: job.savefun(obj, f, **job.savefun_kwargs), tag=job.tag
+        )
+    except BaseException:
+        # the previous file of this name is intact: so must be its manifest
+        _restore_manifest(storage, mpath, previous_manifest, job.tag)
+        raise
+    manifest = Manifest(
+        name=storage.basename(job.path), size_bytes=result.size_bytes, checksum=result.checksum,
+        step=job.step, created_unix_s=now_unix_s(), snapkeep_version=job.version,
+        run_id=job.run_id, metrics=dict(job.metrics),
+    )
+    try:
+        storage.write_bytes(mpath, manifest.to_bytes(), tag=job.tag)
+    except BaseException as e:
+        _roll_back(storage, job.path, e)
+        raise
+    elapsed = time.perf_counter() - start
+    logger.debug("committed %s (%d bytes, step %s) in %.3f s", job.path, result.size_bytes,
+                 job.step, elapsed)
+    return CommitRecord(
+        path=job.path, size_bytes=result.size_bytes, checksum=result.checksum, write_s=elapsed,
+        step=job.step,
+    )
+
+
+def name_max(storage: Storage, directory: str) -> int:
+    """Longest file name (bytes) the filesystem under ``directory`` accepts."""
+    if storage.is_local:
+        probe = directory
+        while probe and not os.path.isdir(probe):
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        try:
+            return int(os.pathconf(probe or ".", "PC_NAME_MAX"))
+        except (OSError, ValueError):
+            return DEFAULT_NAME_MAX
+    return DEFAULT_NAME_MAX
+
+
+def check_name_length(storage: Storage, path: str) -> None:
+    """Refuse a snapshot name whose manifest name (name + ``'.json'``) exceeds the filesystem's
+    NAME_MAX, before anything is written.
+
+    Raises:
+        ValueError: names the name, its length and the limit.
+    """
+    name = storage.basename(path)
+    limit = name_max(storage, storage.dirname(path))
+    longest = len((name + ".json").encode())
+    if longest > limit:
+        raise ValueError(
+            f"snapshot name {name!r} is {len(name.encode())} bytes; with its manifest's '.json' "
+            f"suffix it needs {longest} bytes, over this filesystem's NAME_MAX of {limit} bytes. "
+            f"Use a filename template that gives names of at most {limit - 5} bytes")
+
+
+def _roll_back(storage: Storage, path: str, error: BaseException) -> None:
+    """Remove a committed data file whose manifest could not be committed."""
+    try:
+        storage.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.error("the manifest of %s could not be written (%s) and removing the snapshot "
+                     "failed too (%s); it stays without a manifest (unverified)", path, error, e)
+        return
+    logger.warning("removed snapshot %s again: its manifest could not be written (%s)", path,
+                   error)
+
+
+def _drop_stale_manifest(storage: Storage, mpath: str) -> bytes | None:
+    """Remove the manifest of a file about to be overwritten (same name saved again); return
+    its bytes (None when there was none) so that a failed save can put it back.
+
+    Otherwise a crash between the new file's commit and its manifest's would leave the old
+    manifest describing the new file, and a good snapshot would fail verification. Without a
+    manifest the file (old or new, each complete) loads as unverified instead.
+    """
+    try:
+        previous = storage.read_bytes(mpath)
+    except FileNotFoundError:
+        return None
+    try:
+        storage.remove(mpath)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # the save itself can still succeed; only the crash window stays open
+        logger.warning("could not remove the stale manifest %s before overwriting its snapshot: "
+                       "%s", mpath, e)
+        return None
+    return previous
+
+
+def _restore_manifest(storage: Storage, mpath: str, data: bytes | None, tag: str) -> None:
+    """Put back the manifest removed by :func:`_drop_stale_manifest` after a failed save."""
+    if data is None:
+        return
+    try:
+        storage.write_bytes(mpath, data, tag=tag)
+    except Exception as e:  # the save's own error is what the caller must see
+        logger.warning("could not restore the manifest %s after a failed save; its snapshot "
+                       "now loads as unverified: %s", mpath, e)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Retain:
+    """The retention stage of one save: after the commit, the saver calls
+    ``store.retain(policy, lineage, protect=[committed path])`` (policy None: only records the
+    commit in the store).
+
+    Attributes:
+        store: the store of the snapshot's template.
+        policy: what to keep (:mod:`snapkeep.retention`), or None to keep everything.
+        lineage: run ids whose snapshots retention may delete.
+    """
+
+    store: SnapshotStore
+    policy: RetentionPolicy | None = None
+    lineage: frozenset[str | None] = frozenset()
+
+    def after_commit(self, record: CommitRecord) -> None:
+        """Run on the saver rank in the trainer process; failures are logged, never raised."""
+        self.store.note_committed(record.path)
+        if self.policy is None:
+            return
+        try:
+            self.store.retain(self.policy, self.lineage, protect=[record.path])
+        except Exception:  # retention must never stop training (DESIGN invariant 5)
+            logger.exception("retention after %s (step %s) failed", record.path, record.step)

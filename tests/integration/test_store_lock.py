@@ -1,0 +1,167 @@
+"""One trainer per out_dir and template: the snapshot extension locks the store in initialize
+(before autoload) and unlocks it in finalize; a second trainer is refused with the holder named;
+a lock left by a SIGKILLed trainer never blocks a restart. Real processes throughout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from integration_support import assert_params, listing, make_run, train
+
+import snapkeep
+
+WAIT_S = 60
+
+CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from integration_support import make_run, train
+    import snapkeep
+    manager, _, model = make_run(sys.argv[1])
+    try:
+        manager.start_extensions()
+    except snapkeep.StoreLockedError as e:
+        print("LOCKED", e, flush=True)
+        sys.exit(3)
+    train(manager, model, 2)
+    print("READY", manager.iteration, flush=True)
+    sys.stdin.readline()  # hold the lock until told (or killed)
+    manager.finalize()
+    print("DONE", flush=True)
+""")
+
+
+def _child(out) -> subprocess.Popen[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(out), here], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def _line(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    line = ""
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if sel.select(timeout=WAIT_S):
+            line = proc.stdout.readline()
+    assert line, f"no output from the child within {WAIT_S} s"
+    return line.strip()
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A trainer process that holds the lock of ``tmp_path`` (2 snapshots written)."""
+    proc = _child(tmp_path)
+    try:
+        assert _line(proc) == "READY 2"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=WAIT_S)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+def test_a_second_trainer_is_refused_naming_the_holder(tmp_path, holder):
+    before = listing(tmp_path)
+    manager, _, model = make_run(tmp_path)
+    with pytest.raises(snapkeep.StoreLockedError) as info:
+        manager.start_extensions()
+    message = str(info.value)
+    assert f"pid {holder.pid} on host {socket.gethostname()}, since " in message
+    assert "UTC" in message and "another out_dir" in message
+    assert manager.iteration == 0  # refused before autoload: nothing loaded
+    assert listing(tmp_path) == before  # nothing written or deleted
+    assert isinstance(info.value, snapkeep.SnapshotError)
+
+
+def test_a_sigkilled_holder_never_blocks_a_restart(tmp_path, holder):
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=WAIT_S)
+    manager, _, model = make_run(tmp_path)
+    manager.start_extensions()  # the kernel released the flock with the process
+    assert manager.iteration == 2
+    assert_params(model, 2)
+    train(manager, model, 1)
+    manager.finalize()
+
+
+def test_the_lock_is_released_at_finalize(tmp_path):
+    manager, _, model = make_run(tmp_path)
+    train(manager, model, 1)
+    proc = _child(tmp_path)
+    try:
+        assert _line(proc).startswith(f"LOCKED snapshots of 'snapshot_iter_{{.iteration}}' in "
+                                      f"{str(tmp_path)!r} are in use by another trainer (pid "
+                                      f"{os.getpid()}")
+        proc.wait(timeout=WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=WAIT_S)
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert proc.returncode == 3
+    manager.finalize()
+
+    proc = _child(tmp_path)
+    try:
+        assert _line(proc) == "READY 3"  # resumed from snapshot 1, trained 2 more
+        proc.stdin.write("\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        assert _line(proc) == "DONE"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=WAIT_S)
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.stdout.close()  # type: ignore[union-attr]
+
+
+def test_other_templates_in_the_same_directory_are_not_blocked(tmp_path, holder):
+    import torch
+
+    from snapkeep.training import ExtensionsManager, extensions
+
+    model = torch.nn.Linear(2, 2)
+    manager = ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), 1,
+                                iters_per_epoch=1,
+                                writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(extensions.snapshot_object(model, "model_{.iteration}"),
+                   trigger=(1, "iteration"))
+    with manager.run_iteration():
+        pass
+    manager.finalize()
+    assert (tmp_path / "model_1").exists()
+
+
+def test_a_second_manager_of_the_same_process_takes_the_lock_over(tmp_path, caplog):
+    """flock cannot tell two objects of one process apart; an earlier manager that was never
+    finalized (a notebook cell run twice) hands the lock to the new one, with a warning."""
+    first, _, model = make_run(tmp_path)
+    train(first, model, 1)
+    second, _, model = make_run(tmp_path)
+    second.start_extensions()
+    assert second.iteration == 1
+    assert "already holds" in caplog.text
+    first.finalize()  # releasing the superseded lock leaves the new holder's lock alone
+    proc = _child(tmp_path)
+    try:
+        assert _line(proc).startswith("LOCKED")
+    finally:
+        proc.kill()
+        proc.wait(timeout=WAIT_S)
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.stdout.close()  # type: ignore[union-attr]
+    second.finalize()

@@ -1,0 +1,51 @@
+"""One save path: ppe's synchronous ``Writer.save()`` goes through the saver (staging,
+back-pressure, post-commit hooks) and is refused after ``finalize()``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from writer_gates import EventGate
+
+from snapkeep import writing
+
+
+def test_save_after_finalize_is_refused_and_writes_nothing(tmp_path):
+    writer = writing.SimpleWriter(out_dir=str(tmp_path))
+    writer.save("a", str(tmp_path), {"x": torch.ones(2)}, torch.save, False)
+    writer.finalize()
+    with pytest.raises(RuntimeError, match="finalized"):
+        writer.save("b", str(tmp_path), {"x": torch.ones(2)}, torch.save, False)
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "a"]
+
+
+def test_save_waits_for_a_slot_like_a_call(tmp_path):
+    """With one snapshot in flight and on_full='skip', save() is refused by the same
+    back-pressure as __call__ (the old save() wrote past the limit, unstaged)."""
+    gate = EventGate()
+    writer = writing.ThreadWriter(gate.savefun, out_dir=str(tmp_path), on_full="skip")
+    try:
+        writer("first", str(tmp_path), {"x": torch.zeros(4)})
+        gate.wait_entered()
+        with pytest.raises(Exception, match="skipped"):
+            writer.save("second", str(tmp_path), {"x": torch.ones(4)}, torch.save, False)
+    finally:
+        gate.open()
+        writer.finalize()
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "first"]
+
+
+def test_save_stages_the_state_and_runs_cleanup_hooks(tmp_path):
+    """A background writer's save() writes the staged copy and calls ppe's cleanup hooks."""
+    writer = writing.ThreadWriter(out_dir=str(tmp_path))
+    calls = []
+    writer._add_cleanup_hook(lambda: calls.append("hook"))
+    state = {"x": torch.arange(4.0)}
+    record = writer.save("s", str(tmp_path), state, torch.save, False)
+    writer.finalize()
+    assert calls == ["hook"] and record.size_bytes == os.path.getsize(tmp_path / "s")
+    assert writer._saver.last_stage_stats is not None
+    assert writer._saver.last_stage_stats.tensor_bytes == 16
+    assert torch.equal(torch.load(tmp_path / "s", weights_only=True)["x"], torch.arange(4.0))
