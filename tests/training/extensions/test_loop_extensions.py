@@ -122,7 +122,10 @@ def test_evaluator_progress_bar_runs_over_the_batches(capsys):
     assert seen == [2, 2, 1]
     assert result == {"val/loss": pytest.approx((4 + 4 + 2) / 3)}
     err_and_out = capsys.readouterr().out
-    assert "my_eval:  67%|######....| 2/3" in err_and_out  # drawn at every batch, as ppe
+    # drawn at every batch with ppe's text, on one line
+    assert "my_eval [" + "." * 50 + "]   0.00%       0 iterations     inf iters/sec." in \
+        err_and_out
+    assert "my_eval [" + "#" * 33 + "." * 17 + "]  66.67%       2 iterations" in err_and_out
 
 
 def test_evaluator_rejects_a_target_that_is_not_a_module():

@@ -60,9 +60,10 @@ def _run(
         ({"filename": "out", "format": "json-lines", "append": True,
           "trigger": (3, "iteration")}, lambda t: [json.loads(line) for line in t.splitlines()]),
         ({"filename": "log.yaml", "keys": ["train/loss", "main/acc"]}, yaml.safe_load),
+        ({"filename": "log.yaml", "append": True, "trigger": (2, "iteration")}, yaml.safe_load),
         ({"filename": "log_{epoch}", "trigger": (2, "iteration")}, json.loads),
     ],
-    ids=["json", "jsonl-by-name", "jsonl-append", "yaml-keys", "formatted-name"],
+    ids=["json", "jsonl-by-name", "jsonl-append", "yaml-keys", "yaml-append", "formatted-name"],
 )
 def test_log_file_is_ppe_s(tmp_path, kwargs, parse):
     texts = {}

@@ -22,6 +22,7 @@ from snapkeep.training.extensions.value_observation import observe_lr, observe_v
 
 PrintReportCLI = PrintReport  # ppe's names of the terminal versions
 ProgressBarCLI = ProgressBar
+_ipython_module_available = False  # ppe's flag (its tests import it): no notebook variants
 
 __all__ = [
     "Evaluator",

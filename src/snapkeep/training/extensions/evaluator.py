@@ -31,6 +31,25 @@ class _Bar(tqdm.tqdm):  # type: ignore[type-arg]
     monitor_interval = 0
 
 
+class _EvalBar(_Bar):
+    """Adds ``speed`` (batches per second; ``inf`` before the first batch, as ppe prints) to
+    the fields a ``bar_format`` may use."""
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        fields = dict(super().format_dict)
+        done, elapsed_s = self.n - self.initial, fields.get("elapsed") or 0
+        fields["speed"] = done / elapsed_s if done > 0 and elapsed_s > 0 else float("inf")
+        return fields
+
+
+def _bar_format(name: str) -> str:
+    # ppe's three lines of text on one line (tqdm redraws one line): the same substrings
+    width = len(name)
+    return ("{desc} [{bar:50}] {percentage:6.2f}% {n:>" + str(width) + "} iterations {speed:>"
+            + str(width) + ".5g} iters/sec. ETA {remaining}")
+
+
 @contextlib.contextmanager
 def _eval_mode(targets: Iterable[torch.nn.Module]) -> Iterator[None]:
     modules = list(targets)
@@ -65,7 +84,8 @@ class Evaluator(extension.Extension):
         eval_hook: ``fn(evaluator)`` called at the start of each evaluation.
         eval_func: Called for each batch instead of the ``'main'`` target.
         progress_bar: Show a tqdm bar over the batches on ``sys.stdout``, redrawn after every
-            batch as ppe's and removed when done.
+            batch and removed when done; one line with ppe's text (``'validation [##...]'``,
+            ``'<n> iterations'``, ``'<speed> iters/sec.'``).
         metrics: ``metric(batch, output, last_batch)`` callables run after each batch.
 
     Raises:
@@ -173,8 +193,10 @@ class Evaluator(extension.Extension):
         total = len(iterator) if hasattr(iterator, "__len__") else None
         bar = None
         if self._progress_bar:
-            bar = _Bar(total=total, desc=self.name or self.default_name, file=sys.stdout,
-                       leave=False, unit="batch", ascii=".#", mininterval=0)
+            name = self.name or self.default_name
+            bar = _EvalBar(total=total, desc=name, file=sys.stdout, leave=False, unit="batch",
+                           ascii=".#", mininterval=0,
+                           bar_format=None if total is None else _bar_format(name))
         try:
             with _eval_mode(self._targets.values()):
                 for index, batch in enumerate(iterator):
