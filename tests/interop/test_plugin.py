@@ -100,3 +100,44 @@ def test_snapkeep_extension_is_a_ppe_extension_inside_ppe_manager(tmp_path):
     assert manager2.iteration == 12
     assert _names(tmp_path) == (["snapshot_iter_12", "snapshot_iter_9"],
                                 ["snapshot_iter_12.json", "snapshot_iter_9.json"])
+
+
+def test_ppe_manager_loads_a_snapkeep_managers_snapshot(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = snapkeep.training.ExtensionsManager(
+        model, optimizer, 2, iters_per_epoch=3,
+        writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(sk_extensions.snapshot())
+    x = torch.arange(6.0).reshape(2, 3)
+    while not manager.stop_trigger:
+        with manager.run_iteration(step_optimizers=["main"]):
+            model(x).sum().backward()
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snapshot_iter_3", "snapshot_iter_6"]
+
+    fresh = torch.nn.Linear(3, 1)
+    assert not torch.equal(fresh.weight, model.weight)  # differs before the load
+    ppe_manager = ppe.training.ExtensionsManager(
+        fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), 4, iters_per_epoch=3,
+        writer=ppe.writing.SimpleWriter(out_dir=str(tmp_path)))
+    ppe_manager.extend(ppe.training.extensions.snapshot(autoload=True))
+    # ppe_version holds snapkeep's version: ppe's manager says so, and loads it
+    with pytest.warns(UserWarning, match="Snapshot taken with PPE " + snapkeep.__version__):
+        assert ppe_manager.iteration == 6
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    ppe_manager.finalize()
+
+
+def test_max_epochs_zero_manager_only_loads_like_ppes(tmp_path):
+    w = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
+    _train(tmp_path, until=6, writer=w,
+           ext=ppe.training.extensions.snapshot(writer=w, autoload=True))
+    model = torch.nn.Linear(3, 1)
+    manager = snapkeep.training.ExtensionsManager(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), 0, iters_per_epoch=3,
+        writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(sk_extensions.snapshot(autoload=True))
+    assert manager.stop_trigger  # nothing to train
+    assert manager.iteration == 6  # but the snapshot was loaded
+    manager.finalize()
