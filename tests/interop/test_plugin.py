@@ -141,3 +141,26 @@ def test_max_epochs_zero_manager_only_loads_like_ppes(tmp_path):
     assert manager.stop_trigger  # nothing to train
     assert manager.iteration == 6  # but the snapshot was loaded
     manager.finalize()
+
+
+def test_ppe_extension_state_travels_under_snapkeeps_manager(tmp_path):
+    def build():
+        model = torch.nn.Linear(3, 1)
+        manager = snapkeep.training.ExtensionsManager(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), 1, iters_per_epoch=4,
+            writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
+        log = ppe.training.extensions.LogReport(trigger=(1, "iteration"))
+        manager.extend(log, name="log")
+        return manager, log
+
+    manager, log = build()
+    for value in (1.0, 2.0):
+        with manager.run_iteration():
+            snapkeep.report({"loss": value})
+    state = manager.state_dict()
+    resumed, resumed_log = build()
+    assert resumed_log.log == []  # differs before the load
+    resumed.load_state_dict(state)
+    assert [e["loss"] for e in resumed_log.log] == [1.0, 2.0] == [e["loss"] for e in log.log]
+    manager.finalize()
+    resumed.finalize()
