@@ -164,3 +164,20 @@ def test_ppe_extension_state_travels_under_snapkeeps_manager(tmp_path):
     assert [e["loss"] for e in resumed_log.log] == [1.0, 2.0] == [e["loss"] for e in log.log]
     manager.finalize()
     resumed.finalize()
+
+
+def test_snapkeep_snapshot_on_error_under_ppe_manager(tmp_path):
+    model = torch.nn.Linear(3, 1)
+    manager = ppe.training.ExtensionsManager(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), 4, iters_per_epoch=3,
+        out_dir=str(tmp_path))
+    manager.extend(sk_extensions.snapshot(
+        writer=snapkeep.writing.ThreadWriter(out_dir=str(tmp_path)), snapshot_on_error=True))
+    with manager.run_iteration():
+        pass
+    with pytest.raises(ZeroDivisionError):
+        with manager.run_iteration():
+            1 / 0  # noqa: B018
+    # ppe's manager ran on_error: the snapshot of iteration 1 is committed (waited for)
+    assert _names(tmp_path) == (["snapshot_iter_1"], ["snapshot_iter_1.json"])
+    manager.finalize()
