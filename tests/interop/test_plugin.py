@@ -181,3 +181,15 @@ def test_snapkeep_snapshot_on_error_under_ppe_manager(tmp_path):
     # ppe's manager ran on_error: the snapshot of iteration 1 is committed (waited for)
     assert _names(tmp_path) == (["snapshot_iter_1"], ["snapshot_iter_1.json"])
     manager.finalize()
+
+
+def test_a_writers_fs_passed_on_is_the_storage_itself(tmp_path):
+    from snapkeep.training.extensions._snapshot import _find_snapshot_files
+
+    first = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
+    second = snapkeep.writing.SimpleWriter(fs=first.fs, out_dir=str(tmp_path))
+    second("snapshot_iter_3", "", {"a": 1})
+    assert second.storage_for()[0].is_local  # not a pfio-style wrapper around the view
+    assert [name for _, name in _find_snapshot_files(
+        "snapshot_iter_{.iteration}", str(tmp_path), first.fs)] == ["snapshot_iter_3"]
+    second.finalize()

@@ -74,6 +74,20 @@ class PpeFileSystem:
     def _resolve(self, path: str) -> tuple[Storage, str]:
         return resolve_storage(path or ".", self._fs, self._options or None)
 
+    def resolve(self, path: str) -> tuple[Storage, str]:
+        """``(Storage, path on it)`` for ``path``: what this view reads and deletes through (so
+        snapkeep code handed a writer's ``fs`` uses the storage itself, not the view)."""
+        return self._resolve(path)
+
+    @staticmethod
+    def unwrap(fs: Any, storage_options: Mapping[str, Any] | None = None
+               ) -> tuple[Any, dict[str, Any]]:
+        """``(fs, storage_options)`` underneath ``fs`` when it is a :class:`PpeFileSystem` (a
+        writer's ``fs`` passed on as another writer's ``fs=``), else the arguments unchanged."""
+        if isinstance(fs, PpeFileSystem):
+            return fs._fs, {**fs._options, **(storage_options or {})}
+        return fs, dict(storage_options or {})
+
     # -- what ppe's snapshot extension calls -------------------------------------------------------
     def list(self, path_or_prefix: str | None = None, recursive: bool = False) -> Iterator[str]:
         """Names under ``path_or_prefix`` relative to it (ppe's order: unspecified); with

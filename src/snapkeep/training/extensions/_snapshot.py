@@ -48,6 +48,7 @@ from snapkeep._core.structure import describe, find_mismatches
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
+from snapkeep.writing import PpeFileSystem
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ def _always_true() -> bool:
 
 # -- ppe's module-level helpers, ordered by the step parsed from the name (never by mtime) --------
 def _catalog_for(fmt: str, path: str, fs: Any) -> Catalog:
-    storage, directory = resolve_storage(path, fs)
+    fs, options = PpeFileSystem.unwrap(fs)  # a snapkeep writer's `fs`, as ppe's tests pass it
+    storage, directory = resolve_storage(path, fs, options or None)
     return Catalog(storage, directory, fmt)
 
 
