@@ -14,8 +14,11 @@ From ``tests/pytorch_pfn_extras_tests`` it takes the manager, extension, trigger
 writer tests (:data:`SELECTED`), rewrites the imports only (``import pytorch_pfn_extras as ppe``
 -> ``import snapkeep as ppe``, ``from pytorch_pfn_extras[.x] import y`` -> ``from snapkeep[.x]
 import y``, ``import pytorch_pfn_extras`` -> ``import snapkeep as pytorch_pfn_extras``), and
-runs them with pytest with ``src/`` first on the path. Tests of ppe's private helpers and of
-features outside snapkeep's scope are deselected, each with its reason (:data:`OUT_OF_SCOPE`).
+runs them with pytest with ``src/`` first on the path. ``--patch-targets`` also rewrites the
+module paths in ``mock.patch("pytorch_pfn_extras.writing....")`` strings (without it, those
+writer tests patch ppe's classes and exercise snapkeep's unpatched). Tests of ppe's private
+helpers and of features outside snapkeep's scope are deselected, each with its reason
+(:data:`OUT_OF_SCOPE`).
 Exit status: pytest's.
 """
 
@@ -73,10 +76,17 @@ _IMPORT_RULES = [
 ]
 
 
-def rewrite_imports(source: str) -> str:
-    """``source`` with ppe's imports pointing at snapkeep; nothing else changes."""
+_PATCH_TARGET = re.compile(r"""(["'])pytorch_pfn_extras(\.[\w.]*)?(["'])""")
+
+
+def rewrite_imports(source: str, *, patch_targets: bool = False) -> str:
+    """``source`` with ppe's imports pointing at snapkeep; nothing else changes, unless
+    ``patch_targets``: then dotted module paths in string literals (``mock.patch(
+    "pytorch_pfn_extras.writing.X")`` targets) point at snapkeep too."""
     for pattern, replacement in _IMPORT_RULES:
         source = pattern.sub(replacement, source)
+    if patch_targets:
+        source = _PATCH_TARGET.sub(r"\1snapkeep\2\3", source)
     return source
 
 
@@ -142,7 +152,8 @@ def fetch() -> pathlib.Path:
         return cached
 
 
-def prepare(tests_root: pathlib.Path, into: pathlib.Path) -> list[pathlib.Path]:
+def prepare(tests_root: pathlib.Path, into: pathlib.Path, *, patch_targets: bool = False
+            ) -> list[pathlib.Path]:
     """Copy the selected tests (and conftest files on their way) with rewritten imports."""
     shutil.rmtree(into, ignore_errors=True)
     written = []
@@ -153,18 +164,19 @@ def prepare(tests_root: pathlib.Path, into: pathlib.Path) -> list[pathlib.Path]:
             if not path.is_file():
                 _log(f"not in this ppe version: {path.relative_to(tests_root)}")
                 continue
-            written.append(_copy(tests_root, path, into))
+            written.append(_copy(tests_root, path, into, patch_targets))
     for conftest in tests_root.rglob("conftest.py"):
         target = into / conftest.relative_to(tests_root)
         if target.parent.is_dir() and not target.exists():
-            _copy(tests_root, conftest, into)
+            _copy(tests_root, conftest, into, patch_targets)
     return written
 
 
-def _copy(tests_root: pathlib.Path, path: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+def _copy(tests_root: pathlib.Path, path: pathlib.Path, into: pathlib.Path,
+          patch_targets: bool) -> pathlib.Path:
     target = into / path.relative_to(tests_root)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(rewrite_imports(path.read_text()))
+    target.write_text(rewrite_imports(path.read_text(), patch_targets=patch_targets))
     return target
 
 
@@ -173,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=pathlib.Path,
                         help="a ppe checkout or unpacked archive (skips the download)")
     parser.add_argument("--json", action="store_true", help="print the counts as JSON last")
+    parser.add_argument("--patch-targets", action="store_true",
+                        help="also point mock.patch('pytorch_pfn_extras.x.Y') targets at snapkeep "
+                             "(ppe's writer tests patch StandardWriter/QueueWriter by name)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     tree = args.source if args.source is not None else fetch()
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if tests_root is None:
         raise SystemExit(f"{tree} holds no {TESTS_PREFIX}")
     run_dir = CACHE / "rewritten"
-    files = prepare(tests_root, run_dir)
+    files = prepare(tests_root, run_dir, patch_targets=args.patch_targets)
     for key, reason in OUT_OF_SCOPE.items():
         _log(f"deselected *{key}*: {reason}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -49,3 +49,11 @@ def test_prepare_copies_selected_tests_with_rewritten_imports(tmp_path):
     assert sorted(p.relative_to(out).as_posix() for p in written) == [
         "training_tests/test_manager.py", "training_tests/triggers_tests/test_t.py"]
     assert (out / "training_tests/test_manager.py").read_text() == "import snapkeep as ppe\n"
+
+
+def test_patch_targets_only_on_request():
+    source = 'name = "pytorch_pfn_extras.writing.StandardWriter.create_worker"\n'
+    tool = _tool()
+    assert tool.rewrite_imports(source) == source
+    assert tool.rewrite_imports(source, patch_targets=True) == (
+        'name = "snapkeep.writing.StandardWriter.create_worker"\n')
