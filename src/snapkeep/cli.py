@@ -296,8 +296,8 @@ def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...]) -> None:
         click.echo(f"{str(key):<28} {n:>8} {_bytes(size):>12}")
     click.echo(f"{'total':<28} {total_n:>8} {_bytes(total_bytes):>12}")
     if isinstance(state, dict) and "_start_iteration" in state:
-        click.echo(f"manager state at iteration {state['_start_iteration']} "
-                   f"(snapkeep {state.get('_snapkeep_version', '?')})")
+        version = state.get("_snapkeep_version") or state.get("ppe_version", "?")
+        click.echo(f"manager state at iteration {state['_start_iteration']} (version {version})")
     if checksum.startswith("CORRUPT"):
         click.echo(f"{file} does not match its checksum manifest: it loaded, but its values "
                    "are not those that were saved", err=True)
