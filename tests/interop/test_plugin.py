@@ -193,3 +193,13 @@ def test_a_writers_fs_passed_on_is_the_storage_itself(tmp_path):
     assert [name for _, name in _find_snapshot_files(
         "snapshot_iter_{.iteration}", str(tmp_path), first.fs)] == ["snapshot_iter_3"]
     second.finalize()
+
+
+def test_listing_for_a_writer_without_out_dir_warns(tmp_path, caplog, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "snapshot_iter_1").write_bytes(b"x")
+    w = snapkeep.writing.SimpleWriter()
+    with caplog.at_level("WARNING", logger="snapkeep.writing._ppe_fs"):
+        assert list(w.fs.list(w.out_dir, recursive=True)) == ["snapshot_iter_1"]
+    assert "create the writer with out_dir=" in caplog.text
+    w.finalize()

@@ -92,7 +92,16 @@ class PpeFileSystem:
     def list(self, path_or_prefix: str | None = None, recursive: bool = False) -> Iterator[str]:
         """Names under ``path_or_prefix`` relative to it (ppe's order: unspecified); with
         ``recursive``, files in sub-directories as ``'sub/name'``. Temp files and the manifest
-        directory are never listed; a missing directory lists nothing."""
+        directory are never listed; a missing directory lists nothing.
+
+        An empty path (ppe passes ``writer.out_dir``) lists the working directory, as ppe's
+        writers do, with a warning: a snapkeep writer without ``out_dir`` saves into the
+        manager's output directory, where ppe's autoload and ``n_retains`` would not look."""
+        if not path_or_prefix:
+            logger.warning(
+                "listing the working directory for a writer without out_dir: ppe's snapshot "
+                "extension looks there, but a snapkeep writer without out_dir saves into the "
+                "manager's output directory; create the writer with out_dir=...")
         storage, directory = self._resolve(path_or_prefix or "")
         yield from _walk(storage, directory, "", recursive)
 
