@@ -75,6 +75,7 @@ def _has_autoloading_snapshot(manager: Any) -> bool:
     return any(isinstance(getattr(e, "extension", None), _Snapshot)
                and getattr(e.extension, "autoload", False) for e in entries.values())
 
+
 def _snapkeep_writer_for(manager: Any) -> Any:
     """The manager's writer; when that is one of ppe's writers (ppe's manager makes one by
     default) a snapkeep ``SimpleWriter`` on the same ``out`` instead, so that autoload verifies
