@@ -203,3 +203,23 @@ def test_listing_for_a_writer_without_out_dir_warns(tmp_path, caplog, monkeypatc
         assert list(w.fs.list(w.out_dir, recursive=True)) == ["snapshot_iter_1"]
     assert "create the writer with out_dir=" in caplog.text
     w.finalize()
+
+
+def test_ppe_snapshot_with_snapkeep_writer_on_an_fsspec_url(tmp_path):
+    out = f"memory://plugin-{tmp_path.name}"
+    w = snapkeep.writing.ThreadWriter(out_dir=out)
+    _train(tmp_path, until=9, writer=w,
+           ext=ppe.training.extensions.snapshot(writer=w, autoload=True, n_retains=2))
+    assert sorted(w.fs.list(out)) == ["snapshot_iter_6", "snapshot_iter_9"]
+    assert w.fs.stat(out + "/snapshot_iter_9").last_modified > 0
+    w2 = snapkeep.writing.ThreadWriter(out_dir=out)
+    manager, _ = _train(tmp_path, until=100, writer=w2,
+                        ext=ppe.training.extensions.snapshot(writer=w2, autoload=True,
+                                                             n_retains=2))
+    assert manager.iteration == 12
+    assert sorted(w2.fs.list(out)) == ["snapshot_iter_12", "snapshot_iter_9"]
+    assert sorted(w2.fs.list(out + "/.snapkeep")) == ["snapshot_iter_12.json",
+                                                      "snapshot_iter_9.json"]
+    for name in list(w2.fs.list(out, recursive=True)):
+        if not w2.fs.isdir(f"{out}/{name}"):
+            w2.fs.remove(f"{out}/{name}")
