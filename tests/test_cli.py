@@ -183,7 +183,7 @@ def test_inspect_shows_keys_tensors_and_bytes(run_dir: Path) -> None:
     result = invoke("inspect", str(run_dir / "snapshot_iter_120"))
     assert result.exit_code == 0, result.output
     keys = {line.split()[0] for line in result.output.splitlines()[2:-2]}
-    assert {"models", "optimizers", "state_objects", "_rng_state", "extensions"} <= keys
+    assert {"models", "optimizers", "state_objects", "ppe_version", "extensions"} <= keys
     models = next(line.split() for line in result.output.splitlines()
                   if line.startswith("models "))
     assert models[1] == "6"  # three Linear layers: weight + bias each

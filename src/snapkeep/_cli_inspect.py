@@ -223,7 +223,8 @@ def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...], as_json: 
         state = load_state(file, storage, path, unsafe=unsafe)
         rows = stats_by_key(state)
     iteration = state.get("_start_iteration") if isinstance(state, dict) else None
-    version = state.get("_snapkeep_version") if isinstance(state, dict) else None
+    version = (state.get("_snapkeep_version") or state.get("ppe_version")) \
+        if isinstance(state, dict) else None
     corrupt = checksum.status == "corrupt"
     if as_json:
         emit_json({

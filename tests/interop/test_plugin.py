@@ -100,3 +100,126 @@ def test_snapkeep_extension_is_a_ppe_extension_inside_ppe_manager(tmp_path):
     assert manager2.iteration == 12
     assert _names(tmp_path) == (["snapshot_iter_12", "snapshot_iter_9"],
                                 ["snapshot_iter_12.json", "snapshot_iter_9.json"])
+
+
+def test_ppe_manager_loads_a_snapkeep_managers_snapshot(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = snapkeep.training.ExtensionsManager(
+        model, optimizer, 2, iters_per_epoch=3,
+        writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(sk_extensions.snapshot())
+    x = torch.arange(6.0).reshape(2, 3)
+    while not manager.stop_trigger:
+        with manager.run_iteration(step_optimizers=["main"]):
+            model(x).sum().backward()
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snapshot_iter_3", "snapshot_iter_6"]
+
+    fresh = torch.nn.Linear(3, 1)
+    assert not torch.equal(fresh.weight, model.weight)  # differs before the load
+    ppe_manager = ppe.training.ExtensionsManager(
+        fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), 4, iters_per_epoch=3,
+        writer=ppe.writing.SimpleWriter(out_dir=str(tmp_path)))
+    ppe_manager.extend(ppe.training.extensions.snapshot(autoload=True))
+    # ppe_version holds snapkeep's version: ppe's manager says so, and loads it
+    with pytest.warns(UserWarning, match="Snapshot taken with PPE " + snapkeep.__version__):
+        assert ppe_manager.iteration == 6
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    ppe_manager.finalize()
+
+
+def test_max_epochs_zero_manager_only_loads_like_ppes(tmp_path):
+    w = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
+    _train(tmp_path, until=6, writer=w,
+           ext=ppe.training.extensions.snapshot(writer=w, autoload=True))
+    model = torch.nn.Linear(3, 1)
+    manager = snapkeep.training.ExtensionsManager(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), 0, iters_per_epoch=3,
+        writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(sk_extensions.snapshot(autoload=True))
+    assert manager.stop_trigger  # nothing to train
+    assert manager.iteration == 6  # but the snapshot was loaded
+    manager.finalize()
+
+
+def test_ppe_extension_state_travels_under_snapkeeps_manager(tmp_path):
+    def build():
+        model = torch.nn.Linear(3, 1)
+        manager = snapkeep.training.ExtensionsManager(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), 1, iters_per_epoch=4,
+            writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
+        log = ppe.training.extensions.LogReport(trigger=(1, "iteration"))
+        manager.extend(log, name="log")
+        return manager, log
+
+    manager, log = build()
+    for value in (1.0, 2.0):
+        with manager.run_iteration():
+            snapkeep.report({"loss": value})
+    state = manager.state_dict()
+    resumed, resumed_log = build()
+    assert resumed_log.log == []  # differs before the load
+    resumed.load_state_dict(state)
+    assert [e["loss"] for e in resumed_log.log] == [1.0, 2.0] == [e["loss"] for e in log.log]
+    manager.finalize()
+    resumed.finalize()
+
+
+def test_snapkeep_snapshot_on_error_under_ppe_manager(tmp_path):
+    model = torch.nn.Linear(3, 1)
+    manager = ppe.training.ExtensionsManager(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), 4, iters_per_epoch=3,
+        out_dir=str(tmp_path))
+    manager.extend(sk_extensions.snapshot(
+        writer=snapkeep.writing.ThreadWriter(out_dir=str(tmp_path)), snapshot_on_error=True))
+    with manager.run_iteration():
+        pass
+    with pytest.raises(ZeroDivisionError):
+        with manager.run_iteration():
+            1 / 0  # noqa: B018
+    # ppe's manager ran on_error: the snapshot of iteration 1 is committed (waited for)
+    assert _names(tmp_path) == (["snapshot_iter_1"], ["snapshot_iter_1.json"])
+    manager.finalize()
+
+
+def test_a_writers_fs_passed_on_is_the_storage_itself(tmp_path):
+    from snapkeep.training.extensions._snapshot import _find_snapshot_files
+
+    first = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
+    second = snapkeep.writing.SimpleWriter(fs=first.fs, out_dir=str(tmp_path))
+    second("snapshot_iter_3", "", {"a": 1})
+    assert second.storage_for()[0].is_local  # not a pfio-style wrapper around the view
+    assert [name for _, name in _find_snapshot_files(
+        "snapshot_iter_{.iteration}", str(tmp_path), first.fs)] == ["snapshot_iter_3"]
+    second.finalize()
+
+
+def test_listing_for_a_writer_without_out_dir_warns(tmp_path, caplog, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "snapshot_iter_1").write_bytes(b"x")
+    w = snapkeep.writing.SimpleWriter()
+    with caplog.at_level("WARNING", logger="snapkeep.writing._ppe_fs"):
+        assert list(w.fs.list(w.out_dir, recursive=True)) == ["snapshot_iter_1"]
+    assert "create the writer with out_dir=" in caplog.text
+    w.finalize()
+
+
+def test_ppe_snapshot_with_snapkeep_writer_on_an_fsspec_url(tmp_path):
+    out = f"memory://plugin-{tmp_path.name}"
+    w = snapkeep.writing.ThreadWriter(out_dir=out)
+    _train(tmp_path, until=9, writer=w,
+           ext=ppe.training.extensions.snapshot(writer=w, autoload=True, n_retains=2))
+    assert sorted(w.fs.list(out)) == ["snapshot_iter_6", "snapshot_iter_9"]
+    assert w.fs.stat(out + "/snapshot_iter_9").last_modified > 0
+    w2 = snapkeep.writing.ThreadWriter(out_dir=out)
+    manager, _ = _train(tmp_path, until=100, writer=w2,
+                        ext=ppe.training.extensions.snapshot(writer=w2, autoload=True,
+                                                             n_retains=2))
+    assert manager.iteration == 12
+    assert sorted(w2.fs.list(out)) == ["snapshot_iter_12", "snapshot_iter_9"]
+    assert sorted(w2.fs.list(out + "/.snapkeep")) == ["snapshot_iter_12.json",
+                                                      "snapshot_iter_9.json"]
+    for name in list(w2.fs.list(out, recursive=True)):
+        if not w2.fs.isdir(f"{out}/{name}"):
+            w2.fs.remove(f"{out}/{name}")

@@ -8,6 +8,7 @@ Mirrors the manager/extension/trigger part of ``pytorch_pfn_extras.training``; p
 from typing import TYPE_CHECKING, Any
 
 from snapkeep.training import triggers
+from snapkeep.training._continuation import RngState
 from snapkeep.training._manager_protocol import (
     ExtensionsManagerProtocol,
     StateObjectProtocol,
@@ -32,6 +33,7 @@ __all__ = [
     "PRIORITY_READER",
     "PRIORITY_SNAPSHOT",
     "PRIORITY_WRITER",
+    "RngState",
     "Extension",
     "ExtensionEntry",
     "ExtensionsManager",

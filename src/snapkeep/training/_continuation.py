@@ -30,7 +30,7 @@ from snapkeep.training._rng_state import (
     restore_rng_state,
 )
 
-__all__ = ["FORMAT", "capture", "check_generators", "restore"]
+__all__ = ["FORMAT", "ContinuationMixin", "RngState", "capture", "check_generators", "restore"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,3 +222,21 @@ class ContinuationMixin:
             return
         restore(self._continuation_manager, to_load, rng=self._rng_enabled(),
                 generators=self._generators)
+
+
+class RngState:
+    """The global RNG states (Python, NumPy, torch CPU and CUDA) as a state object.
+
+    For ppe's own snapshot extension, which saves no RNG state: register it with ppe's manager,
+    ``ExtensionsManager(..., state_objects={'rng': RngState()})``, and the manager's
+    ``state_dict()`` carries the states and ``load_state_dict()`` restores them. snapkeep's
+    snapshot extension does this by itself.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The states (see ``snapkeep.training._rng_state.capture_rng_state``)."""
+        return capture_rng_state()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore states from :meth:`state_dict`."""
+        restore_rng_state(state)

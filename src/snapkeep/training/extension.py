@@ -180,6 +180,17 @@ class _WrappedExtension(Extension):
         if hook is not None:
             hook(manager)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped extension's state, when it has one (a ppe extension such as ppe's
+        ``LogReport`` under snapkeep's manager), so it travels in the snapshot."""
+        hook = getattr(self._ext, "state_dict", None)
+        return hook() if callable(hook) else {}
+
+    def load_state_dict(self, to_load: dict[str, Any]) -> None:
+        hook = getattr(self._ext, "load_state_dict", None)
+        if callable(hook):
+            hook(to_load)
+
 
 def _noop_hook(manager: ExtensionsManagerProtocol) -> None:
     return None

@@ -66,6 +66,7 @@ class Writer:
             raise TypeError(f"zip_crc32 must be True or False, got {zip_crc32!r}")
         if not isinstance(out_dir, str):
             out_dir = str(out_dir)
+        fs, storage_options = PpeFileSystem.unwrap(fs, storage_options)
         self._fs = fs
         self.fs = PpeFileSystem(fs, storage_options)  # what ppe's snapshot extension calls
         self.out_dir = out_dir

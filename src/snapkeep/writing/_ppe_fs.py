@@ -74,11 +74,34 @@ class PpeFileSystem:
     def _resolve(self, path: str) -> tuple[Storage, str]:
         return resolve_storage(path or ".", self._fs, self._options or None)
 
+    def resolve(self, path: str) -> tuple[Storage, str]:
+        """``(Storage, path on it)`` for ``path``: what this view reads and deletes through (so
+        snapkeep code handed a writer's ``fs`` uses the storage itself, not the view)."""
+        return self._resolve(path)
+
+    @staticmethod
+    def unwrap(fs: Any, storage_options: Mapping[str, Any] | None = None
+               ) -> tuple[Any, dict[str, Any]]:
+        """``(fs, storage_options)`` underneath ``fs`` when it is a :class:`PpeFileSystem` (a
+        writer's ``fs`` passed on as another writer's ``fs=``), else the arguments unchanged."""
+        if isinstance(fs, PpeFileSystem):
+            return fs._fs, {**fs._options, **(storage_options or {})}
+        return fs, dict(storage_options or {})
+
     # -- what ppe's snapshot extension calls -------------------------------------------------------
     def list(self, path_or_prefix: str | None = None, recursive: bool = False) -> Iterator[str]:
         """Names under ``path_or_prefix`` relative to it (ppe's order: unspecified); with
         ``recursive``, files in sub-directories as ``'sub/name'``. Temp files and the manifest
-        directory are never listed; a missing directory lists nothing."""
+        directory are never listed; a missing directory lists nothing.
+
+        An empty path (ppe passes ``writer.out_dir``) lists the working directory, as ppe's
+        writers do, with a warning: a snapkeep writer without ``out_dir`` saves into the
+        manager's output directory, where ppe's autoload and ``n_retains`` would not look."""
+        if not path_or_prefix:
+            logger.warning(
+                "listing the working directory for a writer without out_dir: ppe's snapshot "
+                "extension looks there, but a snapkeep writer without out_dir saves into the "
+                "manager's output directory; create the writer with out_dir=...")
         storage, directory = self._resolve(path_or_prefix or "")
         yield from _walk(storage, directory, "", recursive)
 

@@ -7,10 +7,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from snapkeep.store import SnapshotStore, open_store
+from snapkeep.writing import PpeFileSystem
 
 
 def _store_for(fmt: str, path: str, fs: Any) -> SnapshotStore:
-    return open_store(path, fmt, fs=fs)
+    fs, options = PpeFileSystem.unwrap(fs)  # a snapkeep writer's `fs`, as ppe's tests pass it
+    return open_store(path, fmt, fs=fs, storage_options=options or None)
 
 
 def _find_snapshot_files(
