@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from snapkeep._core.user_warnings import user_stacklevel
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ def check_version(to_load: Mapping[str, Any]) -> None:
                 f"the state dict records no version ({VERSION_KEY!r} missing); loading it "
                 f"into snapkeep {current} anyway",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         else:
             logger.info("loading a state dict saved by pytorch-pfn-extras %s", ppe_version)
@@ -120,7 +121,7 @@ def check_version(to_load: Mapping[str, Any]) -> None:
             f"the state dict was saved by snapkeep version {saved}, this is snapkeep "
             f"version {current}; loading it anyway",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 

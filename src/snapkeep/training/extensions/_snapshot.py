@@ -29,7 +29,6 @@ import logging
 import math
 import types
 import uuid
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -42,11 +41,14 @@ from snapkeep._core.job import CommitRecord
 from snapkeep._core.loading import load_file
 from snapkeep._core.manifest import Manifest, manifest_path
 from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.preflight import check_writable
 from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import resolve_storage
 from snapkeep._core.structure import describe, find_mismatches
+from snapkeep._core.user_warnings import warn_user
 from snapkeep.training import extension
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
+from snapkeep.training.extensions._name_check import warn_if_renamed
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -336,6 +338,8 @@ class _Snapshot(extension.Extension):
             writer = self.writer
             if isinstance(writer, _SnapkeepWriter) and not writer.initialized:
                 writer.initialize(manager.out)  # an unusable out_dir fails now, naming it
+            if isinstance(writer, _SnapkeepWriter):
+                check_writable(*writer.storage_for(manager.out))  # not at the first snapshot
             self._remove_stale_temps(manager)
         loaded = None
         if self.autoload:
@@ -457,6 +461,7 @@ class _Snapshot(extension.Extension):
         if found is None:
             return None
         entry, state = found
+        warn_if_renamed(entry.name, entry.step, self._template.template, state)
         self._apply(target, state, entry)
         self.loaded_entry = entry
         self._adopt_lineage(catalog, candidates, entry)
@@ -502,8 +507,7 @@ class _Snapshot(extension.Extension):
             f"{', '.join(run_ids[:5])}) and autoload=False: this run (run id {self._run_id}) "
             "starts fresh. Retention will not delete them, but a snapshot of this run with the "
             "same name replaces the old file; use another out_dir or autoload=True to resume.")
-        warnings.warn(message, UserWarning, stacklevel=3)
-        logger.warning("%s", message)
+        warn_user(message, UserWarning)  # once, at the user's call site; no duplicate log line
 
     def _apply(self, target: Any, state: Any, entry: Entry) -> None:
         if type(target) is dict:
