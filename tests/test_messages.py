@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import fsspec.implementations.memory
 import pytest
 import torch
 
@@ -105,25 +104,9 @@ def save_failed(tmp_path: Path) -> None:
     writer.finalize()
 
 
-class ReadOnlyMemoryFS(fsspec.implementations.memory.MemoryFileSystem):
-    """A store that lists but refuses every write (a read-only bucket or mount)."""
-
-    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
-        if "r" not in mode:
-            raise PermissionError(13, "read-only file system", path)
-        return super()._open(path, mode, **kwargs)
-
-    def pipe_file(self, path: str, value: bytes, *args: Any, **kwargs: Any) -> None:
-        raise PermissionError(13, "read-only file system", path)
-
-
-def unwritable(tmp_path: Path) -> None:
-    writer = writing.ThreadWriter(fs=ReadOnlyMemoryFS(skip_instance_cache=True),
-                                  out_dir="/readonly-run")
-    try:
-        _manager(tmp_path, writer=writer).start_extensions()
-    finally:
-        writer.finalize()
+def unusable_out_dir(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("a file where a directory should be")
+    _manager(tmp_path / "file" / "run").start_extensions()
 
 
 def timeout(tmp_path: Path) -> None:
@@ -208,8 +191,8 @@ ERRORS = {
     "SnapshotSaveError": Row(snapkeep.SnapshotSaveError, save_failed, (
         "failed: ValueError: the disk said no", "snapshot_iter_1",
         "on_save_error='log'")),
-    "SnapshotStorageError": Row(snapkeep.SnapshotStorageError, unwritable, (
-        "is not writable", "/readonly-run", "Fix its permissions")),
+    "SnapshotStorageError": Row(snapkeep.SnapshotStorageError, unusable_out_dir, (
+        "cannot be used for snapshots", "file/run", "Choose a writable directory")),
     "SnapshotTimeoutError": Row(snapkeep.SnapshotTimeoutError, timeout, (
         "waited 0.2 s for a slot", "snapshot_iter_2", "raise timeout_s or max_pending")),
     "WorkerDiedError": Row(snapkeep.WorkerDiedError, worker_died, (

@@ -3,37 +3,45 @@ async writer, a whole snapshot interval of training would otherwise be lost firs
 
 from __future__ import annotations
 
-import logging
+import errno
+import os
+from collections.abc import Callable
+from typing import Any
 
 from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.storage import Storage
 
-logger = logging.getLogger(__name__)
 
-#: Base name of the probe file (a temporary name, so a crash between write and delete leaves
-#: something the stale-temp sweep removes).
-PROBE_NAME = "write-probe"
+def check_writable(
+    storage: Storage, directory: str, *,
+    access: Callable[[str, int], bool] = os.access,
+    statvfs: Callable[[str], Any] = os.statvfs,
+) -> None:
+    """Fail now when a local ``directory`` cannot take snapshots: on a read-only mount, or
+    without write and search permission for this process. Nothing is written.
 
+    Object stores and ``fs=`` adapters are not probed (a probe object would need a delete
+    permission to clean up after itself); their permissions show at the first snapshot, and
+    their reachability when the snapshot extension lists the directory at start.
 
-def check_writable(storage: Storage, directory: str) -> None:
-    """Write and delete a small probe file in ``directory`` (a local path or an object-store
-    prefix) through the same commit path as snapshots.
+    Args:
+        storage: the writer's storage.
+        directory: the output directory on it (created by the writer before this check).
+        access, statvfs: ``os.access`` and ``os.statvfs``, injectable for tests.
 
     Raises:
-        SnapshotStorageError: the probe could not be written; the message names ``directory``,
-            the cause and what to do. A probe that cannot be deleted again is only logged.
+        SnapshotStorageError: the directory is not writable; the message names it, the reason
+            and what to do (``errno`` is ``EROFS`` or ``EACCES``).
     """
-    probe = storage.temp_name_for(storage.join(directory, PROBE_NAME), "probe")
-    try:
-        storage.write_bytes(probe, b"", tag="probe")
-    except OSError as e:
-        errno = getattr(e, "errno", None)
-        raise SnapshotStorageError(
-            f"out_dir {storage.url(directory)!r} is not writable ({type(e).__name__}: {e}); "
-            "every snapshot would fail. Fix its permissions, free space or credentials, or pass "
-            "another out_dir", errno=errno if isinstance(errno, int) else None,
-            filename=storage.url(directory)) from e
-    try:
-        storage.remove(probe)
-    except OSError as e:
-        logger.warning("could not remove the write probe %s: %s", storage.url(probe), e)
+    if not storage.is_local or not os.path.isdir(directory):
+        return  # a missing directory fails in the writer's makedirs, naming it
+    if statvfs(directory).f_flag & os.ST_RDONLY:
+        reason, code = "it is on a read-only filesystem", errno.EROFS
+    elif not access(directory, os.W_OK | os.X_OK):
+        reason, code = "this process may not create files in it", errno.EACCES
+    else:
+        return
+    raise SnapshotStorageError(
+        f"out_dir {storage.url(directory)!r} is not writable: {reason}, so every snapshot would "
+        "fail. Fix its permissions or mount, or pass another out_dir",
+        errno=code, filename=storage.url(directory))
