@@ -386,6 +386,8 @@ def test_convert_a_dcp_checkpoint_to_one_file(tmp_path: Path) -> None:
     loaded = torch.load(tmp_path / "one.pt", weights_only=True)
     assert torch.equal(loaded["model"]["w"], saved["model"]["w"])
     assert int(loaded["step"]) == 7
+    hint = CliRunner().invoke(cli, ["inspect", str(tmp_path / "dcp")])
+    assert hint.exit_code == 2 and "holds a DCP checkpoint: 'snapkeep convert" in hint.output
 
 
 def test_help_has_the_exit_code_table() -> None:
