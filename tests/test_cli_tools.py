@@ -336,8 +336,25 @@ def test_convert_torch_to_safetensors_and_back(tmp_path: Path) -> None:
 def test_convert_refuses_a_state_safetensors_cannot_hold(run: Path, tmp_path: Path) -> None:
     result = invoke("convert", str(run / "snapshot_iter_10"), str(tmp_path / "x.safetensors"))
     assert result.exit_code == 1
-    assert "'iteration' is a int, not a tensor" in result.output
+    assert "'iteration' is not a tensor but a int" in result.output
+    assert "--key models/main" in result.output
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_convert_and_diff_a_sub_tree_with_key(run: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "model.safetensors"
+    result = invoke("convert", "--key", "model", str(run / "snapshot_iter_10"), str(dst))
+    assert result.exit_code == 0, result.output
+    torch.save(state(10)["model"], tmp_path / "model.pt")
+    assert invoke("diff", str(dst), str(tmp_path / "model.pt")).exit_code == 0
+    only_w = invoke("diff", "--key", "model/w", str(run / "snapshot_iter_10"),
+                    str(run / "snapshot_iter_20"), "--json")
+    assert [t["key"] for t in json.loads(only_w.stdout)["tensors"]] == ["<root>"]
+    missing = CliRunner().invoke(cli, ["convert", "--key", "model/nope",
+                                       str(run / "snapshot_iter_10"), str(tmp_path / "n.pt")])
+    assert missing.exit_code == 2
+    assert "'--key'" in missing.output and "'nope' is not under model (there: 'w', 'b')" \
+        in missing.output
 
 
 def test_convert_refuses_a_corrupt_source(run: Path, tmp_path: Path) -> None:
@@ -369,6 +386,8 @@ def test_convert_a_dcp_checkpoint_to_one_file(tmp_path: Path) -> None:
     loaded = torch.load(tmp_path / "one.pt", weights_only=True)
     assert torch.equal(loaded["model"]["w"], saved["model"]["w"])
     assert int(loaded["step"]) == 7
+    hint = CliRunner().invoke(cli, ["inspect", str(tmp_path / "dcp")])
+    assert hint.exit_code == 2 and "holds a DCP checkpoint: 'snapkeep convert" in hint.output
 
 
 def test_help_has_the_exit_code_table() -> None:

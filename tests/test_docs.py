@@ -63,3 +63,14 @@ def test_the_format_page_lists_every_manifest_field() -> None:
     text = (DOCS / "format.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)` \|", text, flags=re.M))
     assert rows == {f.name for f in dataclasses.fields(Manifest)} | {"format"}
+
+
+def test_the_tests_the_docs_cite_exist() -> None:
+    root = DOCS.parent
+    text = "\n".join(page.read_text() for page in DOCS.glob("*.md"))
+    files = set(re.findall(r"`(tests/[\w/]+\.py)`", text))
+    assert files, "the guarantees page cites no test file"
+    assert sorted(f for f in files if not (root / f).is_file()) == []
+    defined = "\n".join((root / f).read_text() for f in files)
+    for name in set(re.findall(r"`(test_\w+)\*?`", text)):
+        assert re.search(rf"def {name}", defined), name

@@ -117,9 +117,12 @@ def require_file(location: str, storage: Storage, path: str, hint: str = "'FILE'
     if kind == "missing":
         raise click.BadParameter(f"{location!r} is not a file (no such file)", param_hint=hint)
     if kind == "directory":
+        dcp = storage.is_local and os.path.isfile(os.path.join(path, ".metadata"))
         raise click.BadParameter(
-            f"{location!r} is not a file but a directory; pass one snapshot file (snapkeep ls "
-            "lists a directory's snapshots)", param_hint=hint)
+            f"{location!r} is not a file but a directory; " + (
+                "it holds a DCP checkpoint: 'snapkeep convert DIR FILE.pt' consolidates it into "
+                "one file" if dcp else "pass one snapshot file (snapkeep ls lists a "
+                "directory's snapshots)"), param_hint=hint)
     if kind == "special":
         raise click.BadParameter(
             f"{location!r} is not a file but a FIFO, socket or device; pass a regular snapshot "

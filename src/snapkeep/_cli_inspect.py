@@ -39,7 +39,7 @@ from snapkeep._cli_files import (
     require_file,
     resolve,
 )
-from snapkeep._cli_tree import TreeTooDeepError, compare, stats_by_key
+from snapkeep._cli_tree import TreeTooDeepError, compare, select, stats_by_key
 from snapkeep.codecs import HEADER_PROBE_BYTES, is_safetensors_header
 from snapkeep.errors import SnapshotStorageError, UnsafeSnapshotError
 from snapkeep.store import Manifest, SnapshotStore, Storage, load_file
@@ -267,14 +267,16 @@ def _metadata(manifest: Manifest | None) -> dict[str, Any] | None:
 @click.command(epilog=EXIT_CODES_EPILOG)
 @click.argument("a", metavar="A")
 @click.argument("b", metavar="B")
+@click.option("--key", "key", metavar="PATH", default=None,
+              help="Compare only the sub-tree at PATH, e.g. models/main.")
 @click.option("--atol", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="Tensors whose max absolute difference is at most this count as equal.")
 @click.option("--unsafe", is_flag=True,
               help="Allow arbitrary unpickling (weights_only=False); only for trusted files.")
 @storage_option
 @json_option
-def diff(a: str, b: str, atol: float, unsafe: bool, storage_options: tuple[str, ...],
-         as_json: bool) -> None:
+def diff(a: str, b: str, key: str | None, atol: float, unsafe: bool,
+         storage_options: tuple[str, ...], as_json: bool) -> None:
     """Compare two snapshot files A and B: keys, shapes, dtypes, the max absolute difference of
     each tensor, other values, and the metadata their manifests record (step, run id, metrics,
     version; shown, not compared). Exit 0 when the states are equal, 1 when they differ.
@@ -287,6 +289,11 @@ def diff(a: str, b: str, atol: float, unsafe: bool, storage_options: tuple[str, 
             require_file(location, storage, path, hint=hint)
             states.append(load_state(location, storage, path, unsafe=unsafe))
             metadata.append(_metadata(manifest_of(storage, path)))
+    if key is not None:
+        try:
+            states = [select(state, key) for state in states]
+        except KeyError as e:
+            raise click.BadParameter(str(e.args[0]), param_hint="'--key'") from e
     try:
         result = compare(states[0], states[1], atol=atol)
     except TreeTooDeepError as e:

@@ -35,7 +35,7 @@ from snapkeep._cli_files import (
     resolve,
 )
 from snapkeep._cli_inspect import _none_found, load_state, store_for
-from snapkeep._cli_tree import TreeTooDeepError, compare, leaves
+from snapkeep._cli_tree import TreeTooDeepError, compare, leaves, select
 from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest, SnapshotInfo, plan_deletions
 from snapkeep.store import Entry, SnapshotStore
 
@@ -198,11 +198,14 @@ def _format_for(dst: str, to: str | None) -> str:
 @click.option("--to", type=click.Choice(["torch", "safetensors"]), default=None,
               help="Format of DST [default: safetensors when DST ends in .safetensors, else "
                    "torch].")
+@click.option("--key", "key", metavar="PATH", default=None,
+              help="Convert only the sub-tree at PATH, e.g. models/main (a manager snapshot's "
+                   "model, which safetensors can hold).")
 @click.option("--force", is_flag=True, help="Replace DST when it exists.")
 @click.option("--unsafe", is_flag=True,
               help="Allow arbitrary unpickling of SRC (weights_only=False); trusted files only.")
 @storage_option
-def convert(src: str, dst: str, to: str | None, force: bool, unsafe: bool,
+def convert(src: str, dst: str, to: str | None, key: str | None, force: bool, unsafe: bool,
             storage_options: tuple[str, ...]) -> None:
     """Convert the snapshot SRC to DST: torch.save <-> safetensors, or a DCP checkpoint
     directory (torch.distributed.checkpoint, sharded) to one torch.save file.
@@ -210,7 +213,8 @@ def convert(src: str, dst: str, to: str | None, force: bool, unsafe: bool,
     SRC is verified against its checksum manifest first (a corrupt SRC is refused). DST is
     written through snapkeep's writer (atomic, with a checksum manifest), then read back,
     verified and compared with SRC's state. safetensors holds tensors only: a state with other
-    values (optimizer hyper-parameters, iteration counters) is refused with the first such key.
+    values (optimizer hyper-parameters, iteration counters) is refused with the first such key;
+    --key models/main converts the model of a manager snapshot.
     """
     fmt = _format_for(dst, to)
     options = parse_storage_options(storage_options)
@@ -229,6 +233,11 @@ def convert(src: str, dst: str, to: str | None, force: bool, unsafe: bool,
                 steps.update(1)
                 state = load_state(src, storage, path, unsafe=unsafe)
                 steps.update(1)
+        if key is not None:
+            try:
+                state = select(state, key)
+            except KeyError as e:
+                raise click.BadParameter(str(e.args[0]), param_hint="'--key'") from e
         try:
             for _ in leaves(state):  # refuse a hostile nesting before anything is written
                 pass
@@ -292,10 +301,11 @@ def _check_tensors_only(state: Any) -> None:
         if isinstance(node, dict):
             if depth >= MAX_DEPTH:
                 raise CheckFailed(f"the state nests dicts deeper than {MAX_DEPTH} levels")
-            stack.extend((f"{where}/{k}" if where else str(k), v, depth + 1)
-                         for k, v in node.items())
+            stack.extend(reversed([(f"{where}/{k}" if where else str(k), v, depth + 1)
+                                   for k, v in node.items()]))
         elif not isinstance(node, torch.Tensor):
             raise CheckFailed(
-                f"the value at {where or '<root>'!r} is a {type(node).__name__}, not a tensor; "
-                "safetensors stores dicts of tensors only (a manager snapshot holds optimizer "
-                "settings and counters: keep torch format, or convert a model's state_dict)")
+                f"the value at {where or '<root>'!r} is not a tensor but a {type(node).__name__}; "
+                "safetensors stores dicts of tensors only (a manager snapshot also holds "
+                "optimizer settings and counters: keep torch format, or pass --key models/main "
+                "to convert its model)")

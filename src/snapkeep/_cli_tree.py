@@ -60,6 +60,32 @@ def leaves(tree: Any, *, max_depth: int = MAX_DEPTH) -> Iterator[tuple[tuple[Any
         stack.extend(reversed(children))
 
 
+def select(state: Any, key: str) -> Any:
+    """The sub-tree of ``state`` at ``key`` (``'models/main'``; list indices as numbers).
+
+    Raises:
+        KeyError: a part of ``key`` is not there; the message lists the keys at that level.
+    """
+    node = state
+    walked: list[str] = []
+    for part in [p for p in key.split("/") if p]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            where = "/".join(walked) or "<root>"
+            if isinstance(node, dict):
+                available = ", ".join(repr(str(k)) for k in list(node)[:20])
+            elif isinstance(node, (list, tuple)):
+                available = f"indices 0..{len(node) - 1}"
+            else:
+                available = f"nothing: it is a {type(node).__name__}"
+            raise KeyError(f"{part!r} is not under {where} (there: {available})")
+        walked.append(part)
+    return node
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     return int(t.numel() * t.element_size())
 

@@ -21,6 +21,7 @@ from snapkeep._core.manifest import (
     read_manifest,
 )
 from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.preflight import check_writable
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.store import (
     DECODE_ERRORS,
@@ -30,6 +31,7 @@ from snapkeep._core.store import (
     SnapshotStore,
 )
 from snapkeep._core.structure import describe, find_mismatches
+from snapkeep._core.user_warnings import user_stacklevel, warn_user
 
 
 def open_store(
@@ -46,5 +48,6 @@ __all__ = [
     "DECODE_ERRORS", "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest",
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
-    "manifest_path", "open_store", "read_manifest", "resolve_storage",
+    "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
+    "user_stacklevel", "warn_user",
 ]

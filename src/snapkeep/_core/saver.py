@@ -372,7 +372,8 @@ class Saver:
         except BaseException as e:
             error = SnapshotSaveError(
                 f"background save of {job.path!r} (step {job.step}) failed: "
-                f"{type(e).__name__}: {e}")
+                f"{type(e).__name__}: {e}; earlier snapshots are intact. Fix the cause (chained "
+                "below), or pass on_save_error='log' to the snapshot extension to keep training")
             error.__cause__ = e
             if report:
                 logger.error("snapshot %s (step %s) failed: %s: %s", job.path, job.step,

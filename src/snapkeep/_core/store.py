@@ -202,11 +202,12 @@ class SnapshotStore:
         if size != manifest.size_bytes:
             raise SnapshotCorruptError(
                 f"{entry.path}: size {size} bytes, manifest recorded {manifest.size_bytes} "
-                "(truncated or overwritten)")
+                "(truncated or overwritten; restore a good copy or use an older snapshot)")
         if digest != manifest.checksum:
             raise SnapshotCorruptError(
                 f"{entry.path}: {manifest.algorithm} checksum {digest} does not match the "
-                f"recorded {manifest.checksum} (corrupted)")
+                f"recorded {manifest.checksum} (corrupted; restore a good copy or use an older "
+                "snapshot)")
         return manifest
 
     def load_newest(

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from snapkeep.store import user_stacklevel
 from snapkeep.training._rng_state import restore_rng_state
 
 if TYPE_CHECKING:
@@ -108,20 +109,20 @@ def check_version(to_load: Mapping[str, Any]) -> None:
         if saved != current:
             warnings.warn(
                 f"the state dict was saved by snapkeep version {saved}, this is snapkeep "
-                f"version {current}; loading it anyway", UserWarning, stacklevel=4)
+                f"version {current}; loading it anyway", UserWarning, stacklevel=user_stacklevel())
         return
     version = to_load.get(PPE_VERSION_KEY)
     if version is None:
         warnings.warn(
             f"the state dict records no version ({PPE_VERSION_KEY!r} missing); loading it into "
-            f"snapkeep {current} anyway", UserWarning, stacklevel=4)
+            f"snapkeep {current} anyway", UserWarning, stacklevel=user_stacklevel())
     elif version == COMPATIBLE_PPE_VERSION:
         logger.info("loading a state dict saved by pytorch-pfn-extras %s", version)
     elif version != current:
         warnings.warn(
             f"the state dict was saved by version {version} (snapkeep, or ppe before "
             f"{COMPATIBLE_PPE_VERSION}); this is snapkeep {current}; loading it anyway",
-            UserWarning, stacklevel=4)
+            UserWarning, stacklevel=user_stacklevel())
 
 
 def _entry(to_load: Mapping[str, Any], section: str, name: str) -> Any:

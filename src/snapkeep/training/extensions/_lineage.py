@@ -15,10 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
-import warnings
 from typing import Any
 
-from snapkeep.store import Entry, SnapshotStore
+from snapkeep.store import Entry, SnapshotStore, warn_user
 
 logger = logging.getLogger(__name__)
 
@@ -89,5 +88,4 @@ def warn_about_existing(store: SnapshotStore, run_id: str) -> None:
         f"{', '.join(run_ids[:5])}) and autoload=False: this run (run id {run_id}) "
         "starts fresh. Retention will not delete them, but a snapshot of this run with the "
         "same name replaces the old file; use another out_dir or autoload=True to resume.")
-    warnings.warn(message, UserWarning, stacklevel=4)
-    logger.warning("%s", message)
+    warn_user(message, UserWarning)  # once, at the user's call site; no duplicate log line

@@ -42,6 +42,7 @@ from snapkeep.store import (
     Retain,
     SnapshotStore,
     StoreLock,
+    check_writable,
     load_file,
 )
 from snapkeep.training import extension
@@ -52,6 +53,7 @@ from snapkeep.training.extensions._find import (  # noqa: F401  (ppe's helpers, 
     _find_snapshot_files,
     _find_stale_snapshots,
 )
+from snapkeep.training.extensions._name_check import warn_if_renamed
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -288,6 +290,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                 writer = self.writer
                 if isinstance(writer, _SnapkeepWriter) and not writer.initialized:
                     writer.initialize(manager.out)  # an unusable out_dir fails now, naming it
+                if isinstance(writer, _SnapkeepWriter):
+                    check_writable(*writer.storage_for(manager.out))  # not at the first snapshot
                 store = self._store_of(manager, quiet=True)
                 if store is not None:
                     if self._lock is None:
@@ -435,6 +439,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if found is None:
             return None
         entry, state = found
+        warn_if_renamed(entry.name, entry.step, self._template.template, state)
         self._apply(target, state, entry)
         self.loaded_entry = entry
         self._shared.adopt(store, candidates, entry)

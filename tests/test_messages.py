@@ -1,0 +1,254 @@
+"""Every user-facing error and warning class, as a user meets it: its text says what happened,
+names the argument or file, and says what to do. Warnings are raised once, attributed to the
+user's line (this file), and not repeated as a log line.
+
+One row per class: ``make(tmp_path)`` provokes it; ``fragments`` must all appear in the message
+(what happened, the name, what to do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import pathlib
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import snapkeep
+from snapkeep import writing
+from snapkeep.training import ExtensionsManager, extensions
+
+THIS_FILE = pathlib.Path(__file__).resolve()
+
+
+def _write(out: Path, steps: list[int], iteration: dict[int, int] | None = None) -> None:
+    writer = writing.SimpleWriter(out_dir=str(out))
+    for step in steps:
+        state: dict[str, Any] = {"w": torch.full((3,), float(step))}
+        if iteration is not None:
+            state["_start_iteration"] = iteration[step]
+        writer(f"snapshot_iter_{step}", str(out), state, step=step)
+    writer.finalize()
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _manager(out: Path, width: int = 3, *, autoload: bool = True,
+             writer: Any = None) -> ExtensionsManager:
+    model = torch.nn.Linear(2, width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=2,
+                                out_dir=str(out), writer=writer)
+    manager.extend(extensions.snapshot(autoload=autoload), trigger=(1, "iteration"))
+    return manager
+
+
+def _train(manager: ExtensionsManager) -> None:
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            pass
+    manager.finalize()
+
+
+# -- provokers (each raises or warns as a user would meet it) ------------------------------------
+
+
+def no_valid_snapshot(tmp_path: Path) -> None:
+    _write(tmp_path, [1, 2])
+    for step in (1, 2):
+        _flip(tmp_path / f"snapshot_iter_{step}")
+    with contextlib.suppress(Warning), pytest.warns(RuntimeWarning):
+        snapkeep.load_latest(tmp_path)
+
+
+def corrupt(tmp_path: Path) -> None:
+    from snapkeep._core.catalog import Catalog
+
+    from snapkeep._core.storage import resolve_storage
+
+    _write(tmp_path, [1])
+    _flip(tmp_path / "snapshot_iter_1")
+    storage, path = resolve_storage(str(tmp_path))
+    store = Catalog(storage, path, "snapshot_iter_{.iteration}")
+    store.verify(store.entries()[0])
+
+
+def unsafe(tmp_path: Path) -> None:
+    torch.save({"when": datetime.date(2024, 1, 2)}, tmp_path / "snapshot_iter_1")
+    snapkeep.load_latest(tmp_path)
+
+
+def mismatch(tmp_path: Path) -> None:
+    _train(_manager(tmp_path, 3))
+    _manager(tmp_path, 4).start_extensions()
+
+
+def save_failed(tmp_path: Path) -> None:
+    def broken_save(obj: Any, f: Any) -> None:
+        raise ValueError("the disk said no")
+
+    writer = writing.ThreadWriter(out_dir=str(tmp_path))
+    writer("snapshot_iter_1", str(tmp_path), {"w": torch.zeros(1)}, savefun=broken_save)
+    writer.finalize()
+
+
+def unusable_out_dir(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("a file where a directory should be")
+    _manager(tmp_path / "file" / "run").start_extensions()
+
+
+def timeout(tmp_path: Path) -> None:
+    release = threading.Event()
+
+    def held_save(obj: Any, f: Any) -> None:
+        release.wait(30)
+        torch.save(obj, f)
+
+    writer = writing.ThreadWriter(out_dir=str(tmp_path), max_pending=1, timeout_s=0.2)
+    try:
+        writer("snapshot_iter_1", str(tmp_path), {"w": torch.zeros(1)}, savefun=held_save)
+        writer("snapshot_iter_2", str(tmp_path), {"w": torch.zeros(1)}, savefun=held_save)
+    finally:
+        release.set()
+        writer.finalize()
+
+
+def killed_save(obj: Any, f: Any) -> None:
+    """A picklable savefun that SIGKILLs the process running it (the writer's worker)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def worker_died(tmp_path: Path) -> None:
+    writer = writing.ProcessWriter(killed_save, out_dir=str(tmp_path))
+    try:
+        handle = writer("snapshot_iter_1", str(tmp_path), {"w": torch.zeros(4)})
+        error = handle.committed.exception(timeout=60)
+        raise error if error is not None else AssertionError("the save survived")
+    finally:
+        with contextlib.suppress(snapkeep.SnapshotError):
+            writer.finalize()
+
+
+def bad_max_epochs(tmp_path: Path) -> None:
+    ExtensionsManager(torch.nn.Linear(1, 1), {}, max_epochs="3", iters_per_epoch=1)  # type: ignore[arg-type]
+
+
+def skipped_corrupt(tmp_path: Path) -> None:
+    _write(tmp_path, [1, 2])
+    _flip(tmp_path / "snapshot_iter_2")
+    snapkeep.load_latest(tmp_path)
+
+
+def no_manifest(tmp_path: Path) -> None:
+    torch.save({"w": torch.zeros(1)}, tmp_path / "snapshot_iter_1")
+    snapkeep.load_latest(tmp_path)
+
+
+def already_holds(tmp_path: Path) -> None:
+    _train(_manager(tmp_path))
+    _manager(tmp_path, autoload=False).start_extensions()
+
+
+def renamed(tmp_path: Path) -> None:
+    _train(_manager(tmp_path))
+    os.replace(tmp_path / "snapshot_iter_1", tmp_path / "snapshot_iter_9")
+    os.replace(tmp_path / ".snapkeep" / "snapshot_iter_1.json",
+               tmp_path / ".snapkeep" / "snapshot_iter_9.json")
+    (tmp_path / "snapshot_iter_2").unlink()
+    (tmp_path / ".snapkeep" / "snapshot_iter_2.json").unlink()
+    _manager(tmp_path).start_extensions()
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    kind: type[BaseException] | type[Warning]
+    make: Callable[[Path], None]
+    fragments: tuple[str, ...]
+
+
+ERRORS = {
+    "NoValidSnapshotError": Row(snapkeep.NoValidSnapshotError, no_valid_snapshot, (
+        "none valid", "snapshot_iter_2", "Move them away to start fresh")),
+    "SnapshotCorruptError": Row(snapkeep.SnapshotCorruptError, corrupt, (
+        "does not match the recorded", "snapshot_iter_1", "restore a good copy")),
+    "UnsafeSnapshotError": Row(snapkeep.UnsafeSnapshotError, unsafe, (
+        "only arbitrary unpickling can load", "snapshot_iter_1", "pass weights_only=False")),
+    "StateMismatchError": Row(snapkeep.StateMismatchError, mismatch, (
+        "does not match the target", "snapshot_iter_2", "shape of weight",
+        "point out_dir elsewhere or fix the model definition")),
+    "SnapshotSaveError": Row(snapkeep.SnapshotSaveError, save_failed, (
+        "failed: ValueError: the disk said no", "snapshot_iter_1",
+        "on_save_error='log'")),
+    "SnapshotStorageError": Row(snapkeep.SnapshotStorageError, unusable_out_dir, (
+        "cannot be used for snapshots", "file/run", "Choose a writable directory")),
+    "SnapshotTimeoutError": Row(snapkeep.SnapshotTimeoutError, timeout, (
+        "waited 0.2 s for a slot", "snapshot_iter_2", "raise timeout_s or max_pending")),
+    "WorkerDiedError": Row(snapkeep.WorkerDiedError, worker_died, (
+        "worker process", "died", "snapshot_iter_1", "was not committed",
+        "A new worker starts with the next snapshot")),
+    "TypeError (max_epochs)": Row(TypeError, bad_max_epochs, (
+        "max_epochs must be a number of epochs", "'3' (str)")),
+}
+
+WARNINGS = {
+    "skipping a corrupt snapshot": Row(RuntimeWarning, skipped_corrupt, (
+        "skipping snapshot snapshot_iter_2 (step 2)", "does not match",
+        "restore a good copy")),
+    "snapshot without manifest": Row(RuntimeWarning, no_manifest, (
+        "snapshot_iter_1 (step 1) has no checksum manifest", "loaded completely")),
+    "existing snapshots, autoload=False": Row(UserWarning, already_holds, (
+        "already holds 2 snapshot(s)", "autoload=False",
+        "use another out_dir or autoload=True to resume")),
+    "file renamed to another step": Row(UserWarning, renamed, (
+        "snapshot_iter_9 is named for step 9 but holds iteration 1",
+        "Rename the file to match")),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(ERRORS))
+def test_error_text(name: str, tmp_path: Path) -> None:
+    row = ERRORS[name]
+    with pytest.raises(row.kind) as info:  # type: ignore[arg-type]
+        row.make(tmp_path)
+    message = str(info.value)
+    for fragment in row.fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_every_public_error_class_has_a_row() -> None:
+    assert set(snapkeep.errors.__all__) - {"SnapshotError"} <= set(ERRORS)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(WARNINGS))
+def test_warning_text_once_at_the_call_site(name: str, tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    row = WARNINGS[name]
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        row.make(tmp_path)
+    mine = [w for w in caught if issubclass(w.category, row.kind)
+            and row.fragments[0] in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    message = str(mine[0].message)
+    for fragment in row.fragments:
+        assert fragment in message, (fragment, message)
+    assert pathlib.Path(mine[0].filename).resolve() == THIS_FILE, mine[0].filename
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and row.fragments[0] in r.getMessage()], "the warning was logged as well"
