@@ -1,5 +1,10 @@
 """Public exception types (see :mod:`snapkeep._core.errors`)."""
 
+from snapkeep._core.distributed.errors import (
+    CollectiveTimeoutError,
+    NoCommonSnapshotError,
+    RankFailedError,
+)
 from snapkeep._core.errors import (
     NoValidSnapshotError,
     SnapshotCorruptError,
@@ -15,5 +20,5 @@ from snapkeep._core.errors import (
 __all__ = [
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
-    "WorkerDiedError",
+    "WorkerDiedError", "CollectiveTimeoutError", "NoCommonSnapshotError", "RankFailedError",
 ]

@@ -69,7 +69,7 @@ def test_dcp_tools_read_the_snapshot(trained, tmp_path):
         assert torch.equal(full["models"]["main"][key], value), key
 
 
-@pytest.mark.parametrize("world_size", [2, 1, 3])
+@pytest.mark.parametrize("world_size", [1, 3])  # 2 -> 2: the fall-back test
 def test_resume_reshards_with_identical_parameters(trained, tmp_path, world_size):
     out, rep = trained
     saved = torch.load(rep / "params_rank0.pt", weights_only=True)

@@ -23,12 +23,8 @@ from typing import Any
 import torch.distributed as dist
 
 from snapkeep._core.catalog import Entry
-from snapkeep._core.distributed import (
-    agree_on_resume,
-    all_gather,
-    background_groups,
-    exchange_outcomes,
-)
+from snapkeep._core.distributed.agreement import agree_on_resume, all_gather, exchange_outcomes
+from snapkeep._core.distributed.groups import background_groups
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep._core.loading import load_file
 

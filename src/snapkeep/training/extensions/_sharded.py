@@ -31,19 +31,15 @@ from typing import Any
 import torch
 
 from snapkeep._core.catalog import Entry
-from snapkeep._core.distributed import (
-    Groups,
+from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes
+from snapkeep._core.distributed.groups import Groups, background_groups, is_distributed
+from snapkeep._core.distributed.sharded import (
     ShardedJob,
-    ShardedManifest,
     ShardedSaver,
-    ShardedStore,
-    agree_on_resume,
-    background_groups,
-    exchange_outcomes,
-    is_distributed,
     load_sharded,
     saved_keys,
 )
+from snapkeep._core.distributed.sharded_store import ShardedManifest, ShardedStore
 from snapkeep._core.errors import SnapshotError
 from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
