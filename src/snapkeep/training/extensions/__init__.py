@@ -1,8 +1,14 @@
 """Extensions shipped with snapkeep (as ``ppe.training.extensions``): snapshots."""
 
+from snapkeep.training.extensions._preemption import (
+    EXIT_CODE_PREEMPTED,
+    Preemption,
+    preemption,
+)
 from snapkeep.training.extensions._snapshot import SnapshotMode, snapshot, snapshot_object
 
-__all__ = ["SnapshotMode", "sharded_snapshot", "snapshot", "snapshot_object"]
+__all__ = ["EXIT_CODE_PREEMPTED", "Preemption", "SnapshotMode", "preemption", "sharded_snapshot",
+           "snapshot", "snapshot_object"]
 
 
 def __getattr__(name: str) -> object:
