@@ -4,8 +4,10 @@ Usage: ``python sharded_worker.py RANK WORLD_SIZE INIT_FILE OUT_DIR REPORT_DIR M
 
 MODE ``train``: a 2-layer MLP sharded with FSDP2 ``fully_shard`` (a plain model when
 WORLD_SIZE is 1), Adam, an ExtensionsManager with ``snapshot(snapshot_mode=SHARDED,
-n_retains=2, autoload=True)`` every iteration for ITERS iterations (default 4); reports the
-full parameters after each iteration to ``REPORT_DIR/params_rank<R>.pt``.
+n_retains=2, autoload=True)`` every iteration until iteration ITERS (default 4; a resumed run
+continues to it); reports the full parameters after each iteration to
+``REPORT_DIR/params_rank<R>.pt`` (not with ``SNAPKEEP_TEST_NO_RECORD``, which writes
+``REPORT_DIR/started_rank<R>`` once training starts instead).
 MODE ``preempt``: trains until a signal; ``extensions.preemption`` snapshots and exits 143 (rank 1
 writes ``REPORT_DIR/ready`` after iteration 3).
 MODE ``resume``: builds a differently initialised model, autoloads, reports what it loaded and
@@ -119,7 +121,15 @@ def main() -> None:
         else:
             torch.manual_seed(1000 + rank)
             states = {}
-            for i in range(iters):
+            record = "SNAPKEEP_TEST_DIE_RANK" not in os.environ \
+                and "SNAPKEEP_TEST_NO_RECORD" not in os.environ
+            if "SNAPKEEP_TEST_NO_RECORD" in os.environ:  # crash trials: say when training runs
+                started = os.path.join(report_dir, f"started_rank{rank}")
+                with open(started + ".tmp", "w") as f:
+                    f.write(str(manager.iteration))
+                os.replace(started + ".tmp", started)
+            while manager.iteration < iters:
+                i = manager.iteration
                 with manager.run_iteration():
                     x = torch.randn(4, 8)
                     loss = model(x).pow(2).mean()
@@ -132,7 +142,7 @@ def main() -> None:
                                                                      "-1")):
                         snapshot.wait()  # the previous snapshot is committed everywhere
                         os._exit(3)  # dies before the last snapshot (SIGKILL-like)
-                if "SNAPKEEP_TEST_DIE_RANK" not in os.environ:  # a collective of its own
+                if record:  # a collective of its own
                     states[manager.iteration] = full_state(model, optimizer)
             manager.finalize()
             torch.save(states, os.path.join(report_dir, f"params_rank{rank}.pt"))
