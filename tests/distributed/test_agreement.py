@@ -12,9 +12,9 @@ from ranks import run
 
 WORKER = Path(__file__).with_name("agreement_worker.py")
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="torch.distributed with gloo is not available")
+    reason="torch.distributed with gloo is not available")]
 
 
 @pytest.fixture(scope="module")

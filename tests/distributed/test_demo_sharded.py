@@ -12,9 +12,9 @@ import pytest
 import torch.distributed
 from ranks import rank_env
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="torch.distributed with gloo is not available")
+    reason="torch.distributed with gloo is not available")]
 
 TIMEOUT_S = 180
 

@@ -21,9 +21,9 @@ WORKER = Path(__file__).with_name("sharded_worker.py")
 TIMEOUT_S = 150
 MARKER = ".snapkeep-commit.json"
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="torch.distributed with gloo is not available")
+    reason="torch.distributed with gloo is not available")]
 
 
 @pytest.fixture(scope="module")
