@@ -97,8 +97,8 @@ def sharded_snapshot(
             :class:`~snapkeep.errors.CollectiveTimeoutError` within it.
 
     Raises:
-        ValueError: a callable ``filename``, a template with fields in its directory part, a
-            non-positive ``timeout_s``, or a remote ``out_dir`` (not supported yet).
+        ValueError: a callable ``filename``, a template with fields in its directory part, or a
+            non-positive ``timeout_s``.
     """
     return _ShardedSnapshot(
         target=target, condition=condition, writer=writer, filename=filename,
@@ -144,7 +144,9 @@ class _ShardedSnapshot(_Snapshot):
                     "snapshot_mode=SHARDED needs a snapkeep writer (for out_dir and fs), got "
                     f"{type(writer).__name__}")
             storage, directory = writer.storage_for(manager.out)
-            self._sharded_store = ShardedStore(storage, directory, self._template)
+            self._sharded_store = ShardedStore(
+                storage, directory, self._template,
+                storage_options=getattr(writer, "_storage_options", None))
         return self._sharded_store
 
     def _engine(self, manager: Any) -> ShardedSaver:
