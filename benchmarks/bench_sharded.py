@@ -136,11 +136,12 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
     saver.close()
     rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    # global sizes (a DTensor's numel is the global one): parameters + Adam's two moments
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
     if rank == 0:
         summary = {k: statistics.median(v) if v else None for k, v in rows.items()}
         summary.update(world=world, peak_rss_mib_max_rank=float(rss.item()),
-                       state_mib_total=state_bytes * world / 2**20)
+                       state_mib_total=state_bytes / 2**20)
         with open(results, "w") as f:
             json.dump(summary, f)
     dist.barrier()
