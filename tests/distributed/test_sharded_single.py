@@ -103,3 +103,19 @@ def test_exchange_outcomes_raises_naming_the_rank_and_chains_the_cause():
     assert info.value.__cause__ is cause
     assert info.value.failed == {0: "OSError: [Errno 28] disk full"}
     assert exchange_outcomes(None, None, what="save") == [None]
+
+
+def test_snapshot_on_error_commits_the_failing_iteration(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    manager = ExtensionsManager(model, {}, 1, iters_per_epoch=100, out_dir=str(tmp_path),
+                                writer=writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, snapshot_on_error=True),
+                   trigger=(100, "iteration"))
+    with pytest.raises(RuntimeError, match="boom"):
+        for _ in range(5):
+            with manager.run_iteration():
+                if manager.iteration == 3:
+                    raise RuntimeError("boom")
+    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_3"]
+    assert (tmp_path / "snapshot_iter_3" / MARKER).exists()  # committed before on_error returned

@@ -234,6 +234,12 @@ class _ShardedSnapshot(_Snapshot):
         name = self._template.format(manager)
         job = ShardedJob(name=name, step=int(manager.iteration), run_id=self._run_id,
                          metrics=_metrics(manager), version=_version())
+        if self._on_save_error == "log":
+            try:  # an earlier failure (the same on every rank) is logged; this one is taken
+                saver.wait()
+            except (SnapshotError, OSError) as e:
+                logger.error("rank %d: an earlier sharded snapshot failed and "
+                             "on_save_error='log': %s", self.rank, e)
         try:
             saver.save(self._state(manager), job)
         except (SnapshotError, OSError) as e:
