@@ -1,30 +1,39 @@
 """Distributed snapshots (public names): snapkeep's own process groups, agreement between ranks
 on what to resume, and sharded snapshots through ``torch.distributed.checkpoint``. See
-:mod:`snapkeep._core.distributed` for the engine and ``docs/scale-out.md`` for the flow."""
+:mod:`snapkeep._core.distributed` for the engine and ``docs/scale-out.md`` for the flow.
 
-from snapkeep._core.distributed import (
-    MARKER_NAME,
+The sharded names (``ShardedSaver``, ``ShardedStore``, ``load_sharded``, ...) import
+``torch.distributed.checkpoint`` (seconds) on first access only.
+"""
+
+from typing import Any
+
+from snapkeep._core.distributed.agreement import agree_on_resume, all_gather, exchange_outcomes
+from snapkeep._core.distributed.errors import (
     CollectiveTimeoutError,
-    Groups,
     NoCommonSnapshotError,
     RankFailedError,
-    ShardedHandle,
-    ShardedJob,
-    ShardedManifest,
-    ShardedSaver,
-    ShardedStore,
-    agree_on_resume,
-    all_gather,
-    background_groups,
-    exchange_outcomes,
-    is_distributed,
-    load_sharded,
-    saved_keys,
 )
+from snapkeep._core.distributed.groups import Groups, background_groups, is_distributed
+
+_SHARDED = {
+    "ShardedHandle": "sharded", "ShardedJob": "sharded", "ShardedSaver": "sharded",
+    "load_sharded": "sharded", "saved_keys": "sharded",
+    "MARKER_NAME": "sharded_store", "ShardedManifest": "sharded_store",
+    "ShardedStore": "sharded_store",
+}
 
 __all__ = [
-    "MARKER_NAME", "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError",
-    "RankFailedError", "ShardedHandle", "ShardedJob", "ShardedManifest", "ShardedSaver",
-    "ShardedStore", "agree_on_resume", "all_gather", "background_groups", "exchange_outcomes",
-    "is_distributed", "load_sharded", "saved_keys",
+    "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
+    "agree_on_resume", "all_gather", "background_groups", "exchange_outcomes", "is_distributed",
+    *sorted(_SHARDED),
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _SHARDED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"snapkeep._core.distributed.{module}"), name)

@@ -22,5 +22,6 @@ __all__ = [
     "CollectiveTimeoutError", "NoCommonSnapshotError", "RankFailedError",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "StoreLockedError",
-    "UnsafeSnapshotError", "WorkerDiedError",
+    "UnsafeSnapshotError", "WorkerDiedError", "CollectiveTimeoutError", "NoCommonSnapshotError",
+    "RankFailedError",
 ]

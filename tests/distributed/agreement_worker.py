@@ -1,6 +1,7 @@
 """One rank of test_agreement.py: ``snapshot(saver_rank=0)`` with node-local directories.
 
-Usage: ``python agreement_worker.py RANK WORLD_SIZE INIT_FILE BASE_DIR``.
+Usage: ``python agreement_worker.py RANK WORLD_SIZE INIT_FILE BASE_DIR``, or under torchrun
+``agreement_worker.py env BASE_DIR``.
 
 Each rank's ``out_dir`` is ``BASE_DIR/node<RANK>`` (its own disk): only the saver rank's holds
 snapshots. Phases, each written to ``BASE_DIR/report_rank<RANK>.json``:
@@ -83,10 +84,15 @@ def failing_save(rank: int, out_dir: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    rank, world_size = int(sys.argv[1]), int(sys.argv[2])
-    init_file, base = sys.argv[3], sys.argv[4]
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size)
+    if sys.argv[1] == "env":  # under torchrun: RANK, WORLD_SIZE and the rendezvous from env
+        base = sys.argv[2]
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    else:
+        rank, world_size = int(sys.argv[1]), int(sys.argv[2])
+        init_file, base = sys.argv[3], sys.argv[4]
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size)
     out_dir = os.path.join(base, f"node{rank}")
     model, manager = build(0, out_dir)
     manager.extend(ext.snapshot(saver_rank=0), trigger=(1, "iteration"))

@@ -4,8 +4,12 @@ Usage: ``python sharded_worker.py RANK WORLD_SIZE INIT_FILE OUT_DIR REPORT_DIR M
 
 MODE ``train``: a 2-layer MLP sharded with FSDP2 ``fully_shard`` (a plain model when
 WORLD_SIZE is 1), Adam, an ExtensionsManager with ``snapshot(snapshot_mode=SHARDED,
-n_retains=2, autoload=True)`` every iteration for ITERS iterations (default 4); reports the
-full parameters after each iteration to ``REPORT_DIR/params_rank<R>.pt``.
+n_retains=2, autoload=True)`` every iteration until iteration ITERS (default 4; a resumed run
+continues to it); reports the full parameters after each iteration to
+``REPORT_DIR/params_rank<R>.pt`` (not with ``SNAPKEEP_TEST_NO_RECORD``, which writes
+``REPORT_DIR/started_rank<R>`` once training starts instead).
+MODE ``preempt``: trains until a signal; ``extensions.preemption`` snapshots and exits 143 (rank 1
+writes ``REPORT_DIR/ready`` after iteration 3).
 MODE ``resume``: builds a differently initialised model, autoloads, reports what it loaded and
 its full parameters and Adam state. ``SNAPKEEP_TEST_FAIL_RANK=<r>`` makes rank r's storage
 writer raise during the save of iteration 2 (the fault test);
@@ -64,6 +68,28 @@ def inject_write_fault() -> None:
     sharded._RecordingWriter.write_data = failing_write_data  # type: ignore[method-assign]
 
 
+def preempt(manager: ExtensionsManager, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, rank: int, report_dir: str,
+            report: dict[str, Any]) -> None:
+    """Train until a signal ends the run; rank 1 says when it is past iteration 3."""
+    try:
+        while not manager.stop_trigger:
+            with manager.run_iteration():
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if manager.iteration == 3 and rank == 1:
+                with open(os.path.join(report_dir, "ready"), "w") as f:
+                    f.write(str(os.getpid()))
+    except SystemExit as e:
+        report["exit_code"] = e.code
+        report["iteration"] = manager.iteration
+        report["listing"] = sorted(os.listdir(manager.out))
+        with open(os.path.join(report_dir, f"preempt_rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        raise
+
+
 def main() -> None:
     rank, world_size = int(sys.argv[1]), int(sys.argv[2])
     init_file, out_dir, report_dir, mode = sys.argv[3:7]
@@ -78,11 +104,15 @@ def main() -> None:
                                 out_dir=out_dir, writer=writing.SimpleWriter(out_dir=out_dir))
     snapshot = ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, n_retains=2, autoload=True,
                             timeout_s=float(os.environ.get("SNAPKEEP_TEST_TIMEOUT_S", "120")))
-    manager.extend(snapshot, trigger=(1, "iteration"))
+    manager.extend(snapshot, trigger=(1000 if mode == "preempt" else 1, "iteration"))
+    if mode == "preempt":
+        manager.extend(ext.preemption(timeout_s=60))
     fail_rank = os.environ.get("SNAPKEEP_TEST_FAIL_RANK")
     try:
         report["loaded"] = None
-        if mode == "resume":
+        if mode == "preempt":
+            preempt(manager, model, optimizer, rank, report_dir, report)
+        elif mode == "resume":
             manager.start_extensions()  # initialize extensions (autoload) now
             report["loaded"] = snapshot.loaded_entry.name if snapshot.loaded_entry else None
             report["iteration"] = manager.iteration
@@ -91,7 +121,15 @@ def main() -> None:
         else:
             torch.manual_seed(1000 + rank)
             states = {}
-            for i in range(iters):
+            record = "SNAPKEEP_TEST_DIE_RANK" not in os.environ \
+                and "SNAPKEEP_TEST_NO_RECORD" not in os.environ
+            if "SNAPKEEP_TEST_NO_RECORD" in os.environ:  # crash trials: say when training runs
+                started = os.path.join(report_dir, f"started_rank{rank}")
+                with open(started + ".tmp", "w") as f:
+                    f.write(str(manager.iteration))
+                os.replace(started + ".tmp", started)
+            while manager.iteration < iters:
+                i = manager.iteration
                 with manager.run_iteration():
                     x = torch.randn(4, 8)
                     loss = model(x).pow(2).mean()
@@ -104,7 +142,7 @@ def main() -> None:
                                                                      "-1")):
                         snapshot.wait()  # the previous snapshot is committed everywhere
                         os._exit(3)  # dies before the last snapshot (SIGKILL-like)
-                if "SNAPKEEP_TEST_DIE_RANK" not in os.environ:  # a collective of its own
+                if record:  # a collective of its own
                     states[manager.iteration] = full_state(model, optimizer)
             manager.finalize()
             torch.save(states, os.path.join(report_dir, f"params_rank{rank}.pt"))

@@ -1,26 +1,52 @@
 """Ranks agree on what to resume (DISTRIBUTED mode, node-local directories): they resume
-together at the newest step the saver rank verifies, fall back together, or fail together."""
+together at the newest step the saver rank verifies, fall back together, or fail together; a
+save failing on the saver rank raises on every rank. Run twice: 2 spawned gloo processes, and
+2 torchrun agents with ``--nnodes 2`` and a c10d rendezvous on 127.0.0.1 (a 2-node layout)."""
 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed
-from ranks import run
+from ranks import finish, rank_env, run
 
 WORKER = Path(__file__).with_name("agreement_worker.py")
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="torch.distributed with gloo is not available")
+    reason="torch.distributed with gloo is not available")]
 
 
-@pytest.fixture(scope="module")
-def by_rank(tmp_path_factory) -> list[dict]:
+def _two_nodes(base: Path) -> None:
+    """Two torchrun agents (``--nnodes 2``, one process each) meeting through a c10d
+    rendezvous on 127.0.0.1, like two machines, each rank with its own directory."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+         "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "snapkeep-agree",
+         str(WORKER), "env", str(base)],
+        env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True) for n in range(2)]
+    outputs = finish(agents, 180)
+    for agent, output in zip(agents, outputs):
+        assert agent.returncode == 0, output
+
+
+@pytest.fixture(scope="module", params=["spawned", "torchrun --nnodes 2"])
+def by_rank(request, tmp_path_factory) -> list[dict]:
     base = tmp_path_factory.mktemp("agree")
-    run(WORKER, 2, [str(base / "init"), str(base)], timeout_s=120)
+    if request.param == "spawned":
+        run(WORKER, 2, [str(base / "init"), str(base)], timeout_s=120)
+    else:
+        _two_nodes(base)
     return [json.loads((base / f"report_rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -25,17 +25,20 @@ ranks):
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
@@ -101,6 +104,33 @@ class _RecordingWriter(FileSystemWriter):
         return future
 
 
+class _RecordingFsspecWriter(FsspecWriter):
+    """DCP's fsspec writer (object stores: each file one upload, durable once closed) that
+    remembers the files this rank wrote."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
+        super().__init__(url, single_file_per_rank=True, sync_files=False, thread_count=1,
+                         **storage_options)
+        self.written: list[str] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
+        return future
+
+
+def _writer_for(store: ShardedStore, path: str) -> _RecordingWriter | _RecordingFsspecWriter:
+    if store.storage.is_local:
+        return _RecordingWriter(path)
+    return _RecordingFsspecWriter(store.storage.url(path), store.storage_options)
+
+
+def _reader_for(store: ShardedStore, path: str) -> FileSystemReader:
+    if store.storage.is_local:
+        return FileSystemReader(path)
+    return FsspecReader(store.storage.url(path), **store.storage_options)
+
+
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that non-tensor values are unpickled with
     ``torch.load(weights_only=...)`` (DCP always passes ``weights_only=False``)."""
@@ -132,10 +162,6 @@ class ShardedSaver:
 
     def __init__(self, store: ShardedStore, groups: Groups | None,
                  retain: Callable[[ShardedManifest], None] | None = None) -> None:
-        if not store.storage.is_local:
-            raise ValueError(
-                "snapshot_mode=SHARDED writes to a local or shared (mounted) directory; got "
-                f"{store.storage.url(store.directory)!r}")
         self.store = store
         self.groups = groups
         self.rank = groups.rank if groups else 0
@@ -230,9 +256,11 @@ class ShardedSaver:
                 error = e
         exchange_outcomes(group, error, what=f"{what}: preparing", timeout_s=timeout_s)
         # b. DCP writes every rank's shards (its own collectives run on the commit group)
-        writer = _RecordingWriter(path)
+        writer = _writer_for(store, path)
         try:
-            dcp.save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
+            with _single_process_quiet(group):
+                dcp.save(staged, storage_writer=writer, process_group=group,
+                         no_dist=group is None)
         except CheckpointException as e:
             failures = getattr(e, "failures", {}) or {}
             raise RankFailedError(f"{what}: torch.distributed.checkpoint.save",
@@ -246,7 +274,8 @@ class ShardedSaver:
             for name in names:
                 digest, size = hash_file(store.storage, store.storage.join(path, name))
                 records[name] = FileRecord(size_bytes=size, checksum=digest, rank=self.rank)
-            fsync_local_directory(path)
+            if store.storage.is_local:
+                fsync_local_directory(path)
         except OSError as e:
             error = e
         outcomes = exchange_outcomes(group, error, what=f"{what}: checksumming",
@@ -288,8 +317,7 @@ def saved_keys(store: ShardedStore, entry: Entry) -> set[str]:
     Raises:
         OSError, ValueError: its DCP metadata cannot be read.
     """
-    reader = FileSystemReader(entry.path)
-    return set(reader.read_metadata().state_dict_metadata)
+    return set(_reader_for(store, entry.path).read_metadata().state_dict_metadata)
 
 
 def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
@@ -307,10 +335,21 @@ def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
     Raises:
         Exception: DCP's error on this rank (the caller exchanges outcomes).
     """
-    reader = FileSystemReader(entry.path)
+    reader = _reader_for(store, entry.path)
     group = groups.control if groups else None
-    dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(weights_only),
-             process_group=group, no_dist=group is None)
+    with _single_process_quiet(group):
+        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(weights_only),
+                 process_group=group, no_dist=group is None)
+
+
+@contextlib.contextmanager
+def _single_process_quiet(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process: that is intended."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                    category=UserWarning)
+        yield
 
 
 __all__ = ["ShardedHandle", "ShardedJob", "ShardedSaver", "load_sharded", "saved_keys"]

@@ -106,11 +106,14 @@ class ShardedStore:
         storage: where they live.
         directory: the output directory on ``storage``.
         template: the filename template (its directory part must be literal).
+        storage_options: fsspec options of ``storage`` (endpoint, credentials) for DCP's own
+            fsspec reader and writer on object stores; never logged.
     """
 
-    def __init__(self, storage: Storage, directory: str, template: FilenameTemplate | str
-                 ) -> None:
+    def __init__(self, storage: Storage, directory: str, template: FilenameTemplate | str,
+                 *, storage_options: dict[str, Any] | None = None) -> None:
         self.storage = storage
+        self.storage_options = dict(storage_options or {})
         self.directory = directory
         self.template = template if isinstance(template, FilenameTemplate) \
             else FilenameTemplate(template)

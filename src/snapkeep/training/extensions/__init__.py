@@ -10,7 +10,11 @@ to keep it: ppe's manager with snapkeep's snapshot extension.
 from typing import Any
 
 from snapkeep.training.extensions._not_shipped import NOT_SHIPPED, not_shipped_error
-from snapkeep.training.extensions._sharded import sharded_snapshot
+from snapkeep.training.extensions._preemption import (
+    EXIT_CODE_PREEMPTED,
+    Preemption,
+    preemption,
+)
 from snapkeep.training.extensions._snapshot import SnapshotMode, snapshot, snapshot_object
 from snapkeep.training.extensions.evaluator import Evaluator
 from snapkeep.training.extensions.fail_on_non_number import FailOnNonNumber
@@ -25,10 +29,12 @@ ProgressBarCLI = ProgressBar
 _ipython_module_available = False  # ppe's flag (its tests import it): no notebook variants
 
 __all__ = [
+    "EXIT_CODE_PREEMPTED",
     "Evaluator",
     "FailOnNonNumber",
     "LRScheduler",
     "LogReport",
+    "Preemption",
     "PrintReport",
     "PrintReportCLI",
     "ProgressBar",
@@ -36,6 +42,7 @@ __all__ = [
     "SnapshotMode",
     "observe_lr",
     "observe_value",
+    "preemption",
     "sharded_snapshot",
     "snapshot",
     "snapshot_object",
@@ -43,6 +50,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    # sharded_snapshot imports torch.distributed.checkpoint (seconds): only when asked for
+    if name == "sharded_snapshot":
+        from snapkeep.training.extensions._sharded import sharded_snapshot
+
+        return sharded_snapshot
     if name in NOT_SHIPPED:
         raise not_shipped_error(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -101,8 +101,8 @@ def sharded_snapshot(
             :class:`~snapkeep.errors.CollectiveTimeoutError` within it.
 
     Raises:
-        ValueError: a callable ``filename``, a template with fields in its directory part, a
-            non-positive ``timeout_s``, or a remote ``out_dir`` (not supported yet).
+        ValueError: a callable ``filename``, a template with fields in its directory part, or a
+            non-positive ``timeout_s``.
     """
     return _ShardedSnapshot(
         target=target, condition=condition, writer=writer, filename=filename,
@@ -148,7 +148,9 @@ class _ShardedSnapshot(_Snapshot):
                     "snapshot_mode=SHARDED needs a snapkeep writer (for out_dir and fs), got "
                     f"{type(writer).__name__}")
             storage, directory = writer.storage_for(manager.out)
-            self._sharded_store = ShardedStore(storage, directory, self._template)
+            self._sharded_store = ShardedStore(
+                storage, directory, self._template,
+                storage_options=getattr(writer, "_storage_options", None))
         return self._sharded_store
 
     def _engine(self, manager: Any) -> ShardedSaver:
@@ -238,6 +240,12 @@ class _ShardedSnapshot(_Snapshot):
             name += ON_ERROR_SUFFIX
         job = ShardedJob(name=name, step=int(manager.iteration), run_id=self._run_id,
                          metrics=_metrics(manager), version=_version())
+        if self._on_save_error == "log":
+            try:  # an earlier failure (the same on every rank) is logged; this one is taken
+                saver.wait()
+            except (SnapshotError, OSError) as e:
+                logger.error("rank %d: an earlier sharded snapshot failed and "
+                             "on_save_error='log': %s", self.rank, e)
         try:
             saver.save(self._state(manager), job)
         except (SnapshotError, OSError) as e:

@@ -1,0 +1,194 @@
+"""Sharded snapshots on CPU ranks (gloo, FSDP2): snapkeep SHARDED against DCP ``save`` and
+``async_save`` in the same run, loads with and without resharding, peak RSS per rank.
+
+    python benchmarks/bench_sharded.py --worlds 4 2 --hidden 1024 --repeats 3 --json out.json
+
+For each world size (largest first) the script spawns that many gloo ranks. Each rank builds an
+MLP of ``--layers`` ``hidden x hidden`` linear layers, shards it with ``fully_shard`` (per layer
+and the root), takes one Adam step (so Adam's moments exist) and then, ``--repeats`` times each:
+
+- **snapkeep**: ``ShardedSaver.save`` of ``get_state_dict``'s output (what the SHARDED extension
+  does): *stall* = the call (staging into reused buffers), *durable* = until the marker is
+  committed on every rank;
+- **DCP save**: ``dcp.save`` (stall = durable);
+- **DCP async_save**: ``dcp.async_save`` on a gloo group: stall = the call, durable = its
+  future;
+- **load**: snapkeep's ``load_sharded`` and ``dcp.load`` of the snapshot just written (same world
+  size); **load resharded**: of the snapshot written by the previous (larger) world size.
+
+Figures are medians over repeats of the slowest rank (the step ends when every rank is done);
+peak RSS per rank is ``ru_maxrss`` (the largest rank). The machine is shared: compare rows of one
+run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> float:
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+def _slowest(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, results: str,
+              previous: str | None) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from snapkeep._core.distributed.groups import background_groups
+    from snapkeep._core.distributed.sharded import ShardedJob, ShardedSaver, load_sharded
+    from snapkeep._core.distributed.sharded_store import ShardedStore
+    from snapkeep._core.storage import resolve_storage
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{base}/init{world}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.hidden, args.hidden)
+                                  for _ in range(args.layers)])
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, args.hidden)).sum().backward()
+    optimizer.step()
+    groups = background_groups(600)
+    out = os.path.join(base, f"w{world}")
+    storage, directory = resolve_storage(out)
+    store = ShardedStore(storage, directory, "snap_{.iteration}")
+    saver = ShardedSaver(store, groups)
+    dcp_group = dist.new_group(backend="gloo")
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "snapkeep_stall", "snapkeep_durable", "dcp_save", "dcp_async_stall",
+        "dcp_async_durable", "snapkeep_load", "dcp_load", "snapkeep_load_resharded",
+        "dcp_load_resharded")}
+
+    def state() -> dict[str, Any]:
+        msd, osd = get_state_dict(model, optimizer)
+        return {"models": {"main": msd}, "optimizers": {"main": osd}}
+
+    for i in range(args.repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        handle = saver.save(state(), ShardedJob(name=f"snap_{i}", step=i))
+        stall = time.perf_counter() - start
+        handle.committed.result()
+        saver.wait()
+        durable = time.perf_counter() - start
+        rows["snapkeep_stall"].append(_slowest(stall))
+        rows["snapkeep_durable"].append(_slowest(durable))
+        dist.barrier()
+        rows["dcp_save"].append(_slowest(_timed(
+            dcp.save, state(), checkpoint_id=os.path.join(base, f"dcp{world}_{i}"))))
+        dist.barrier()
+        start = time.perf_counter()
+        future = dcp.async_save(state(), checkpoint_id=os.path.join(base, f"dcpa{world}_{i}"),
+                                process_group=dcp_group)
+        stall = time.perf_counter() - start
+        future.result()
+        durable = time.perf_counter() - start
+        rows["dcp_async_stall"].append(_slowest(stall))
+        rows["dcp_async_durable"].append(_slowest(durable))
+        dist.barrier()
+        target = state()
+        entry = store.entries()[-1]
+        rows["snapkeep_load"].append(_slowest(_timed(
+            load_sharded, store, entry, target, groups=groups)))
+        target = state()
+        rows["dcp_load"].append(_slowest(_timed(
+            dcp.load, target, checkpoint_id=os.path.join(base, f"dcp{world}_{i}"))))
+        if previous is not None:
+            old_storage, old_dir = resolve_storage(os.path.join(base, f"w{previous}"))
+            old_store = ShardedStore(old_storage, old_dir, "snap_{.iteration}")
+            old_entry = old_store.entries()[-1]
+            target = state()
+            rows["snapkeep_load_resharded"].append(_slowest(_timed(
+                load_sharded, old_store, old_entry, target, groups=groups)))
+            target = state()
+            rows["dcp_load_resharded"].append(_slowest(_timed(
+                dcp.load, target, checkpoint_id=os.path.join(base, f"dcp{previous}_0"))))
+    saver.close()
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    # global sizes (a DTensor's numel is the global one): parameters + Adam's two moments
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+    if rank == 0:
+        summary = {k: statistics.median(v) if v else None for k, v in rows.items()}
+        summary.update(world=world, peak_rss_mib_max_rank=float(rss.item()),
+                       state_mib_total=state_bytes / 2**20)
+        with open(results, "w") as f:
+            json.dump(summary, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 2])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    table = []
+    with tempfile.TemporaryDirectory(prefix="bench-sharded-") as base:
+        previous = None
+        for world in sorted(args.worlds, reverse=True):
+            results = os.path.join(base, f"results{world}.json")
+            mp.spawn(rank_main, args=(world, args, base, results, previous), nprocs=world,
+                     join=True)
+            with open(results) as f:
+                table.append(json.load(f))
+            previous = world
+    header = ("| ranks | state MiB | snapkeep stall s | snapkeep durable s | DCP save s | "
+              "DCP async stall s | DCP async durable s | snapkeep load s | DCP load s | "
+              "snapkeep load resharded s | DCP load resharded s | peak RSS MiB/rank |")
+    lines = [header, "|" + "---|" * 12]
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    for row in table:
+        lines.append(
+            f"| {row['world']} | {row['state_mib_total']:.0f} | {fmt(row['snapkeep_stall'])} | "
+            f"{fmt(row['snapkeep_durable'])} | {fmt(row['dcp_save'])} | "
+            f"{fmt(row['dcp_async_stall'])} | {fmt(row['dcp_async_durable'])} | "
+            f"{fmt(row['snapkeep_load'])} | {fmt(row['dcp_load'])} | "
+            f"{fmt(row['snapkeep_load_resharded'])} | {fmt(row['dcp_load_resharded'])} | "
+            f"{row['peak_rss_mib_max_rank']:.0f} |")
+    sys.stdout.write("\n".join(lines) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    main()

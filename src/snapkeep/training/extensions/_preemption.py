@@ -1,0 +1,228 @@
+"""``extensions.preemption``: a signal becomes one committed snapshot on every rank and a clean
+exit with a documented code.
+
+Flow (every rank runs the extension at every iteration, after the snapshot extensions):
+
+1. a signal handler (installed in ``initialize``, main thread) only records the signal;
+2. at each iteration boundary the ranks agree whether any of them was signalled: one all-reduce
+   of one integer on snapkeep's control process group (bounded by ``timeout_s``; single-process:
+   the local flag), so every rank sees the request at the same iteration;
+3. if so, every snapshot extension of the manager snapshots this iteration (unless its trigger
+   already did), the manager is finalized (which waits until the snapshots are committed), the
+   ranks exchange the outcome, and every rank raises ``SystemExit(exit_code)``;
+4. a second signal meanwhile is only logged: snapshots commit atomically (temp + fsync + rename,
+   a marker written last), so nothing can be half-committed by any signal, even SIGKILL.
+
+With ``requeue=True`` under SLURM (``SLURM_JOB_ID`` set), rank 0 runs ``scontrol requeue`` before
+exiting, as Lightning does on SIGUSR1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import types
+from collections.abc import Sequence
+from typing import Any
+
+from snapkeep.training import extension
+
+logger = logging.getLogger(__name__)
+
+EXIT_CODE_PREEMPTED = 143
+"""Default exit code after a preemption snapshot (128 + SIGTERM, what a process killed by
+SIGTERM reports; torchrun and schedulers read it as 'terminated')."""
+
+PRIORITY_PREEMPTION = extension.PRIORITY_SNAPSHOT - 100
+"""Runs after the snapshot extensions of the same iteration."""
+
+
+def preemption(
+    signals: Sequence[signal.Signals | int] = (signal.SIGTERM, signal.SIGUSR1),
+    *,
+    exit_code: int = EXIT_CODE_PREEMPTED,
+    timeout_s: float = 600.0,
+    requeue: bool = False,
+) -> Preemption:
+    """Returns an extension that turns ``signals`` into a snapshot of the same iteration on
+    every rank, then a clean exit (see the module docstring). Register it on every rank with
+    the default trigger (every iteration), beside at least one snapshot extension.
+
+    Args:
+        signals: signals to catch (torchrun forwards SIGTERM to its workers; SLURM sends
+            SIGUSR1 ahead of the time limit with ``--signal=USR1@<seconds>``).
+        exit_code: the process exits with ``SystemExit(exit_code)`` after the snapshot is
+            committed (default :data:`EXIT_CODE_PREEMPTED`, 143).
+        timeout_s: bound in seconds of the per-iteration agreement and of the commit exchange.
+        requeue: under SLURM, rank 0 requeues the job (``scontrol requeue $SLURM_JOB_ID``).
+
+    Raises:
+        ValueError: an unknown signal, SIGKILL/SIGSTOP (cannot be caught), an ``exit_code``
+            outside 0..255, or a non-positive ``timeout_s``.
+    """
+    return Preemption(signals=signals, exit_code=exit_code, timeout_s=timeout_s,
+                      requeue=requeue)
+
+
+class Preemption(extension.Extension):
+    """See :func:`preemption`."""
+
+    trigger = 1, "iteration"
+    priority = PRIORITY_PREEMPTION
+    needs_model_state = True
+
+    def __init__(self, *, signals: Sequence[signal.Signals | int], exit_code: int,
+                 timeout_s: float, requeue: bool) -> None:
+        parsed = []
+        for sig in signals:
+            try:
+                parsed.append(signal.Signals(sig))
+            except ValueError:
+                raise ValueError(f"signals must be signal numbers such as signal.SIGTERM, got "
+                                 f"{sig!r}") from None
+        if not parsed or any(s in (signal.SIGKILL, signal.SIGSTOP) for s in parsed):
+            raise ValueError(f"signals must be catchable (not SIGKILL/SIGSTOP), got {signals!r}")
+        if isinstance(exit_code, bool) or not isinstance(exit_code, int) \
+                or not 0 <= exit_code <= 255:
+            raise ValueError(f"exit_code must be an int in 0..255, got {exit_code!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.signals = tuple(parsed)
+        self.exit_code = exit_code
+        self.timeout_s = float(timeout_s)
+        self.requeue = requeue
+        self.received: list[int] = []
+        self.preempted_at: int | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+        self._groups: Any = None
+        self._snapshotted: dict[int, int] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def initialize(self, manager: Any) -> None:
+        """Install the signal handlers (main thread only) and, under torch.distributed,
+        snapkeep's control group (collective)."""
+        from snapkeep._core.distributed.groups import background_groups, is_distributed
+
+        if is_distributed():
+            self._groups = background_groups(self.timeout_s)
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("preemption: not on the main thread; signal handlers not installed")
+        else:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._watch_snapshots(manager)
+
+    def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
+        self.received.append(signum)  # only record: the boundary acts (async-signal safe)
+
+    def finalize(self, manager: Any) -> None:
+        """Restore the previous signal handlers. Idempotent."""
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+        self._previous.clear()
+
+    # -- the snapshot extensions -------------------------------------------------------------------
+    def _snapshot_extensions(self, manager: Any) -> list[Any]:
+        from snapkeep.training.extensions._snapshot import _Snapshot
+
+        entries = getattr(manager, "_extensions", {})
+        return [e.extension for e in entries.values()
+                if isinstance(getattr(e, "extension", None), _Snapshot)]
+
+    def _watch_snapshots(self, manager: Any) -> None:
+        """Remember the iteration of each snapshot extension's last snapshot, so a preemption at
+        an iteration already snapshotted by its trigger does not save it twice."""
+        for ext in self._snapshot_extensions(manager):
+            if getattr(ext, "_snapkeep_preemption_watch", False):
+                continue
+            make = ext._make_snapshot
+
+            def recording(mgr: Any, _make: Any = make, _ext: Any = ext) -> None:
+                self._snapshotted[id(_ext)] = int(mgr.iteration)
+                _make(mgr)
+
+            ext._make_snapshot = recording
+            ext._snapkeep_preemption_watch = True
+
+    # -- each iteration --------------------------------------------------------------------------
+    def __call__(self, manager: Any) -> None:
+        requested = self._agree(len(self.received) > 0)
+        if not requested:
+            return
+        self._preempt(manager)
+
+    def _agree(self, local: bool) -> bool:
+        if self._groups is None:
+            return local
+        import torch
+        import torch.distributed as dist
+
+        from snapkeep._core.distributed.errors import CollectiveTimeoutError
+
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._groups.control)
+        except RuntimeError as e:
+            raise CollectiveTimeoutError(
+                f"preemption check: rank {self._groups.rank} lost the other ranks (one died, "
+                f"hung for more than {self.timeout_s:g} s or failed outside snapkeep): {e}"
+            ) from e
+        return bool(flag.item())
+
+    def _preempt(self, manager: Any) -> None:
+        from snapkeep._core.distributed.agreement import exchange_outcomes
+
+        iteration = int(manager.iteration)
+        self.preempted_at = iteration
+        rank = self._groups.rank if self._groups else 0
+        logger.warning("rank %d: preemption requested (signals here: %s); snapshotting "
+                       "iteration %d on every rank, then exiting with %d", rank,
+                       [signal.Signals(s).name for s in self.received] or "none", iteration,
+                       self.exit_code)
+        error: BaseException | None = None
+        snapshots = self._snapshot_extensions(manager)
+        if not snapshots:
+            logger.error("preemption: the manager has no snapshot extension; exiting without "
+                         "a snapshot")
+        try:
+            self._watch_snapshots(manager)
+            for ext in snapshots:
+                if self._snapshotted.get(id(ext)) != iteration:
+                    ext._make_snapshot(manager)
+            manager.finalize()  # waits until every snapshot is committed
+        except Exception as e:  # exchanged below: every rank raises, naming the failing one
+            error = e
+        exchange_outcomes(self._groups.control if self._groups else None, error,
+                          what=f"preemption snapshot at iteration {iteration}",
+                          timeout_s=self.timeout_s)
+        if len(self.received) > 1:
+            logger.warning("rank %d: %d further signal(s) arrived during the preemption "
+                           "snapshot; ignored (the snapshot is committed)", rank,
+                           len(self.received) - 1)
+        if self.requeue and rank == 0:
+            _requeue()
+        logger.warning("rank %d: preemption snapshot of iteration %d committed; exiting with %d",
+                       rank, iteration, self.exit_code)
+        raise SystemExit(self.exit_code)
+
+
+def _requeue() -> None:
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        logger.warning("preemption: requeue=True but SLURM_JOB_ID is not set; not requeued")
+        return
+    try:
+        subprocess.run(["scontrol", "requeue", job], check=True, timeout=60,
+                       capture_output=True)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.error("preemption: scontrol requeue %s failed: %s", job, e)
+    else:
+        logger.warning("preemption: requeued SLURM job %s", job)
+
+
+__all__ = ["EXIT_CODE_PREEMPTED", "Preemption", "preemption"]

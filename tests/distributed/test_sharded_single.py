@@ -1,0 +1,121 @@
+"""SHARDED snapshots in one process (no process group: plain DCP files, the same commit
+protocol): the marker makes a directory a snapshot; retention and the start-up sweep delete
+whole directories; agreement helpers without a group."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from snapkeep import writing
+from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes
+from snapkeep.errors import NoCommonSnapshotError, RankFailedError
+from snapkeep.training import ExtensionsManager
+from snapkeep.training import extensions as ext
+
+MARKER = ".snapkeep-commit.json"
+
+
+def _train(out_dir: str, iterations: int, seed: int = 0, **kwargs):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ExtensionsManager(model, optimizer, 1, iters_per_epoch=100, out_dir=out_dir,
+                                writer=writing.SimpleWriter(out_dir=out_dir))
+    snapshot = ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, autoload=True, **kwargs)
+    manager.extend(snapshot, trigger=(1, "iteration"))
+    manager.start_extensions()
+    while manager.iteration < iterations:
+        with manager.run_iteration(step_optimizers=["main"]):
+            model(torch.ones(2, 4)).sum().backward()
+    manager.finalize()
+    return manager, model, snapshot
+
+
+def test_retention_deletes_whole_directories_and_keeps_the_newest(tmp_path):
+    _train(str(tmp_path), 4, n_retains=2)
+    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_3", "snapshot_iter_4"]
+    assert sorted(os.listdir(tmp_path / "snapshot_iter_4")) == [
+        ".metadata", MARKER, "__0_0.distcp"]
+    marker = json.loads((tmp_path / "snapshot_iter_4" / MARKER).read_text())
+    assert marker["format"] == "snapkeep.sharded/1" and marker["step"] == 4
+
+
+def test_a_directory_without_its_marker_is_never_loaded_and_is_swept(tmp_path):
+    _, trained, _ = _train(str(tmp_path), 3)
+    (tmp_path / "snapshot_iter_3" / MARKER).unlink()  # as if killed before the commit
+    manager, model, snapshot = _train(str(tmp_path), 2, seed=1)
+    assert snapshot.loaded_entry.name == "snapshot_iter_2"
+    assert not (tmp_path / "snapshot_iter_3").exists()  # swept at start-up by rank 0
+    assert manager.iteration == 2
+
+
+def _corrupt(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_file_falls_back_and_none_valid_is_an_error(tmp_path):
+    _train(str(tmp_path), 2)
+    _corrupt(tmp_path / "snapshot_iter_2" / "__0_0.distcp")
+    _, _, snapshot = _train(str(tmp_path), 1, seed=1)
+    assert snapshot.loaded_entry.name == "snapshot_iter_1"
+    _corrupt(tmp_path / "snapshot_iter_1" / "__0_0.distcp")
+    with pytest.raises(NoCommonSnapshotError, match="checksum"):
+        _train(str(tmp_path), 1, seed=1)
+    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_1", "snapshot_iter_2"]  # kept
+
+
+def test_sharded_rejects_savefun_and_bad_timeouts():
+    with pytest.raises(TypeError, match="savefun cannot be given"):
+        ext.snapshot(torch.save, snapshot_mode=ext.SnapshotMode.SHARDED)
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, timeout_s=-1)
+    with pytest.raises(ValueError, match="needs a string filename template"):
+        ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, filename=lambda m: "x")
+
+
+@pytest.mark.parametrize(("listing", "bad", "chosen"), [
+    ([], set(), None),
+    ([((1,), "s1"), ((2,), "s2")], set(), "s2"),
+    ([((1,), "s1"), ((2,), "s2")], {"s2"}, "s1"),
+])
+def test_agree_on_resume_without_a_group(listing, bad, chosen):
+    def check(name):
+        return "corrupt" if name in bad else None
+
+    assert agree_on_resume(None, listing, check, what="t") == chosen
+
+
+def test_agree_on_resume_names_steps_and_reasons_when_nothing_is_readable():
+    with pytest.raises(NoCommonSnapshotError, match=r"s2 \(rank 0: broken\), s1 \(rank 0: "):
+        agree_on_resume(None, [((1,), "s1"), ((2,), "s2")], lambda n: "broken", what="t")
+
+
+def test_exchange_outcomes_raises_naming_the_rank_and_chains_the_cause():
+    cause = OSError(28, "disk full")
+    with pytest.raises(RankFailedError, match=r"save failed on rank\(s\) \[0\]") as info:
+        exchange_outcomes(None, cause, what="save")
+    assert info.value.__cause__ is cause
+    assert info.value.failed == {0: "OSError: [Errno 28] disk full"}
+    assert exchange_outcomes(None, None, what="save") == [None]
+
+
+def test_snapshot_on_error_commits_the_failing_iteration(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    manager = ExtensionsManager(model, {}, 1, iters_per_epoch=100, out_dir=str(tmp_path),
+                                writer=writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, snapshot_on_error=True),
+                   trigger=(100, "iteration"))
+    with pytest.raises(RuntimeError, match="boom"):
+        for _ in range(5):
+            with manager.run_iteration():
+                if manager.iteration == 3:
+                    raise RuntimeError("boom")
+    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_3"]
+    assert (tmp_path / "snapshot_iter_3" / MARKER).exists()  # committed before on_error returned
