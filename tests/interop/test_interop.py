@@ -64,7 +64,8 @@ def _kill_and_resume(mode: str, writer: str, out: pathlib.Path, reference: str,
     assert events[-1]["params"] == reference  # bit-identical to the uninterrupted run
     snapshots = sorted(n for n in os.listdir(out) if n.startswith("snapshot_iter_"))
     assert snapshots == ["snapshot_iter_12", "snapshot_iter_16"]  # n_retains=2
-    manifests = sorted(n for n in os.listdir(out / ".snapkeep") if n.startswith("snapshot_"))
+    manifests = sorted(n for n in os.listdir(out / ".snapkeep")
+                       if n.startswith("snapshot_") and n.endswith(".json"))
     assert manifests == ["snapshot_iter_12.json", "snapshot_iter_16.json"]
     log = json.loads((out / "log").read_text())
     assert [entry["epoch"] for entry in log] == [1, 2, 3, 4]
