@@ -96,22 +96,24 @@ def test_manifest_round_trip():
 
 
 def test_overwriting_a_name_never_leaves_a_stale_manifest(tmp_path):
-    """A crash between a snapshot's commit and its manifest's, when the name is reused (a fixed
-    filename), must not leave the old manifest describing the new file."""
+    """When the name is reused (a fixed filename), the old manifest never describes the new
+    file: while the new one is written, the old file and its manifest stay as they were (both
+    temps are written before anything is published); afterwards the new file verifies."""
     writer = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
     writer("latest", str(tmp_path), {"v": torch.zeros(10)})
+    storage, d = resolve_storage(str(tmp_path))
+    catalog = SnapshotStore(storage, d, "latest")
     seen = {}
 
     def savefun(obj, f):
-        seen["manifest_during_write"] = os.path.exists(tmp_path / ".snapkeep" / "latest.json")
+        seen["old_verifies_during_write"] = catalog.verify(catalog.entries()[0]) is not None
         torch.save(obj, f)
 
     writer("latest", str(tmp_path), {"v": torch.ones(10)}, savefun=savefun)
     writer.finalize()
-    assert seen["manifest_during_write"] is False
-    storage, d = resolve_storage(str(tmp_path))
-    catalog = SnapshotStore(storage, d, "latest")
+    assert seen["old_verifies_during_write"] is True
     assert catalog.verify(catalog.entries()[0]) is not None
+    assert torch.equal(torch.load(tmp_path / "latest", weights_only=True)["v"], torch.ones(10))
 
 
 def test_counter_fields_match_whole_numbers_only():

@@ -52,7 +52,8 @@ from snapkeep._core.manifest import (
 )
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
-from snapkeep._core.storage import Storage
+from snapkeep._core.storage import ReplaceCommit, Storage, Target, WriteResult
+from snapkeep._core.storage._commit import fsync_directory, storage_error
 
 logger = logging.getLogger(__name__)
 
@@ -441,12 +442,16 @@ class SnapshotStore:
 def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
     """Encode ``obj`` with ``job.savefun`` and commit it with its manifest, as one unit.
 
-    Order: the name and its manifest's name are checked against the filesystem's limit before
-    anything is written; the data file is committed atomically and durably, then its manifest.
-    When the manifest cannot be committed (disk full, name refused), the data file is removed
-    again and the error raised: a snapshot never stays committed without its manifest because
-    of a failed write (a kill between the two commits still can leave one; it then loads as
-    unverified).
+    First the name and its manifest's name are checked against the filesystem's limit (nothing
+    is written for a name that cannot get a manifest). Local files (replace+fsync storages):
+    the data temp and the manifest temp are both written, flushed and fsynced, then the old
+    manifest of the name is removed and both are renamed into place, then the directories are
+    fsynced; a failure before the renames (disk full on the manifest) leaves nothing new
+    visible and the previous file of the name intact. Other storages (one PUT per object,
+    rename-only filesystems) commit the snapshot, then its manifest; a manifest that cannot be
+    written takes the snapshot back out. Either way a snapshot never stays committed without
+    its manifest because of a failed write; a kill between the two publishing steps can leave
+    one, which then loads as unverified.
 
     Raises:
         ValueError: the name or its manifest's name is longer than the filesystem allows (the
@@ -473,25 +478,21 @@ def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
         )
     mpath = manifest_path(storage, job.path)
     storage.makedirs(storage.dirname(mpath))
-    previous_manifest = _drop_stale_manifest(storage, mpath)
-    try:
-        result = storage.write(
-            job.path, lambda f: job.savefun(obj, f, **job.savefun_kwargs), tag=job.tag
-        )
-    except BaseException:
-        # the previous file of this name is intact: so must be its manifest
-        _restore_manifest(storage, mpath, previous_manifest, job.tag)
-        raise
-    manifest = Manifest(
-        name=storage.basename(job.path), size_bytes=result.size_bytes, checksum=result.checksum,
-        step=job.step, created_unix_s=now_unix_s(), snapkeep_version=job.version,
-        run_id=job.run_id, metrics=dict(job.metrics),
-    )
-    try:
-        storage.write_bytes(mpath, manifest.to_bytes(), tag=job.tag)
-    except BaseException as e:
-        _roll_back(storage, job.path, e)
-        raise
+
+    def write_data(f: Any) -> None:
+        job.savefun(obj, f, **job.savefun_kwargs)
+
+    def manifest_for(result: WriteResult) -> bytes:
+        return Manifest(
+            name=storage.basename(job.path), size_bytes=result.size_bytes,
+            checksum=result.checksum, step=job.step, created_unix_s=now_unix_s(),
+            snapkeep_version=job.version, run_id=job.run_id, metrics=dict(job.metrics),
+        ).to_bytes()
+
+    if isinstance(storage.strategy, ReplaceCommit):
+        result = _commit_pair(storage, job.path, mpath, write_data, manifest_for, job.tag)
+    else:
+        result = _commit_in_order(storage, job.path, mpath, write_data, manifest_for, job.tag)
     elapsed = time.perf_counter() - start
     logger.debug("committed %s (%d bytes, step %s) in %.3f s", job.path, result.size_bytes,
                  job.step, elapsed)
@@ -499,6 +500,80 @@ def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
         path=job.path, size_bytes=result.size_bytes, checksum=result.checksum, write_s=elapsed,
         step=job.step,
     )
+
+
+def _commit_pair(
+    storage: Storage, path: str, mpath: str, write_data: Callable[[Any], None],
+    manifest_for: Callable[[WriteResult], bytes], tag: str,
+) -> WriteResult:
+    """Local files: both temps (data, then manifest) complete and durable, then both renamed
+    into place, then the directories fsynced. A failure before the renames (disk full on the
+    manifest) leaves nothing new visible and the previous file of the name intact; a kill
+    between the two renames leaves the new file without a manifest (loads as unverified)."""
+    data_tmp = storage.temp_name_for(path, tag)
+    manifest_tmp = storage.temp_name_for(mpath, tag)
+    strategy = storage.strategy
+    published = False
+
+    def write_manifest(f: Any) -> None:
+        f.write(manifest)
+
+    try:
+        # a target whose final name is its temp name: written, flushed, fsynced, not published
+        result = strategy.write(storage.fs, Target(
+            path=data_tmp, temp_path=data_tmp, url=storage.url(path)), write_data)
+        manifest = manifest_for(result)
+        strategy.write(storage.fs, Target(
+            path=manifest_tmp, temp_path=manifest_tmp, url=storage.url(mpath)), write_manifest)
+        # both are durable: publish. The old manifest of the name goes first, so that no crash
+        # leaves it describing the new file (in between, the old file loads as unverified)
+        previous = _drop_stale_manifest(storage, mpath)
+        try:
+            os.replace(data_tmp, path)
+        except BaseException:
+            _restore_manifest(storage, mpath, previous, tag)
+            raise
+        published = True
+        os.replace(manifest_tmp, mpath)
+    except BaseException as e:
+        if published:  # the manifest could not follow its snapshot: take the snapshot back
+            _roll_back(storage, path, e)
+        for tmp in (data_tmp, manifest_tmp):
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                logger.warning("could not remove the temporary file %s: %s", tmp, err)
+        if isinstance(e, OSError) and not isinstance(e, SnapshotStorageError):
+            raise storage_error(e, storage.url(path), None, "publishing snapshot") from e
+        raise
+    finally:
+        storage.fs.invalidate_cache(path)
+        storage.fs.invalidate_cache(mpath)
+    fsync_directory(os.path.dirname(path) or ".")
+    fsync_directory(os.path.dirname(mpath) or ".")
+    return WriteResult(path=path, size_bytes=result.size_bytes, checksum=result.checksum)
+
+
+def _commit_in_order(
+    storage: Storage, path: str, mpath: str, write_data: Callable[[Any], None],
+    manifest_for: Callable[[WriteResult], bytes], tag: str,
+) -> WriteResult:
+    """Object stores and rename-only filesystems (no two-file publish): the snapshot, then its
+    manifest; a manifest that cannot be written takes the snapshot back out."""
+    previous = _drop_stale_manifest(storage, mpath)
+    try:
+        result = storage.write(path, write_data, tag=tag)
+    except BaseException:  # the previous file of this name is intact: so must be its manifest
+        _restore_manifest(storage, mpath, previous, tag)
+        raise
+    try:
+        storage.write_bytes(mpath, manifest_for(result), tag=tag)
+    except BaseException as e:
+        _roll_back(storage, path, e)
+        raise
+    return WriteResult(path=path, size_bytes=result.size_bytes, checksum=result.checksum)
 
 
 def name_max(storage: Storage, directory: str) -> int:
