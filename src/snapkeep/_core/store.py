@@ -110,6 +110,7 @@ class SnapshotStore:
         # paths this process committed: retention treats them as this run's files even when
         # their manifest is missing (e.g. removed after a failed manifest write)
         self._committed: set[str] = set()
+        self._warned: set[str] = set()  # invalid manifests already warned about
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.storage.url(self.directory)!r}, {self.template.template!r})"
@@ -172,8 +173,10 @@ class SnapshotStore:
             return read_manifest(self.storage, path)
         except ManifestError as e:
             message = f"{e}; treating snapshot {entry.path} as unverified"
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            logger.warning("%s", message)
+            if message not in self._warned:  # once per store (retention reads it every save)
+                self._warned.add(message)
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                logger.warning("%s", message)
             return None
 
     def verify(self, entry: Entry, data: bytes | None = None) -> Manifest | None:
