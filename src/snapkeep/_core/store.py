@@ -271,6 +271,23 @@ class SnapshotStore:
             + ". Move them away to start fresh, or restore a good copy.")
 
     # -- commit ------------------------------------------------------------------------------
+    def commit(self, job: SaveJob, obj: Any) -> CommitRecord:
+        """Commit one snapshot of this store in the calling thread: :func:`commit_job` (data
+        and manifest as one unit), then recorded as this process's (see :meth:`retain`).
+        Writers run :func:`commit_job` wherever their runner puts it and the saver records it.
+
+        Raises:
+            ValueError: ``job.path`` is not in this store's directory, or its name cannot get a
+                manifest (see :func:`check_name_length`).
+            SnapshotStorageError: as :func:`commit_job`.
+        """
+        split = self._split()
+        if split is not None and self.storage.dirname(job.path) != self._subdir(split[0]):
+            raise ValueError(f"job.path {job.path!r} is not a file of {self!r}")
+        record = commit_job(job, obj)
+        self.note_committed(record.path)
+        return record
+
     def note_committed(self, path: str) -> None:
         """Record that this process committed ``path`` (called by the saver after each commit):
         retention treats it as this run's snapshot even if its manifest goes missing."""
