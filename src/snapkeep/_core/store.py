@@ -596,20 +596,21 @@ def _commit_in_order(
     return WriteResult(path=path, size_bytes=result.size_bytes, checksum=result.checksum)
 
 
-def name_max(storage: Storage, directory: str) -> int:
-    """Longest file name (bytes) the filesystem under ``directory`` accepts."""
-    if storage.is_local:
-        probe = directory
-        while probe and not os.path.isdir(probe):
-            parent = os.path.dirname(probe)
-            if parent == probe:
-                break
-            probe = parent
-        try:
-            return int(os.pathconf(probe or ".", "PC_NAME_MAX"))
-        except (OSError, ValueError):
-            return DEFAULT_NAME_MAX
-    return DEFAULT_NAME_MAX
+def name_max(storage: Storage, directory: str) -> int | None:
+    """Longest file name (bytes) the local filesystem under ``directory`` accepts; ``None`` for
+    object stores and other non-local storages (keys have no per-component limit there)."""
+    if not storage.is_local:
+        return None
+    probe = directory
+    while probe and not os.path.isdir(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    try:
+        return int(os.pathconf(probe or ".", "PC_NAME_MAX"))
+    except (OSError, ValueError):
+        return DEFAULT_NAME_MAX
 
 
 def check_name_length(storage: Storage, path: str) -> None:
@@ -622,7 +623,7 @@ def check_name_length(storage: Storage, path: str) -> None:
     name = storage.basename(path)
     limit = name_max(storage, storage.dirname(path))
     longest = len((name + ".json").encode())
-    if longest > limit:
+    if limit is not None and longest > limit:
         raise ValueError(
             f"snapshot name {name!r} is {len(name.encode())} bytes; with its manifest's '.json' "
             f"suffix it needs {longest} bytes, over this filesystem's NAME_MAX of {limit} bytes. "
