@@ -19,9 +19,9 @@ import torch
 from integration_support import listing, make_model, make_run, train
 
 import snapkeep
+from snapkeep._core.commit import commit_job
 from snapkeep._core.job import SaveJob
 from snapkeep._core.storage import RenameCommit, ReplaceCommit, Storage, resolve_storage
-from snapkeep._core.store import commit_job
 
 WIDTH = 300  # a snapshot of ~0.35 MiB
 
