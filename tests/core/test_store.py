@@ -96,22 +96,24 @@ def test_manifest_round_trip():
 
 
 def test_overwriting_a_name_never_leaves_a_stale_manifest(tmp_path):
-    """A crash between a snapshot's commit and its manifest's, when the name is reused (a fixed
-    filename), must not leave the old manifest describing the new file."""
+    """When the name is reused (a fixed filename), the old manifest never describes the new
+    file: while the new one is written, the old file and its manifest stay as they were (both
+    temps are written before anything is published); afterwards the new file verifies."""
     writer = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
     writer("latest", str(tmp_path), {"v": torch.zeros(10)})
+    storage, d = resolve_storage(str(tmp_path))
+    catalog = SnapshotStore(storage, d, "latest")
     seen = {}
 
     def savefun(obj, f):
-        seen["manifest_during_write"] = os.path.exists(tmp_path / ".snapkeep" / "latest.json")
+        seen["old_verifies_during_write"] = catalog.verify(catalog.entries()[0]) is not None
         torch.save(obj, f)
 
     writer("latest", str(tmp_path), {"v": torch.ones(10)}, savefun=savefun)
     writer.finalize()
-    assert seen["manifest_during_write"] is False
-    storage, d = resolve_storage(str(tmp_path))
-    catalog = SnapshotStore(storage, d, "latest")
+    assert seen["old_verifies_during_write"] is True
     assert catalog.verify(catalog.entries()[0]) is not None
+    assert torch.equal(torch.load(tmp_path / "latest", weights_only=True)["v"], torch.ones(10))
 
 
 def test_counter_fields_match_whole_numbers_only():
@@ -122,3 +124,58 @@ def test_counter_fields_match_whole_numbers_only():
     assert template.parse("snap_e2_i300.5_acc0.75") is None  # a stray name is not a snapshot
     assert template.parse("snap_e2.0_i300_acc0.75") is None
     assert FilenameTemplate("it_{.iteration:06d}").step_of("it_000120") == 120
+
+
+# -- the store's own operations --------------------------------------------------------------------
+def _store_with(tmp_path, steps, run_id="run-a"):
+    from snapkeep._core.job import SaveJob
+
+    storage, d = resolve_storage(str(tmp_path))
+    store = SnapshotStore(storage, d, "s_{.iteration}")
+    for step in steps:
+        store.commit(SaveJob(storage=storage, path=os.path.join(d, f"s_{step}"),
+                             savefun=torch.save, step=step, run_id=run_id),
+                     {"step": torch.tensor(step)})
+    return store
+
+
+@pytest.mark.parametrize(("lineage", "protect", "kept"), [
+    ({"run-a"}, [], ["s_3", "s_4"]),
+    ({"run-a"}, ["s_1"], ["s_1", "s_3", "s_4"]),
+    ({"run-b"}, [], ["s_3", "s_4"]),  # committed by this store object: its own files
+])
+def test_retain_keeps_policy_protect_and_newest(tmp_path, lineage, protect, kept):
+    from snapkeep.retention import KeepLatest
+
+    store = _store_with(tmp_path, [1, 2, 3, 4])
+    protected = [os.path.join(store.directory, n) for n in protect]
+    store.retain(KeepLatest(2), frozenset(lineage), protect=protected)
+    assert [e.name for e in store.entries()] == kept
+    assert sorted(os.listdir(tmp_path / ".snapkeep")) == sorted(f"{n}.json" for n in kept)
+
+
+def test_retain_leaves_other_runs_files_alone(tmp_path):
+    from snapkeep.retention import KeepLatest
+
+    _store_with(tmp_path, [1, 2, 3], run_id="other")
+    store = SnapshotStore(*resolve_storage(str(tmp_path)), "s_{.iteration}")  # a new process
+    assert store.retain(KeepLatest(1), frozenset({"mine"})) == []
+    assert [e.name for e in store.entries()] == ["s_1", "s_2", "s_3"]
+
+
+def test_delete_and_sweep_orphan_manifests(tmp_path):
+    store = _store_with(tmp_path, [1, 2])
+    store.delete(store.entries()[0])
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "s_2"]
+    os.remove(tmp_path / "s_2")  # as a kill between the two deletes leaves it
+    assert store.orphan_manifests() == [str(tmp_path / ".snapkeep" / "s_2.json")]
+    assert store.sweep() == [str(tmp_path / ".snapkeep" / "s_2.json")]
+    assert os.listdir(tmp_path / ".snapkeep") == []
+
+
+def test_on_error_snapshots_are_never_entries(tmp_path):
+    from snapkeep._core.store import ON_ERROR_SUFFIX
+
+    store = _store_with(tmp_path, [1])
+    (tmp_path / f"s_2{ON_ERROR_SUFFIX}").write_bytes(b"x")
+    assert [e.name for e in store.entries()] == ["s_1"]

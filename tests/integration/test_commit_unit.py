@@ -19,9 +19,9 @@ import torch
 from integration_support import listing, make_model, make_run, train
 
 import snapkeep
+from snapkeep._core.commit import commit_job
 from snapkeep._core.job import SaveJob
-from snapkeep._core.storage import Storage, resolve_storage
-from snapkeep._core.store import commit_job
+from snapkeep._core.storage import RenameCommit, ReplaceCommit, Storage, resolve_storage
 
 WIDTH = 300  # a snapshot of ~0.35 MiB
 
@@ -53,8 +53,21 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(path)], capture_output=True, timeout=30, check=False)
 
 
-class _ManifestsFail(Storage):
-    """A local storage whose manifest writes fail like a full disk (data files succeed)."""
+class _ManifestsFail(ReplaceCommit):
+    """The local commit strategy, but manifests fail like a full disk (data files succeed)."""
+
+    def write(self, fs, target, write_fn):
+        if ".json" in os.path.basename(target.url):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), target.url)
+        return super().write(fs, target, write_fn)
+
+
+class _ObjectStoreManifestsFail(Storage):
+    """A storage without the two-file publish (as object stores) whose manifests fail."""
+
+    def __init__(self, fs):
+        super().__init__(fs, RenameCommit())
+        self.strategy = _PlainReplace()
 
     def write_bytes(self, path, data, *, tag="w"):
         if path.endswith(".json"):
@@ -62,18 +75,43 @@ class _ManifestsFail(Storage):
         return super().write_bytes(path, data, tag=tag)
 
 
+class _PlainReplace:
+    """Not a ReplaceCommit: commits one file at a time (as a rename-only filesystem)."""
+
+    real_directories = True
+
+    def write(self, fs, target, write_fn):
+        return ReplaceCommit(direct_io=False).write(fs, target, write_fn)
+
+
 def _job(storage, path, **kwargs) -> SaveJob:
     return SaveJob(storage=storage, path=path, savefun=torch.save, step=1, **kwargs)
 
 
-def test_a_manifest_that_cannot_be_written_takes_its_snapshot_back(tmp_path):
+@pytest.mark.parametrize("failing", [
+    pytest.param(lambda fs: Storage(fs, _ManifestsFail()), id="local-two-temps"),
+    pytest.param(_ObjectStoreManifestsFail, id="one-file-at-a-time"),
+])
+def test_a_manifest_that_cannot_be_written_leaves_no_snapshot(tmp_path, failing):
     base, d = resolve_storage(str(tmp_path))
-    storage = _ManifestsFail(base.fs, base.strategy)
+    storage = failing(base.fs)
     commit_job(_job(base, os.path.join(d, "keep_1")), {"x": torch.ones(3)})
     with pytest.raises(OSError) as info:
         commit_job(_job(storage, os.path.join(d, "snap_2")), {"x": torch.ones(3)})
     assert info.value.errno == errno.ENOSPC
     assert listing(tmp_path) == [".snapkeep/keep_1.json", "keep_1"]
+
+
+def test_a_failed_manifest_leaves_the_previous_file_of_that_name_intact(tmp_path):
+    """Both temps are written before either is published: saving a name again when its
+    manifest cannot be written keeps the old snapshot and its manifest, byte for byte."""
+    base, d = resolve_storage(str(tmp_path))
+    commit_job(_job(base, os.path.join(d, "snap")), {"x": torch.zeros(3)})
+    before = {p: (tmp_path / p).read_bytes() for p in listing(tmp_path)}
+    with pytest.raises(OSError):
+        commit_job(_job(Storage(base.fs, _ManifestsFail()), os.path.join(d, "snap")),
+                   {"x": torch.ones(3)})
+    assert {p: (tmp_path / p).read_bytes() for p in listing(tmp_path)} == before
 
 
 def test_manifest_enospc_on_a_real_full_tmpfs(tmp_path, tmpfs):

@@ -4,6 +4,7 @@ back-pressure, post-commit hooks) and is refused after ``finalize()``."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -49,3 +50,26 @@ def test_save_stages_the_state_and_runs_cleanup_hooks(tmp_path):
     assert writer._saver.last_stage_stats is not None
     assert writer._saver.last_stage_stats.tensor_bytes == 16
     assert torch.equal(torch.load(tmp_path / "s", weights_only=True)["x"], torch.arange(4.0))
+
+
+class _PpeStyleWriter(writing.StandardWriter):
+    """A writer subclass written for ppe: its worker calls ``self.save`` (as ppe's own
+    ThreadWriter does) and never takes the staged ticket."""
+
+    def create_worker(self, filename, out_dir, target, *, savefun=None, append=False, **kwargs):
+        return threading.Thread(target=self.save,
+                                args=(filename, out_dir, target, savefun, append),
+                                kwargs=kwargs, daemon=True)
+
+
+def test_a_ppe_style_subclass_whose_worker_calls_save_never_deadlocks(tmp_path):
+    """save() takes a slot like every save: the call's own unused ticket gives its slot back
+    first, so max_pending=1 cannot block the worker behind it."""
+    writer = _PpeStyleWriter(out_dir=str(tmp_path), timeout_s=30)
+    for i in range(3):
+        writer(f"snap_{i}", str(tmp_path), {"x": torch.full((4,), float(i))})
+    writer.finalize()
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snap_0", "snap_1", "snap_2"]
+    for i in range(3):
+        saved = torch.load(tmp_path / f"snap_{i}", weights_only=True)["x"]
+        assert torch.equal(saved, torch.full((4,), float(i)))

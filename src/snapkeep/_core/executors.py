@@ -24,9 +24,9 @@ import traceback
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from snapkeep._core.commit import commit_job as execute
 from snapkeep._core.errors import WorkerDiedError
 from snapkeep._core.job import CommitRecord, SaveJob
-from snapkeep._core.store import commit_job as execute
 
 logger = logging.getLogger(__name__)
 

@@ -405,6 +405,12 @@ class Saver:
                            ticket.job.step, reason)
             self._release(ticket.slot, ticket.handle)
 
+    def discard(self, ticket: Ticket) -> None:
+        """Give back the slot of a ticket that will not be used (its snapshot is written by
+        another save); nothing is logged."""
+        if ticket.handle.committed.cancel():
+            self._release(ticket.slot, ticket.handle)
+
     def _run_hooks(self, record: CommitRecord) -> None:
         for hook in list(self._hooks):
             try:

@@ -2,10 +2,10 @@
 
 ``SnapshotStore(storage, directory, template)`` commits (data + manifest as one unit), lists by
 step, verifies, loads the newest valid snapshot, deletes (file + manifest), applies retention,
-sweeps stale temps and orphan manifests, and takes the directory lock. The save path is
-``saver`` (stage, back-pressure) -> :func:`commit_job` (in whichever thread or process runs the
-save) -> :meth:`SnapshotStore.retain` (in the trainer process): those two modules read top to
-bottom.
+sweeps stale temps and orphan manifests, and takes the directory lock (:mod:`.lock`). The save
+path is ``saver`` (stage, back-pressure) -> :func:`~snapkeep._core.commit.commit_job` (in
+whichever thread or process runs the save) -> :meth:`SnapshotStore.retain` (in the trainer
+process, through :class:`Retain`).
 
 "Latest" is the highest key parsed from the filename template (iteration, then epoch) among
 snapshots that verify -- never mtime. Verification checks the file against the checksum manifest
@@ -24,15 +24,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-import os
 import pickle
 import struct
-import time
 import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from snapkeep._core.checksum import digest_stream
+from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
     NoValidSnapshotError,
     SnapshotCorruptError,
@@ -46,7 +45,6 @@ from snapkeep._core.manifest import (
     Manifest,
     ManifestError,
     manifest_path,
-    now_unix_s,
     read_manifest,
 )
 from snapkeep._core.naming import FilenameTemplate
@@ -66,8 +64,6 @@ DECODE_ERRORS: tuple[type[BaseException], ...] = (
 
 #: Appended to the name of a snapshot taken when the training loop raised (mid-iteration state).
 ON_ERROR_SUFFIX = ".on-error"
-#: Name length limit assumed where the filesystem cannot be asked (POSIX NAME_MAX of ext4, xfs).
-DEFAULT_NAME_MAX = 255
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,6 +105,7 @@ class SnapshotStore:
         # paths this process committed: retention treats them as this run's files even when
         # their manifest is missing (e.g. removed after a failed manifest write)
         self._committed: set[str] = set()
+        self._warned: set[str] = set()  # invalid manifests already warned about
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.storage.url(self.directory)!r}, {self.template.template!r})"
@@ -171,7 +168,9 @@ class SnapshotStore:
             return read_manifest(self.storage, path)
         except ManifestError as e:
             message = f"{e}; treating snapshot {entry.path} as unverified"
-            warn_user(message, RuntimeWarning)
+            if message not in self._warned:  # once per store (retention reads it every save)
+                self._warned.add(message)
+                warn_user(message, RuntimeWarning)
             return None
 
     def verify(self, entry: Entry, data: bytes | None = None) -> Manifest | None:
@@ -264,6 +263,23 @@ class SnapshotStore:
             + ". Move them away to start fresh, or restore a good copy.")
 
     # -- commit ------------------------------------------------------------------------------
+    def commit(self, job: SaveJob, obj: Any) -> CommitRecord:
+        """Commit one snapshot of this store in the calling thread: :func:`commit_job` (data
+        and manifest as one unit), then recorded as this process's (see :meth:`retain`).
+        Writers run :func:`commit_job` wherever their runner puts it and the saver records it.
+
+        Raises:
+            ValueError: ``job.path`` is not in this store's directory, or its name cannot get a
+                manifest (see ``commit.check_name_length``).
+            SnapshotStorageError: as :func:`commit_job`.
+        """
+        split = self._split()
+        if split is not None and self.storage.dirname(job.path) != self._subdir(split[0]):
+            raise ValueError(f"job.path {job.path!r} is not a file of {self!r}")
+        record = commit_job(job, obj)
+        self.note_committed(record.path)
+        return record
+
     def note_committed(self, path: str) -> None:
         """Record that this process committed ``path`` (called by the saver after each commit):
         retention treats it as this run's snapshot even if its manifest goes missing."""
@@ -432,151 +448,6 @@ class SnapshotStore:
         sub = split[0] if split is not None else ""
         return StoreLock.acquire(self.storage.join(self._subdir(sub), MANIFEST_DIR),
                                   str(self.template.template), self.storage.url(self.directory))
-
-
-# -- the commit of one snapshot (runs in the trainer, a writer thread or the worker process) ------
-def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
-    """Encode ``obj`` with ``job.savefun`` and commit it with its manifest, as one unit.
-
-    Order: the name and its manifest's name are checked against the filesystem's limit before
-    anything is written; the data file is committed atomically and durably, then its manifest.
-    When the manifest cannot be committed (disk full, name refused), the data file is removed
-    again and the error raised: a snapshot never stays committed without its manifest because
-    of a failed write (a kill between the two commits still can leave one; it then loads as
-    unverified).
-
-    Raises:
-        ValueError: the name or its manifest's name is longer than the filesystem allows (the
-            message names the limit); nothing was written.
-        SnapshotStorageError: an OS/storage fault (file, bytes and errno named); nothing partial
-            is left under ``job.path``.
-        Exception: whatever ``savefun`` raised, after the same clean-up.
-    """
-    if not callable(job.savefun):
-        raise TypeError(
-            f"savefun must be a callable like torch.save(obj, file), got {job.savefun!r}"
-        )
-    start = time.perf_counter()
-    storage = job.storage
-    directory = storage.dirname(job.path)
-    if not job.append:
-        check_name_length(storage, job.path)
-    storage.makedirs(directory)
-    if job.append:
-        storage.append(job.path, lambda f: job.savefun(obj, f, **job.savefun_kwargs))
-        return CommitRecord(
-            path=job.path, size_bytes=storage.size(job.path), checksum=None,
-            write_s=time.perf_counter() - start, step=job.step,
-        )
-    mpath = manifest_path(storage, job.path)
-    storage.makedirs(storage.dirname(mpath))
-    previous_manifest = _drop_stale_manifest(storage, mpath)
-    try:
-        result = storage.write(
-            job.path, lambda f: job.savefun(obj, f, **job.savefun_kwargs), tag=job.tag
-        )
-    except BaseException:
-        # the previous file of this name is intact: so must be its manifest
-        _restore_manifest(storage, mpath, previous_manifest, job.tag)
-        raise
-    manifest = Manifest(
-        name=storage.basename(job.path), size_bytes=result.size_bytes, checksum=result.checksum,
-        step=job.step, created_unix_s=now_unix_s(), snapkeep_version=job.version,
-        run_id=job.run_id, metrics=dict(job.metrics),
-    )
-    try:
-        storage.write_bytes(mpath, manifest.to_bytes(), tag=job.tag)
-    except BaseException as e:
-        _roll_back(storage, job.path, e)
-        raise
-    elapsed = time.perf_counter() - start
-    logger.debug("committed %s (%d bytes, step %s) in %.3f s", job.path, result.size_bytes,
-                 job.step, elapsed)
-    return CommitRecord(
-        path=job.path, size_bytes=result.size_bytes, checksum=result.checksum, write_s=elapsed,
-        step=job.step,
-    )
-
-
-def name_max(storage: Storage, directory: str) -> int:
-    """Longest file name (bytes) the filesystem under ``directory`` accepts."""
-    if storage.is_local:
-        probe = directory
-        while probe and not os.path.isdir(probe):
-            parent = os.path.dirname(probe)
-            if parent == probe:
-                break
-            probe = parent
-        try:
-            return int(os.pathconf(probe or ".", "PC_NAME_MAX"))
-        except (OSError, ValueError):
-            return DEFAULT_NAME_MAX
-    return DEFAULT_NAME_MAX
-
-
-def check_name_length(storage: Storage, path: str) -> None:
-    """Refuse a snapshot name whose manifest name (name + ``'.json'``) exceeds the filesystem's
-    NAME_MAX, before anything is written.
-
-    Raises:
-        ValueError: names the name, its length and the limit.
-    """
-    name = storage.basename(path)
-    limit = name_max(storage, storage.dirname(path))
-    longest = len((name + ".json").encode())
-    if longest > limit:
-        raise ValueError(
-            f"snapshot name {name!r} is {len(name.encode())} bytes; with its manifest's '.json' "
-            f"suffix it needs {longest} bytes, over this filesystem's NAME_MAX of {limit} bytes. "
-            f"Use a filename template that gives names of at most {limit - 5} bytes")
-
-
-def _roll_back(storage: Storage, path: str, error: BaseException) -> None:
-    """Remove a committed data file whose manifest could not be committed."""
-    try:
-        storage.remove(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        logger.error("the manifest of %s could not be written (%s) and removing the snapshot "
-                     "failed too (%s); it stays without a manifest (unverified)", path, error, e)
-        return
-    logger.warning("removed snapshot %s again: its manifest could not be written (%s)", path,
-                   error)
-
-
-def _drop_stale_manifest(storage: Storage, mpath: str) -> bytes | None:
-    """Remove the manifest of a file about to be overwritten (same name saved again); return
-    its bytes (None when there was none) so that a failed save can put it back.
-
-    Otherwise a crash between the new file's commit and its manifest's would leave the old
-    manifest describing the new file, and a good snapshot would fail verification. Without a
-    manifest the file (old or new, each complete) loads as unverified instead.
-    """
-    try:
-        previous = storage.read_bytes(mpath)
-    except FileNotFoundError:
-        return None
-    try:
-        storage.remove(mpath)
-    except FileNotFoundError:
-        return None
-    except OSError as e:  # the save itself can still succeed; only the crash window stays open
-        logger.warning("could not remove the stale manifest %s before overwriting its snapshot: "
-                       "%s", mpath, e)
-        return None
-    return previous
-
-
-def _restore_manifest(storage: Storage, mpath: str, data: bytes | None, tag: str) -> None:
-    """Put back the manifest removed by :func:`_drop_stale_manifest` after a failed save."""
-    if data is None:
-        return
-    try:
-        storage.write_bytes(mpath, data, tag=tag)
-    except Exception as e:  # the save's own error is what the caller must see
-        logger.warning("could not restore the manifest %s after a failed save; its snapshot "
-                       "now loads as unverified: %s", mpath, e)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

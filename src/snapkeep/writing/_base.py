@@ -355,6 +355,10 @@ class StandardWriter(Writer):
             finally:
                 runs_ticket = self._next_ticket is None  # the worker took it (_take_ticket)
                 self._next_ticket = None
+        if not runs_ticket:
+            # a subclass worker that saves by itself (ppe's pattern: target=self.save) goes
+            # through save(), which takes its own slot: give this unused one back first
+            self._saver.discard(ticket)
         try:
             worker.start()
         except BaseException:
@@ -362,8 +366,11 @@ class StandardWriter(Writer):
             raise
         if runs_ticket:
             self._runs_ticket.add(id(worker))
-        self._workers.append((worker, ticket))
-        return ticket.handle
+            self._workers.append((worker, ticket))
+            return ticket.handle
+        self._workers.append((worker, None))
+        self.last_handle = None
+        return None
 
     def create_worker(
         self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
