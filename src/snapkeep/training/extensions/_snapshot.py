@@ -39,7 +39,7 @@ import torch.distributed
 from snapkeep._core.catalog import Catalog, Entry
 from snapkeep._core.errors import SnapshotError, StateMismatchError
 from snapkeep._core.job import CommitRecord
-from snapkeep._core.loading import load_file
+from snapkeep._core.loading import into_existing_state, load_file, optimizers_in
 from snapkeep._core.manifest import Manifest, manifest_path
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
@@ -531,8 +531,9 @@ class _Snapshot(extension.Extension):
                 f"snapshot {entry.path} (step {entry.step}) does not match the target: "
                 f"{describe(problems)}. Nothing was loaded or deleted; point out_dir elsewhere or "
                 "fix the model definition.")
-        for obj, sub, _ in pairs:
-            obj.load_state_dict(self._strip_rank_state(sub))
+        with into_existing_state(optimizers_in(target)):  # in place where shapes match
+            for obj, sub, _ in pairs:
+                obj.load_state_dict(self._strip_rank_state(sub))
         self._restore_rank_state(state)
 
     def _strip_rank_state(self, state: Any) -> Any:
