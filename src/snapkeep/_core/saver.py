@@ -144,6 +144,8 @@ class Saver:
         self._closed = False
         self.last_stage_stats: StageStats | None = None
         self._pid = os.getpid()
+        self._prefaulted = threading.Event()  # clear while a prefault thread fills a slot
+        self._prefaulted.set()
         _LIVE_SAVERS.add(self)
 
     # -- public ----------------------------------------------------------------------------------
@@ -173,6 +175,7 @@ class Saver:
             # a save that failed while this call waited for its slot surfaces now, not one
             # call later
             self.raise_pending_error()
+            self._wait_prefault()
             staged, stats = slot.buffers.stage(tree) if self._stage else (tree, _no_stats())
         except BaseException:
             handle.committed.cancel()
@@ -236,6 +239,7 @@ class Saver:
                 self.wait(timeout_s if timeout_s is not None else self.timeout_s)
         finally:
             self._closed = True
+            self._prefaulted.wait()  # a bounded memset; its buffers are closed next
             self.runner.close()
             for slot in self._slots:
                 close = getattr(slot.buffers.allocator, "close", None)
@@ -255,6 +259,41 @@ class Saver:
         """Paths of the snapshots staged or being written, oldest slot first."""
         with self._cond:
             return [s.handle.path for s in self._slots if s.handle is not None]
+
+    def prefault_async(self, tree: Any) -> None:
+        """Allocate and fault in the first slot's staging buffers for a tree shaped like
+        ``tree`` in a background thread (see :mod:`snapkeep._core.prefault`); a snapshot
+        arriving meanwhile waits for it. Does nothing for a saver that does not stage, a closed
+        one, or while a snapshot holds the slot. A failure is logged (the snapshot that follows
+        reports its own)."""
+        from snapkeep._core.staging import prefault
+
+        with self._cond:
+            if not self._stage or self._closed or not self._prefaulted.is_set():
+                return
+            if not self._slots:
+                self._slots.append(_Slot(buffers=self._new_buffers()))
+            slot = self._slots[0]
+            if slot.handle is not None:
+                return
+            self._prefaulted.clear()
+
+        def work() -> None:
+            try:
+                nbytes = prefault(slot.buffers, tree)
+                logger.debug("prefaulted %d bytes of staging buffers", nbytes)
+            except (TypeError, RuntimeError, MemoryError, OSError) as e:
+                logger.warning("could not prepare staging buffers before the first snapshot "
+                               "(%s: %s); the first snapshot allocates them", type(e).__name__, e)
+            finally:
+                self._prefaulted.set()
+
+        threading.Thread(target=work, name="snapkeep-prefault", daemon=True).start()
+
+    def _wait_prefault(self) -> None:
+        if not self._prefaulted.wait(self.timeout_s):
+            raise SnapshotTimeoutError(
+                f"staging buffers were still being prepared after {self.timeout_s} s")
 
     # -- internals ------------------------------------------------------------------------------
     def _new_buffers(self) -> BufferSet:

@@ -140,6 +140,34 @@ class BufferSet:
         )
 
 
+def prefault(buffers: BufferSet, tree: Any) -> int:
+    """Allocate ``buffers``' staging buffers for a tree shaped like ``tree`` and fault them in
+    (zero-fill every page), so that staging a snapshot of it later only copies. Returns the
+    bytes faulted in (0 when the buffers were already there).
+
+    Only layouts (tree paths and storage sizes) are read from ``tree``, never its values, so it
+    may be called from a background thread while training runs, as long as ``tree``'s
+    containers are not mutated meanwhile (pass a fresh ``state_dict()``). Not thread-safe with
+    :meth:`BufferSet.stage` on the same ``buffers``: the caller serialises them.
+
+    Raises:
+        TypeError: as :meth:`BufferSet.stage`, for tensors that cannot be staged.
+    """
+    sources: dict[tuple[str, int, int], int] = {}
+    layout: list[tuple[_Path, int, bool]] = []
+    storages: list[torch.UntypedStorage] = []
+    _collect(tree, (), sources, layout, storages)
+    reserved, allocated = buffers.allocator.reserve(layout)
+    if not allocated:
+        return 0
+    chunks = [(buf.data_ptr() + off, min(COPY_CHUNK_BYTES, buf.nbytes() - off))
+              for buf in reserved if buf.device.type == "cpu"
+              for off in range(0, buf.nbytes(), COPY_CHUNK_BYTES)]
+    for ptr, nbytes in chunks:
+        ctypes.memset(ptr, 0, nbytes)  # releases the GIL, like the staging copy
+    return allocated
+
+
 #: Host-to-host staging copies are cut into chunks of this many bytes, handed out one at a time
 #: to up to ``torch.get_num_threads()`` threads (the caller's included).
 COPY_CHUNK_BYTES = 16 << 20

@@ -42,6 +42,7 @@ from snapkeep._core.job import CommitRecord
 from snapkeep._core.loading import into_existing_state, load_file, optimizers_in
 from snapkeep._core.manifest import Manifest, manifest_path
 from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.prefault import prefault_before_first_snapshot
 from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import resolve_storage
 from snapkeep._core.structure import describe, find_mismatches
@@ -343,6 +344,10 @@ class _Snapshot(extension.Extension):
         elif self._is_saver() and not _has_autoloading_snapshot(manager):
             self._warn_about_existing(manager)
         self._register_retention(manager)
+        if self._is_saver() and isinstance(self.writer, _SnapkeepWriter):  # no first-call penalty
+            target = manager if self._target is None else self._target
+            prefault_before_first_snapshot(self.writer._saver, lambda: self._state(manager),
+                                           optimizers_in(target))
         return loaded
 
     def _check_template(self, manager: Any) -> None:
