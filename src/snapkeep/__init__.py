@@ -14,6 +14,7 @@ from snapkeep.errors import (  # noqa: E402
     SnapshotSaveError,
     SnapshotStorageError,
     SnapshotTimeoutError,
+    StagingRaceError,
     StateMismatchError,
     UnsafeSnapshotError,
     WorkerDiedError,
@@ -23,6 +24,7 @@ from snapkeep.reporting import report  # noqa: E402
 __all__ = [
     "__version__", "errors", "reporting", "retention", "training", "writing", "report",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
-    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
+    "UnsafeSnapshotError",
     "WorkerDiedError",
 ]

@@ -7,6 +7,7 @@ from snapkeep._core.errors import (
     SnapshotSaveError,
     SnapshotStorageError,
     SnapshotTimeoutError,
+    StagingRaceError,
     StateMismatchError,
     UnsafeSnapshotError,
     WorkerDiedError,
@@ -14,6 +15,7 @@ from snapkeep._core.errors import (
 
 __all__ = [
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
-    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
+    "UnsafeSnapshotError",
     "WorkerDiedError",
 ]

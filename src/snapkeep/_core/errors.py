@@ -65,3 +65,8 @@ class StateMismatchError(SnapshotError, ValueError):
 
 class UnsafeSnapshotError(SnapshotError, pickle.UnpicklingError):
     """A snapshot needs arbitrary unpickling, which is refused unless ``weights_only=False``."""
+
+
+class StagingRaceError(SnapshotError, RuntimeError):
+    """A tensor staged in the background (overlapped staging) was modified in place after the
+    snapshot call and before (or while) it was copied; that snapshot was not written."""

@@ -42,6 +42,7 @@ from snapkeep._core.job import CommitRecord
 from snapkeep._core.loading import into_existing_state, load_file, optimizers_in
 from snapkeep._core.manifest import Manifest, manifest_path
 from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.overlap import StagingGuard, arm
 from snapkeep._core.prefault import prefault_before_first_snapshot
 from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import resolve_storage
@@ -159,6 +160,7 @@ def snapshot(
     weights_only: bool = True,
     map_location: Any = "cpu",
     on_save_error: str = "raise",
+    overlap: bool = True,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
 
@@ -190,6 +192,13 @@ def snapshot(
         map_location: ``torch.load``'s ``map_location`` for autoload (default ``'cpu'``).
         on_save_error: ``'raise'`` (default) stops training on a failed save; ``'log'`` logs it
             and continues.
+        overlap: with a background writer, the call copies at once everything but the
+            manager's optimizers' parameters and state, which are copied while the next
+            forward/backward runs; those optimizers' ``step()`` waits for the copy, and a tensor
+            modified in place before it was copied fails the snapshot
+            (:class:`snapkeep.StagingRaceError`, never a torn file). See
+            :mod:`snapkeep._core.overlap` for what the check cannot see. ``False`` copies all of
+            the state in the call.
 
     Raises:
         TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type.
@@ -202,7 +211,7 @@ def snapshot(
         target=target, condition=condition, writer=writer, filename=filename,
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
         savefun=savefun, retention=retention, weights_only=weights_only,
-        map_location=map_location, on_save_error=on_save_error,
+        map_location=map_location, on_save_error=on_save_error, overlap=overlap,
     )
     if snapshot_mode == SnapshotMode.DEFAULT and saver_rank is None:
         return _Snapshot(**kwargs)
@@ -245,6 +254,7 @@ class _Snapshot(extension.Extension):
         snapshot_on_error: bool = False, n_retains: int = -1, autoload: bool = False,
         savefun: Any = None, *, retention: RetentionPolicy | None = None,
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
+        overlap: bool = True,
     ) -> None:
         _check_target(target)
         if condition is None:
@@ -261,6 +271,8 @@ class _Snapshot(extension.Extension):
         if on_save_error not in ON_SAVE_ERROR:
             raise ValueError(
                 f"on_save_error must be one of {ON_SAVE_ERROR}, got {on_save_error!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
         if writer is not None and not callable(writer):
             raise TypeError(f"writer must be a callable writer object, got {writer!r}")
         if savefun is not None and not callable(savefun):
@@ -277,6 +289,9 @@ class _Snapshot(extension.Extension):
         self._weights_only = weights_only
         self._map_location = map_location
         self._on_save_error = on_save_error
+        self._overlap = overlap
+        self._staging_guard = StagingGuard()
+        self._overlap_before_copy: Callable[[], None] | None = None  # a test seam (a gate)
         policies = [p for p in (KeepLatest(n_retains) if n_retains > 0 else None, retention) if p]
         self._retention: RetentionPolicy | None = None
         if len(policies) == 1:
@@ -417,13 +432,23 @@ class _Snapshot(extension.Extension):
                 writer._saver.raise_pending_error()
             except (SnapshotError, OSError) as e:
                 logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
+        if self._overlap and isinstance(writer, _SnapkeepWriter):
+            target = manager if self._target is None else self._target
+            arm(writer._saver, optimizers_in(target), self._staging_guard,
+                before_copy=self._overlap_before_copy)
         try:
             writer(filename, manager.out, state, savefun=self._savefun, **extra)
+            handle = getattr(writer, "last_handle", None)
+            if handle is not None and not handle.staged.done():
+                self._staging_guard.track(handle.staged)  # the next step() waits for it
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
                 raise
             logger.error("snapshot %s at iteration %s failed and on_save_error='log': %s",
                          filename, manager.iteration, e)
+        finally:
+            if isinstance(writer, _SnapkeepWriter):
+                writer._saver.overlap_next(None)  # never left armed for a direct writer call
 
     # -- autoload ------------------------------------------------------------------------------
     def _catalog(self, manager: Any, *, quiet: bool = False) -> Catalog | None:
