@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 import torch
-
 from _measure import GIB, median, table
+
 from snapkeep._core.checksum import HashingWriter
 from snapkeep._core.codec import torch_save
 from snapkeep._core.storage._direct import DirectFile, open_for_write

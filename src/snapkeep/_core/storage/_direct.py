@@ -38,8 +38,8 @@ ALIGN_BYTES = 4096
 #: Whether this platform has ``O_DIRECT`` (Linux); elsewhere files are written buffered.
 SUPPORTED = hasattr(os, "O_DIRECT")
 #: Direct writes in flight per file, each from its own chunk buffer, while the next chunk is
-#: gathered: 2 measured fastest on this machine's virtio disk (``benchmarks/bench_write_streams.py``:
-#: 1, 2 and 4 streams); 1 writes each chunk before gathering the next.
+#: gathered: 2 measured fastest on this machine's virtio disk (1, 2 and 4 streams in
+#: ``benchmarks/bench_write_streams.py``); 1 writes each chunk before gathering the next.
 WRITE_STREAMS = 2
 #: Free buffers kept for reuse (a writer thread per snapshot still reuses them).
 _POOL_MAX = 4 * WRITE_STREAMS
