@@ -4,6 +4,11 @@ Loading uses ``torch.load(weights_only=True)`` (tensors, containers and primitiv
 plus :data:`SAFE_GLOBALS`; arbitrary unpickling, which can run code, happens only when the caller
 passes ``weights_only=False`` by name. Files in the safetensors format (detected from their first
 bytes, see :mod:`snapkeep._core.codec`) are decoded by safetensors, which never runs code.
+
+Local files are memory-mapped (``torch.load(mmap=True)``, safetensors' own mapping): the loaded
+tensors are copy-on-write views of the file's page-cache pages, so resuming holds no second copy
+of the state and reads it at disk speed. Callers verify the file's checksum first
+(:meth:`snapkeep._core.catalog.Catalog.verify` hashes it through a memory map as well).
 """
 
 from __future__ import annotations
