@@ -72,3 +72,24 @@ def test_simple_writer_needs_no_prefault(tmp_path, model_and_optimizer):
     assert writer._saver._slots == [] or all(
         s.buffers.allocator.total_bytes == 0 for s in writer._saver._slots)
     manager.finalize()
+
+
+def test_a_state_that_cannot_be_built_yet_does_not_stop_training(tmp_path, model_and_optimizer):
+    from snapkeep._core.prefault import prefault_before_first_snapshot
+
+    model, optimizer = model_and_optimizer  # has state: prepared at once
+    writer = writing.ThreadWriter(out_dir=str(tmp_path))
+    calls = []
+
+    def state_fn():
+        calls.append(1)
+        raise RuntimeError("an extension is not initialized yet")
+
+    prefault_before_first_snapshot(writer._saver, state_fn, [optimizer])
+    assert calls == [1] and writer._saver._slots == []  # nothing prepared, nothing raised
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1)  # no state: prepared after its step
+    prefault_before_first_snapshot(writer._saver, state_fn, [fresh])
+    model(torch.randn(3, 8)).sum().backward()
+    fresh.step()  # the post-step hook's failure must not reach the training loop
+    assert calls == [1, 1]
+    writer.finalize()

@@ -38,7 +38,7 @@ def prefault_before_first_snapshot(
     """
     lazy = [o for o in optimizers if not o.state]
     if not lazy:
-        saver.prefault_async(state_fn())
+        _prefault(saver, state_fn)
         return
     waiting = {id(o) for o in lazy}
     lock = threading.Lock()
@@ -53,9 +53,21 @@ def prefault_before_first_snapshot(
         if done:
             for handle in handles:
                 handle.remove()
-            saver.prefault_async(state_fn())
+            _prefault(saver, state_fn)
 
     for optimizer in lazy:
         handles.append(optimizer.register_step_post_hook(after_step))
     logger.debug("staging buffers will be prefaulted after the first step of %d optimizer(s) "
                  "without state", len(lazy))
+
+
+def _prefault(saver: Any, state_fn: Callable[[], Any]) -> None:
+    """Never lets a preparation fail training: a state that cannot be built yet (an extension
+    not initialized) is logged, and the first snapshot allocates as before."""
+    try:
+        tree = state_fn()
+    except Exception as e:  # noqa: BLE001 -- an optimisation only; the snapshot reports its own
+        logger.debug("staging buffers not prefaulted: the state could not be built yet (%s: %s)",
+                     type(e).__name__, e)
+        return
+    saver.prefault_async(tree)
