@@ -13,6 +13,7 @@ from snapkeep.errors import (  # noqa: E402
     SnapshotSaveError,
     SnapshotStorageError,
     SnapshotTimeoutError,
+    StagingRaceError,
     StateMismatchError,
     StoreLockedError,
     UnsafeSnapshotError,
@@ -25,6 +26,6 @@ __all__ = [
     "__version__", "errors", "reporting", "retention", "training", "writing", "load_latest",
     "report",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
-    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "StoreLockedError",
-    "UnsafeSnapshotError", "WorkerDiedError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
+    "StoreLockedError", "UnsafeSnapshotError", "WorkerDiedError",
 ]

@@ -12,6 +12,7 @@ from snapkeep._core.errors import (
     SnapshotSaveError,
     SnapshotStorageError,
     SnapshotTimeoutError,
+    StagingRaceError,
     StateMismatchError,
     StoreLockedError,
     UnsafeSnapshotError,
@@ -21,7 +22,7 @@ from snapkeep._core.errors import (
 __all__ = [
     "CollectiveTimeoutError", "NoCommonSnapshotError", "RankFailedError",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
-    "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "StoreLockedError",
-    "UnsafeSnapshotError", "WorkerDiedError", "CollectiveTimeoutError", "NoCommonSnapshotError",
-    "RankFailedError",
+    "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
+    "StoreLockedError", "UnsafeSnapshotError", "WorkerDiedError",
+    "CollectiveTimeoutError", "NoCommonSnapshotError", "RankFailedError",
 ]

@@ -155,6 +155,30 @@ def load_safetensors(data: bytes, *, map_location: Any = "cpu") -> Any:
         flat = load(data)
     except (SafetensorError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"not a readable safetensors file: {e}") from e
+    return _tree(flat, meta, map_location)
+
+
+def load_safetensors_file(path: str, *, map_location: Any = "cpu") -> Any:
+    """:func:`load_safetensors` for a local file, through safetensors' own memory map: the
+    tensors are views of the mapped file (copy-on-write), so nothing is read until used.
+
+    Raises:
+        ValueError, TypeError: as :func:`load_safetensors`.
+        OSError: the file cannot be opened.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            meta = dict(f.metadata() or {})
+            flat = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not a readable safetensors file: {e}") from e
+    return _tree(flat, meta, map_location)
+
+
+def _tree(flat: dict[str, torch.Tensor], meta: dict[str, str], map_location: Any) -> Any:
+    """The tree :func:`save_safetensors` flattened into ``flat`` (with its ``meta``)."""
     if map_location not in (None, "cpu"):
         if not isinstance(map_location, (str, torch.device)):
             raise TypeError("safetensors snapshots support map_location as a device only, got "

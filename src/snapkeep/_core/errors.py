@@ -69,3 +69,8 @@ class UnsafeSnapshotError(SnapshotError, pickle.UnpicklingError):
 
 class StoreLockedError(SnapshotError, RuntimeError):
     """Another live trainer holds the lock of this output directory and filename template."""
+
+
+class StagingRaceError(SnapshotError, RuntimeError):
+    """A tensor staged in the background (overlapped staging) was modified in place after the
+    snapshot call and before (or while) it was copied; that snapshot was not written."""

@@ -4,20 +4,35 @@ Loading uses ``torch.load(weights_only=True)`` (tensors, containers and primitiv
 plus :data:`SAFE_GLOBALS`; arbitrary unpickling, which can run code, happens only when the caller
 passes ``weights_only=False`` by name. Files in the safetensors format (detected from their first
 bytes, see :mod:`snapkeep._core.codec`) are decoded by safetensors, which never runs code.
+
+Local files are memory-mapped (``torch.load(mmap=True)``, safetensors' own mapping): the loaded
+tensors are copy-on-write views of the file's page-cache pages, so resuming holds no second copy
+of the state and reads it at disk speed. Callers verify the file's checksum first
+(:meth:`snapkeep._core.catalog.Catalog.verify` hashes it through a memory map as well).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import pickle
 import re
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from snapkeep._core.codec import HEADER_PROBE_BYTES, is_safetensors_header, load_safetensors
+from snapkeep._core.codec import (
+    HEADER_PROBE_BYTES,
+    is_safetensors_header,
+    load_safetensors,
+    load_safetensors_file,
+)
 from snapkeep._core.errors import UnsafeSnapshotError
 from snapkeep._core.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 #: Extra types snapkeep's own snapshots may contain, allowed under ``weights_only=True``.
 SAFE_GLOBALS: list[Any] = []
@@ -56,12 +71,14 @@ def load_file(
     else:
         with storage.open_read(path) as f:
             head = f.read(HEADER_PROBE_BYTES)
-            if is_safetensors_header(head):
-                return load_safetensors(head + f.read(), map_location=map_location)
+        if is_safetensors_header(head):
+            return load_safetensors_file(path, map_location=map_location)
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            source: Any = path if data is None else io.BytesIO(data)
-            return torch.load(source, map_location=map_location, weights_only=weights_only)
+            if data is not None:
+                return torch.load(io.BytesIO(data), map_location=map_location,
+                                  weights_only=weights_only)
+            return _load_mapped(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as e:
         if weights_only and "weights only" in str(e).lower():
             raise UnsafeSnapshotError(
@@ -70,3 +87,62 @@ def load_file(
                 "you trust this file, pass weights_only=False."
             ) from e
         raise
+
+
+def _load_mapped(path: str, *, map_location: Any, weights_only: bool) -> Any:
+    """``torch.load(path, mmap=True)``: tensors are copy-on-write views of the mapped file, so
+    ``load_state_dict`` copies each one straight from the page cache into the existing parameter
+    (and an optimizer adopts its state tensors without a copy); no second full copy of the state
+    is ever held. Files in torch's legacy (pre-zip) format cannot be mapped and load as before."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
+    except RuntimeError as e:
+        if "mmap can only be used" not in str(e):
+            raise
+    logger.debug("%s is in torch's legacy format; loading it without mmap", path)
+    return torch.load(path, map_location=map_location, weights_only=weights_only)
+
+
+def optimizers_in(target: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers a snapshot target restores: the target itself, the values of a dict
+    target, or a manager's ``optimizers`` mapping (as ppe's ``ExtensionsManager``)."""
+    if isinstance(target, torch.optim.Optimizer):
+        return [target]
+    if type(target) is dict:
+        return [o for v in target.values() for o in optimizers_in(v)]
+    optimizers = getattr(target, "optimizers", None)
+    if isinstance(optimizers, Mapping):
+        return [o for o in optimizers.values() if isinstance(o, torch.optim.Optimizer)]
+    return []
+
+
+@contextlib.contextmanager
+def into_existing_state(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[None]:
+    """Around ``load_state_dict``: optimizer state tensors that existed before (a resumed
+    trainer that already stepped, or a second load) receive the loaded values in place
+    (``copy_``) where shape, dtype, device and layout match, instead of being replaced by new
+    tensors; the loaded tensors (views of the mapped file) are then dropped. Parameters need
+    nothing: ``Module.load_state_dict`` always copies in place. State that did not exist before
+    is adopted as loaded (torch's ``Optimizer.load_state_dict``: no copy on the same device and
+    dtype)."""
+    before = [(opt, {p: dict(state) for p, state in opt.state.items()}) for opt in optimizers]
+    yield
+    with torch.no_grad():
+        for opt, old_states in before:
+            for param, state in opt.state.items():
+                old = old_states.get(param)
+                if not old:
+                    continue
+                for key, value in state.items():
+                    prev = old.get(key)
+                    if isinstance(prev, torch.Tensor) and prev is not value \
+                            and _same_layout(prev, value):
+                        prev.copy_(value)
+                        state[key] = prev
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.layout == b.layout == torch.strided and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and a.is_contiguous()
+            and b.is_contiguous())

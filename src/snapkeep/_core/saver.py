@@ -151,6 +151,9 @@ class Saver:
         self._closed = False
         self.last_stage_stats: StageStats | None = None
         self._pid = os.getpid()
+        self._prefaulted = threading.Event()  # clear while a prefault thread fills a slot
+        self._prefaulted.set()
+        self._next_overlap: Any = None  # an OverlapPlan for the next submit (overlap.py)
         _LIVE_SAVERS.add(self)
 
     # -- public ----------------------------------------------------------------------------------
@@ -173,6 +176,8 @@ class Saver:
         """
         if self._closed:
             raise RuntimeError("this writer is finalized; create a new writer to save again")
+        plan, self._next_overlap = self._next_overlap, None
+        self._wait_background_staging()
         self.raise_pending_error()
         handle = SaveHandle(path=job.path, step=job.step)
         slot = self._acquire_slot(handle)
@@ -182,14 +187,40 @@ class Saver:
             # a save that failed while this call waited for its slot surfaces now, not one
             # call later
             self.raise_pending_error()
-            staged, stats = slot.buffers.stage(tree) if self._stage else (tree, _no_stats())
+            self._wait_prefault()
+            finish = None
+            if self._stage and plan is not None:
+                staged, stats, finish = plan.stage(slot.buffers, tree)
+            else:
+                staged, stats = slot.buffers.stage(tree) if self._stage else (tree, _no_stats())
         except BaseException:
             handle.committed.cancel()
             self._release(slot, handle)
             raise
         self.last_stage_stats = stats
-        handle.staged.set_result(stats)
+        if finish is None:
+            handle.staged.set_result(stats)
+        else:
+            _finish_in_background(handle, finish)
         return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain)
+
+    def overlap_next(self, plan: Any) -> None:
+        """Stage the next :meth:`submit` (same thread) per ``plan``
+        (:class:`snapkeep._core.overlap.OverlapPlan`): part now, the rest in the background;
+        ``handle.staged`` resolves when all is copied, and the write waits for it."""
+        self._next_overlap = plan
+
+    def _wait_background_staging(self) -> None:
+        """The next snapshot waits for the previous one's background staging."""
+        with self._cond:
+            staging = [s.handle.staged for s in self._slots
+                       if s.handle is not None and not s.handle.staged.done()]
+        for future in staging:
+            try:
+                future.exception(timeout=self.timeout_s)
+            except concurrent.futures.TimeoutError as e:
+                raise SnapshotTimeoutError(
+                    f"background staging not done after {self.timeout_s} s") from e
 
     def save_now(self, job: SaveJob, tree: Any, *, retain: Retain | None = None) -> CommitRecord:
         """Synchronous save: ``submit`` + ``run`` in the caller's thread; raises its error."""
@@ -245,6 +276,10 @@ class Saver:
                 self.wait(timeout_s if timeout_s is not None else self.timeout_s)
         finally:
             self._closed = True
+            self._prefaulted.wait()  # a bounded memset; its buffers are closed next
+            for slot in list(self._slots):  # a background staging copy (bounded) as well
+                if slot.handle is not None:
+                    concurrent.futures.wait([slot.handle.staged])
             self.runner.close()
             for slot in self._slots:
                 close = getattr(slot.buffers.allocator, "close", None)
@@ -264,6 +299,41 @@ class Saver:
         """Paths of the snapshots staged or being written, oldest slot first."""
         with self._cond:
             return [s.handle.path for s in self._slots if s.handle is not None]
+
+    def prefault_async(self, tree: Any) -> None:
+        """Allocate and fault in the first slot's staging buffers for a tree shaped like
+        ``tree`` in a background thread (see :mod:`snapkeep._core.prefault`); a snapshot
+        arriving meanwhile waits for it. Does nothing for a saver that does not stage, a closed
+        one, or while a snapshot holds the slot. A failure is logged (the snapshot that follows
+        reports its own)."""
+        from snapkeep._core.staging import prefault
+
+        with self._cond:
+            if not self._stage or self._closed or not self._prefaulted.is_set():
+                return
+            if not self._slots:
+                self._slots.append(_Slot(buffers=self._new_buffers()))
+            slot = self._slots[0]
+            if slot.handle is not None:
+                return
+            self._prefaulted.clear()
+
+        def work() -> None:
+            try:
+                nbytes = prefault(slot.buffers, tree)
+                logger.debug("prefaulted %d bytes of staging buffers", nbytes)
+            except (TypeError, RuntimeError, MemoryError, OSError) as e:
+                logger.warning("could not prepare staging buffers before the first snapshot "
+                               "(%s: %s); the first snapshot allocates them", type(e).__name__, e)
+            finally:
+                self._prefaulted.set()
+
+        threading.Thread(target=work, name="snapkeep-prefault", daemon=True).start()
+
+    def _wait_prefault(self) -> None:
+        if not self._prefaulted.wait(self.timeout_s):
+            raise SnapshotTimeoutError(
+                f"staging buffers were still being prepared after {self.timeout_s} s")
 
     # -- internals ------------------------------------------------------------------------------
     def _new_buffers(self) -> BufferSet:
@@ -356,6 +426,7 @@ class Saver:
             slot.started = True
         staged = ticket.staged
         try:
+            handle.staged.result()  # overlapped staging: the copy (and its tripwire) first
             if execute is not None:
                 record = execute(staged) or CommitRecord(
                     path=job.path, size_bytes=0, checksum=None, write_s=0.0, step=job.step)
@@ -417,6 +488,20 @@ class Saver:
                 hook(record)
             except Exception:  # retention etc. must never stop training
                 logger.exception("post-commit hook %r failed after %s", hook, record.path)
+
+
+def _finish_in_background(handle: SaveHandle, finish: Callable[[], StageStats]) -> None:
+    def work() -> None:
+        try:
+            stats = finish()
+        except BaseException as e:  # reported through the snapshot's committed future
+            logger.error("background staging of %s (step %s) failed: %s", handle.path,
+                         handle.step, e)
+            handle.staged.set_exception(e)
+        else:
+            handle.staged.set_result(stats)
+
+    threading.Thread(target=work, name="snapkeep-overlap-stage", daemon=True).start()
 
 
 def _no_stats() -> StageStats:

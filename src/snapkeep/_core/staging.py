@@ -140,6 +140,87 @@ class BufferSet:
         )
 
 
+def stage_split(
+    buffers: BufferSet, tree: Any, defer: Any,
+) -> tuple[Any, StageStats, list[tuple[tuple[str, int, int], torch.UntypedStorage,
+                                       torch.UntypedStorage]]]:
+    """:meth:`BufferSet.stage`, except that host storages for which ``defer(ident)`` is true
+    (``ident`` = ``(device, address, bytes)``) are not copied: they are returned as
+    ``(ident, source, buffer)`` for the caller to copy later (see :mod:`snapkeep._core.overlap`).
+    The staged tree already refers to their buffers. ``StageStats.tensor_bytes`` counts the
+    bytes copied now.
+
+    Raises:
+        TypeError: as :meth:`BufferSet.stage`.
+    """
+    sources: dict[tuple[str, int, int], int] = {}
+    layout: list[tuple[_Path, int, bool]] = []
+    storages: list[torch.UntypedStorage] = []
+    _collect(tree, (), sources, layout, storages)
+    reserved, allocated = buffers.allocator.reserve(layout)
+    idents = {index: ident for ident, index in sources.items()}
+    now: list[tuple[int, int, int]] = []
+    later = []
+    streams: list[Any] = []
+    total = 0
+    for index, (src, dst) in enumerate(zip(storages, reserved)):
+        nbytes = src.nbytes()
+        if not nbytes:
+            continue
+        if src.device.type == "cpu" and defer(idents[index]):
+            later.append((idents[index], src, dst))
+            continue
+        total += nbytes
+        if src.device.type == "cpu":
+            now.append((dst.data_ptr(), src.data_ptr(), nbytes))
+            continue
+        src_bytes = torch.empty((0,), dtype=torch.uint8, device=src.device).set_(src)
+        dst_bytes = torch.empty((0,), dtype=torch.uint8).set_(dst)
+        if src.device.type == "cuda":
+            stream = _side_stream(src.device)
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(stream):
+                dst_bytes.copy_(src_bytes, non_blocking=True)
+            if stream not in streams:
+                streams.append(stream)
+        else:
+            dst_bytes.copy_(src_bytes)
+    copy_host(now)
+    for stream in streams:
+        stream.synchronize()
+    staged = _rebuild(tree, sources, reserved)
+    return staged, StageStats(tensor_bytes=total, allocated_bytes=allocated,
+                              num_storages=len(reserved)), later
+
+
+def prefault(buffers: BufferSet, tree: Any) -> int:
+    """Allocate ``buffers``' staging buffers for a tree shaped like ``tree`` and fault them in
+    (zero-fill every page), so that staging a snapshot of it later only copies. Returns the
+    bytes faulted in (0 when the buffers were already there).
+
+    Only layouts (tree paths and storage sizes) are read from ``tree``, never its values, so it
+    may be called from a background thread while training runs, as long as ``tree``'s
+    containers are not mutated meanwhile (pass a fresh ``state_dict()``). Not thread-safe with
+    :meth:`BufferSet.stage` on the same ``buffers``: the caller serialises them.
+
+    Raises:
+        TypeError: as :meth:`BufferSet.stage`, for tensors that cannot be staged.
+    """
+    sources: dict[tuple[str, int, int], int] = {}
+    layout: list[tuple[_Path, int, bool]] = []
+    storages: list[torch.UntypedStorage] = []
+    _collect(tree, (), sources, layout, storages)
+    reserved, allocated = buffers.allocator.reserve(layout)
+    if not allocated:
+        return 0
+    chunks = [(buf.data_ptr() + off, min(COPY_CHUNK_BYTES, buf.nbytes() - off))
+              for buf in reserved if buf.device.type == "cpu"
+              for off in range(0, buf.nbytes(), COPY_CHUNK_BYTES)]
+    for ptr, nbytes in chunks:
+        ctypes.memset(ptr, 0, nbytes)  # releases the GIL, like the staging copy
+    return allocated
+
+
 #: Host-to-host staging copies are cut into chunks of this many bytes, handed out one at a time
 #: to up to ``torch.get_num_threads()`` threads (the caller's included).
 COPY_CHUNK_BYTES = 16 << 20

@@ -30,7 +30,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from snapkeep._core.checksum import digest_stream
+from snapkeep._core.checksum import digest_file, digest_stream
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
     NoValidSnapshotError,
@@ -191,6 +191,8 @@ class SnapshotStore:
         try:
             if data is not None:
                 digest, size = digest_stream(io.BytesIO(data))
+            elif self.storage.is_local:  # hashed in place through a memory map (no copies)
+                digest, size = digest_file(entry.path)
             else:
                 with self.storage.open_read(entry.path) as f:
                     digest, size = digest_stream(f)

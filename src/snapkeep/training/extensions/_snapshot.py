@@ -35,6 +35,13 @@ import torch
 
 from snapkeep.errors import SnapshotError
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
+from snapkeep.staging import (
+    StagingGuard,
+    arm,
+    into_existing_state,
+    optimizers_in,
+    prefault_before_first_snapshot,
+)
 from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
@@ -119,6 +126,7 @@ def snapshot(
     on_save_error: str = "raise",
     generators: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
+    overlap: bool = True,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
 
@@ -162,6 +170,13 @@ def snapshot(
         timeout_s: with ``saver_rank`` or ``SHARDED``: bound in seconds (default 600) of every
             collective snapkeep makes; a rank that fails raises the same error on every rank,
             naming it, and a rank that died makes the others raise within ``timeout_s``.
+        overlap: with a background writer, the call copies at once everything but the
+            manager's optimizers' parameters and state, which are copied while the next
+            forward/backward runs; those optimizers' ``step()`` waits for the copy, and a tensor
+            modified in place before it was copied fails the snapshot
+            (:class:`snapkeep.StagingRaceError`, never a torn file). See
+            :mod:`snapkeep._core.overlap` for what the check cannot see. ``False`` copies all of
+            the state in the call.
 
     Raises:
         TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type.
@@ -175,6 +190,7 @@ def snapshot(
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
         savefun=savefun, retention=retention, weights_only=weights_only,
         map_location=map_location, on_save_error=on_save_error, generators=generators,
+        overlap=overlap,
     )
     if snapshot_mode == SnapshotMode.DEFAULT and saver_rank is None:
         return _Snapshot(**kwargs)
@@ -206,6 +222,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         savefun: Any = None, *, retention: RetentionPolicy | None = None,
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
         generators: Mapping[str, Any] | None = None,
+        overlap: bool = True,
     ) -> None:
         _restore.check_target(target)
         self._generators = check_generators(generators)
@@ -223,6 +240,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if on_save_error not in ON_SAVE_ERROR:
             raise ValueError(
                 f"on_save_error must be one of {ON_SAVE_ERROR}, got {on_save_error!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
         if writer is not None and not callable(writer):
             raise TypeError(f"writer must be a callable writer object, got {writer!r}")
         if savefun is not None and not callable(savefun):
@@ -239,6 +258,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         self._weights_only = weights_only
         self._map_location = map_location
         self._on_save_error = on_save_error
+        self._overlap = overlap
+        self._staging_guard = StagingGuard()
+        self._overlap_before_copy: Callable[[], None] | None = None  # a test seam (a gate)
         policies = [p for p in (KeepLatest(n_retains) if n_retains > 0 else None, retention) if p]
         self._retention: RetentionPolicy | None = None
         if len(policies) == 1:
@@ -307,6 +329,10 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         except BaseException:
             self._release_lock()
             raise
+        if self._is_saver() and isinstance(self.writer, _SnapkeepWriter):  # no first-call penalty
+            target = manager if self._target is None else self._target
+            prefault_before_first_snapshot(self.writer._saver, lambda: self._state(manager),
+                                           optimizers_in(target))
         return loaded
 
     def _check_template(self, manager: Any) -> None:
@@ -389,13 +415,23 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                 writer._saver.raise_pending_error()
             except (SnapshotError, OSError) as e:
                 logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
+        if self._overlap and isinstance(writer, _SnapkeepWriter):
+            target = manager if self._target is None else self._target
+            arm(writer._saver, optimizers_in(target), self._staging_guard,
+                before_copy=self._overlap_before_copy)
         try:
             writer(filename, manager.out, state, savefun=self._savefun, **extra)
+            handle = getattr(writer, "last_handle", None)
+            if handle is not None and not handle.staged.done():
+                self._staging_guard.track(handle.staged)  # the next step() waits for it
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
                 raise
             logger.error("snapshot %s at iteration %s failed and on_save_error='log': %s",
                          filename, manager.iteration, e)
+        finally:
+            if isinstance(writer, _SnapkeepWriter):
+                writer._saver.overlap_next(None)  # never left armed for a direct writer call
 
     # -- the store and autoload -----------------------------------------------------------------
     def _store_of(self, manager: Any, *, quiet: bool = False) -> SnapshotStore | None:
@@ -451,8 +487,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         """Check that ``state`` fits ``target`` entirely, then load it (all or nothing)."""
         pairs = _restore.pairs_to_load(target, self._strip_rank_state(state), entry)
         _restore.require_fit(pairs, entry)
-        for obj, sub, _ in pairs:
-            obj.load_state_dict(sub)
+        with into_existing_state(optimizers_in(target)):  # in place where shapes match
+            for obj, sub, _ in pairs:
+                obj.load_state_dict(sub)
         self._restore_rank_state(state)
 
     def _strip_rank_state(self, state: Any) -> Any:
