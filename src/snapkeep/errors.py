@@ -1,6 +1,7 @@
 """Public exception types (see :mod:`snapkeep._core.errors`)."""
 
 from snapkeep._core.errors import (
+    ManifestError,
     NoValidSnapshotError,
     SnapshotCorruptError,
     SnapshotError,
@@ -13,7 +14,8 @@ from snapkeep._core.errors import (
 )
 
 __all__ = [
-    "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
+    "ManifestError", "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError",
+    "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StateMismatchError", "UnsafeSnapshotError",
     "WorkerDiedError",
 ]

@@ -25,7 +25,7 @@ from snapkeep._core.errors import (
     SnapshotStorageError,
     UnsafeSnapshotError,
 )
-from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path
+from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path, read_manifest
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage
 
@@ -146,7 +146,7 @@ class Catalog:
         """The entry's manifest, or ``None`` when it has none (or it is unreadable)."""
         path = manifest_path(self.storage, entry.path)
         try:
-            return Manifest.from_bytes(self.storage.read_bytes(path))
+            return read_manifest(self.storage, path)  # validated, bounded, regular files only
         except FileNotFoundError:
             return None
         except (ValueError, UnicodeDecodeError, TypeError) as e:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from snapkeep._core.manifest import Manifest, manifest_path, now_unix_s
+from snapkeep._core.manifest import MAX_MANIFEST_BYTES, Manifest, manifest_path, now_unix_s
 from snapkeep._core.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def _drop_stale_manifest(storage: Storage, mpath: str) -> bytes | None:
     manifest the file (old or new, each complete) loads as unverified instead.
     """
     try:
-        previous = storage.read_bytes(mpath)
+        previous = storage.read_bytes(mpath, max_bytes=MAX_MANIFEST_BYTES)  # a FIFO never blocks
     except FileNotFoundError:
         return None
     try:

@@ -40,7 +40,7 @@ from snapkeep._core.catalog import Catalog, Entry
 from snapkeep._core.errors import SnapshotError, StateMismatchError
 from snapkeep._core.job import CommitRecord
 from snapkeep._core.loading import load_file
-from snapkeep._core.manifest import Manifest, manifest_path
+from snapkeep._core.manifest import manifest_path, read_manifest
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import resolve_storage
@@ -649,8 +649,8 @@ def _remove_orphan_manifests(
             logger.debug("leaving manifest %s: cannot check its snapshot (%s)", path, e)
             continue
         try:
-            run_id = Manifest.from_bytes(catalog.storage.read_bytes(path)).run_id
-        except FileNotFoundError:
+            run_id = read_manifest(catalog.storage, path).run_id  # type: ignore[union-attr]
+        except (FileNotFoundError, AttributeError):  # AttributeError: gone (None)
             continue
         except (OSError, ValueError, TypeError) as e:
             logger.debug("leaving unreadable orphan manifest %s: %s", path, e)
