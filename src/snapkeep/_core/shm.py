@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from snapkeep._core.staging import apply_lazy_bits
+
 logger = logging.getLogger(__name__)
 _ALIGN = 64
 
@@ -119,6 +121,8 @@ class TensorRef:
     offset: int
     requires_grad: bool
     parameter: bool
+    conj: bool = False
+    neg: bool = False
 
 
 def _export(node: Any, by_ptr: dict[int, int]) -> Any:
@@ -130,7 +134,8 @@ def _export(node: Any, by_ptr: dict[int, int]) -> Any:
         return TensorRef(
             storage=index, dtype=node.dtype, size=tuple(node.size()), stride=tuple(node.stride()),
             offset=int(node.storage_offset()), requires_grad=node.requires_grad,
-            parameter=isinstance(node, torch.nn.Parameter),
+            parameter=isinstance(node, torch.nn.Parameter), conj=node.is_conj(),
+            neg=node.is_neg(),
         )
     if isinstance(node, dict):
         out = {} if type(node) is dict else _copy_dict_shell(node)
@@ -193,7 +198,7 @@ def _resolve(node: Any, views: list[torch.UntypedStorage]) -> Any:
             return torch.nn.Parameter(out, requires_grad=node.requires_grad)
         if node.requires_grad:
             out.requires_grad_(True)
-        return out
+        return apply_lazy_bits(out, conj=node.conj, neg=node.neg)
     if isinstance(node, dict):
         for key, value in list(node.items()):
             node[key] = _resolve(value, views)
