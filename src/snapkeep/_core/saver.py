@@ -165,6 +165,9 @@ class Saver:
         if self._closed:
             raise RuntimeError("this writer is finalized; create a new writer to save again")
         self.raise_pending_error()
+        check = getattr(self.runner, "check_sendable", None)
+        if check is not None and self._stage:  # a process worker: refuse what it cannot receive
+            check(job, tree)
         handle = SaveHandle(path=job.path, step=job.step)
         slot = self._acquire_slot(handle)
         if slot is None:

@@ -538,7 +538,18 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but is not reaped yet (Linux ``/proc``; False elsewhere): it
+    can write nothing more, whoever its parent is."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return False
+    return stat_line[stat_line.rfind(b")") + 2:][:1] in (b"Z", b"X")
 
 
 def _install_hint(protocol: str) -> str:
