@@ -411,6 +411,9 @@ class ProcessRunner:
             if self._process is not None and self._process.is_alive():
                 return
             self._stop_locked()
+            from snapkeep._core.shm import reclaim_dead_arenas
+
+            reclaim_dead_arenas()  # a killed run's staging memory is freed by the next one
             parent, child = self._ctx.Pipe(duplex=True)
             process = self._ctx.Process(
                 target=_worker_main, args=(child, os.getpid()), daemon=True,

@@ -91,6 +91,9 @@ class BufferSet:
     """
 
     def __init__(self, allocator: Any = None) -> None:
+        from snapkeep._core.shm import reclaim_dead_arenas
+
+        reclaim_dead_arenas()  # any writer's start frees the staging memory of killed runs
         self.allocator = allocator if allocator is not None else HeapAllocator()
 
     def stage(self, tree: Any) -> tuple[Any, StageStats]:
