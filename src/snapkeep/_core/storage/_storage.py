@@ -282,6 +282,9 @@ class Storage:
     def makedirs(self, path: str) -> None:
         """Create ``path`` and its parents (object stores: checks the bucket once per path).
 
+        Local directories are created one level at a time, each followed by an ``fsync`` of its
+        parent, so a directory (and then the snapshot in it) survives a power loss.
+
         Raises:
             SnapshotStorageError: the directory cannot be created or the store is unreachable
                 (errno, URL and endpoint named).
@@ -290,7 +293,10 @@ class Storage:
             return
         try:
             with self._backend_errors("creating directory", path):
-                self.fs.makedirs(path, exist_ok=True)
+                if self.is_local:
+                    _makedirs_durably(path)
+                else:
+                    self.fs.makedirs(path, exist_ok=True)
         except SnapshotStorageError:
             raise
         except OSError as e:
@@ -472,6 +478,29 @@ class Storage:
             except OSError as e:
                 logger.warning("could not remove stale temporary file %s: %s", full, e)
         return removed
+
+
+def _makedirs_durably(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, with an ``fsync`` of the parent of every directory
+    it creates (POSIX makes a new directory entry durable only then)."""
+    from snapkeep._core.storage._commit import fsync_directory
+
+    missing = []
+    probe = os.path.abspath(path)
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+            continue  # another process made it (and synced its parent)
+        fsync_directory(os.path.dirname(directory))
 
 
 def open_regular(path: str) -> int:
