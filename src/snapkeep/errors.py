@@ -6,6 +6,7 @@ from snapkeep._core.distributed.errors import (
     RankFailedError,
 )
 from snapkeep._core.errors import (
+    ManifestError,
     NoValidSnapshotError,
     SnapshotCorruptError,
     SnapshotError,
@@ -20,9 +21,8 @@ from snapkeep._core.errors import (
 )
 
 __all__ = [
-    "CollectiveTimeoutError", "NoCommonSnapshotError", "RankFailedError",
-    "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
+    "CollectiveTimeoutError", "ManifestError", "NoCommonSnapshotError", "NoValidSnapshotError",
+    "RankFailedError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
     "StoreLockedError", "UnsafeSnapshotError", "WorkerDiedError",
-    "CollectiveTimeoutError", "NoCommonSnapshotError", "RankFailedError",
 ]

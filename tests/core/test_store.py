@@ -90,7 +90,7 @@ def test_unreadable_manifest_means_unverified(tmp_path, content):
 
 
 def test_manifest_round_trip():
-    manifest = Manifest(name="s", size_bytes=3, checksum="ab", step=4, run_id="r",
+    manifest = Manifest(name="s", size_bytes=3, checksum="ab" * 16, step=4, run_id="r",
                         metrics={"loss": 0.5})
     assert Manifest.from_bytes(manifest.to_bytes()) == manifest
 

@@ -11,13 +11,14 @@ import torch
 from writer_gates import fast_start_method
 
 from snapkeep import writing
+from snapkeep._core.shm import ARENA_PREFIX
 
 
 def _worker_arenas(pid: int) -> set[str]:
     """Names of the shared-memory blocks mapped by ``pid`` (unlinked ones included)."""
     with open(f"/proc/{pid}/maps") as f:
         return {os.path.basename(token) for line in f for token in line.split()
-                if "/psm_" in token}
+                if "/" + ARENA_PREFIX in token}
 
 
 @pytest.mark.timeout(60)

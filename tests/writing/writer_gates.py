@@ -123,3 +123,19 @@ class EventGate:
 
     def close(self) -> None:
         self.open()
+
+
+def file_gated_save(obj: Any, f: Any, *, gate_dir: str, **kwargs: Any) -> None:
+    """``torch.save`` after the file ``<gate_dir>/go`` appears; ``<gate_dir>/entered.<pid>`` says
+    the save started. For a test that kills the trainer: the gate lives in the filesystem, not in
+    a connection that either side's death could close. Polls (bounded by ``GATE_TIMEOUT_S``)."""
+    import time
+
+    with open(os.path.join(gate_dir, f"entered.{os.getpid()}"), "wb"):
+        pass
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while not os.path.exists(os.path.join(gate_dir, "go")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the gate {gate_dir} was never opened")
+        time.sleep(0.02)
+    torch.save(obj, f, **kwargs)

@@ -16,7 +16,7 @@ from typing import Any
 
 from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.job import CommitRecord, SaveJob
-from snapkeep._core.manifest import Manifest, manifest_path, now_unix_s
+from snapkeep._core.manifest import MAX_MANIFEST_BYTES, Manifest, manifest_path, now_unix_s
 from snapkeep._core.storage import ReplaceCommit, Storage, Target, WriteResult
 from snapkeep._core.storage._commit import fsync_directory, storage_error
 
@@ -220,7 +220,7 @@ def _drop_stale_manifest(storage: Storage, mpath: str) -> bytes | None:
     manifest the file (old or new, each complete) loads as unverified instead.
     """
     try:
-        previous = storage.read_bytes(mpath)
+        previous = storage.read_bytes(mpath, max_bytes=MAX_MANIFEST_BYTES)  # a FIFO never blocks
     except FileNotFoundError:
         return None
     try:

@@ -55,6 +55,11 @@ class SnapshotCorruptError(SnapshotError, ValueError):
     """A snapshot failed verification: checksum mismatch, truncated or unreadable file."""
 
 
+class ManifestError(SnapshotError, ValueError):
+    """A snapshot's manifest is not a valid snapkeep manifest (wrong schema version, a field of
+    the wrong type or size, not a regular file, too large); its snapshot counts as unverified."""
+
+
 class NoValidSnapshotError(SnapshotError, RuntimeError):
     """Snapshot files exist but none of them verifies, so resuming would silently start over."""
 

@@ -12,21 +12,28 @@ hanging; the next job starts a fresh worker.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
+import io
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
+import signal
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from snapkeep._core.commit import commit_job as execute
-from snapkeep._core.errors import WorkerDiedError
+from snapkeep._core.errors import SnapshotError, WorkerDiedError
 from snapkeep._core.job import CommitRecord, SaveJob
+from snapkeep._core.storage import set_publish_guard
 
 logger = logging.getLogger(__name__)
 
@@ -102,21 +109,163 @@ class _RemoteError(Exception):
     """Stands in for a worker exception that could not be pickled back."""
 
 
+class TrainerDiedError(SnapshotError, RuntimeError):
+    """Raised in the worker right before it would publish a file whose trainer has died: nothing
+    a dead trainer started may become visible after its death."""
+
+
+# -- what the worker can receive --------------------------------------------------------------
+_WORKER_HINT = ("the ProcessWriter worker never imports the training script (__main__) and "
+                "cannot receive lambdas, local classes or OS handles; define the class at module "
+                "level in an importable module, or use ThreadWriter")
+
+
+class _Unsendable(Exception):
+    pass
+
+
+class _WorkerPickler(pickle.Pickler):
+    """Pickles like the pipe does, skipping tensors (they travel through shared memory), and
+    refuses what would pickle here but not unpickle in the worker: classes and functions of
+    ``__main__`` or local to a function."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj).__module__.startswith("torch") and _is_tensor(obj):
+            return "tensor"
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            module = getattr(obj, "__module__", None)
+            qualname = getattr(obj, "__qualname__", "")
+            if module == "__main__":
+                raise _Unsendable(f"{qualname} is defined in __main__ (the training script)")
+            if "<locals>" in qualname or "<lambda>" in qualname:
+                raise _Unsendable(f"{module}.{qualname} is a lambda or local definition")
+        return NotImplemented
+
+
+def _is_tensor(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.Tensor)
+
+
+def _dumps_for_worker(obj: Any) -> None:
+    buffer = io.BytesIO()
+    _WorkerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+
+
+def _first_unsendable(node: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
+    """The key path of the first leaf the worker cannot receive and why."""
+    try:
+        _dumps_for_worker(node)
+        return None
+    except RecursionError:
+        return path, "it is nested too deeply to pickle"
+    except Exception as e:
+        reason = f"{type(e).__name__}: {e}" if not isinstance(e, _Unsendable) else str(e)
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found = _first_unsendable(key, (*path, f"<key {key!r}>")) or \
+                _first_unsendable(value, (*path, key))
+            if found is not None:
+                return found
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            found = _first_unsendable(value, (*path, i))
+            if found is not None:
+                return found
+    return path, reason
+
+
+def check_sendable(tree: Any, *, what: str = "the state") -> None:
+    """Check, in the trainer, that the worker process can receive ``tree`` (tensors excepted:
+    they are staged into shared memory).
+
+    Raises:
+        TypeError: naming the key path of the first leaf that cannot be sent, why, and what to do
+            (a module-level class, or ThreadWriter).
+    """
+    found = _first_unsendable(tree, ())
+    if found is None:
+        return
+    path, reason = found
+    where = "/".join(map(str, path)) or "<root>"
+    raise TypeError(f"{what} at {where} cannot be sent to the ProcessWriter worker ({reason}); "
+                    f"{_WORKER_HINT}")
+
+
+# -- worker process ---------------------------------------------------------------------------
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_trainer() -> None:
+    """Linux: have the kernel SIGKILL this worker when the thread that started it (the trainer's
+    long-lived starter thread, see :func:`_start_on_starter_thread`) dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); the worker relies on its "
+                           "parent-alive check alone", ctypes.get_errno())
+    except (OSError, AttributeError) as e:
+        logger.warning("prctl unavailable (%s); the worker relies on its parent-alive check", e)
+
+
+def _trainer_alive_check(parent_pid: int) -> Callable[[], bool]:
+    """``alive()`` for the trainer ``parent_pid``: exact while the worker is its direct child
+    (spawn: re-parenting means it died); by pid otherwise (forkserver)."""
+    if os.getppid() == parent_pid:
+        return lambda: os.getppid() == parent_pid
+
+    def alive() -> bool:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    return alive
+
+
 def _worker_main(conn: Any, parent_pid: int) -> None:
     """Worker process entry point: serve jobs until told to stop, then exit at once.
+
+    SIGINT is ignored (Ctrl-C reaches the whole foreground process group; the trainer decides,
+    and its ``finalize()`` waits for the save in flight). The worker dies with its trainer
+    (``PR_SET_PDEATHSIG``), and checks that the trainer is alive right before publishing each
+    file, so nothing a dead trainer started becomes visible after its death.
 
     Every job was committed (fsynced) and answered before the loop ends, so the interpreter's
     teardown (about a second with torch loaded) is skipped and ``finalize()`` returns promptly.
     """
-    _serve(conn, parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_trainer()
+    alive = _trainer_alive_check(parent_pid)
+    if not alive():
+        os._exit(0)
+
+    def guard() -> None:
+        if not alive():
+            raise TrainerDiedError(f"the trainer (pid {parent_pid}) died; not publishing")
+
+    set_publish_guard(guard)
+    _serve(conn, alive)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
 
 
-def _serve(conn: Any, parent_pid: int) -> None:
-    """Worker process loop: receive jobs, execute them, send back records or errors."""
+def _serve(conn: Any, alive: Callable[[], bool]) -> None:
+    """Worker process loop: receive jobs, execute them, send back records or errors.
+
+    A message that cannot be unpickled here (a class the worker cannot import) is answered with
+    an error; the worker keeps serving."""
     import torch  # noqa: F401  (import once, before the first job)
 
     from snapkeep._core.shm import ArenaReader
@@ -124,13 +273,24 @@ def _serve(conn: Any, parent_pid: int) -> None:
     reader = ArenaReader()
     while True:
         if not conn.poll(1.0):
-            if os.getppid() != parent_pid:  # the trainer died: nothing left to serve
+            if not alive():  # the trainer died: nothing left to serve
                 return
             continue
         try:
-            message = conn.recv()
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        try:
+            message = pickle.loads(data)
+        except Exception as e:
+            reply_error: tuple[str, Any] = ("error", (_RemoteError(
+                f"the worker could not receive the snapshot ({type(e).__name__}: {e}); "
+                f"{_WORKER_HINT}"), traceback.format_exc()))
+            try:
+                conn.send(reply_error)
+            except (BrokenPipeError, OSError):
+                return
+            continue
         if message is None:
             return
         kind, payload = message
@@ -155,6 +315,53 @@ def _serve(conn: Any, parent_pid: int) -> None:
             conn.send(reply)
         except (BrokenPipeError, OSError):
             return
+
+
+_STARTER: tuple[threading.Thread, queue.SimpleQueue[Any]] | None = None
+_STARTER_LOCK = threading.Lock()
+_START_TIMEOUT_S = 120.0
+
+
+def _starter_loop(requests: queue.SimpleQueue[Any]) -> None:
+    while True:
+        fn, future = requests.get()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn())
+        except BaseException as e:
+            future.set_exception(e)
+
+
+def _start_on_starter_thread(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` (a ``Process.start``) on one long-lived daemon thread of this process.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that created the worker exits, not the process:
+    a worker started from a writer's dispatch thread would be killed when that thread ends. This
+    thread lives as long as the process.
+    """
+    global _STARTER
+    with _STARTER_LOCK:
+        if _STARTER is None or not _STARTER[0].is_alive():
+            requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            thread = threading.Thread(target=_starter_loop, args=(requests,), daemon=True,
+                                      name="snapkeep-worker-starter")
+            thread.start()
+            _STARTER = (thread, requests)
+        requests = _STARTER[1]
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    requests.put((fn, future))
+    return future.result(timeout=_START_TIMEOUT_S)
+
+
+def _forget_starter_in_child() -> None:
+    global _STARTER, _STARTER_LOCK
+    _STARTER = None
+    _STARTER_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_starter_in_child)
 
 
 class ProcessRunner:
@@ -185,6 +392,17 @@ class ProcessRunner:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
+    def check_sendable(self, job: SaveJob, tree: Any) -> None:
+        """Refuse, in the trainer and before the snapshot is accepted, what the worker could not
+        receive (see :func:`check_sendable`); the worker is never involved, so it survives.
+
+        Raises:
+            TypeError: naming the key path, the reason, and ThreadWriter / module-level classes.
+        """
+        check_sendable(dict(job.savefun_kwargs), what="savefun_kwargs")
+        check_sendable(job.savefun, what="savefun")
+        check_sendable(tree)
+
     def start(self) -> None:
         """Start the worker if it is not running (idempotent; also restarts a dead one)."""
         with self._lock:
@@ -194,13 +412,16 @@ class ProcessRunner:
             if self._process is not None and self._process.is_alive():
                 return
             self._stop_locked()
+            from snapkeep._core.shm import reclaim_dead_arenas
+
+            reclaim_dead_arenas()  # a killed run's staging memory is freed by the next one
             parent, child = self._ctx.Pipe(duplex=True)
             process = self._ctx.Process(
                 target=_worker_main, args=(child, os.getpid()), daemon=True,
                 name="snapkeep-writer",
             )
             with _main_module_hidden():
-                process.start()
+                _start_on_starter_thread(process.start)
             child.close()
             self._process, self._conn = process, parent
             self._known_arenas = set()

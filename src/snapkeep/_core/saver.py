@@ -179,6 +179,9 @@ class Saver:
         plan, self._next_overlap = self._next_overlap, None
         self._wait_background_staging()
         self.raise_pending_error()
+        check = getattr(self.runner, "check_sendable", None)
+        if check is not None and self._stage:  # a process worker: refuse what it cannot receive
+            check(job, tree)
         handle = SaveHandle(path=job.path, step=job.step)
         slot = self._acquire_slot(handle)
         if slot is None:

@@ -6,20 +6,159 @@ Each staged storage becomes its own ``UntypedStorage`` of exactly its size (via
 ``torch.frombuffer``), so ``torch.save`` in the worker writes the same file it would write for the
 source state. Only metadata and non-tensor leaves cross the pipe. The trainer's own tensors are
 never moved into shared memory.
+
+Arenas are named ``snapkeep_<pid>_<start>_<random>`` (pid and process start time of the owner, in
+base 36), so that any later run can tell an arena whose owner is dead -- a SIGKILL of the whole
+process group takes multiprocessing's resource tracker with it -- and unlink it
+(:func:`reclaim_dead_arenas`, called whenever a writer creates staging buffers or starts a worker).
+Arenas are not registered with the resource tracker (snapkeep unlinks its own, and reclaims a dead
+owner's), so it never warns about "leaked shared_memory objects".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import secrets
+import sys
 import threading
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import torch
 
+from snapkeep._core.staging import apply_lazy_bits
+
 logger = logging.getLogger(__name__)
 _ALIGN = 64
+
+
+#: Prefix of every arena name (the leak fixture of the test suite and the reclaim rely on it).
+ARENA_PREFIX = "snapkeep_"
+_SHM_DIR = "/dev/shm"
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if not n:
+            return out
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (Linux ``/proc``), None if unknown or
+    gone. With the pid it identifies a process even after its pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        if fields[0] in (b"Z", b"X"):  # exited, not reaped: dead for our purpose
+            return None
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def arena_name() -> str:
+    """A fresh arena name carrying this process's pid and start time (<= 31 characters, the
+    shortest limit of POSIX shared-memory names, macOS)."""
+    pid = os.getpid()
+    start = _start_ticks(pid)
+    return (f"{ARENA_PREFIX}{_base36(pid)}_{_base36(start) if start is not None else 'x'}_"
+            f"{secrets.token_hex(3)}")
+
+
+def _owner_alive(name: str) -> bool:
+    parts = name[len(ARENA_PREFIX):].split("_")
+    if len(parts) != 3:
+        return True  # not ours to judge
+    try:
+        pid = int(parts[0], 36)
+    except ValueError:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    start = _start_ticks(pid)
+    if parts[1] == "x" or not os.path.isdir("/proc"):
+        return True
+    return start is not None and _base36(start) == parts[1]
+
+
+def reclaim_dead_arenas() -> list[str]:
+    """Unlink the staging arenas of snapkeep processes that are gone (killed with their whole
+    process group, so nobody unlinked them); return their names. Linux (``/dev/shm``) only;
+    elsewhere a no-op. Arenas of live processes, and other programs' segments, are left alone."""
+    if not sys.platform.startswith("linux") or not os.path.isdir(_SHM_DIR):
+        return []
+    removed = []
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError as e:
+        logger.debug("cannot list %s to reclaim staging arenas: %s", _SHM_DIR, e)
+        return []
+    for name in names:
+        if not name.startswith(ARENA_PREFIX) or _owner_alive(name):
+            continue
+        try:
+            os.unlink(os.path.join(_SHM_DIR, name))
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            logger.warning("could not unlink the staging arena %s of a dead process: %s", name, e)
+            continue
+        removed.append(name)
+        logger.info("unlinked shared-memory staging arena %s left by a killed process", name)
+    return removed
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Keep ``shm`` away from multiprocessing's resource tracker (Python < 3.13 registers every
+    segment, also on attach): snapkeep unlinks its arenas itself and reclaims dead owners'."""
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception as e:  # the tracker is an optimisation here, never a reason to fail
+        logger.debug("could not unregister arena %s from the resource tracker: %s", shm.name, e)
+
+
+def _create_shm(size: int) -> shared_memory.SharedMemory:
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=arena_name(), create=True, size=size,
+                                          track=False)  # type: ignore[call-arg]
+    shm = shared_memory.SharedMemory(name=arena_name(), create=True, size=size)
+    _untrack(shm)
+    return shm
+
+
+def _attach_shm(name: str) -> shared_memory.SharedMemory:
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=False,
+                                          track=False)  # type: ignore[call-arg]
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    _untrack(shm)
+    return shm
+
+
+def _unlink_shm(shm: shared_memory.SharedMemory) -> None:
+    """Unlink without telling the resource tracker (it never knew the arena)."""
+    try:
+        from _posixshmem import shm_unlink  # type: ignore[import-not-found]
+    except ImportError:  # not POSIX: the platform frees it with the last handle
+        return
+    try:
+        shm_unlink(shm._name)  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        pass
 
 
 def _align(n: int) -> int:
@@ -40,6 +179,7 @@ class SharedArena:
     """
 
     def __init__(self) -> None:
+        reclaim_dead_arenas()
         self._shm: shared_memory.SharedMemory | None = None
         self._offsets: list[int] = []
         self._views: list[torch.UntypedStorage] = []
@@ -69,7 +209,7 @@ class SharedArena:
             self._release_views()
             self.close()
             size = max(_ALIGN, total if self._shm is None else int(total * 1.25))
-            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            self._shm = _create_shm(size)
             allocated = size
             logger.debug("allocated shared staging arena %s of %d bytes", self._shm.name, size)
         self._release_views()
@@ -102,10 +242,7 @@ class SharedArena:
             shm.close()
         except BufferError:  # a staged tree still references it; the mapping dies with it
             logger.debug("shared arena %s still referenced at close", shm.name)
-        try:
-            shm.unlink()
-        except FileNotFoundError:
-            pass
+        _unlink_shm(shm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +256,8 @@ class TensorRef:
     offset: int
     requires_grad: bool
     parameter: bool
+    conj: bool = False
+    neg: bool = False
 
 
 def _export(node: Any, by_ptr: dict[int, int]) -> Any:
@@ -130,7 +269,8 @@ def _export(node: Any, by_ptr: dict[int, int]) -> Any:
         return TensorRef(
             storage=index, dtype=node.dtype, size=tuple(node.size()), stride=tuple(node.stride()),
             offset=int(node.storage_offset()), requires_grad=node.requires_grad,
-            parameter=isinstance(node, torch.nn.Parameter),
+            parameter=isinstance(node, torch.nn.Parameter), conj=node.is_conj(),
+            neg=node.is_neg(),
         )
     if isinstance(node, dict):
         out = {} if type(node) is dict else _copy_dict_shell(node)
@@ -166,9 +306,8 @@ class ArenaReader:
         with self._lock:
             shm = self._open.get(name)
             if shm is None:
-                # spawn/forkserver children share the trainer's resource tracker, so this
-                # registration is the trainer's own; the trainer unlinks the block.
-                shm = shared_memory.SharedMemory(name=name, create=False)
+                # the trainer owns and unlinks the block; not tracked here (see _untrack)
+                shm = _attach_shm(name)
                 self._open[name] = shm
         views = [_view(shm.buf, off, n) for off, n in storages]
         return _resolve(skeleton, views)
@@ -193,7 +332,7 @@ def _resolve(node: Any, views: list[torch.UntypedStorage]) -> Any:
             return torch.nn.Parameter(out, requires_grad=node.requires_grad)
         if node.requires_grad:
             out.requires_grad_(True)
-        return out
+        return apply_lazy_bits(out, conj=node.conj, neg=node.neg)
     if isinstance(node, dict):
         for key, value in list(node.items()):
             node[key] = _resolve(value, views)

@@ -91,6 +91,9 @@ class BufferSet:
     """
 
     def __init__(self, allocator: Any = None) -> None:
+        from snapkeep._core.shm import reclaim_dead_arenas
+
+        reclaim_dead_arenas()  # any writer's start frees the staging memory of killed runs
         self.allocator = allocator if allocator is not None else HeapAllocator()
 
     def stage(self, tree: Any) -> tuple[Any, StageStats]:
@@ -101,9 +104,13 @@ class BufferSet:
         buffers with the same dtype, shape, stride, storage offset and ``requires_grad``;
         ``nn.Parameter`` stays a Parameter; every other leaf is ``copy.deepcopy``-ed.
 
+        Lazy conjugate/negative bits (``x.conj()``, ``torch._neg_view``) are kept, so the staged
+        tree holds exactly the source's values, for every dtype torch can store densely.
+
         Raises:
-            TypeError: a sparse, quantized or otherwise non-strided tensor (save those with a
-                custom ``savefun`` on a :class:`~snapkeep.writing.SimpleWriter`).
+            TypeError: a sparse, nested, quantized or meta tensor, naming its key and dtype (save
+                those with a :class:`~snapkeep.writing.SimpleWriter`; see
+                :func:`refuse_unstageable`).
         """
         sources: dict[tuple[str, int, int], int] = {}
         layout: list[tuple[_Path, int, bool]] = []
@@ -281,6 +288,47 @@ def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
         return _COPY_POOL
 
 
+def refuse_unstageable(tensor: torch.Tensor, path: _Path) -> None:
+    """Refuse a tensor whose bytes are not one dense strided storage, naming its key and kind.
+
+    Staging copies storages byte for byte and rebuilds each view (dtype, size, stride, offset,
+    lazy conjugate/negative bits), which is exact for every dense strided tensor of any dtype.
+    Sparse, nested, quantized and meta tensors are not that.
+
+    Raises:
+        TypeError: naming the key path, the dtype and what is unsupported, and what to do.
+    """
+    kind = None
+    if tensor.is_nested:
+        kind = "a nested tensor"
+    elif tensor.layout != torch.strided:
+        kind = f"layout {tensor.layout} (sparse)" if "sparse" in str(tensor.layout) \
+            else f"layout {tensor.layout}"
+    elif tensor.is_quantized:
+        kind = "a quantized tensor"
+    elif tensor.device.type == "meta":
+        kind = "a meta tensor (it has no data to save)"
+    if kind is None:
+        return
+    where = "/".join(map(str, path)) or "<root>"
+    raise TypeError(
+        f"cannot stage the tensor at {where} (dtype {tensor.dtype}): {kind} is not supported by "
+        "background writers, which copy dense strided tensors; save it with SimpleWriter "
+        "(optionally with a custom savefun), or convert it first (.to_dense(), .dequantize(), "
+        "a real device)")
+
+
+def apply_lazy_bits(tensor: torch.Tensor, *, conj: bool, neg: bool) -> torch.Tensor:
+    """``tensor`` with the lazy conjugate/negative bits of its source set again (a view of the
+    same storage, as ``x.conj()`` / ``torch._neg_view(x)`` made them): staging copies the raw
+    storage, whose values are the source's before those bits apply."""
+    if neg:
+        tensor = torch._neg_view(tensor)
+    if conj:
+        tensor = tensor.conj()
+    return tensor
+
+
 def _storage_ident(t: torch.Tensor) -> tuple[str, int, int]:
     s = t.untyped_storage()
     return (str(s.device), s.data_ptr(), s.nbytes())
@@ -291,11 +339,7 @@ def _collect(
     layout: list[tuple[_Path, int, bool]], storages: list[torch.UntypedStorage],
 ) -> None:
     if isinstance(node, torch.Tensor):
-        if node.layout != torch.strided or node.is_quantized:
-            raise TypeError(
-                f"cannot stage the tensor at {'/'.join(map(str, path)) or '<root>'}: layout "
-                f"{node.layout} is not supported; use SimpleWriter with a custom savefun"
-            )
+        refuse_unstageable(node, path)
         ident = _storage_ident(node)
         if ident not in sources:
             storage = node.detach().untyped_storage()
@@ -321,7 +365,7 @@ def _rebuild(
             return torch.nn.Parameter(out, requires_grad=node.requires_grad)
         if node.requires_grad:
             out.requires_grad_(True)
-        return out
+        return apply_lazy_bits(out, conj=node.is_conj(), neg=node.is_neg())
     if isinstance(node, dict):
         out_dict = copy.copy(node)
         if hasattr(node, "__dict__"):

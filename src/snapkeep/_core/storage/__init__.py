@@ -13,6 +13,7 @@ from snapkeep._core.storage._commit import (
     ReplaceCommit,
     Target,
     WriteResult,
+    set_publish_guard,
 )
 from snapkeep._core.storage._pfio import PfioFileSystem
 from snapkeep._core.storage._storage import (
@@ -26,5 +27,5 @@ from snapkeep._core.storage._storage import (
 __all__ = [
     "TEMP_MARKER", "CommitStrategy", "ObjectPutCommit", "PfioFileSystem", "RenameCommit",
     "ReplaceCommit", "Storage", "Target", "WriteResult", "commit_strategy_for", "is_temp_name",
-    "resolve_storage",
+    "resolve_storage", "set_publish_guard",
 ]

@@ -34,6 +34,23 @@ logger = logging.getLogger(__name__)
 
 WriteFn = Callable[[BinaryIO], None]
 
+#: Called right before any file is published under its final name (rename, replace, upload
+#: completion); raises to refuse. The process writer's worker sets one that checks its trainer
+#: is alive, so nothing a dead trainer started becomes visible after its death.
+_PUBLISH_GUARD: Callable[[], None] | None = None
+
+
+def set_publish_guard(guard: Callable[[], None] | None) -> None:
+    """Install (or with ``None`` remove) this process's publish guard (see above)."""
+    global _PUBLISH_GUARD
+    _PUBLISH_GUARD = guard
+
+
+def _check_publish() -> None:
+    guard = _PUBLISH_GUARD
+    if guard is not None:
+        guard()
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WriteResult:
@@ -223,6 +240,7 @@ class ReplaceCommit:
                 sink.flush()
                 sink.finish()
                 os.fsync(raw.fileno())
+            _check_publish()
             os.replace(tmp, target.path)
         except BaseException as e:
             _unlink_quietly(tmp)
@@ -260,6 +278,7 @@ class RenameCommit:
                 _fsync_if_possible(f)
             finally:
                 f.close()
+            _check_publish()
             fs.replace(target.temp_path, target.path)
         except BaseException as e:
             _remove_quietly(fs, target.temp_path)
@@ -298,6 +317,7 @@ class ObjectPutCommit:
             upload.discard()
             _raise_failure(e, sink.error, hashing.size_bytes, target, "uploading snapshot")
         try:
+            _check_publish()
             upload.commit()
         except BaseException as e:
             upload.discard()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno as errno_mod
 import hashlib
 import io
 import logging
 import os
 import posixpath
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -280,6 +282,9 @@ class Storage:
     def makedirs(self, path: str) -> None:
         """Create ``path`` and its parents (object stores: checks the bucket once per path).
 
+        Local directories are created one level at a time, each followed by an ``fsync`` of its
+        parent, so a directory (and then the snapshot in it) survives a power loss.
+
         Raises:
             SnapshotStorageError: the directory cannot be created or the store is unreachable
                 (errno, URL and endpoint named).
@@ -288,7 +293,10 @@ class Storage:
             return
         try:
             with self._backend_errors("creating directory", path):
-                self.fs.makedirs(path, exist_ok=True)
+                if self.is_local:
+                    _makedirs_durably(path)
+                else:
+                    self.fs.makedirs(path, exist_ok=True)
         except SnapshotStorageError:
             raise
         except OSError as e:
@@ -314,7 +322,7 @@ class Storage:
             return []
         names = []
         for entry in entries:
-            if entry.get("type") == "directory":
+            if entry.get("type") in ("directory", "other"):  # FIFOs, sockets, devices
                 continue
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
             if not is_temp_name(name):
@@ -323,15 +331,44 @@ class Storage:
 
     def open_read(self, path: str) -> IO[bytes]:
         """A readable, seekable binary file. Remote files are fetched whole (one GET), so a
-        connection fault surfaces here as :class:`SnapshotStorageError`, not later mid-read."""
+        connection fault surfaces here as :class:`SnapshotStorageError`, not later mid-read.
+        Local files must be regular files (see :func:`open_regular`): a FIFO never blocks."""
         if self.is_local:
-            return self.fs.open(path, "rb")  # type: ignore[no-any-return]
+            return os.fdopen(open_regular(path), "rb")
         return io.BytesIO(self.read_bytes(path))
 
-    def read_bytes(self, path: str) -> bytes:
+    def read_bytes(self, path: str, *, max_bytes: int | None = None) -> bytes:
+        """The whole file at ``path``.
+
+        Args:
+            path: the file.
+            max_bytes: refuse a file larger than this (read at most ``max_bytes + 1`` bytes); also
+                refuses anything but a regular file (FIFO, device, directory) without blocking.
+
+        Raises:
+            FileNotFoundError: no such file.
+            OSError: (with ``max_bytes``) not a regular file (``EINVAL``) or larger than
+                ``max_bytes`` (``EFBIG``); the message names the path.
+            SnapshotStorageError: the store could not be reached.
+        """
         self.fs.invalidate_cache(path)
-        with self._backend_errors("reading", path):
-            return bytes(self.fs.cat_file(path))
+        if max_bytes is None:
+            with self._backend_errors("reading", path):
+                return bytes(self.fs.cat_file(path))
+        if self.is_local:
+            with os.fdopen(open_regular(path), "rb") as f:
+                data = f.read(max_bytes + 1)
+        else:
+            with self._backend_errors("reading", path):
+                info = self.fs.info(path)
+                if info.get("type") not in ("file", None):
+                    raise OSError(errno_mod.EINVAL,
+                                  f"{self.url(path)} is a {info.get('type')}, not a file")
+                data = bytes(self.fs.cat_file(path, start=0, end=max_bytes + 1))
+        if len(data) > max_bytes:
+            raise OSError(errno_mod.EFBIG,
+                          f"{self.url(path)} is larger than the {max_bytes}-byte limit")
+        return data
 
     def exists(self, path: str) -> bool:
         self.fs.invalidate_cache(path)
@@ -443,6 +480,55 @@ class Storage:
         return removed
 
 
+def _makedirs_durably(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``, with an ``fsync`` of the parent of every directory
+    it creates (POSIX makes a new directory entry durable only then)."""
+    from snapkeep._core.storage._commit import fsync_directory
+
+    missing = []
+    probe = os.path.abspath(path)
+    while not os.path.isdir(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+            continue  # another process made it (and synced its parent)
+        fsync_directory(os.path.dirname(directory))
+
+
+def open_regular(path: str) -> int:
+    """Open a local file for reading and return its descriptor, only if it is a regular file.
+
+    The open never blocks (``O_NONBLOCK``, cleared once the file is known to be regular), so a
+    FIFO, or a symlink to one, is refused at once instead of waiting for a writer.
+
+    Raises:
+        FileNotFoundError: no such file.
+        OSError: ``EINVAL`` for a FIFO, device, socket or directory (the path named).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+            raise OSError(errno_mod.EINVAL, f"{path} is {kind}, not a regular file; refused")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _temp_owner(name: str) -> tuple[str, int, str] | None:
     """``(host, pid, token+random)`` of a temp name (this version's or the older long form)."""
     fields = name.rsplit(TEMP_MARKER, 1)[1].split(".")
@@ -481,7 +567,18 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but is not reaped yet (Linux ``/proc``; False elsewhere): it
+    can write nothing more, whoever its parent is."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return False
+    return stat_line[stat_line.rfind(b")") + 2:][:1] in (b"Z", b"X")
 
 
 def _install_hint(protocol: str) -> str:
