@@ -85,14 +85,6 @@ def test_plugin_ppe_snapshot_with_snapkeep_writer(tmp_path, reference, writer):
     _kill_and_resume("ppe-ext", writer, tmp_path, reference)
 
 
-def _has_reporting_extensions() -> bool:
-    from snapkeep.training import extensions
-
-    return all(hasattr(extensions, n) for n in ("LogReport", "observe_lr", "LRScheduler"))
-
-
-@pytest.mark.skipif(not _has_reporting_extensions(),
-                    reason="needs snapkeep.training.extensions.LogReport (branch ext)")
 @pytest.mark.parametrize("writer", WRITERS)
 def test_import_swap(tmp_path, reference, writer):
     _kill_and_resume("swap", writer, tmp_path, reference)
