@@ -185,8 +185,8 @@ def test_a_fifo_or_directory_as_file_never_blocks(tmp_path: Path, kind: str,
 def test_verify_of_a_fifo_named_like_a_snapshot_never_blocks(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "snapshot_iter_7")
     result = invoke("verify", str(tmp_path), "--json")
-    assert result.exit_code == 1
-    assert as_json(result, "verify")["snapshots"][0]["status"] == "corrupt"
+    assert result.exit_code == 1  # nothing verifiable: a FIFO is never listed as a snapshot
+    assert as_json(result, "verify")["snapshots"] == []
 
 
 def test_a_corrupt_zip_is_a_clear_error(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import snapkeep
+import snapkeep.errors
 from snapkeep import writing
 from snapkeep.training import ExtensionsManager, extensions
 
@@ -75,9 +76,8 @@ def no_valid_snapshot(tmp_path: Path) -> None:
 
 
 def corrupt(tmp_path: Path) -> None:
-    from snapkeep._core.catalog import Catalog
-
-    from snapkeep._core.storage import resolve_storage
+    from snapkeep.store import SnapshotStore as Catalog
+    from snapkeep.store import resolve_storage
 
     _write(tmp_path, [1])
     _flip(tmp_path / "snapshot_iter_1")
@@ -172,6 +172,56 @@ def renamed(tmp_path: Path) -> None:
     _manager(tmp_path).start_extensions()
 
 
+def store_locked(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from snapkeep._core.lock import StoreLock; "
+         f"lock = StoreLock.acquire({str(tmp_path)!r}, 'snapshot_iter_{{.iteration}}', 'run'); "
+         "print('held', flush=True); sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        from snapkeep._core.lock import StoreLock
+
+        StoreLock.acquire(str(tmp_path), "snapshot_iter_{.iteration}", "run")
+    finally:
+        holder.communicate("\n", timeout=60)
+
+
+def bad_manifest(tmp_path: Path) -> None:
+    from snapkeep.store import open_store, read_manifest
+
+    (tmp_path / "manifest.json").write_text('{"format": "snapkeep.manifest/1", "size_bytes": "3"}')
+    store = open_store(str(tmp_path), "snapshot_iter_{.iteration}")
+    read_manifest(store.storage, str(tmp_path / "manifest.json"))
+
+
+def staging_race(tmp_path: Path) -> None:
+    from snapkeep._core.overlap import _check
+
+    weight = torch.zeros(2)
+    version = weight._version
+    weight.add_(1)
+    _check([("models/main/fc.weight", weight, version)], "before it was copied")
+
+
+def rank_failed(tmp_path: Path) -> None:
+    from snapkeep.distributed import exchange_outcomes
+
+    exchange_outcomes(None, OSError(28, "No space left on device"),
+                      what="sharded save of snapshot_iter_3")
+
+
+def no_common(tmp_path: Path) -> None:
+    from snapkeep.distributed import agree_on_resume
+
+    agree_on_resume(None, [((1.0,), "snapshot_iter_1")], lambda name: "checksum differs",
+                    what="resuming 'snapshot_iter_{.iteration}'")
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     kind: type[BaseException] | type[Warning]
@@ -199,6 +249,20 @@ ERRORS = {
     "WorkerDiedError": Row(snapkeep.WorkerDiedError, worker_died, (
         "worker process", "died", "snapshot_iter_1", "was not committed",
         "A new worker starts with the next snapshot")),
+    "StoreLockedError": Row(snapkeep.StoreLockedError, store_locked, (
+        "in use by another trainer", "pid", "Stop the other trainer",
+        "another out_dir or filename template")),
+    "ManifestError": Row(snapkeep.errors.ManifestError, bad_manifest, (
+        "manifest.json", "required field 'name' is missing")),
+    "StagingRaceError": Row(snapkeep.StagingRaceError, staging_race, (
+        "models/main/fc.weight", "modified in place after the snapshot call",
+        "overlap=False")),
+    "RankFailedError": Row(snapkeep.errors.RankFailedError, rank_failed, (
+        "sharded save of snapshot_iter_3 failed on rank(s) [0]", "No space left",
+        "fix the error of the rank(s) named")),
+    "NoCommonSnapshotError": Row(snapkeep.errors.NoCommonSnapshotError, no_common, (
+        "none readable and verified on every rank", "snapshot_iter_1", "checksum differs",
+        "Restore the missing or corrupt parts")),
     "TypeError (max_epochs)": Row(TypeError, bad_max_epochs, (
         "max_epochs must be a number of epochs", "'3' (str)")),
 }
@@ -230,7 +294,10 @@ def test_error_text(name: str, tmp_path: Path) -> None:
 
 
 def test_every_public_error_class_has_a_row() -> None:
-    assert set(snapkeep.errors.__all__) - {"SnapshotError"} <= set(ERRORS)
+    # CollectiveTimeoutError needs >= 2 ranks, one of them gone: its text is checked by
+    # tests/distributed/test_agreement.py (a rank that dies)
+    assert set(snapkeep.errors.__all__) - {"SnapshotError", "CollectiveTimeoutError"} \
+        <= set(ERRORS)
 
 
 @pytest.mark.timeout(120)

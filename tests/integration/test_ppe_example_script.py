@@ -38,7 +38,9 @@ def _run(script: Path, out: Path, **env: str) -> subprocess.CompletedProcess[str
 
 
 def _listing(directory: Path) -> list[str]:
-    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+    # the store's lock file (.snapkeep/*.lock) stays by design
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
+                  if p.is_file() and p.suffix != ".lock")
 
 
 def _without_time(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -178,8 +178,9 @@ def test_snapkeep_snapshot_on_error_under_ppe_manager(tmp_path):
     with pytest.raises(ZeroDivisionError):
         with manager.run_iteration():
             1 / 0  # noqa: B018
-    # ppe's manager ran on_error: the snapshot of iteration 1 is committed (waited for)
-    assert _names(tmp_path) == (["snapshot_iter_1"], ["snapshot_iter_1.json"])
+    # ppe's manager ran on_error: the mid-iteration snapshot is committed (waited for) under
+    # its own on-error name, never under the clean snapshot's name
+    assert _names(tmp_path) == (["snapshot_iter_1.on-error"], ["snapshot_iter_1.on-error.json"])
     manager.finalize()
 
 

@@ -136,10 +136,11 @@ class ExtensionsManager:
             raise ValueError(f"iters_per_epoch must be >= 1, got {iters_per_epoch!r}")
         if stop_trigger is None and (isinstance(max_epochs, bool)
                                      or not isinstance(max_epochs, numbers.Real)):
-            raise TypeError(f"max_epochs must be a number of epochs (an int >= 1), got "
+            raise TypeError(f"max_epochs must be a number of epochs (an int >= 0), got "
                             f"{max_epochs!r} ({type(max_epochs).__name__})")
-        if stop_trigger is None and not max_epochs > 0:
-            raise ValueError(f"max_epochs must be > 0, got {max_epochs!r}")
+        if stop_trigger is None and not max_epochs >= 0:
+            raise ValueError(f"max_epochs must be >= 0 (0: a manager that only loads), got "
+                             f"{max_epochs!r}")
         if isinstance(models, collections.abc.Mapping):
             self._models: Mapping[str, torch.nn.Module] = models
         elif isinstance(models, torch.nn.Module):

@@ -19,7 +19,10 @@ class RankFailedError(SnapshotError, RuntimeError):
         self.what = what
         self.failed = dict(failed)
         listed = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
-        super().__init__(f"{what} failed on rank(s) {sorted(failed)}: {listed}")
+        super().__init__(f"{what} failed on rank(s) {sorted(failed)}: {listed}. Every rank "
+                         "stopped here; fix the error of the rank(s) named (their logs have the "
+                         "traceback) and rerun: the run resumes from the newest committed "
+                         "snapshot")
 
 
 class CollectiveTimeoutError(SnapshotError, TimeoutError):

@@ -105,7 +105,7 @@ class Preemption(extension.Extension):
     def initialize(self, manager: Any) -> None:
         """Install the signal handlers (main thread only) and, under torch.distributed,
         snapkeep's control group (collective)."""
-        from snapkeep._core.distributed.groups import background_groups, is_distributed
+        from snapkeep.distributed import background_groups, is_distributed
 
         if is_distributed():
             self._groups = background_groups(self.timeout_s)
@@ -162,7 +162,7 @@ class Preemption(extension.Extension):
         import torch
         import torch.distributed as dist
 
-        from snapkeep._core.distributed.errors import CollectiveTimeoutError
+        from snapkeep.errors import CollectiveTimeoutError
 
         flag = torch.tensor([1 if local else 0], dtype=torch.int32)
         try:
@@ -175,7 +175,7 @@ class Preemption(extension.Extension):
         return bool(flag.item())
 
     def _preempt(self, manager: Any) -> None:
-        from snapkeep._core.distributed.agreement import exchange_outcomes
+        from snapkeep.distributed import exchange_outcomes
 
         iteration = int(manager.iteration)
         self.preempted_at = iteration
