@@ -3,14 +3,137 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
 
+import psutil
 import pytest
 import torch
+
+from leak_check import LONG_LIVED_PIDS
+from snapkeep._core.shm import ARENA_PREFIX
+from snapkeep._core.storage import TEMP_MARKER
+
+#: How long a test's child processes may take to exit after it returns (a worker finishing its
+#: shutdown), in seconds; polled, never slept through.
+CHILD_EXIT_GRACE_S = 10.0
+_SHM_DIR = "/dev/shm"
+#: Long-lived helpers multiprocessing starts once per test process; not a test's leak.
+_INFRASTRUCTURE = ("resource_tracker", "forkserver")
 
 
 @pytest.fixture(autouse=True)
 def _snapkeep_logging(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="snapkeep")
+
+
+def _arenas() -> set[str]:
+    """snapkeep staging arenas in /dev/shm (any owner)."""
+    try:
+        return {n for n in os.listdir(_SHM_DIR) if n.startswith(ARENA_PREFIX)}
+    except OSError:
+        return set()
+
+
+def _owner(name: str) -> int | None:
+    try:
+        return int(name[len(ARENA_PREFIX):].split("_")[0], 36)
+    except ValueError:
+        return None
+
+
+class _ChildSampler:
+    """Remembers every descendant seen while a test runs (sampled every ``interval_s``), so an
+    arena of a child the test killed is still known as this test's (other runs on the machine
+    make and reclaim arenas too)."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.seen: set[int] = set()
+        self._stop = threading.Event()
+        self._interval_s = interval_s
+        self._thread = threading.Thread(target=self._run, daemon=True, name="leak-sampler")
+        self._thread.start()
+
+    def _sample(self) -> None:
+        try:
+            self.seen.update(p.pid for p in psutil.Process().children(recursive=True))
+        except psutil.Error:
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._sample()
+
+    def stop(self) -> set[int]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sample()
+        return self.seen
+
+
+def _live_children(ignore: set[int]) -> list[psutil.Process]:
+    live = []
+    for child in psutil.Process().children(recursive=True):
+        if child.pid in ignore or child.pid in LONG_LIVED_PIDS:
+            continue
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if any(word in " ".join(child.cmdline()) for word in _INFRASTRUCTURE):
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        live.append(child)
+    return live
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves snapkeep shared-memory arenas (of this process or any child it
+    had), snapkeep temp files in its ``tmp_path`` or live child processes behind (then clean them
+    up, so the next test starts clean)."""
+    me = os.getpid()
+    children_before = {p.pid for p in psutil.Process().children(recursive=True)}
+    arenas_before = _arenas()
+    sampler = _ChildSampler()
+    try:
+        yield
+    finally:
+        tree = {me} | sampler.stop()
+    problems = []
+    deadline = time.monotonic() + CHILD_EXIT_GRACE_S
+    children = _live_children(children_before)
+    while children and time.monotonic() < deadline:
+        time.sleep(0.05)
+        children = _live_children(children_before)
+    if children:
+        problems.append("live child processes: " + ", ".join(
+            f"{p.pid} ({' '.join(p.cmdline())[:120]})" for p in children))
+        for child in children:
+            try:
+                child.kill()
+                child.wait(timeout=10)
+            except psutil.Error:
+                pass
+    arenas = {n for n in _arenas() - arenas_before if _owner(n) in tree}
+    if arenas:
+        problems.append(f"shared-memory arenas in {_SHM_DIR}: {sorted(arenas)}")
+        for name in arenas:
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except OSError:
+                pass
+    tmp_path = request.node.__dict__.get("funcargs", {}).get("tmp_path")
+    if tmp_path is not None and os.path.isdir(tmp_path):
+        temps = [os.path.join(root, name) for root, _dirs, files in os.walk(tmp_path)
+                 for name in files if TEMP_MARKER in name]
+        if temps:
+            problems.append(f"snapkeep temp files: {sorted(temps)[:10]}")
+    if problems:
+        pytest.fail(f"{request.node.nodeid} left behind: " + "; ".join(problems),
+                    pytrace=False)
 
 
 @pytest.fixture

@@ -188,3 +188,19 @@ def test_a_bad_manifest_does_not_disable_retention(tmp_path, kind):
     names = [n for n in os.listdir(tmp_path) if n.startswith("snapshot_iter_")]
     assert "snapshot_iter_2" not in names and "snapshot_iter_3" not in names
     assert {"snapshot_iter_4", "snapshot_iter_5"} <= set(names)
+
+
+@pytest.mark.timeout(120)
+def test_a_fifo_named_like_a_snapshot_is_never_listed_nor_opened(tmp_path):
+    from snapkeep._core.catalog import Catalog
+
+    _train(tmp_path, 1).finalize()
+    os.mkfifo(tmp_path / "snapshot_iter_9")  # newest by name; reading it would block forever
+    storage, d = resolve_storage(str(tmp_path))
+    assert [e.name for e in Catalog(storage, d, "snapshot_iter_{.iteration}").entries()] == \
+        ["snapshot_iter_1"]
+    with pytest.raises(OSError, match="FIFO"):
+        storage.open_read(os.path.join(d, "snapshot_iter_9"))
+    manager = _train(tmp_path, 0, autoload=True)
+    assert manager.iteration == 1
+    manager.finalize()

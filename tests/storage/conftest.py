@@ -15,12 +15,15 @@ from typing import Any
 import pytest
 from storage_backends import BUCKET, Backend, MotoServer, s3_options, start_moto_server
 
+from leak_check import LONG_LIVED_PIDS
+
 
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoServer]:
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     server = start_moto_server()
+    LONG_LIVED_PIDS.add(server.process.pid)  # outlives the test that starts it
     try:
         import s3fs
 

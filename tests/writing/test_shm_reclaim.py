@@ -65,7 +65,8 @@ def test_arena_of_a_killed_process_group_is_reclaimed_by_the_next_writer(tmp_pat
     while not _group_gone(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     path = os.path.join("/dev/shm", arena)
-    assert os.path.exists(path)  # nobody was left to unlink it
+    # nobody of that group was left to unlink it (another run on this machine may reclaim it
+    # first: any writer start does); this run's next writer start must
     writer = snapkeep.writing.ThreadWriter()  # the next run's writer start
     try:
         writer("next", str(tmp_path), {"x": torch.ones(2)})
@@ -88,8 +89,8 @@ def test_live_owners_and_foreign_segments_are_left_alone(tmp_path):
             with open(os.path.join("/dev/shm", name), "wb") as f:
                 f.write(b"x")
         try:
-            removed = reclaim_dead_arenas()
-            assert removed == [reused]
+            reclaim_dead_arenas()  # (another run on this machine may do it at the same time)
+            assert not os.path.exists(os.path.join("/dev/shm", reused))
             assert os.path.exists(os.path.join("/dev/shm", mine))
             assert os.path.exists(os.path.join("/dev/shm", foreign))
         finally:

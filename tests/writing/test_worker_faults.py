@@ -18,6 +18,7 @@ import torch
 from writer_gates import GATE_TIMEOUT_S, SocketGate
 
 import snapkeep
+from snapkeep._core.shm import reclaim_dead_arenas
 from snapkeep._core.storage import resolve_storage, set_publish_guard
 
 TESTS_WRITING = os.path.dirname(os.path.abspath(__file__))
@@ -201,6 +202,7 @@ def test_a_killed_trainers_save_never_becomes_visible(tmp_path):
     storage, d = resolve_storage(str(out))
     storage.remove_stale_temps(d)  # the next run's sweep removes the dead worker's temp
     assert [n for n in os.listdir(out) if n != ".snapkeep"] == []
+    reclaim_dead_arenas()  # and the next writer start frees the killed trainer's arena
 
 
 def test_publish_guard_refuses_the_final_rename_and_leaves_nothing(tmp_path):

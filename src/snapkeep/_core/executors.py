@@ -130,9 +130,7 @@ class _WorkerPickler(pickle.Pickler):
     ``__main__`` or local to a function."""
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj).__module__.startswith("torch") and _is_tensor(obj):
-            return "tensor"
-        return None
+        return "tensor" if _is_tensor(obj) else None
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)):
@@ -146,9 +144,8 @@ class _WorkerPickler(pickle.Pickler):
 
 
 def _is_tensor(obj: Any) -> bool:
-    import torch
-
-    return isinstance(obj, torch.Tensor)
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _dumps_for_worker(obj: Any) -> None:
@@ -179,6 +176,43 @@ def _first_unsendable(node: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...]
     return path, reason
 
 
+_PLAIN_LEAVES = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _plainly_sendable(tree: Any) -> bool:
+    """Fast path: only plain containers, tensors and builtin scalars (a state_dict, an optimizer
+    state): nothing the worker could fail to import."""
+    import collections
+
+    import torch
+
+    leaves = (*_PLAIN_LEAVES, torch.dtype, torch.device)
+    tensor = torch.Tensor
+    stack = [tree]
+    seen = 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > 10_000_000:
+            return False
+        kind = type(node)
+        if kind in leaves or isinstance(node, tensor):
+            continue
+        if kind is dict or kind is collections.OrderedDict:
+            extra = getattr(node, "__dict__", None)
+            if extra:
+                stack.append(dict(extra))
+            for key in node:
+                if type(key) not in _PLAIN_LEAVES:
+                    return False
+            stack.extend(node.values())
+        elif kind is list or kind is tuple or kind is torch.Size:
+            stack.extend(node)
+        else:
+            return False
+    return True
+
+
 def check_sendable(tree: Any, *, what: str = "the state") -> None:
     """Check, in the trainer, that the worker process can receive ``tree`` (tensors excepted:
     they are staged into shared memory).
@@ -187,6 +221,8 @@ def check_sendable(tree: Any, *, what: str = "the state") -> None:
         TypeError: naming the key path of the first leaf that cannot be sent, why, and what to do
             (a module-level class, or ThreadWriter).
     """
+    if _plainly_sendable(tree):
+        return
     found = _first_unsendable(tree, ())
     if found is None:
         return
