@@ -1,0 +1,255 @@
+"""Run pytorch-pfn-extras 0.9.0's own tests against snapkeep, changing only their imports.
+
+    python tools/ppe_tests.py [--source DIR] [--json] [-- PYTEST_ARGS...]
+
+The tests are fetched at run time into the git-ignored ``.ppe_tests/`` (nothing of ppe is kept in
+the repository):
+
+1. ``pip download --no-deps --no-binary :all: pytorch-pfn-extras==0.9.0`` -- ppe's source
+   distribution. (0.9.0's sdist ships no tests; the step is kept in case a later one does.)
+2. otherwise the source archive of the ``v0.9.0`` tag from the project's GitHub repository.
+3. ``--source DIR``: a ppe checkout or unpacked archive you already have (no network).
+
+From ``tests/pytorch_pfn_extras_tests`` it takes the manager, extension, trigger, snapshot and
+writer tests (:data:`SELECTED`), rewrites the imports only (``import pytorch_pfn_extras as ppe``
+-> ``import snapkeep as ppe``, ``from pytorch_pfn_extras[.x] import y`` -> ``from snapkeep[.x]
+import y``, ``import pytorch_pfn_extras`` -> ``import snapkeep as pytorch_pfn_extras``), and
+runs them with pytest with ``src/`` first on the path. ``--patch-targets`` also rewrites the
+module paths in ``mock.patch("pytorch_pfn_extras.writing....")`` strings (without it, those
+writer tests patch ppe's classes and exercise snapkeep's unpatched). Tests of ppe's private
+helpers and of features outside snapkeep's scope are deselected, each with its reason
+(:data:`OUT_OF_SCOPE`).
+``--baseline`` runs the same files unchanged against the installed ppe. The last line gives
+the passed/failed/skipped counts. Exit status: pytest's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+from xml.etree import ElementTree
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CACHE = ROOT / ".ppe_tests"
+VERSION = "0.9.0"
+ARCHIVE_URL = f"https://github.com/pfnet/pytorch-pfn-extras/archive/refs/tags/v{VERSION}.tar.gz"
+TESTS_PREFIX = "tests/pytorch_pfn_extras_tests"
+
+#: Test files taken from ppe's test tree (relative to ``tests/pytorch_pfn_extras_tests``).
+SELECTED = [
+    "training_tests/test_manager.py",
+    "training_tests/test_extension.py",
+    "training_tests/test_extension_entry.py",
+    "training_tests/test_trigger_util.py",
+    "training_tests/triggers_tests",
+    "training_tests/extensions_tests/test_snapshot.py",
+    "training_tests/extensions_tests/test_snapshot_writers.py",
+    "training_tests/extensions_tests/test_distributed_snapshot.py",
+    "training_tests/extensions_tests/test_log_report.py",
+    "training_tests/extensions_tests/test_print_report.py",
+    "training_tests/extensions_tests/test_progress_bar.py",
+    "training_tests/extensions_tests/test_lr_scheduler.py",
+    "training_tests/extensions_tests/test_fail_on_non_number.py",
+    "training_tests/extensions_tests/test_value_observation.py",
+    "training_tests/extensions_tests/test_evaluator.py",
+    "test_writing.py",
+]
+
+#: ``node id substring -> reason`` for tests outside snapkeep's scope (deselected, listed).
+OUT_OF_SCOPE = {
+    "test_ignite": "ppe's IgniteExtensionsManager is not provided",
+    "test_trainer": "ppe's Trainer is not provided",
+    "test_sharded_snapshot": "SnapshotMode.SHARDED is not implemented",
+    "test_find_snapshot_files": "ppe's private helper (mtime order; snapkeep orders by step)",
+    "test_find_latest_snapshot": "ppe's private helper (mtime order; snapkeep orders by step)",
+    "test_find_stale_snapshot": "ppe's private helper (mtime order; snapkeep orders by step)",
+    "test_tensorboard": "ppe's TensorBoard writer is not provided",
+    "test_timeline": "ppe's timeline tracing (enable_trace) is not provided",
+}
+
+_IMPORT_RULES = [
+    (re.compile(r"^(\s*)import pytorch_pfn_extras as (\w+)", re.M), r"\1import snapkeep as \2"),
+    (re.compile(r"^(\s*)from pytorch_pfn_extras(\.[\w.]+)? import", re.M),
+     r"\1from snapkeep\2 import"),
+    (re.compile(r"^(\s*)import pytorch_pfn_extras(\.[\w.]+)?\s*$", re.M),
+     r"\1import snapkeep as pytorch_pfn_extras"),
+]
+
+
+_PATCH_TARGET = re.compile(r"""(["'])pytorch_pfn_extras(\.[\w.]*)?(["'])""")
+
+
+def rewrite_imports(source: str, *, patch_targets: bool = False) -> str:
+    """``source`` with ppe's imports pointing at snapkeep; nothing else changes, unless
+    ``patch_targets``: then dotted module paths in string literals (``mock.patch(
+    "pytorch_pfn_extras.writing.X")`` targets) point at snapkeep too."""
+    for pattern, replacement in _IMPORT_RULES:
+        source = pattern.sub(replacement, source)
+    if patch_targets:
+        source = _PATCH_TARGET.sub(r"\1snapkeep\2\3", source)
+    return source
+
+
+def _log(message: str) -> None:
+    print(f"[ppe_tests] {message}", file=sys.stderr, flush=True)
+
+
+def _tests_root(tree: pathlib.Path) -> pathlib.Path | None:
+    for candidate in [tree, *tree.iterdir()] if tree.is_dir() else []:
+        root = candidate / TESTS_PREFIX
+        if root.is_dir():
+            return root
+    return None
+
+
+def _unpack(archive: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+    into.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def fetch() -> pathlib.Path:
+    """The unpacked ppe tree holding ``tests/pytorch_pfn_extras_tests`` (cached).
+
+    Raises:
+        SystemExit: neither the sdist nor the tag archive provides the tests.
+    """
+    cached = CACHE / "source"
+    if cached.is_dir() and _tests_root(cached) is not None:
+        return cached
+    CACHE.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:
+        download = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"pytorch-pfn-extras=={VERSION}", "-d", tmp], capture_output=True, text=True,
+            timeout=300, check=False)
+        sdists = sorted(pathlib.Path(tmp).glob("*.tar.gz"))
+        if download.returncode == 0 and sdists:
+            tree = _unpack(sdists[0], pathlib.Path(tmp) / "sdist")
+            if _tests_root(tree) is not None:
+                shutil.rmtree(cached, ignore_errors=True)
+                shutil.move(str(tree), cached)
+                return cached
+            _log(f"the sdist of pytorch-pfn-extras {VERSION} ships no tests; trying the "
+                 f"v{VERSION} source archive")
+        else:
+            _log(f"pip download failed: {download.stderr.strip()[-300:]}")
+        archive = pathlib.Path(tmp) / "source.tar.gz"
+        try:
+            with urllib.request.urlopen(ARCHIVE_URL, timeout=60) as response, \
+                    archive.open("wb") as out:
+                shutil.copyfileobj(response, out)
+        except OSError as e:
+            raise SystemExit(
+                f"cannot fetch ppe {VERSION}'s tests: the sdist has none and {ARCHIVE_URL} is "
+                f"unreachable ({e}). Pass --source DIR with a ppe {VERSION} checkout.") from e
+        tree = _unpack(archive, pathlib.Path(tmp) / "archive")
+        if _tests_root(tree) is None:
+            raise SystemExit(f"{ARCHIVE_URL} holds no {TESTS_PREFIX}")
+        shutil.rmtree(cached, ignore_errors=True)
+        shutil.move(str(tree), cached)
+        return cached
+
+
+def prepare(tests_root: pathlib.Path, into: pathlib.Path, *, patch_targets: bool = False,
+            rewrite: bool = True) -> list[pathlib.Path]:
+    """Copy the selected tests (and conftest files on their way), with rewritten imports
+    unless not ``rewrite`` (the baseline run against ppe itself)."""
+    shutil.rmtree(into, ignore_errors=True)
+    written = []
+    for relative in SELECTED:
+        source = tests_root / relative
+        files = sorted(source.rglob("*.py")) if source.is_dir() else [source]
+        for path in files:
+            if not path.is_file():
+                _log(f"not in this ppe version: {path.relative_to(tests_root)}")
+                continue
+            written.append(_copy(tests_root, path, into, patch_targets, rewrite))
+    for conftest in tests_root.rglob("conftest.py"):
+        target = into / conftest.relative_to(tests_root)
+        if target.parent.is_dir() and not target.exists():
+            _copy(tests_root, conftest, into, patch_targets, rewrite)
+    return written
+
+
+def _copy(tests_root: pathlib.Path, path: pathlib.Path, into: pathlib.Path,
+          patch_targets: bool, rewrite: bool) -> pathlib.Path:
+    target = into / path.relative_to(tests_root)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text()
+    target.write_text(rewrite_imports(text, patch_targets=patch_targets) if rewrite else text)
+    return target
+
+
+def summarize(report: pathlib.Path) -> dict[str, int]:
+    """``{'passed', 'failed', 'skipped', 'total'}`` counted from pytest's junit XML ``report``
+    (an error in a fixture counts as failed)."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        outcomes = {child.tag for child in case}
+        if outcomes & {"failure", "error"}:
+            counts["failed"] += 1
+        elif "skipped" in outcomes:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", type=pathlib.Path,
+                        help="a ppe checkout or unpacked archive (skips the download)")
+    parser.add_argument("--json", action="store_true", help="print the counts as JSON last")
+    parser.add_argument("--baseline", action="store_true",
+                        help="run the same tests unchanged against the installed ppe (what "
+                             "passes under ppe itself), for comparison")
+    parser.add_argument("--patch-targets", action="store_true",
+                        help="also point mock.patch('pytorch_pfn_extras.x.Y') targets at snapkeep "
+                             "(ppe's writer tests patch StandardWriter/QueueWriter by name)")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = parser.parse_args(argv)
+    tree = args.source if args.source is not None else fetch()
+    tests_root = _tests_root(tree)
+    if tests_root is None:
+        raise SystemExit(f"{tree} holds no {TESTS_PREFIX}")
+    run_dir = CACHE / ("baseline" if args.baseline else "rewritten")
+    files = prepare(tests_root, run_dir, patch_targets=args.patch_targets,
+                    rewrite=not args.baseline)
+    for key, reason in OUT_OF_SCOPE.items():
+        _log(f"deselected *{key}*: {reason}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not args.baseline:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    report = run_dir / "report.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+               "--rootdir", str(run_dir), f"--junitxml={report}",
+               "-k", " and ".join(f"not {key}" for key in OUT_OF_SCOPE),
+               *map(str, files), *args.pytest_args]
+    with tempfile.TemporaryDirectory(prefix="ppe-tests-") as cwd:
+        # ppe's snapshot tests write into the working directory; keep that out of the repo.
+        result = subprocess.run(command, cwd=cwd, env=env, check=False)
+    if report.exists():
+        counts = summarize(report)
+        against = "ppe (baseline)" if args.baseline else "snapkeep"
+        print(f"[ppe_tests] against {against}: {counts['passed']} passed, {counts['failed']} "
+              f"failed, {counts['skipped']} skipped of {counts['total']} "
+              f"({len(OUT_OF_SCOPE)} out-of-scope patterns deselected)", flush=True)
+        if args.json:
+            print(json.dumps(counts))
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
