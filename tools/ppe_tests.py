@@ -19,7 +19,10 @@ module paths in ``mock.patch("pytorch_pfn_extras.writing....")`` strings (withou
 writer tests patch ppe's classes and exercise snapkeep's unpatched). Tests of ppe's private
 helpers and of features outside snapkeep's scope are deselected, each with its reason
 (:data:`OUT_OF_SCOPE`).
-Exit status: pytest's.
+``--baseline`` runs the same files unchanged against the installed ppe; ``--compare`` runs both
+and lists each snapkeep failure as "ONLY under snapkeep" (a gap) or "also under ppe" (the
+fetched test does not match ppe 0.9.0 either). Each run prints its passed/failed/skipped
+counts. Exit status: pytest's (of the last run).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
+from xml.etree import ElementTree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".ppe_tests"
@@ -52,6 +56,13 @@ SELECTED = [
     "training_tests/extensions_tests/test_snapshot.py",
     "training_tests/extensions_tests/test_snapshot_writers.py",
     "training_tests/extensions_tests/test_distributed_snapshot.py",
+    "training_tests/extensions_tests/test_log_report.py",
+    "training_tests/extensions_tests/test_print_report.py",
+    "training_tests/extensions_tests/test_progress_bar.py",
+    "training_tests/extensions_tests/test_lr_scheduler.py",
+    "training_tests/extensions_tests/test_fail_on_non_number.py",
+    "training_tests/extensions_tests/test_value_observation.py",
+    "training_tests/extensions_tests/test_evaluator.py",
     "test_writing.py",
 ]
 
@@ -152,9 +163,10 @@ def fetch() -> pathlib.Path:
         return cached
 
 
-def prepare(tests_root: pathlib.Path, into: pathlib.Path, *, patch_targets: bool = False
-            ) -> list[pathlib.Path]:
-    """Copy the selected tests (and conftest files on their way) with rewritten imports."""
+def prepare(tests_root: pathlib.Path, into: pathlib.Path, *, patch_targets: bool = False,
+            rewrite: bool = True) -> list[pathlib.Path]:
+    """Copy the selected tests (and conftest files on their way), with rewritten imports
+    unless not ``rewrite`` (the baseline run against ppe itself)."""
     shutil.rmtree(into, ignore_errors=True)
     written = []
     for relative in SELECTED:
@@ -164,20 +176,68 @@ def prepare(tests_root: pathlib.Path, into: pathlib.Path, *, patch_targets: bool
             if not path.is_file():
                 _log(f"not in this ppe version: {path.relative_to(tests_root)}")
                 continue
-            written.append(_copy(tests_root, path, into, patch_targets))
+            written.append(_copy(tests_root, path, into, patch_targets, rewrite))
     for conftest in tests_root.rglob("conftest.py"):
         target = into / conftest.relative_to(tests_root)
         if target.parent.is_dir() and not target.exists():
-            _copy(tests_root, conftest, into, patch_targets)
+            _copy(tests_root, conftest, into, patch_targets, rewrite)
     return written
 
 
 def _copy(tests_root: pathlib.Path, path: pathlib.Path, into: pathlib.Path,
-          patch_targets: bool) -> pathlib.Path:
+          patch_targets: bool, rewrite: bool) -> pathlib.Path:
     target = into / path.relative_to(tests_root)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(rewrite_imports(path.read_text(), patch_targets=patch_targets))
+    text = path.read_text()
+    target.write_text(rewrite_imports(text, patch_targets=patch_targets) if rewrite else text)
     return target
+
+
+def outcomes(report: pathlib.Path) -> dict[str, str]:
+    """``{test id: 'passed' | 'failed' | 'skipped'}`` from pytest's junit XML ``report`` (an
+    error in a fixture counts as failed)."""
+    result = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        tags = {child.tag for child in case}
+        outcome = ("failed" if tags & {"failure", "error"} else
+                   "skipped" if "skipped" in tags else "passed")
+        result[f"{case.get('classname')}::{case.get('name')}"] = outcome
+    return result
+
+
+def summarize(report: pathlib.Path) -> dict[str, int]:
+    """``{'passed', 'failed', 'skipped', 'total'}`` counted from pytest's junit XML ``report``."""
+    found = list(outcomes(report).values())
+    counts = {key: found.count(key) for key in ("passed", "failed", "skipped")}
+    counts["total"] = len(found)
+    return counts
+
+
+def run(tests_root: pathlib.Path, *, baseline: bool, patch_targets: bool,
+        pytest_args: list[str]) -> tuple[int, pathlib.Path]:
+    """Run the selected tests (rewritten for snapkeep, or unchanged against ppe when
+    ``baseline``); prints the counts. Returns pytest's exit status and its junit report."""
+    run_dir = CACHE / ("baseline" if baseline else "rewritten")
+    files = prepare(tests_root, run_dir, patch_targets=patch_targets, rewrite=not baseline)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not baseline:
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    report = run_dir / "report.xml"
+    report.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+               "--rootdir", str(run_dir), f"--junitxml={report}",
+               "-k", " and ".join(f"not {key}" for key in OUT_OF_SCOPE),
+               *map(str, files), *pytest_args]
+    with tempfile.TemporaryDirectory(prefix="ppe-tests-") as cwd:
+        # ppe's snapshot tests write into the working directory; keep that out of the repo.
+        result = subprocess.run(command, cwd=cwd, env=env, check=False)
+    if report.exists():
+        counts = summarize(report)
+        against = "ppe (baseline)" if baseline else "snapkeep"
+        print(f"[ppe_tests] against {against}: {counts['passed']} passed, {counts['failed']} "
+              f"failed, {counts['skipped']} skipped of {counts['total']} "
+              f"({len(OUT_OF_SCOPE)} out-of-scope patterns deselected)", flush=True)
+    return result.returncode, report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=pathlib.Path,
                         help="a ppe checkout or unpacked archive (skips the download)")
     parser.add_argument("--json", action="store_true", help="print the counts as JSON last")
+    parser.add_argument("--baseline", action="store_true",
+                        help="run the same tests unchanged against the installed ppe (what "
+                             "passes under ppe itself), for comparison")
+    parser.add_argument("--compare", action="store_true",
+                        help="run under ppe, then under snapkeep, and list the tests that fail "
+                             "only under snapkeep (the gaps) and those that fail under both")
     parser.add_argument("--patch-targets", action="store_true",
                         help="also point mock.patch('pytorch_pfn_extras.x.Y') targets at snapkeep "
                              "(ppe's writer tests patch StandardWriter/QueueWriter by name)")
@@ -194,24 +260,25 @@ def main(argv: list[str] | None = None) -> int:
     tests_root = _tests_root(tree)
     if tests_root is None:
         raise SystemExit(f"{tree} holds no {TESTS_PREFIX}")
-    run_dir = CACHE / "rewritten"
-    files = prepare(tests_root, run_dir, patch_targets=args.patch_targets)
     for key, reason in OUT_OF_SCOPE.items():
         _log(f"deselected *{key}*: {reason}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    report = CACHE / "report.xml"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
-               "--rootdir", str(run_dir), f"--junitxml={report}",
-               "-k", " and ".join(f"not {key}" for key in OUT_OF_SCOPE),
-               *map(str, files), *args.pytest_args]
-    result = subprocess.run(command, cwd=run_dir, env=env, check=False)
+    under_ppe: dict[str, str] = {}
+    if args.compare or args.baseline:
+        status, report = run(tests_root, baseline=True, patch_targets=False,
+                             pytest_args=args.pytest_args)
+        under_ppe = outcomes(report) if report.exists() else {}
+    if not args.baseline:
+        status, report = run(tests_root, baseline=False, patch_targets=args.patch_targets,
+                             pytest_args=args.pytest_args)
+    if args.compare and report.exists():
+        failed = sorted(t for t, outcome in outcomes(report).items() if outcome == "failed")
+        for test in failed:
+            where = ("also under ppe" if under_ppe.get(test) == "failed"
+                     else "ONLY under snapkeep")
+            print(f"[ppe_tests] failed {where}: {test}", flush=True)
     if args.json and report.exists():
-        text = report.read_text()
-        counts = {k: int(v) for k, v in re.findall(r'(tests|failures|errors|skipped)="(\d+)"',
-                                                   text)[:4]}
-        print(json.dumps(counts))
-    return result.returncode
+        print(json.dumps(summarize(report)))
+    return status
 
 
 if __name__ == "__main__":

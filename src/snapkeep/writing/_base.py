@@ -264,7 +264,10 @@ class Writer:
 
 class SimpleWriter(Writer):
     """Writes in the caller's thread and returns when the snapshot is durable (ppe's
-    ``SimpleWriter``). The target is written as given, without a staging copy.
+    ``SimpleWriter``). The target is written as given, without a staging copy. A subclass (or
+    instance) that replaces :meth:`save` has its ``save`` called for each snapshot instead, as
+    ppe's ``SimpleWriter`` does; snapkeep's per-snapshot extras (step, metrics, retention) are
+    then the replacement's business, and ``__call__`` returns ``None``.
 
     Args:
         savefun: ``savefun(obj, file, **kwds)``; default ``torch.save``.
@@ -286,6 +289,11 @@ class SimpleWriter(Writer):
         self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
         append: bool = False, **extra: Any,
     ) -> SaveHandle | None:
+        if "save" in vars(self) or type(self).save is not Writer.save:
+            # A subclass or instance that replaces save() takes over the write (as ppe's
+            # SimpleWriter, whose __call__ is save()); it returns no handle.
+            self.save(filename, out_dir, target, savefun or self._savefun, append, **self._kwds)
+            return None
         ticket = self._submit(filename, out_dir, target, savefun or self._savefun, append,
                               self._kwds, extra)
         if ticket is None:

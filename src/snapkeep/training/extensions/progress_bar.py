@@ -2,7 +2,8 @@
 
 ppe draws its own multi-line bar with ANSI cursor moves; snapkeep uses tqdm. The line keeps
 ppe's status text (``'<iteration> iter, <epoch> epoch / <length> <unit>s'``), the fraction done,
-the iteration speed and the estimated time to finish.
+the iteration speed as ppe writes it (``'<speed> iters/sec.'``, counted from the first call) and
+the estimated time to finish.
 """
 
 from __future__ import annotations
@@ -23,9 +24,17 @@ _BAR_CHARS = ".#"  # tqdm's custom "ascii" charset: blank, then full (ppe draws 
 
 
 class _Bar(tqdm.tqdm):  # type: ignore[type-arg]
-    """tqdm without its monitor thread (no thread outlives the bar)."""
+    """tqdm without its monitor thread (no thread outlives the bar), with ``speed``: iterations
+    per second since the bar was opened (``inf`` before the first timed one, as ppe prints)."""
 
     monitor_interval = 0
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        fields = dict(super().format_dict)
+        done, elapsed_s = self.n - self.initial, fields.get("elapsed") or 0
+        fields["speed"] = done / elapsed_s if done > 0 and elapsed_s > 0 else float("inf")
+        return fields
 
 
 def _positive_int(value: object, argument: str) -> int:
@@ -72,8 +81,8 @@ class ProgressBar(extension.Extension):
     def __call__(self, manager: ExtensionsManagerProtocol) -> None:
         """Redraws the bar when ``manager.iteration`` is a multiple of ``update_interval``."""
         iteration = manager.iteration
-        if self._bar is None:
-            self._bar = self._open(manager, start=max(iteration - 1, 0))
+        if self._bar is None:  # iterations before the bar opened are not timed
+            self._bar = self._open(manager, start=iteration)
         if iteration % self._update_interval == 0:
             length, unit = self._length(manager)
             self._status = f"{iteration} iter, {manager.epoch} epoch / {length} {unit}s"
@@ -100,7 +109,7 @@ class ProgressBar(extension.Extension):
             total=total, initial=start, file=self._out if self._out is not None else sys.stdout,
             ascii=_BAR_CHARS, unit="iter", smoothing=0, mininterval=0, dynamic_ncols=False,
             bar_format="{desc} [{bar:" + str(self._bar_length) + "}] {percentage:6.2f}% "
-            "{rate_fmt} ETA {remaining}",
+            "{speed:10.5g} iters/sec. ETA {remaining}",  # ppe's speed text
         )
 
     def finalize(self, manager: ExtensionsManagerProtocol) -> None:
