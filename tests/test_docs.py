@@ -12,19 +12,17 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 
 import snapkeep.errors
+from doc_examples import python_blocks, run_example_twice
 from snapkeep._core.manifest import Manifest
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 BLOCKS = [(page.name, i, block)
           for page in sorted(DOCS.glob("*.md"))
-          for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(),
-                                               flags=re.S))]
+          for i, block in enumerate(python_blocks(page.read_text()))]
 
 
 def test_docs_have_runnable_examples() -> None:
@@ -36,21 +34,7 @@ def test_docs_have_runnable_examples() -> None:
                          ids=[f"{page}-{i}" for page, i, _ in BLOCKS])
 def test_docs_example_runs_as_written(tmp_path: pathlib.Path, page: str, index: int,
                                       block: str) -> None:
-    script = tmp_path / "example.py"
-    script.write_text(block)
-    outputs = []
-    for _ in range(2):
-        run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=150)
-        assert run.returncode == 0, run.stderr
-        outputs.append(run.stdout)
-    lines = block.splitlines()
-    expected = [line[2:] for prev, line in zip(lines, lines[1:])
-                if prev.startswith("print(") and line.startswith("# ")]
-    assert expected, f"{page} block {index} checks no output"
-    for line in expected:
-        assert line in outputs[0].splitlines(), (line, outputs[0])
-    assert outputs[0] == outputs[1]
+    run_example_twice(block, tmp_path, where=f"{page} block {index}")
 
 
 def test_every_public_error_class_is_in_troubleshooting() -> None:

@@ -125,19 +125,10 @@ class BufferSet:
             total += nbytes
             if not nbytes:
                 continue
-            src_bytes = torch.empty((0,), dtype=torch.uint8, device=src.device).set_(src)
-            dst_bytes = torch.empty((0,), dtype=torch.uint8).set_(dst)
-            if src.device.type == "cuda":
-                stream = _side_stream(src.device)
-                stream.wait_stream(torch.cuda.current_stream(src.device))
-                with torch.cuda.stream(stream):
-                    dst_bytes.copy_(src_bytes, non_blocking=True)
-                if stream not in streams:
-                    streams.append(stream)
-            elif src.device.type == "cpu":
+            if src.device.type == "cpu":
                 host_copies.append((dst.data_ptr(), src.data_ptr(), nbytes))
             else:
-                dst_bytes.copy_(src_bytes)
+                _copy_from_device(src, dst, streams)
         copy_host(host_copies)
         for stream in streams:
             stream.synchronize()
@@ -145,6 +136,24 @@ class BufferSet:
         return staged, StageStats(
             tensor_bytes=total, allocated_bytes=allocated, num_storages=len(buffers)
         )
+
+
+def _copy_from_device(src: torch.UntypedStorage, dst: torch.UntypedStorage,
+                      streams: list[Any]) -> None:
+    """Copy the bytes of a non-CPU storage ``src`` into the host buffer ``dst``. CUDA copies
+    run non-blocking on a side stream (appended to ``streams``: the caller synchronises them
+    before the staged tree is handed on); other devices copy synchronously."""
+    src_bytes = torch.empty((0,), dtype=torch.uint8, device=src.device).set_(src)
+    dst_bytes = torch.empty((0,), dtype=torch.uint8).set_(dst)
+    if src.device.type == "cuda":
+        stream = _side_stream(src.device)
+        stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(stream):
+            dst_bytes.copy_(src_bytes, non_blocking=True)
+        if stream not in streams:
+            streams.append(stream)
+    else:
+        dst_bytes.copy_(src_bytes)
 
 
 def stage_split(
@@ -181,17 +190,7 @@ def stage_split(
         if src.device.type == "cpu":
             now.append((dst.data_ptr(), src.data_ptr(), nbytes))
             continue
-        src_bytes = torch.empty((0,), dtype=torch.uint8, device=src.device).set_(src)
-        dst_bytes = torch.empty((0,), dtype=torch.uint8).set_(dst)
-        if src.device.type == "cuda":
-            stream = _side_stream(src.device)
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(stream):
-                dst_bytes.copy_(src_bytes, non_blocking=True)
-            if stream not in streams:
-                streams.append(stream)
-        else:
-            dst_bytes.copy_(src_bytes)
+        _copy_from_device(src, dst, streams)
     copy_host(now)
     for stream in streams:
         stream.synchronize()
