@@ -14,7 +14,8 @@ MODE ``resume``: builds a differently initialised model, autoloads, reports what
 its full parameters and Adam state. ``SNAPKEEP_TEST_FAIL_RANK=<r>`` makes rank r's storage
 writer raise during the save of iteration 2 (the fault test);
 ``SNAPKEEP_TEST_DIE_RANK=<r>`` makes rank r exit with code 3 before the last snapshot;
-``SNAPKEEP_TEST_TIMEOUT_S`` is the snapshot's ``timeout_s`` (default 120).
+``SNAPKEEP_TEST_TIMEOUT_S`` is the snapshot's ``timeout_s`` (default 120);
+``SNAPKEEP_TEST_STORAGE_OPTIONS`` (JSON) is the writer's ``storage_options`` (an ``s3://`` OUT_DIR).
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def main() -> None:
     report: dict[str, Any] = {"rank": rank, "world_size": world_size}
     seed = 0 if mode == "train" else 100 + rank
     model, optimizer = build(seed, world_size)
+    options = json.loads(os.environ.get("SNAPKEEP_TEST_STORAGE_OPTIONS", "null"))
+    writer = writing.SimpleWriter(out_dir=out_dir, storage_options=options)
     manager = ExtensionsManager(model, optimizer, 1000, iters_per_epoch=ITERS_PER_EPOCH,
-                                out_dir=out_dir, writer=writing.SimpleWriter(out_dir=out_dir))
+                                out_dir=out_dir, writer=writer)
     snapshot = ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, n_retains=2, autoload=True,
                             timeout_s=float(os.environ.get("SNAPKEEP_TEST_TIMEOUT_S", "120")))
     manager.extend(snapshot, trigger=(1000 if mode == "preempt" else 1, "iteration"))
