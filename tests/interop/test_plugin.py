@@ -84,6 +84,7 @@ def test_writer_fs_hides_temps_and_manifests(tmp_path):
     assert not (tmp_path / ".snapkeep" / "snap_1.json").exists()
     assert not w.fs.exists(str(tmp_path / "snap_1"))
     w.finalize()
+    (tmp_path / "snap_2.snapkeep-tmp.x").unlink()  # the fake temp file made above
 
 
 def test_snapkeep_extension_is_a_ppe_extension_inside_ppe_manager(tmp_path):

@@ -8,7 +8,7 @@ bytes, see :mod:`snapkeep._core.codec`) are decoded by safetensors, which never 
 Local files are memory-mapped (``torch.load(mmap=True)``, safetensors' own mapping): the loaded
 tensors are copy-on-write views of the file's page-cache pages, so resuming holds no second copy
 of the state and reads it at disk speed. Callers verify the file's checksum first
-(:meth:`snapkeep._core.catalog.Catalog.verify` hashes it through a memory map as well).
+(:meth:`snapkeep._core.store.SnapshotStore.verify` hashes it through a memory map as well).
 """
 
 from __future__ import annotations

@@ -47,23 +47,23 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
         RankFailedError: loading or applying failed on some rank (named, on every rank).
         CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
     """
-    catalog = snapshot._store_of(manager)
-    if catalog is None:
+    store = snapshot._store_of(manager)
+    if store is None:
         return None
     groups = background_groups(getattr(snapshot, "timeout_s", DEFAULT_TIMEOUT_S))
     group, timeout_s, rank = groups.control, groups.timeout_s, groups.rank
     saver = snapshot._saver_rank
-    entries = catalog.entries()
+    entries = store.entries()
     by_name = {e.name: e for e in entries}
     # the same on every rank (node-local directories differ): the error messages must be equal
-    what = f"resuming {catalog.template.template!r} (saver rank {saver})"
+    what = f"resuming {store.template.template!r} (saver rank {saver})"
 
     def entry_of(name: str) -> Entry:
         found = by_name.get(name)
         if found is not None:
             return found
-        key = catalog.template.parse(name) or ()
-        return Entry(name=name, path=catalog.storage.join(catalog.directory, name), key=key,
+        key = store.template.parse(name) or ()
+        return Entry(name=name, path=store.storage.join(store.directory, name), key=key,
                      step=int(key[0]) if key else None)
 
     verified: dict[str, bytes | None] = {}
@@ -74,9 +74,9 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
         entry = by_name.get(name)
         if entry is None:
             return "not found on the saver rank"
-        data = None if catalog.storage.is_local else catalog.storage.read_bytes(entry.path)
+        data = None if store.storage.is_local else store.storage.read_bytes(entry.path)
         try:
-            catalog.verify(entry, data)
+            store.verify(entry, data)
         except SnapshotCorruptError as e:
             return str(e)
         verified[name] = data
@@ -91,8 +91,8 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
     own_ok = rank == saver
     if rank != saver and chosen in by_name:
         try:
-            catalog.verify(entry)
-            own_ok = catalog.manifest(entry) is not None
+            store.verify(entry)
+            own_ok = store.manifest(entry) is not None
         except (SnapshotCorruptError, SnapshotStorageError) as e:
             logger.warning("rank %d: own copy of %s unusable (%s); receiving the saver rank's",
                            rank, entry.path, e)
@@ -104,7 +104,7 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
         payload: bytes | None = None
         if rank == saver:
             try:
-                payload = data if data is not None else catalog.storage.read_bytes(entry.path)
+                payload = data if data is not None else store.storage.read_bytes(entry.path)
             except OSError as e:
                 error = e
         exchange_outcomes(group, error, what=f"{what}: reading {chosen} on the saver rank",
@@ -119,14 +119,14 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
     error = None
     target = manager if snapshot._target is None else snapshot._target
     try:
-        state = load_file(catalog.storage, entry.path, map_location=snapshot._map_location,
+        state = load_file(store.storage, entry.path, map_location=snapshot._map_location,
                           weights_only=snapshot._weights_only, data=data)
         snapshot._apply(target, state, entry)
     except Exception as e:  # exchanged: every rank raises the same error naming this rank
         error = e
     exchange_outcomes(group, error, what=f"{what}: loading {chosen}", timeout_s=timeout_s)
     snapshot.loaded_entry = entry
-    snapshot._shared.adopt(catalog, entries or [entry], entry)
+    snapshot._shared.adopt(store, entries or [entry], entry)
     logger.info("rank %d resumed from %s (step %s), chosen with every rank", rank, entry.path,
                 entry.step)
     return entry.name
