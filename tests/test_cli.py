@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from snapkeep.cli import cli
+from subprocess_util import default_sigint
 
 pytest.importorskip("sklearn")
 
@@ -309,7 +310,8 @@ def test_ctrl_c_on_the_demo_says_how_to_resume(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "snapkeep.cli", "demo", "--out", str(out), "--iterations",
          "1000000", "--model-size", "16", "--snapshot-interval", "20", "--log-interval", "20"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=default_sigint)
     started = threading.Event()
 
     def watch() -> None:

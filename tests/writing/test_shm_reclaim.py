@@ -16,6 +16,7 @@ import torch
 
 import snapkeep
 from snapkeep._core.shm import ARENA_PREFIX, reclaim_dead_arenas
+from subprocess_util import default_sigint
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
 
@@ -36,7 +37,7 @@ def _trainer(tmp_path, mode: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(TRAINER), str(tmp_path), mode],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
 
 
 def _group_gone(pgid: int) -> bool:

@@ -20,6 +20,7 @@ from writer_gates import GATE_TIMEOUT_S, SocketGate
 import snapkeep
 from snapkeep._core.shm import reclaim_dead_arenas
 from snapkeep._core.storage import resolve_storage, set_publish_guard
+from subprocess_util import default_sigint
 
 TESTS_WRITING = os.path.dirname(os.path.abspath(__file__))
 
@@ -132,7 +133,8 @@ def _start_trainer(tmp_path, gate: SocketGate) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(TRAINER), str(tmp_path), gate.address],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)  # its own process group, as a shell gives a foreground job
+        start_new_session=True,  # its own process group, as a shell gives a foreground job
+        preexec_fn=default_sigint)  # Ctrl-C must reach it even when the suite runs in background
     line = proc.stdout.readline()
     assert line.startswith("SUBMITTED"), (line, proc.stderr.read() if proc.poll() else "")
     gate.wait_entered()  # the worker is inside the save
