@@ -180,6 +180,30 @@ def load_status(store: SnapshotStore, entry: Entry) -> Status:
     return Status(status="unverified", detail="no checksum manifest; loads completely")
 
 
+def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
+    """``(entry, size in bytes, status)`` of the committed sharded (DCP) snapshot directories of
+    the store's template, oldest first: each is verified whole against its marker (every file's
+    size and checksum). Imports ``torch.distributed.checkpoint`` (seconds): called only when a
+    directory holds no single-file snapshots."""
+    from snapkeep.distributed import ShardedStore
+
+    sharded = ShardedStore(store.storage, store.directory, store.template)
+    rows = []
+    for entry in sharded.entries():
+        manifest = sharded.manifest(entry)
+        size = sum(r.size_bytes for r in manifest.files.values()) if manifest else 0
+        try:
+            sharded.verify_part(entry, 0, 1)  # one "rank" checks every file
+        except SnapshotCorruptError as e:
+            rows.append((entry, size, Status(status="corrupt", detail=str(e))))
+            continue
+        files = len(manifest.files) if manifest else 0
+        world = manifest.world_size if manifest else "?"
+        rows.append((entry, size, Status(
+            status="ok", detail=f"sharded (DCP): {files} files from {world} rank(s)")))
+    return rows
+
+
 def manifest_of(storage: Storage, path: str) -> Manifest | None:
     """The manifest of the snapshot file ``path`` (None when it has none or it is unreadable)."""
     directory, name = storage.dirname(path), storage.basename(path)

@@ -38,6 +38,7 @@ from snapkeep._cli_files import (
     require_directory,
     require_file,
     resolve,
+    sharded_rows,
 )
 from snapkeep._cli_tree import TreeTooDeepError, compare, select, stats_by_key
 from snapkeep.codecs import HEADER_PROBE_BYTES, is_safetensors_header
@@ -92,7 +93,9 @@ def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
                 found = checksum_status(store, entry)
                 bar.update(size)
                 rows.append((entry, size, found))
-        others = [] if entries else recorded_templates(store.storage, store.directory)
+        if not rows:  # sharded (DCP) snapshot directories of the template, if any
+            rows = sharded_rows(store)
+        others = [] if rows else recorded_templates(store.storage, store.directory)
     if as_json:
         emit_json({
             "schema": "snapkeep.ls/1", "directory": directory, "template": template,
@@ -140,7 +143,8 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...],
     with storage_errors(directory):
         store = store_for(directory, template, storage_options)
         entries = store.entries()
-        if not entries:
+        sharded = [] if entries else sharded_rows(store)
+        if not entries and not sharded:
             message = _none_found(store, directory, template)
             if as_json:
                 emit_json({"schema": "snapkeep.verify/1", "directory": directory,
@@ -150,7 +154,7 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...],
                 click.echo(message, err=True)
             sys.exit(EXIT_FAILED)
         total = sum(store.storage.size(e.path) for e in entries)
-        results = []
+        results = [(entry, found) for entry, _, found in sharded]
         with progress(total, "verifying") as bar:
             for entry in entries:
                 found = load_status(store, entry)

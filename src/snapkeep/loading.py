@@ -61,8 +61,10 @@ def load_latest(
 
     Returns:
         The state as saved (for a manager snapshot a dict with ``models``, ``optimizers``,
-        ``extensions``, ...; for ``snapshot_object(model, ...)`` the model's ``state_dict``),
-        or ``None`` when ``out_dir`` holds no file matching ``template`` -- the case in which
+        ``extensions``, ...; for ``snapshot_object(model, ...)`` the model's ``state_dict``;
+        for a sharded (DCP) snapshot directory of ``snapshot_mode=SHARDED``, its whole state
+        gathered into one dict: ``models``, ``optimizers``, ``objects``, ``rank_state``), or
+        ``None`` when ``out_dir`` holds no snapshot matching ``template`` -- the case in which
         autoload starts fresh.
 
     Raises:
@@ -103,8 +105,63 @@ def load_latest(
 
     found = store.load_newest(loader)
     if found is None:
+        sharded = _load_newest_sharded(storage, directory, template, map_location=map_location,
+                                       weights_only=weights_only)
+        if sharded is not None:
+            return sharded
         logger.info("no snapshot matching %r in %s", template, location)
         return None
     entry, state = found
     logger.info("loaded snapshot %s (step %s)", entry.path, entry.step)
     return state
+
+
+def _load_newest_sharded(storage: Any, directory: str, template: str, *, map_location: Any,
+                         weights_only: bool) -> Any | None:
+    """The newest committed sharded (DCP) snapshot directory of ``template`` that verifies
+    against its marker, gathered into one state dict (DCP's ``dcp_to_torch_save`` into a
+    temporary file, then ``torch.load``); ``None`` when there is none. Falls back past a
+    corrupt one with a warning, as autoload does.
+
+    Raises:
+        NoValidSnapshotError: sharded snapshots exist but none verifies.
+        ValueError: the directory is not local (gather a remote one with ``snapkeep convert``
+            after copying it, or load it with ``torch.distributed.checkpoint``).
+    """
+    import tempfile
+
+    import torch
+
+    from snapkeep.distributed import ShardedStore
+    from snapkeep.errors import NoValidSnapshotError, SnapshotCorruptError
+    from snapkeep.store import warn_user
+
+    sharded = ShardedStore(storage, directory, template)
+    entries = sharded.entries()
+    if not entries:
+        return None
+    if not storage.is_local:
+        raise ValueError(
+            f"load_latest: {directory!r} holds sharded (DCP) snapshots on a remote store; load "
+            "them with torch.distributed.checkpoint (DCP's fsspec reader) or copy the newest "
+            "directory locally and use `snapkeep convert DIR state.pt`")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    reasons = []
+    for entry in reversed(entries):
+        try:
+            sharded.verify_part(entry, 0, 1)  # every file against the marker
+        except SnapshotCorruptError as e:
+            warn_user(f"skipping sharded snapshot {entry.name} (step {entry.step}): {e}",
+                      RuntimeWarning)
+            reasons.append(str(e))
+            continue
+        with tempfile.TemporaryDirectory(prefix="snapkeep-load-") as tmp:
+            gathered = os.path.join(tmp, "state.pt")
+            dcp_to_torch_save(entry.path, gathered)
+            state = torch.load(gathered, map_location=map_location, weights_only=weights_only)
+        logger.info("loaded sharded snapshot %s (step %s)", entry.path, entry.step)
+        return state
+    raise NoValidSnapshotError(
+        f"{len(entries)} sharded snapshot(s) of {template!r} in {directory!r}, none valid: "
+        + "; ".join(reasons[:10]) + ". Restore a good copy, or move them away to start fresh.")
