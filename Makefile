@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(PIP_FLAGS) -e '.[dev]'
 	touch $@
 
-# 10-30 s of training on 2 cores: 13.5 MB snapshots (medium model) every 50 iterations,
+# 5-15 s of training on 2 cores (about 20 s with start-up): 13.5 MB snapshots (medium model) every 50 iterations,
 # the newest 3 kept.
 # Run it again to see it resume (or report the finished run); `rm -rf result/demo` starts over.
 DEMO_ARGS ?= --out result/demo --iterations 300 --snapshot-interval 50 --model-size medium

@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m snapkeep.demo_sharded`` (under torchrun or alone)."""
     defaults = ShardedDemoConfig()
     parser = argparse.ArgumentParser(prog="python -m snapkeep.demo_sharded",
-                                     description=__doc__.splitlines()[0])
+                                     description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--out", default=defaults.out_dir, help="shared snapshot directory")
     parser.add_argument("--iterations", type=int, default=defaults.iterations)
     parser.add_argument("--snapshot-interval", type=int, default=defaults.snapshot_interval)
@@ -190,8 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out_dir=args.out, iterations=args.iterations, snapshot_interval=args.snapshot_interval,
         n_retains=args.n_retains, hidden_size=MODEL_SIZES[args.model_size], seed=args.seed,
         batch_size=args.batch_size, timeout_s=args.timeout_s)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s rank "
-                        f"{os.environ.get('RANK', '0')}: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     torch.set_num_threads(1)
     distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:

@@ -206,8 +206,9 @@ class Preemption(extension.Extension):
                            len(self.received) - 1)
         if self.requeue and rank == 0:
             _requeue()
-        logger.warning("rank %d: preemption snapshot of iteration %d committed; exiting with %d",
-                       rank, iteration, self.exit_code)
+        logger.warning("rank %d: preemption snapshot of iteration %d committed; exiting with %d "
+                       "(run the same command again to resume from it)", rank, iteration,
+                       self.exit_code)
         raise SystemExit(self.exit_code)
 
 
