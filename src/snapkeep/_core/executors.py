@@ -268,10 +268,16 @@ def _trainer_alive_check(parent_pid: int) -> Callable[[], bool]:
     return alive
 
 
+_TRAINER_SIGNALS = tuple(getattr(signal, name) for name in
+                         ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+                         if hasattr(signal, name))
+
+
 def _worker_main(conn: Any, parent_pid: int) -> None:
     """Worker process entry point: serve jobs until told to stop, then exit at once.
 
-    SIGINT is ignored (Ctrl-C reaches the whole foreground process group; the trainer decides,
+    SIGINT, SIGTERM, SIGHUP and SIGUSR1/2 are ignored (they reach the whole process group:
+    Ctrl-C, a scheduler's SIGTERM; the trainer decides,
     and its ``finalize()`` waits for the save in flight). The worker dies with its trainer
     (``PR_SET_PDEATHSIG``), and checks that the trainer is alive right before publishing each
     file, so nothing a dead trainer started becomes visible after its death.
@@ -279,7 +285,11 @@ def _worker_main(conn: Any, parent_pid: int) -> None:
     Every job was committed (fsynced) and answered before the loop ends, so the interpreter's
     teardown (about a second with torch loaded) is skipped and ``finalize()`` returns promptly.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Signals sent to the whole process group (Ctrl-C, a scheduler's SIGTERM, SLURM's SIGUSR1)
+    # are the trainer's to handle (extensions.preemption snapshots on them, and the worker must
+    # live to write that snapshot); the worker dies with its trainer instead.
+    for signum in _TRAINER_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     _die_with_trainer()
     alive = _trainer_alive_check(parent_pid)
     if not alive():
@@ -540,8 +550,8 @@ class ProcessRunner:
         if process is not None:
             process.join(timeout=5.0)
             if process.is_alive():
-                logger.warning("snapshot worker pid=%s did not stop; terminating it", process.pid)
-                process.terminate()
+                logger.warning("snapshot worker pid=%s did not stop; killing it", process.pid)
+                process.kill()  # SIGTERM is ignored by the worker (see _worker_main)
                 process.join(timeout=5.0)
         if conn is not None:
             conn.close()

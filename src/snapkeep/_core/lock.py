@@ -58,7 +58,8 @@ class StoreLock:
         self._fd: int | None = fd
 
     @classmethod
-    def acquire(cls, directory: str, template: str, where: str) -> StoreLock:
+    def acquire(cls, directory: str, template: str, where: str,
+                key: str | None = None) -> StoreLock:
         """Lock ``template`` in ``directory`` (the store's manifest directory) or fail at once.
 
         Raises:
@@ -66,7 +67,9 @@ class StoreLock:
                 it; the message names its pid, host and since when, and what to do.
             SnapshotStorageError: the lock file cannot be created.
         """
-        path = os.path.join(directory, lock_file_name(template))
+        # the lock file is named after ``key`` (the set of names the template matches, see
+        # FilenameTemplate.lock_key) so that equivalent spellings share one lock
+        path = os.path.join(directory, lock_file_name(key if key is not None else template))
         with _HELD_GUARD:
             held = _HELD.get(os.path.realpath(path))
             if held is not None and held._fd is not None:

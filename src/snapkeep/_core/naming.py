@@ -152,6 +152,26 @@ class FilenameTemplate:
             raise ValueError(f"filename template {self.template!r} produced a bad name: {e}") \
                 from None
 
+    @property
+    def lock_key(self) -> str:
+        """The template reduced to the set of names it matches: literals (braces escaped) and one
+        ``{int}`` or ``{num}`` per field, whatever the field's spelling, conversion or format
+        spec (``'s_{.iteration}'``, ``'s_{0.iteration}'`` and ``'s_{.iteration:d}'`` all give
+        ``'s_{int}'``). Templates with one key list, autoload and retain the same files, so the
+        directory lock is taken on this key, not on the template's text.
+
+        Raises:
+            TypeError: the template is a callable (it has no key; nothing is locked).
+        """
+        if not isinstance(self.template, str):
+            raise TypeError("callable filename templates have no lock key")
+        parts: list[str] = []
+        for literal, field, _spec, _conv in string.Formatter().parse(self.template):
+            parts.append(literal.replace("{", "{{").replace("}", "}}"))
+            if field is not None:
+                parts.append("{int}" if _attribute_of(field) in _INTEGER_FIELDS else "{num}")
+        return "".join(parts)
+
     def _regex(self) -> tuple[re.Pattern[str], list[int]]:
         if not isinstance(self.template, str):
             raise TypeError("callable filename templates cannot be parsed")

@@ -449,7 +449,8 @@ class SnapshotStore:
         split = self._split()
         sub = split[0] if split is not None else ""
         return StoreLock.acquire(self.storage.join(self._subdir(sub), MANIFEST_DIR),
-                                  str(self.template.template), self.storage.url(self.directory))
+                                  str(self.template.template), self.storage.url(self.directory),
+                                  key=self.template.lock_key)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
