@@ -20,4 +20,5 @@ def test_readme_has_runnable_examples() -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs_as_written(tmp_path: pathlib.Path, index: int) -> None:
-    run_example_twice(BLOCKS[index], tmp_path, where=f"README block {index}", exact_lines=False)
+    run_example_twice(BLOCKS[index], tmp_path, where=f"README block {index}", exact_lines=False,
+                      require_expected=False)
