@@ -1,14 +1,14 @@
-"""A resumed snapshot whose file name says another step than the iteration it holds (a file
-copied or renamed by hand, e.g. ``cp snapshot_iter_500 snapshot_iter_1000``) resumes from the
-iteration it holds; say so instead of resuming without a word."""
+"""A snapshot whose file name says another step than the iteration it holds (a file copied or
+renamed by hand, e.g. ``cp snapshot_iter_500 snapshot_iter_1000``) is not resumed from: "latest"
+is the step in the name, so resuming it would silently go back in training, and every restart
+would do so again. Autoload skips it with a warning naming both steps and falls back to the
+next older snapshot, as for a corrupt file."""
 
 from __future__ import annotations
 
 import re
 import string
 from typing import Any
-
-from snapkeep.store import warn_user
 
 #: The key of the manager state holding the iteration it was taken at.
 ITERATION_KEY = "_start_iteration"
@@ -23,17 +23,17 @@ def _names_iteration(template: str) -> bool:
     return any(re.search(r"(^|\.)iteration$", f) for f in fields)
 
 
-def warn_if_renamed(name: str, step: int | None, template: Any, state: Any) -> None:
-    """Warn (attributed to the user's code) when snapshot ``name``, whose ``template`` names the
-    iteration and gave ``step``, holds a manager state of another iteration."""
+def misnamed_reason(name: str, step: int | None, template: Any, state: Any) -> str | None:
+    """Why snapshot ``name`` (whose ``template`` names the iteration and gave ``step``) must not
+    be resumed from: it holds a manager state of another iteration (copied or renamed by hand).
+    None when the name and the state agree, or when the state records no iteration."""
     if step is None or not isinstance(template, str) or not _names_iteration(template):
-        return
+        return None
     if not isinstance(state, dict):
-        return
+        return None
     saved = state.get(ITERATION_KEY)
     if isinstance(saved, bool) or not isinstance(saved, int) or saved == step:
-        return
-    warn_user(
-        f"snapshot {name} is named for step {step} but holds iteration {saved} (copied or "
-        f"renamed?); the run resumes from iteration {saved}. Rename the file to match, or check "
-        "that it is the snapshot you meant to resume", UserWarning)
+        return None
+    return (f"{name} is named for step {step} but holds iteration {saved} (copied or renamed?); "
+            "it is not resumed from. Rename the file to match the iteration it holds, or move it "
+            "away")

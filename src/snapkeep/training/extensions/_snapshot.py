@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from snapkeep.errors import SnapshotError
+from snapkeep.errors import SnapshotCorruptError, SnapshotError
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
 from snapkeep.staging import (
     StagingGuard,
@@ -60,7 +60,7 @@ from snapkeep.training.extensions._find import (  # noqa: F401  (ppe's helpers, 
     _find_snapshot_files,
     _find_stale_snapshots,
 )
-from snapkeep.training.extensions._name_check import warn_if_renamed
+from snapkeep.training.extensions._name_check import misnamed_reason
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -468,14 +468,17 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         target = manager if self._target is None else self._target
 
         def loader(entry: Entry, data: bytes | None) -> Any:
-            return load_file(store.storage, entry.path, map_location=self._map_location,
-                             weights_only=self._weights_only, data=data)
+            state = load_file(store.storage, entry.path, map_location=self._map_location,
+                              weights_only=self._weights_only, data=data)
+            reason = misnamed_reason(entry.name, entry.step, self._template.template, state)
+            if reason is not None:  # skipped with a warning, as a corrupt file is
+                raise SnapshotCorruptError(reason)
+            return state
 
         found = store.load_newest(loader, candidates=candidates)
         if found is None:
             return None
         entry, state = found
-        warn_if_renamed(entry.name, entry.step, self._template.template, state)
         self._apply(target, state, entry)
         self.loaded_entry = entry
         self._shared.adopt(store, candidates, entry)
