@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 from integration_support import make_run, train
 
 import snapkeep
@@ -28,5 +29,23 @@ def test_a_snapshot_copied_under_a_newer_steps_name_is_not_resumed(tmp_path):
         assert "snapshot_iter_9" in str(e)
     else:  # skipping it (with a warning) and resuming the newest consistent one is too
         assert manager.iteration == 3
+    finally:
+        manager.finalize()
+
+
+def test_a_snapshot_copied_with_its_manifest_under_another_name_fails_verification(tmp_path):
+    manager, _, model = make_run(tmp_path)
+    manager.start_extensions()
+    train(manager, model, 3)
+    manager.finalize()
+    shutil.copy(tmp_path / "snapshot_iter_2", tmp_path / "snapshot_iter_9")
+    shutil.copy(tmp_path / ".snapkeep" / "snapshot_iter_2.json",
+                tmp_path / ".snapkeep" / "snapshot_iter_9.json")
+
+    manager, _, model = make_run(tmp_path)
+    try:
+        with pytest.warns(RuntimeWarning, match="records the snapshot 'snapshot_iter_2'"):
+            manager.start_extensions()
+        assert manager.iteration == 3  # the newest consistent snapshot
     finally:
         manager.finalize()

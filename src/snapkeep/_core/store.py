@@ -188,6 +188,12 @@ class SnapshotStore:
         manifest = self.manifest(entry)
         if manifest is None:
             return None
+        name = self.storage.basename(entry.path)
+        if manifest.name != name:  # a file and its manifest copied or renamed by hand
+            raise SnapshotCorruptError(
+                f"{entry.path}: its manifest records the snapshot {manifest.name!r} (step "
+                f"{manifest.step}), not {name!r}: copied or renamed by hand? Rename it back, or "
+                "move both away")
         try:
             if data is not None:
                 digest, size = digest_stream(io.BytesIO(data))
