@@ -170,6 +170,14 @@ def renamed(tmp_path: Path) -> None:
     _manager(tmp_path).start_extensions()  # skips snapshot_iter_9, resumes snapshot_iter_2
 
 
+def copied_without_manifest(tmp_path: Path) -> None:
+    import shutil
+
+    _train(_manager(tmp_path))
+    shutil.copy(tmp_path / "snapshot_iter_1", tmp_path / "snapshot_iter_9")
+    _manager(tmp_path).start_extensions()  # skips snapshot_iter_9, resumes snapshot_iter_2
+
+
 def store_locked(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -274,7 +282,11 @@ WARNINGS = {
     "existing snapshots, autoload=False": Row(UserWarning, already_holds, (
         "already holds 2 snapshot(s)", "autoload=False",
         "use another out_dir or autoload=True to resume")),
-    "file renamed to another step": Row(RuntimeWarning, renamed, (
+    "file and manifest renamed to another step": Row(RuntimeWarning, renamed, (
+        "skipping snapshot snapshot_iter_9 (step 9)",
+        "its manifest records the snapshot 'snapshot_iter_1' (step 1), not 'snapshot_iter_9'",
+        "Rename it back, or move both away")),
+    "file copied to another step's name": Row(RuntimeWarning, copied_without_manifest, (
         "skipping snapshot snapshot_iter_9 (step 9)",
         "named for step 9 but holds iteration 1", "it is not resumed from",
         "Rename the file to match")),
