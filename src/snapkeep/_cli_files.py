@@ -33,6 +33,7 @@ from snapkeep.store import (
     Storage,
     load_file,
     manifest_path,
+    misnamed_reason,
     resolve_storage,
 )
 
@@ -169,7 +170,7 @@ def load_status(store: SnapshotStore, entry: Entry) -> Status:
     try:
         if file_kind(store.storage, entry.path) != "file":
             return Status(status="corrupt", detail=f"{entry.path} is not a regular file")
-        load_file(store.storage, entry.path, weights_only=True)
+        state = load_file(store.storage, entry.path, weights_only=True)
     except UnsafeSnapshotError as e:
         return Status(status="unsafe", detail=str(e))
     except SnapshotStorageError:
@@ -177,6 +178,9 @@ def load_status(store: SnapshotStore, entry: Entry) -> Status:
     except LOAD_ERRORS as e:
         return Status(status="corrupt", detail=f"{type(e).__name__}: {e}" if str(e)
                       else f"{type(e).__name__} (empty or truncated file)")
+    reason = misnamed_reason(entry.name, entry.step, str(store.template.template), state)
+    if reason is not None:  # autoload skips it too
+        return Status(status="corrupt", detail=reason)
     return Status(status="unverified", detail="no checksum manifest; loads completely")
 
 

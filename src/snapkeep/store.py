@@ -20,6 +20,7 @@ from snapkeep._core.manifest import (
     manifest_path,
     read_manifest,
 )
+from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.preflight import check_writable
 from snapkeep._core.storage import Storage, resolve_storage
@@ -49,5 +50,5 @@ __all__ = [
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
     "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
-    "user_stacklevel", "warn_user",
+    "misnamed_reason", "user_stacklevel", "warn_user",
 ]

@@ -49,3 +49,23 @@ def test_a_snapshot_copied_with_its_manifest_under_another_name_fails_verificati
         assert manager.iteration == 3  # the newest consistent snapshot
     finally:
         manager.finalize()
+
+
+def test_verify_agrees_with_autoload_on_a_misnamed_copy(tmp_path):
+    from click.testing import CliRunner
+
+    from snapkeep.cli import cli
+
+    manager, _, model = make_run(tmp_path)
+    manager.start_extensions()
+    train(manager, model, 3)
+    manager.finalize()
+    shutil.copy(tmp_path / "snapshot_iter_2", tmp_path / "snapshot_iter_9")  # no manifest
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path), "--json"])
+    assert result.exit_code == 1, result.output
+    import json
+
+    report = json.loads(result.output)
+    status = {s["name"]: s["status"] for s in report["snapshots"]}
+    assert status["snapshot_iter_9"] == "corrupt" and status["snapshot_iter_3"] == "ok"
+    assert report["newest_loadable"] == "snapshot_iter_3"

@@ -51,6 +51,7 @@ from snapkeep.store import (
     StoreLock,
     check_writable,
     load_file,
+    misnamed_reason,
 )
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
@@ -60,7 +61,6 @@ from snapkeep.training.extensions._find import (  # noqa: F401  (ppe's helpers, 
     _find_snapshot_files,
     _find_stale_snapshots,
 )
-from snapkeep.training.extensions._name_check import misnamed_reason
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
