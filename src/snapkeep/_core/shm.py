@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from snapkeep._core.staging import apply_lazy_bits
+from snapkeep._core.storage._storage import base36
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
@@ -37,16 +38,6 @@ _ALIGN = 64
 #: Prefix of every arena name (the leak fixture of the test suite and the reclaim rely on it).
 ARENA_PREFIX = "snapkeep_"
 _SHM_DIR = "/dev/shm"
-
-
-def _base36(n: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while True:
-        n, r = divmod(n, 36)
-        out = digits[r] + out
-        if not n:
-            return out
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -71,7 +62,7 @@ def arena_name() -> str:
     shortest limit of POSIX shared-memory names, macOS)."""
     pid = os.getpid()
     start = _start_ticks(pid)
-    return (f"{ARENA_PREFIX}{_base36(pid)}_{_base36(start) if start is not None else 'x'}_"
+    return (f"{ARENA_PREFIX}{base36(pid)}_{base36(start) if start is not None else 'x'}_"
             f"{secrets.token_hex(3)}")
 
 
@@ -92,7 +83,7 @@ def _owner_alive(name: str) -> bool:
     start = _start_ticks(pid)
     if parts[1] == "x" or not os.path.isdir("/proc"):
         return True
-    return start is not None and _base36(start) == parts[1]
+    return start is not None and base36(start) == parts[1]
 
 
 def reclaim_dead_arenas() -> list[str]:

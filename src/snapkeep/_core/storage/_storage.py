@@ -75,7 +75,8 @@ def _truncate_utf8(text: str, max_bytes: int) -> str:
     return data.decode("utf-8", "ignore")
 
 
-def _base36(n: int) -> str:
+def base36(n: int) -> str:
+    """``n`` (>= 0) in base 36, lowercase: compact pids and times in temp and arena names."""
     digits = "0123456789abcdefghijklmnopqrstuvwxyz"
     out = ""
     while True:
@@ -401,7 +402,7 @@ class Storage:
         prefix = _truncate_utf8(self.basename(path), TEMP_PREFIX_BYTES)
         return self.join(
             self.dirname(path),
-            f".{prefix}{TEMP_MARKER}{_HOST}.{_base36(os.getpid())}.{_PROCESS_TOKEN}"
+            f".{prefix}{TEMP_MARKER}{_HOST}.{base36(os.getpid())}.{_PROCESS_TOKEN}"
             f"{uuid.uuid4().hex[:8]}",
         )
 
