@@ -23,6 +23,35 @@ helpers and of features outside snapkeep's scope are deselected, each with its r
 and lists each snapkeep failure as "ONLY under snapkeep" (a gap) or "also under ppe" (the
 fetched test does not match ppe 0.9.0 either). Each run prints its passed/failed/skipped
 counts. Exit status: pytest's (of the last run).
+
+Where GitHub cannot be reached, the files were taken from stored copies of
+pfnet/pytorch-pfn-extras (one version per file, most older than v0.9.0) into
+``.ppe_tests/tests/pytorch_pfn_extras_tests/``; the commits used, by path under it:
+
+- ``training_tests/``: test_manager.py f6008e4a13ec8c98eaa7f7a65cbb5b7c19ca0f15,
+  test_extension.py 0e9f943941664ef674748892899a3273ffcf4f7d, test_extension_entry.py
+  13a2ef234034f4d382bcc647e0aacceedda8518d, test_trigger_util.py
+  2fe56baaf5eec851d0c079ff4c6661997c013d40; ``test_writing.py``
+  5083250f3c2b43188945df9c6ad53f5ac245cd4c
+- ``training_tests/triggers_tests/``: early_stopping b4438ea4ae787be3eaaa7b74e0977c2b92a33a13,
+  function 014e825a0230c04eaf0ff7d92f97a7f03e7faa0d, interval
+  be5b592bfcfe67fa0663d3fd9bbcae052e29ac6b, minmax_value
+  174ad5475fd6ae01f3fbd2dc73de6a92e5430c87, once 25b742dbdeba9891523cf1742344acea2f2db3e1,
+  schedule 2fe56baaf5eec851d0c079ff4c6661997c013d40, time
+  fff3d4858d8fa39924b901167c4c8db74ca6f4da
+- ``training_tests/extensions_tests/``: snapshot 5bedae44976c943aecdaf366a9de7f151bc33c2c,
+  snapshot_writers 318d4f66fc9f1b7286499c92ca6060cc3acb7b03, distributed_snapshot
+  d61e94c83a2d7f6d1da687a3052c1c2914fba182, log_report
+  6af15f79fe141fbe59709845ff339b7c920f26a9, print_report
+  5b5fdabbcc170f5aa659a5297996c5d36cedac53, progress_bar
+  25b742dbdeba9891523cf1742344acea2f2db3e1, lr_scheduler
+  91f51ace9e78fec6d8c142d60c5dc1a86553193a, fail_on_non_number
+  25b742dbdeba9891523cf1742344acea2f2db3e1, value_observation
+  8deac719ba2f52bf49e0c506bae036983ae806f9, evaluator 6c91cfb218db4f2ab888c14615adc610860b5517
+
+Result on 2026-12-01 (``--compare``): ppe 0.9.0 itself 138 passed, 7 failed, 1 skipped of 146;
+snapkeep 137 passed, 8 failed, 1 skipped -- 7 of the 8 fail under ppe 0.9.0 too (the stored
+files predate it), the other patches ppe's QueueWriter by name (passes with --patch-targets).
 """
 
 from __future__ import annotations
