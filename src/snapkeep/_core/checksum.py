@@ -13,6 +13,8 @@ from typing import IO, Any, BinaryIO
 
 import xxhash
 
+from snapkeep._core.errors import SnapshotCorruptError
+
 ALGORITHM = "xxh3_128"
 _READ_CHUNK_BYTES = 8 << 20
 #: Window hashed from a mapped file before its pages are dropped from the process (see
@@ -134,3 +136,22 @@ def _advise(mapped: mmap.mmap, name: str, start: int, length: int) -> None:
     option = getattr(mmap, name, None)
     if option is not None and hasattr(mapped, "madvise"):
         mapped.madvise(option, start, length)
+
+
+def require_match(path: str, digest: str, size: int, *, recorded_checksum: str,
+                  recorded_size: int, algorithm: str, record: str = "manifest") -> None:
+    """Compare a file's measured ``size`` (bytes) and ``digest`` with what its ``record`` (the
+    snapshot's manifest, or a sharded snapshot's marker) holds.
+
+    Raises:
+        SnapshotCorruptError: the size differs (truncated or overwritten) or the checksum differs
+            (corrupted); the message names ``path`` and says what to do.
+    """
+    if size != recorded_size:
+        raise SnapshotCorruptError(
+            f"{path}: size {size} bytes, {record} recorded {recorded_size} "
+            "(truncated or overwritten; restore a good copy or use an older snapshot)")
+    if digest != recorded_checksum:
+        raise SnapshotCorruptError(
+            f"{path}: {algorithm} checksum {digest} does not match the recorded "
+            f"{recorded_checksum} (corrupted; restore a good copy or use an older snapshot)")

@@ -30,7 +30,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from snapkeep._core.checksum import digest_file, digest_stream
+from snapkeep._core.checksum import digest_file, digest_stream, require_match
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
     NoValidSnapshotError,
@@ -206,15 +206,8 @@ class SnapshotStore:
             raise  # the store is unreachable: that says nothing about this snapshot
         except OSError as e:
             raise SnapshotCorruptError(f"{entry.path}: unreadable ({e})") from e
-        if size != manifest.size_bytes:
-            raise SnapshotCorruptError(
-                f"{entry.path}: size {size} bytes, manifest recorded {manifest.size_bytes} "
-                "(truncated or overwritten; restore a good copy or use an older snapshot)")
-        if digest != manifest.checksum:
-            raise SnapshotCorruptError(
-                f"{entry.path}: {manifest.algorithm} checksum {digest} does not match the "
-                f"recorded {manifest.checksum} (corrupted; restore a good copy or use an older "
-                "snapshot)")
+        require_match(entry.path, digest, size, recorded_checksum=manifest.checksum,
+                      recorded_size=manifest.size_bytes, algorithm=manifest.algorithm)
         return manifest
 
     def load_newest(

@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Any
 
-from snapkeep._core.checksum import ALGORITHM, digest_stream
+from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage
@@ -228,14 +228,9 @@ class ShardedStore:
                 raise
             except OSError as e:
                 raise SnapshotCorruptError(f"{path}: unreadable ({e})") from e
-            if size != record.size_bytes:
-                raise SnapshotCorruptError(
-                    f"{path}: size {size} bytes, marker recorded {record.size_bytes} "
-                    "(truncated or overwritten)")
-            if digest != record.checksum:
-                raise SnapshotCorruptError(
-                    f"{path}: {manifest.algorithm} checksum {digest} does not match the "
-                    f"recorded {record.checksum} (corrupted)")
+            require_match(path, digest, size, recorded_checksum=record.checksum,
+                          recorded_size=record.size_bytes, algorithm=manifest.algorithm,
+                          record="marker")
         return manifest
 
     # -- deletion --------------------------------------------------------------------------------
