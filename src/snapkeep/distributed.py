@@ -14,7 +14,12 @@ from snapkeep._core.distributed.errors import (
     NoCommonSnapshotError,
     RankFailedError,
 )
-from snapkeep._core.distributed.groups import Groups, background_groups, is_distributed
+from snapkeep._core.distributed.groups import (
+    Groups,
+    background_groups,
+    destroy_at_exit,
+    is_distributed,
+)
 
 _SHARDED = {
     "ShardedHandle": "sharded", "ShardedJob": "sharded", "ShardedSaver": "sharded",
@@ -25,7 +30,8 @@ _SHARDED = {
 
 __all__ = [
     "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
-    "agree_on_resume", "all_gather", "background_groups", "exchange_outcomes", "is_distributed",
+    "agree_on_resume", "all_gather", "background_groups", "destroy_at_exit", "exchange_outcomes",
+    "is_distributed",
     *sorted(_SHARDED),
 ]
 

@@ -7,13 +7,15 @@ MODE ``preempt``: a Linear model trained on the same data on every rank (so the 
 parameters), snapshot trigger far away (1000 iterations), ``preemption(timeout_s=60)``; trains
 until a signal. After iteration 3 each rank writes ``REPORT_DIR/ready_rank<R>`` (its pid). On
 ``SystemExit`` it writes ``REPORT_DIR/preempt_rank<R>.json`` (exit code, iteration, parameters)
-and re-raises.
+and re-raises; at interpreter exit (an ``atexit`` hook registered first, so it runs last) it
+writes ``REPORT_DIR/atexit_rank<R>`` with whether the process group was still initialized then.
 MODE ``resume``: a differently initialised model autoloads and reports what it loaded, its
 iteration and parameters to ``REPORT_DIR/resume_rank<R>.json``.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -51,6 +53,11 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
+    def record_at_exit() -> None:
+        with open(os.path.join(report_dir, f"atexit_rank{rank}"), "w") as f:
+            f.write("initialized" if dist.is_initialized() else "destroyed")
+
+    atexit.register(record_at_exit)  # first registered, last run: after snapkeep's hook
     data = torch.Generator().manual_seed(1)  # the same batches on every rank
     try:
         while not manager.stop_trigger:

@@ -16,6 +16,7 @@ timeout per operation).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import logging
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _cache: dict[float, Groups] = {}
+_exit_hook_registered = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,3 +97,32 @@ def forget_groups() -> None:
     """Drop the cached groups (after ``destroy_process_group``; the next call creates new ones)."""
     with _lock:
         _cache.clear()
+
+
+def destroy_at_exit() -> None:
+    """Destroy the process groups at interpreter exit if the script has not done so by then.
+
+    For exits snapkeep itself starts (the preemption extension's ``SystemExit`` after every rank
+    has agreed and committed): a gloo process group still alive when the interpreter finalizes
+    can abort the process (SIGABRT, "terminate called without an active exception", exit -6
+    instead of the documented code), as PyTorch's own docs warn for scripts that skip
+    ``destroy_process_group``. The hook runs after the script's ``finally`` blocks, so a script
+    that destroys the groups itself is left alone. Safe here because every rank has just left
+    the same collective; the hook is registered once per process.
+    """
+    global _exit_hook_registered
+    with _lock:
+        if _exit_hook_registered:
+            return
+        _exit_hook_registered = True
+    atexit.register(_destroy_if_alive)
+
+
+def _destroy_if_alive() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # exiting anyway: say why the groups were left to the interpreter
+        logger.warning("could not destroy the process groups at exit: %s", e)
+    forget_groups()
