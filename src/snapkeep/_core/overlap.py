@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from snapkeep._core.errors import StagingRaceError
-from snapkeep._core.staging import COPY_CHUNK_BYTES, BufferSet, StageStats, stage_split
+from snapkeep._core.staging import COPY_CHUNK_BYTES, BufferSet, StageStats, atomic, stage_split
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ def owned_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[_Ident]:
 
 
 def _named_tensors(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if atomic(node):
+        return
     if isinstance(node, torch.Tensor):
         yield path or "<root>", node
     elif isinstance(node, dict):

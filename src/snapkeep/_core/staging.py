@@ -228,8 +228,10 @@ def prefault(buffers: BufferSet, tree: Any) -> int:
 
 
 #: Host-to-host staging copies are cut into chunks of this many bytes, handed out one at a time
-#: to up to ``torch.get_num_threads()`` threads (the caller's included).
+#: to up to :func:`copy_threads` threads (the caller's included).
 COPY_CHUNK_BYTES = 16 << 20
+#: At most this many threads copy at once (more rarely add memory bandwidth).
+MAX_COPY_THREADS = 4
 _COPY_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _COPY_POOL_LOCK = threading.Lock()
 
@@ -244,7 +246,7 @@ def copy_host(copies: list[tuple[int, int, int]]) -> None:
     """
     chunks = [(dst + off, src + off, min(COPY_CHUNK_BYTES, nbytes - off))
               for dst, src, nbytes in copies for off in range(0, nbytes, COPY_CHUNK_BYTES)]
-    helpers = min(torch.get_num_threads(), len(chunks)) - 1
+    helpers = min(copy_threads(), len(chunks)) - 1
     if helpers <= 0:
         for chunk in chunks:
             ctypes.memmove(*chunk)
@@ -266,6 +268,26 @@ def copy_host(copies: list[tuple[int, int, int]]) -> None:
         future.result()
 
 
+def copy_threads() -> int:
+    """Threads for a staging copy the training thread waits for (its own included).
+
+    At least ``torch.get_num_threads()``; when a script runs torch with fewer threads than the
+    CPUs it may use (one torch thread per rank leaves cores to the data loader, or idle while an
+    accelerator computes), up to :data:`MAX_COPY_THREADS` of this rank's share of them
+    (``len(os.sched_getaffinity(0))`` divided by torchrun's ``LOCAL_WORLD_SIZE``): the caller is
+    blocked for the copy anyway, and a core that is busy only delays the chunk it holds.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(torch.get_num_threads(), min(MAX_COPY_THREADS, cpus // local_ranks))
+
+
 def _forget_copy_pool_in_child() -> None:
     """A forked child has the pool object but not its threads: start a new one when needed."""
     global _COPY_POOL, _COPY_POOL_LOCK
@@ -282,7 +304,7 @@ def _copy_pool() -> concurrent.futures.ThreadPoolExecutor:
     with _COPY_POOL_LOCK:
         if _COPY_POOL is None:
             _COPY_POOL = concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(1, (os.cpu_count() or 2) - 1),
+                max_workers=max(1, copy_threads() - 1),
                 thread_name_prefix="snapkeep-stage")
         return _COPY_POOL
 
@@ -333,10 +355,23 @@ def _storage_ident(t: torch.Tensor) -> tuple[str, int, int]:
     return (str(s.device), s.data_ptr(), s.nbytes())
 
 
+#: Immutable leaf types: never hold a tensor, shared (not copied) by the staged tree.
+_ATOMS = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
+
+def atomic(node: Any) -> bool:
+    """A leaf of an immutable type, or a plain tuple of them (``random.getstate()``'s 625
+    ints): nothing to collect, stage or copy."""
+    kind = type(node)
+    return kind in _ATOMS or (kind is tuple and all(type(v) in _ATOMS for v in node))
+
+
 def _collect(
     node: Any, path: _Path, sources: dict[tuple[str, int, int], int],
     layout: list[tuple[_Path, int, bool]], storages: list[torch.UntypedStorage],
 ) -> None:
+    if atomic(node):
+        return
     if isinstance(node, torch.Tensor):
         refuse_unstageable(node, path)
         ident = _storage_ident(node)
@@ -356,6 +391,8 @@ def _collect(
 def _rebuild(
     node: Any, sources: dict[tuple[str, int, int], int], buffers: list[torch.UntypedStorage]
 ) -> Any:
+    if atomic(node):
+        return node
     if isinstance(node, torch.Tensor):
         dst = buffers[sources[_storage_ident(node)]]
         out = torch.empty((0,), dtype=node.dtype)

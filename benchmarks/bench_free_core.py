@@ -1,0 +1,317 @@
+"""Cost of a snapshot to a training loop that leaves a core free (issue 12, item 2).
+
+The accelerator-host case on a CPU machine: the loop runs with one torch thread on a machine
+with (at least) two cores, so a second core is free for background work, as the host CPU is
+mostly idle while an accelerator computes. The state: a model of ``--model-mib`` MiB (float32
+``Linear`` layers), Adam's state (2x the model) and an EMA copy of the model updated in place
+after every step (not owned by the optimizer, so the snapshot must capture it at the call):
+4x the model in all. One iteration (~0.4 s at the defaults) = forward/backward of a batch
+through the model, ``optimizer.step()``, the EMA update; a snapshot every ``--every``
+iterations under ``ExtensionsManager`` with snapkeep's ``snapshot`` extension (overlapped
+staging on, the default inside the manager).
+
+Measurement: segments of ``--every`` iterations, each with a snapshot at the end of its first
+iteration (A) or without (B), in ABBA order, each ending once the snapshot is durable
+(``writer.wait()``; at this cadence a snapshot still being written would hold up the next one).
+**cost per snapshot** = median over the pairs of (A - B) segment time; the **copy floor** = one
+single-threaded ``memcpy`` of the whole snapshotted state (model, Adam state, EMA) into warm
+preallocated buffers, timed in the same run. The target is cost <= 0.25x the floor. **CPU-s**
+= extra CPU of the process tree per snapshot (A - B, median). After the timed pairs every
+writer takes one more snapshot with a copy of the state set aside at the call, trains on, and
+the file it wrote is loaded and compared with that copy (``equal``).
+
+Baselines in the same run: ``torch.save`` + fsync in the loop (synchronous), and DCP
+``async_save`` (waited for at the end of the segment, as above).
+
+    python benchmarks/bench_free_core.py --pairs 8 --json results/free-core.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from _measure import TreeCpu, median, median_ci, table
+
+from snapkeep import writing
+from snapkeep.training import ExtensionsManager
+from snapkeep.training import extensions as ext
+
+MIB = 1 << 20
+SNAPKEEP = ("SimpleWriter", "ThreadWriter", "ThreadQueueWriter", "ProcessWriter",
+            "ProcessQueueWriter")
+BASELINES = ("torch.save", "DCP async_save")
+
+
+def make(model_mib: float, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
+                                                 torch.nn.Module]:
+    layers = max(1, round(model_mib * MIB / (width * width * 4)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
+                                  for _ in range(layers)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    return model, optimizer, ema
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  ema: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *ema.parameters(),
+            *(v for s in optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.dim() > 0)]
+
+
+def floor_s(tensors: list[torch.Tensor], reps: int = 5) -> float:
+    """Median of ``reps`` single-threaded memcpys of ``tensors`` into warm buffers."""
+    buffers = [torch.empty_like(t) for t in tensors]
+    for b in buffers:
+        b.zero_()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for b, t in zip(buffers, tensors):
+            ctypes.memmove(b.data_ptr(), t.data_ptr(), t.nbytes)
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+class Loop:
+    """One writer's loop: ``segment(snapshot)`` runs ``every`` iterations and returns
+    ``(seconds, cpu_seconds)``."""
+
+    def __init__(self, kind: str, args: argparse.Namespace, out: str) -> None:
+        torch.manual_seed(0)
+        self.kind, self.every, self.out = kind, args.every, out
+        self.model, self.optimizer, self.ema = make(args.model_mib, args.width)
+        self.x = torch.randn(args.batch, args.width)
+        self.take = self.grab_next = False
+        self.writer: Any = None
+        self.pending: Any = None
+        self.saved = 0
+        self.stalls: list[float] = []
+        self.waits: list[float] = []
+        if kind in SNAPKEEP:
+            self.writer = getattr(writing, kind)(out_dir=out)
+            self.manager = ExtensionsManager(
+                {"main": self.model, "ema": self.ema}, self.optimizer, max_epochs=1 << 30,
+                iters_per_epoch=1, out_dir=out, writer=self.writer)
+            self.snapshot = ext.snapshot(n_retains=2)
+            self._time_direct_costs()
+            self.manager.extend(self.snapshot, trigger=lambda m: self._due())
+            # the correctness check's copy of the state at the call (runs before the snapshot)
+            self.clones: dict[str, torch.Tensor] = {}
+            self.manager.extend(self._grab, trigger=lambda m: self.grab_next, priority=1 << 20,
+                                name="grab")
+            self.manager.start_extensions()
+        else:
+            self.manager = ExtensionsManager({"main": self.model, "ema": self.ema},
+                                             self.optimizer, max_epochs=1 << 30,
+                                             iters_per_epoch=1, out_dir=out)
+            self.manager.start_extensions()
+        self.cpu = TreeCpu()
+
+    def _time_direct_costs(self) -> None:
+        """Record the snapshot call's stall and the time the next ``optimizer.step()`` waits
+        for background staging (the two costs the loop pays directly)."""
+        guard = self.snapshot._staging_guard
+        before_step = guard._before_step
+        stalls = self.stalls
+
+        class Timed(type(self.snapshot)):  # type: ignore[misc]
+            def __call__(self, manager: Any) -> None:
+                t0 = time.perf_counter()
+                super().__call__(manager)
+                stalls.append(time.perf_counter() - t0)
+
+        def timed_wait(*a: Any) -> None:
+            t0 = time.perf_counter()
+            before_step(*a)
+            self.waits.append(time.perf_counter() - t0)
+
+        self.snapshot.__class__ = Timed
+        guard._before_step = timed_wait  # type: ignore[method-assign]
+
+    def _grab(self, manager: Any) -> None:
+        self.grab_next = False
+        for prefix, module in (("main", self.model), ("ema", self.ema)):
+            for k, v in module.state_dict().items():
+                self.clones[f"{prefix}/{k}"] = v.clone()
+        for i, s in self.optimizer.state_dict()["state"].items():
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor):
+                    self.clones[f"opt/{i}/{k}"] = v.clone()
+
+    def _due(self) -> bool:
+        due, self.take = self.take, False
+        return due
+
+    def _state(self) -> dict[str, Any]:
+        return {"main": self.model.state_dict(), "ema": self.ema.state_dict(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def _baseline_snapshot(self) -> None:
+        path = os.path.join(self.out, f"b_{self.saved % 2}")
+        self.saved += 1
+        if self.kind == "torch.save":
+            with open(path, "wb") as f:
+                torch.save(self._state(), f)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            if self.pending is not None:
+                self.pending.result()
+            self.pending = dcp.async_save(self._state(), checkpoint_id=path)
+
+    def _wait(self) -> None:
+        if self.writer is not None:
+            self.writer.wait()
+        elif self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def iteration(self, snapshot: bool) -> None:
+        with self.manager.run_iteration():
+            self.take = snapshot and self.writer is not None
+            self.model(self.x).pow(2).mean().backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=False)
+            with torch.no_grad():
+                torch._foreach_lerp_(list(self.ema.parameters()),
+                                     list(self.model.parameters()), 0.01)
+        if snapshot and self.writer is None:
+            t0 = time.perf_counter()
+            self._baseline_snapshot()
+            self.stalls.append(time.perf_counter() - t0)
+
+    def segment(self, snapshot: bool) -> tuple[float, float]:
+        self.cpu.start()
+        t0 = time.perf_counter()
+        for i in range(self.every):
+            self.iteration(snapshot and i == 0)
+        self._wait()
+        return time.perf_counter() - t0, self.cpu.elapsed_s()
+
+    def close(self) -> None:
+        self._wait()
+        self.manager.finalize()
+
+
+def check_equal(loop: Loop) -> bool | None:
+    """Take one snapshot with the state copied at the call (an extension that runs just before
+    the snapshot), run two more iterations, wait, load the file and compare every tensor with
+    the copy."""
+    if loop.writer is None:
+        return None
+    loop.grab_next = True
+    loop.iteration(True)
+    loop.iteration(False)
+    loop.iteration(False)
+    loop.writer.wait()
+    loop.manager.finalize()
+    from snapkeep import load_latest
+
+    loaded = load_latest(loop.out)
+    if loaded is None:
+        return False
+    models = loaded["models"]
+    got = {f"main/{k}": v for k, v in models["main"].items()}
+    got.update({f"ema/{k}": v for k, v in models["ema"].items()})
+    for i, s in loaded["optimizers"]["main"]["state"].items():
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor):
+                got[f"opt/{i}/{k}"] = v
+    clones = loop.clones
+    return set(got) == set(clones) and all(torch.equal(got[k], clones[k]) for k in clones)
+
+
+def measure(kind: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    out = tempfile.mkdtemp(prefix=kind.replace(" ", "_").replace(".", "_") + "-", dir=root)
+    loop = Loop(kind, args, out)
+    for _ in range(args.warmup):  # Adam's state exists, pages are warm, a first snapshot is out
+        loop.segment(True)
+        loop.segment(False)
+    fl = floor_s(state_tensors(loop.model, loop.optimizer, loop.ema))
+    diffs, cpus, plain = [], [], []
+    loop.stalls.clear()
+    loop.waits.clear()
+    for p in range(args.pairs):
+        order = (True, False) if p % 2 == 0 else (False, True)  # ABBA
+        seg = {snap: loop.segment(snap) for snap in order}
+        diffs.append(seg[True][0] - seg[False][0])
+        cpus.append(seg[True][1] - seg[False][1])
+        plain.append(seg[False][0])
+    # the step after each snapshot waits for staging; steps without a snapshot before them
+    # return at once (microseconds), so the mean over the snapshots is the snapshot's wait
+    direct = {"stall_s": median(loop.stalls), "wait_s": sum(loop.waits) / len(loop.stalls)}
+    equal = check_equal(loop) if kind in SNAPKEEP else None
+    if kind not in SNAPKEEP:
+        loop.close()
+    state_mib = sum(t.nbytes for t in state_tensors(loop.model, loop.optimizer, loop.ema)) / MIB
+    cost = median(diffs)
+    lo, hi = median_ci(diffs)
+    row = {"writer": kind if kind in BASELINES else f"snapkeep {kind}", "state_mib": state_mib,
+           "floor_s": fl, "cost_s": cost, "cost_x_floor": cost / fl, "ci_lo_x": lo / fl,
+           "ci_hi_x": hi / fl, "cpu_s": median(cpus), "segment_s": median(plain),
+           "overhead_pct": 100 * cost / median(plain), "equal": equal, "diffs": diffs,
+           "cpus": cpus,
+           **direct, "direct_x_floor": (direct["stall_s"] + direct["wait_s"]) / fl}
+    print(table([row], COLUMNS).splitlines()[-1], flush=True)
+    return row
+
+
+COLUMNS = [("writer", "writer", ""), ("state_mib", "state MiB", ".0f"),
+           ("floor_s", "copy floor s", ".3f"), ("stall_s", "call stall s", ".3f"),
+           ("wait_s", "step wait s", ".3f"), ("direct_x_floor", "(stall + wait) / floor", ".2f"),
+           ("cost_s", "cost per snapshot s", ".3f"),
+           ("cost_x_floor", "cost / floor", ".2f"), ("ci_lo_x", "95 % CI lo", ".2f"),
+           ("ci_hi_x", "95 % CI hi", ".2f"), ("cpu_s", "CPU-s per snapshot", ".2f"),
+           ("segment_s", "segment s", ".2f"), ("overhead_pct", "overhead %", ".1f"),
+           ("equal", "file = state at call", "")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-mib", type=float, default=128, help="model size (state = 4x)")
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=96, help="rows per forward (sets the step time)")
+    p.add_argument("--every", type=int, default=4, help="iterations per segment")
+    p.add_argument("--pairs", type=int, default=8, help="ABBA pairs per writer (>= 6 for a CI)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--writers", default=",".join(SNAPKEEP + BASELINES))
+    p.add_argument("--dir", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    kinds = [k for k in args.writers.split(",") if k]
+    unknown = sorted(set(kinds) - set(SNAPKEEP + BASELINES))
+    if unknown:
+        p.error(f"--writers: unknown {unknown}; choose from {', '.join(SNAPKEEP + BASELINES)}")
+    print(f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch "
+          f"thread, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(table([], COLUMNS), flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="free-core-", dir=args.dir) as root:
+        for kind in kinds:
+            rows.append(measure(kind, args, root))
+    print()
+    print(table(rows, COLUMNS))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "python": sys.version.split()[0],
+                       "torch": torch.__version__, "cpus": os.cpu_count(),
+                       "load_average_end": os.getloadavg(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
