@@ -12,7 +12,8 @@ staging on, the default inside the manager).
 
 Measurement: segments of ``--every`` iterations, each with a snapshot at the end of its first
 iteration (A) or without (B), in ABBA order, each ending once the snapshot is durable
-(``writer.wait()``; at this cadence a snapshot still being written would hold up the next one).
+(``writer.wait()``, timed as **wait for durable**; at this cadence a snapshot still being
+written would hold up the next one).
 **cost per snapshot** = median over the pairs of (A - B) segment time; the **copy floor** = one
 single-threaded ``memcpy`` of the whole snapshotted state (model, Adam state, EMA) into warm
 preallocated buffers, timed in the same run. The target is cost <= 0.25x the floor. **CPU-s**
@@ -98,6 +99,7 @@ class Loop:
         self.saved = 0
         self.stalls: list[float] = []
         self.waits: list[float] = []
+        self.durable_waits: list[float] = []  # at the end of each snapshot's segment
         if kind in SNAPKEEP:
             self.writer = getattr(writing, kind)(out_dir=out)
             self.manager = ExtensionsManager(
@@ -193,13 +195,17 @@ class Loop:
             self._baseline_snapshot()
             self.stalls.append(time.perf_counter() - t0)
 
-    def segment(self, snapshot: bool) -> tuple[float, float]:
+    def segment(self, snapshot: bool) -> tuple[float, float, float]:
+        """``(seconds, CPU-s of the process tree, CPU-s of the training thread)``."""
         self.cpu.start()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for i in range(self.every):
             self.iteration(snapshot and i == 0)
+        t1 = time.perf_counter()
         self._wait()
-        return time.perf_counter() - t0, self.cpu.elapsed_s()
+        if snapshot:
+            self.durable_waits.append(time.perf_counter() - t1)
+        return time.perf_counter() - t0, self.cpu.elapsed_s(), time.thread_time() - c0
 
     def close(self) -> None:
         self._wait()
@@ -241,18 +247,21 @@ def measure(kind: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
         loop.segment(True)
         loop.segment(False)
     fl = floor_s(state_tensors(loop.model, loop.optimizer, loop.ema))
-    diffs, cpus, plain = [], [], []
+    diffs, cpus, own, plain = [], [], [], []
     loop.stalls.clear()
     loop.waits.clear()
+    loop.durable_waits.clear()
     for p in range(args.pairs):
         order = (True, False) if p % 2 == 0 else (False, True)  # ABBA
         seg = {snap: loop.segment(snap) for snap in order}
         diffs.append(seg[True][0] - seg[False][0])
         cpus.append(seg[True][1] - seg[False][1])
+        own.append(seg[True][2] - seg[False][2])
         plain.append(seg[False][0])
     # the step after each snapshot waits for staging; steps without a snapshot before them
     # return at once (microseconds), so the mean over the snapshots is the snapshot's wait
-    direct = {"stall_s": median(loop.stalls), "wait_s": sum(loop.waits) / len(loop.stalls)}
+    direct = {"stall_s": median(loop.stalls), "wait_s": sum(loop.waits) / len(loop.stalls),
+              "durable_wait_s": median(loop.durable_waits)}
     equal = check_equal(loop) if kind in SNAPKEEP else None
     if kind not in SNAPKEEP:
         loop.close()
@@ -260,10 +269,11 @@ def measure(kind: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
     cost = median(diffs)
     lo, hi = median_ci(diffs)
     row = {"writer": kind if kind in BASELINES else f"snapkeep {kind}", "state_mib": state_mib,
+           "every": args.every,
            "floor_s": fl, "cost_s": cost, "cost_x_floor": cost / fl, "ci_lo_x": lo / fl,
            "ci_hi_x": hi / fl, "cpu_s": median(cpus), "segment_s": median(plain),
            "overhead_pct": 100 * cost / median(plain), "equal": equal, "diffs": diffs,
-           "cpus": cpus,
+           "cpus": cpus, "own_cpus": own, "own_cpu_s": median(own),
            **direct, "direct_x_floor": (direct["stall_s"] + direct["wait_s"]) / fl}
     print(table([row], COLUMNS).splitlines()[-1], flush=True)
     return row
@@ -275,8 +285,38 @@ COLUMNS = [("writer", "writer", ""), ("state_mib", "state MiB", ".0f"),
            ("cost_s", "cost per snapshot s", ".3f"),
            ("cost_x_floor", "cost / floor", ".2f"), ("ci_lo_x", "95 % CI lo", ".2f"),
            ("ci_hi_x", "95 % CI hi", ".2f"), ("cpu_s", "CPU-s per snapshot", ".2f"),
+           ("own_cpu_s", "training thread CPU-s", ".3f"),
+           ("durable_wait_s", "wait for durable s", ".3f"),
            ("segment_s", "segment s", ".2f"), ("overhead_pct", "overhead %", ".1f"),
            ("equal", "file = state at call", "")]
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Box plot of the paired per-snapshot costs (in copy floors) per writer, with the direct
+    cost (call stall + step wait) marked and the 0.25x target drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    data = [[d / r["floor_s"] for d in r["diffs"]] for r in rows]
+    ax.boxplot(data, showfliers=True)
+    ax.set_xticks(range(1, len(rows) + 1),
+                  [r["writer"].replace("snapkeep ", "") for r in rows], fontsize=8)
+    ax.plot(range(1, len(rows) + 1), [r["direct_x_floor"] for r in rows], "rD",
+            label="direct: call stall + step wait")
+    ax.axhline(0.25, color="g", ls="--", label="target 0.25x copy floor")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylabel("cost per snapshot / copy floor (paired A - B)")
+    ax.set_title(f"Free-core loop: {rows[0]['state_mib']:.0f} MiB state, snapshot every "
+                 f"{rows[0].get('every', 4)} iterations, 1 torch thread on 2 vCPUs")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,7 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--writers", default=",".join(SNAPKEEP + BASELINES))
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="write a PNG box plot of the costs here")
+    p.add_argument("--from-json", default=None,
+                   help="only re-draw --plot and the table from an earlier --json")
     args = p.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)["rows"]
+        print(table(rows, COLUMNS))
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     torch.set_num_threads(1)
     kinds = [k for k in args.writers.split(",") if k]
     unknown = sorted(set(kinds) - set(SNAPKEEP + BASELINES))
@@ -305,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(kind, args, root))
     print()
     print(table(rows, COLUMNS))
+    if args.plot:
+        plot(rows, args.plot)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "python": sys.version.split()[0],
