@@ -206,7 +206,8 @@ def test_worker_killed_and_the_trainer_write_fails_names_both_causes(
     writer_cls: type[writing.Writer], tmp_path: Any,
 ) -> None:
     out = str(tmp_path)
-    savefun = functools.partial(worker_killing_save, trainer_pid=os.getpid())
+    savefun = functools.partial(worker_killing_save, trainer_pid=os.getpid(),
+                                manifest_dir=os.path.join(out, ".snapkeep"))
     writer = _make(writer_cls, savefun)
     pid = _started_worker(writer, out)
     handle = writer("s0", out, _state(0))
@@ -223,7 +224,8 @@ def test_worker_killed_and_the_trainer_write_fails_names_both_causes(
         writer.finalize()
     assert info.value.__cause__ is error
     writer.finalize()
-    assert _listing(out) == ([".snapkeep"], [])  # nothing committed, no temp file left
+    # nothing committed, and no temp file of the dead worker, nor of the trainer's write
+    assert _listing(out) == ([".snapkeep"], [])
 
 
 @pytest.mark.timeout(60)

@@ -148,10 +148,18 @@ def file_gated_save(obj: Any, f: Any, *, gate_dir: str, **kwargs: Any) -> None:
     torch.save(obj, f, **kwargs)
 
 
-def worker_killing_save(obj: Any, f: Any, *, trainer_pid: int, **kwargs: Any) -> None:
+def worker_killing_save(obj: Any, f: Any, *, trainer_pid: int, manifest_dir: str | None = None,
+                        **kwargs: Any) -> None:
     """Kills the process running it (SIGKILL) unless it is the trainer ``trainer_pid``, where it
-    fails as a full disk does: a worker that dies and a trainer that cannot write either."""
+    fails as a full disk does: a worker that dies and a trainer that cannot write either. With
+    ``manifest_dir``, the worker first leaves a manifest temp file there, named as its own."""
     if os.getpid() != trainer_pid:
+        if manifest_dir is not None:
+            from snapkeep._core.storage import Storage
+
+            storage = Storage(LocalFileSystem())
+            with open(storage.temp_name_for(os.path.join(manifest_dir, "x.json")), "wb"):
+                pass
         os.kill(os.getpid(), signal.SIGKILL)
     raise OSError(errno.ENOSPC, "No space left on device (injected in the trainer)")
 
