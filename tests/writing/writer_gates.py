@@ -7,6 +7,9 @@ Two gates with one interface (``savefun``, ``wait_entered()``, ``release()``):
   pickles) connects to a Unix socket the test listens on and blocks until the test sends a byte.
 
 Every wait on both sides is bounded (``GATE_TIMEOUT_S``); nothing sleeps.
+
+Also worker faults: :func:`worker_killing_save` (the worker dies in the savefun, the trainer's own
+write fails) and :class:`KillAfterCommitFileSystem` (the worker dies right after its commit).
 """
 
 from __future__ import annotations
