@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
+import functools
 import logging
 import os
 import pathlib
@@ -126,13 +128,17 @@ def timeout(tmp_path: Path) -> None:
         writer.finalize()
 
 
-def killed_save(obj: Any, f: Any) -> None:
-    """A picklable savefun that SIGKILLs the process running it (the writer's worker)."""
-    os.kill(os.getpid(), signal.SIGKILL)
+def killed_save(obj: Any, f: Any, *, trainer_pid: int) -> None:
+    """A picklable savefun that SIGKILLs the process running it (the writer's worker), and fails
+    as a full disk does in the trainer (which writes a dead worker's snapshot itself)."""
+    if os.getpid() != trainer_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 def worker_died(tmp_path: Path) -> None:
-    writer = writing.ProcessWriter(killed_save, out_dir=str(tmp_path))
+    savefun = functools.partial(killed_save, trainer_pid=os.getpid())
+    writer = writing.ProcessWriter(savefun, out_dir=str(tmp_path))
     try:
         handle = writer("snapshot_iter_1", str(tmp_path), {"w": torch.zeros(4)})
         error = handle.committed.exception(timeout=60)
@@ -253,7 +259,8 @@ ERRORS = {
     "SnapshotTimeoutError": Row(snapkeep.SnapshotTimeoutError, timeout, (
         "waited 0.2 s for a slot", "snapshot_iter_2", "raise timeout_s or max_pending")),
     "WorkerDiedError": Row(snapkeep.WorkerDiedError, worker_died, (
-        "worker process", "died", "snapshot_iter_1", "was not committed",
+        "worker process", "died", "snapshot_iter_1", "trainer's own write",
+        "failed too", "No space left on device", "was not committed",
         "A new worker starts with the next snapshot")),
     "StoreLockedError": Row(snapkeep.StoreLockedError, store_locked, (
         "in use by another trainer", "pid", "Stop the other trainer",

@@ -1,22 +1,34 @@
 """Invariant 6: a background failure surfaces exactly once, with its cause, and nothing hangs.
 
 Faults are injected through savefuns (one that raises, one gated so it stalls) and by killing the
-process writers' worker with a real SIGKILL while it is inside a save. Every test is bounded.
+process writers' worker with a real SIGKILL while it is inside a save or right after its commit:
+the trainer then writes that snapshot itself, and only when that fails too does the save fail.
+Every test is bounded.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import signal
 from typing import Any
 
 import pytest
 import torch
-from writer_gates import EventGate, InjectedError, SocketGate, failing_save, fast_start_method
+from writer_gates import (
+    EventGate,
+    InjectedError,
+    KillAfterCommitFileSystem,
+    SocketGate,
+    failing_save,
+    fast_start_method,
+    worker_killing_save,
+)
 
 import snapkeep
 from snapkeep import writing
+from snapkeep.store import open_store
 
 ASYNC_WRITERS = [
     pytest.param(writing.ThreadWriter, id="ThreadWriter"),
@@ -91,41 +103,129 @@ def test_failed_save_raises_once_at_next_call_and_at_finalize(
     assert _listing(out) == _landed(out, ["s2", "s3"])
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("writer_cls", [
+PROCESS_WRITERS = [
     pytest.param(writing.ProcessWriter, id="ProcessWriter"),
     pytest.param(writing.ProcessQueueWriter, id="ProcessQueueWriter"),
-])
-def test_worker_killed_mid_save_surfaces_worker_died_once(
-    writer_cls: type[writing.Writer], tmp_path: Any,
+]
+FALLBACK_LOGGED = "the trainer wrote that snapshot itself"
+
+
+def _verified(out: str, name: str) -> None:
+    """``name`` is the only snapshot in ``out`` and matches its manifest (size and checksum)."""
+    store = open_store(out, "s{.iteration}")
+    entries = store.entries()
+    assert [e.name for e in entries] == [name]
+    assert store.verify(entries[0]) is not None  # raises SnapshotCorruptError on a mismatch
+
+
+def _started_worker(writer: Any, out: str) -> int:
+    writer.initialize(out)  # starts the worker (as the manager does)
+    pid = writer._saver.runner.pid
+    assert pid is not None and pid != os.getpid()
+    return int(pid)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("writer_cls", PROCESS_WRITERS)
+def test_worker_killed_mid_save_the_trainer_writes_that_snapshot(
+    writer_cls: type[writing.Writer], tmp_path: Any, caplog: pytest.LogCaptureFixture,
 ) -> None:
     out = str(tmp_path)
     gate = SocketGate()
     writer = _make(writer_cls, gate.savefun)
     try:
-        handle = writer("s0", out, _state(0))
+        state = _state(0)
+        handle = writer("s0", out, state)
+        state["w"].add_(100.0)  # the snapshot keeps the values of the call
         gate.wait_entered()  # the worker is inside savefun, its temp file open
         pid = writer._saver.runner.pid  # type: ignore[attr-defined]
         assert pid is not None and pid != os.getpid()
         os.kill(pid, signal.SIGKILL)
+        gate.drop_oldest()
+        gate.wait_entered()  # the trainer's own write of the same staged copy
+        gate.release()
         _done(handle.committed)
-        assert isinstance(handle.committed.exception(), snapkeep.WorkerDiedError)
+        assert handle.committed.result().path == os.path.join(out, "s0")
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
+                    and FALLBACK_LOGGED in r.getMessage()]
+        assert len(warnings) == 1
+        assert f"pid {pid})" in warnings[0] and "exit code -9" in warnings[0]
+        assert "s0" in warnings[0]
+        _verified(out, "s0")
+        _assert_file(out, "s0", 0)
 
-        with pytest.raises(snapkeep.SnapshotSaveError) as info:
-            writer("s1", out, _state(1), savefun=torch.save)
-        assert type(info.value.__cause__) is snapkeep.WorkerDiedError
-        assert str(pid) in str(info.value.__cause__)
-
-        for i in (2, 3):  # a fresh worker serves later snapshots
+        for i in (2, 3):  # no error surfaces; a fresh worker serves later snapshots
             writer(f"s{i}", out, _state(i), savefun=torch.save)
+        writer.wait(timeout_s=30)
+        new_pid = writer._saver.runner.pid  # type: ignore[attr-defined]
+        assert new_pid is not None and new_pid not in (pid, os.getpid())
         writer.finalize()
         writer.finalize()
     finally:
         gate.close()
     assert writer._saver.runner.pid is None  # type: ignore[attr-defined]
-    assert _listing(out) == _landed(out, ["s2", "s3"])  # the killed save left no temp file
-    for i in (2, 3):
+    assert _listing(out) == _landed(out, ["s0", "s2", "s3"])  # no temp file of the killed save
+    for i in (0, 2, 3):
         _assert_file(out, f"s{i}", i)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("writer_cls", PROCESS_WRITERS)
+def test_worker_killed_after_its_commit_leaves_one_valid_snapshot(
+    writer_cls: type[writing.Writer], tmp_path: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The worker committed the file and its manifest, then died before replying: the trainer
+    writes the same staged copy again (an atomic replace), leaving one snapshot that verifies."""
+    out = str(tmp_path / "run")
+    armed = tmp_path / "armed"
+    armed.touch()
+    fs = KillAfterCommitFileSystem(armed=str(armed), trainer_pid=os.getpid())
+    writer = _make(writer_cls, fs=fs, out_dir=out)
+    pid = _started_worker(writer, out)
+    state = _state(1)
+    handle = writer("s1", out, state)
+    state["w"].add_(100.0)
+    _done(handle.committed)
+    assert not armed.exists()  # the worker died after publishing the snapshot and its manifest
+    assert handle.committed.result().path == os.path.join(out, "s1")
+    assert any(FALLBACK_LOGGED in r.getMessage() and f"pid {pid})" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+    assert _listing(out) == _landed(out, ["s1"])
+    _verified(out, "s1")
+    _assert_file(out, "s1", 1)
+
+    writer("s2", out, _state(2))  # a fresh worker; nothing surfaces
+    writer.finalize()
+    assert _listing(out) == _landed(out, ["s1", "s2"])
+    _assert_file(out, "s2", 2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("writer_cls", PROCESS_WRITERS)
+def test_worker_killed_and_the_trainer_write_fails_names_both_causes(
+    writer_cls: type[writing.Writer], tmp_path: Any,
+) -> None:
+    out = str(tmp_path)
+    savefun = functools.partial(worker_killing_save, trainer_pid=os.getpid(),
+                                manifest_dir=os.path.join(out, ".snapkeep"))
+    writer = _make(writer_cls, savefun)
+    pid = _started_worker(writer, out)
+    handle = writer("s0", out, _state(0))
+    _done(handle.committed)
+    error = handle.committed.exception()
+    assert isinstance(error, snapkeep.WorkerDiedError)
+    message = str(error)
+    assert f"pid {pid})" in message and "exit code -9" in message and "s0" in message
+    assert "the trainer's own write of that snapshot failed too" in message
+    assert "No space left on device" in message and "was not committed" in message
+    assert isinstance(error.__cause__, snapkeep.SnapshotStorageError)  # the trainer's own error
+
+    with pytest.raises(snapkeep.SnapshotSaveError) as info:  # surfaces once, at finalize
+        writer.finalize()
+    assert info.value.__cause__ is error
+    writer.finalize()
+    # nothing committed, and no temp file of the dead worker, nor of the trainer's write
+    assert _listing(out) == ([".snapkeep"], [])
 
 
 @pytest.mark.timeout(60)

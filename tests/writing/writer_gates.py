@@ -7,20 +7,26 @@ Two gates with one interface (``savefun``, ``wait_entered()``, ``release()``):
   pickles) connects to a Unix socket the test listens on and blocks until the test sends a byte.
 
 Every wait on both sides is bounded (``GATE_TIMEOUT_S``); nothing sleeps.
+
+Also worker faults: :func:`worker_killing_save` (the worker dies in the savefun, the trainer's own
+write fails) and :class:`KillAfterCommitFileSystem` (the worker dies right after its commit).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
 from typing import Any
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 GATE_TIMEOUT_S = 30.0
 
@@ -85,6 +91,10 @@ class SocketGate:
         conn.sendall(b"g")
         conn.close()
 
+    def drop_oldest(self) -> None:
+        """Forget the oldest entered save (its process was killed)."""
+        self._waiting.pop(0).close()
+
     def close(self) -> None:
         for conn in self._waiting:
             conn.close()  # a waiting savefun sees EOF and fails instead of hanging
@@ -139,3 +149,44 @@ def file_gated_save(obj: Any, f: Any, *, gate_dir: str, **kwargs: Any) -> None:
             raise TimeoutError(f"the gate {gate_dir} was never opened")
         time.sleep(0.02)
     torch.save(obj, f, **kwargs)
+
+
+def worker_killing_save(obj: Any, f: Any, *, trainer_pid: int, manifest_dir: str | None = None,
+                        **kwargs: Any) -> None:
+    """Kills the process running it (SIGKILL) unless it is the trainer ``trainer_pid``, where it
+    fails as a full disk does: a worker that dies and a trainer that cannot write either. With
+    ``manifest_dir``, the worker first leaves a manifest temp file there, named as its own."""
+    if os.getpid() != trainer_pid:
+        if manifest_dir is not None:
+            from snapkeep._core.storage import Storage
+
+            storage = Storage(LocalFileSystem())
+            with open(storage.temp_name_for(os.path.join(manifest_dir, "x.json")), "wb"):
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise OSError(errno.ENOSPC, "No space left on device (injected in the trainer)")
+
+
+class KillAfterCommitFileSystem(LocalFileSystem):
+    """The local filesystem, except that a process other than ``trainer_pid`` SIGKILLs itself
+    once a manifest is in place (snapshot and manifest both committed, before the worker could
+    report it), if the file ``armed`` still exists; it removes ``armed`` first, so one worker
+    dies this way and the file's absence afterwards proves that the kill point was reached."""
+
+    cachable = False
+
+    def __init__(self, *, armed: str, trainer_pid: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.armed = armed
+        self.trainer_pid = trainer_pid
+
+    def invalidate_cache(self, path: str | None = None) -> None:
+        super().invalidate_cache(path)
+        if (os.getpid() == self.trainer_pid or path is None or not path.endswith(".json")
+                or not os.path.exists(path)):
+            return
+        try:
+            os.unlink(self.armed)
+        except FileNotFoundError:
+            return
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -7,7 +7,7 @@ for :class:`InlineRunner`), one job at a time, and returns a :class:`CommitRecor
 the trainer, so CUDA contexts and threads are safe), once, and reuses it. Staged tensors reach it
 through shared-memory arenas (see :mod:`.shm`); only metadata crosses the pipe. Every wait on the
 worker also watches its liveness, so a dead worker raises :class:`WorkerDiedError` instead of
-hanging; the next job starts a fresh worker.
+hanging (the saver then writes that snapshot in the trainer); the next job starts a fresh worker.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any, Protocol
 from snapkeep._core.commit import commit_job as execute
 from snapkeep._core.errors import SnapshotError, WorkerDiedError
 from snapkeep._core.job import CommitRecord, SaveJob
+from snapkeep._core.manifest import manifest_path
 from snapkeep._core.storage import set_publish_guard
 
 logger = logging.getLogger(__name__)
@@ -521,20 +522,25 @@ class ProcessRunner:
                 pass
 
     def _died(self, job: SaveJob, process: Any) -> WorkerDiedError:
+        """The worker died before reporting ``job``'s commit: reap it, remove the temp files it
+        left (named with its pid) and say which worker died, how, and while writing what. The
+        saver then writes the job's staged copy in the trainer (see ``Saver.run``)."""
         process.join(timeout=1.0)
-        code = process.exitcode
         with self._lock:
-            self._stop_locked()
-        if code is not None:  # reaped: its temp file (named with its pid) is now stale
-            try:
-                job.storage.remove_stale_temps(job.storage.dirname(job.path))
-            except Exception:  # never hide the death behind a clean-up failure
-                logger.warning("could not remove the temp file of %s left by the dead worker",
-                               job.path, exc_info=True)
+            self._stop_locked()  # also kills and reaps a worker that has not quite exited
+        code = process.exitcode
+        if code is not None:  # reaped: its temp files (named with its pid) are now stale
+            storage = job.storage
+            for directory in dict.fromkeys((storage.dirname(job.path),
+                                            storage.dirname(manifest_path(storage, job.path)))):
+                try:
+                    storage.remove_stale_temps(directory)
+                except Exception:  # never hide the death behind a clean-up failure
+                    logger.warning("could not remove the temp files in %s left by the dead "
+                                   "worker writing %s", directory, job.path, exc_info=True)
         return WorkerDiedError(
-            f"the snapshot worker process (pid {process.pid}) died with exit code {code} while "
-            f"writing {job.path!r}; that snapshot was not committed. A new worker starts with "
-            "the next snapshot."
+            f"the snapshot worker process (pid {process.pid}) died with exit code {code} "
+            f"before reporting the commit of {job.path!r} (step {job.step})"
         )
 
     def _stop_locked(self) -> None:

@@ -1,7 +1,8 @@
 """The saver: staging, back-pressure, commit, retention and error surfacing for one writer.
 
 The save path, top to bottom: :meth:`Saver.submit` (back-pressure, stage) -> :meth:`Saver.run`
-(``store.commit_job`` through the runner, in whichever thread or process it runs) -> the
+(``store.commit_job`` through the runner, in whichever thread or process it runs; when a worker
+process dies before reporting the commit, the trainer writes the same staged copy itself) -> the
 retention stage of the save (:class:`~snapkeep._core.store.Retain`: ``store.retain``, in the
 trainer process) -> post-commit hooks (ppe's ``_add_cleanup_hook``) -> the slot is released.
 
@@ -40,7 +41,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from snapkeep._core.errors import SnapshotError, SnapshotSaveError, SnapshotTimeoutError
+from snapkeep._core.commit import commit_job
+from snapkeep._core.errors import (
+    SnapshotError,
+    SnapshotSaveError,
+    SnapshotTimeoutError,
+    WorkerDiedError,
+)
 from snapkeep._core.executors import Runner
 from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.staging import BufferSet, StageStats
@@ -442,7 +449,13 @@ class Saver:
                 if forget is not None:  # arenas replaced when the state grew: unmap them
                     forget({n for s in list(self._slots)
                             if (n := getattr(s.buffers.allocator, "name", None))})
-                record = self.runner.run(job, skeleton, arena.name, table)
+                try:
+                    record = self.runner.run(job, skeleton, arena.name, table)
+                except WorkerDiedError as died:
+                    if self._closed:  # finalize stopped the worker after its wait ran out
+                        raise WorkerDiedError(f"{died}; the writer was finalized, so that "
+                                              "snapshot was not committed") from died
+                    record = _write_in_trainer(job, staged, died)
         except BaseException as e:
             error = SnapshotSaveError(
                 f"background save of {job.path!r} (step {job.step}) failed: "
@@ -491,6 +504,26 @@ class Saver:
                 hook(record)
             except Exception:  # retention etc. must never stop training
                 logger.exception("post-commit hook %r failed after %s", hook, record.path)
+
+
+def _write_in_trainer(job: SaveJob, staged: Any, died: WorkerDiedError) -> CommitRecord:
+    """The worker died before reporting ``job``'s commit: write the same staged copy here, as the
+    thread writers do (same commit, manifest and checksum). Had the worker already committed it,
+    the atomic replace swaps in the same content with its own new manifest.
+
+    Raises:
+        WorkerDiedError: this write failed too; names both causes, chained from this one.
+    """
+    try:
+        record = commit_job(job, staged)
+    except Exception as e:
+        raise WorkerDiedError(
+            f"{died}, and the trainer's own write of that snapshot failed too "
+            f"({type(e).__name__}: {e}); it was not committed. A new worker starts with the "
+            "next snapshot") from e
+    logger.warning("%s; the trainer wrote that snapshot itself. A new worker starts with the "
+                   "next snapshot", died)
+    return record
 
 
 def _finish_in_background(handle: SaveHandle, finish: Callable[[], StageStats]) -> None:

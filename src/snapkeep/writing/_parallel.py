@@ -106,7 +106,9 @@ class ProcessWriter(WorkerProcessMixin, StandardWriter):
     The worker is started once with ``spawn`` (never a fork of the trainer, so it is safe with
     CUDA and threads) and reused. Each snapshot is staged into a shared-memory arena that the
     worker maps once; the trainer's own tensors are never moved into shared memory. A worker that
-    dies is detected (:class:`~snapkeep.WorkerDiedError`) and replaced at the next snapshot.
+    dies (killed, out of memory) before reporting a snapshot's commit is replaced at the next
+    snapshot, and the trainer writes that snapshot itself (logged as a warning);
+    :class:`~snapkeep.WorkerDiedError` is raised only when that write fails too.
 
     Args:
         savefun: must be picklable (a module-level function such as ``torch.save``).
