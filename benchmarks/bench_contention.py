@@ -8,6 +8,11 @@ that, the wall time of a pure-Python CPU loop run alone and in two processes at 
 vCPUs give two cores' throughput?). Step wall time above the step's own thread CPU time is
 time the training thread was runnable but not running (GIL, or the core taken).
 
+Then, as a snapkeep worker process does while it writes: another process computing XXH3-128
+over 8 MiB slices of a 256 MiB buffer, at full speed and paced (a pause after each slice);
+**loss per GiB** = seconds the loop loses per GiB hashed (the pacing question: does the same
+work cost the loop less when spread out?).
+
     python benchmarks/bench_contention.py
 """
 
@@ -38,6 +43,32 @@ def _burn(n: int) -> float:
 
 def _burn_into(n: int, q: mp.Queue) -> None:  # type: ignore[type-arg]
     q.put(_burn(n))
+
+
+def _steps(step: Callable[[], None], n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _hash(stop: object, pause_s: float, count: object) -> None:
+    import numpy as np
+    import xxhash
+
+    buf = np.ones(256 << 20, dtype=np.uint8)
+    done = 0
+    while not stop.is_set():  # type: ignore[attr-defined]
+        for off in range(0, buf.nbytes, 8 << 20):
+            xxhash.xxh3_128(memoryview(buf[off:off + (8 << 20)])).digest()
+            done += 8 << 20
+            if pause_s:
+                time.sleep(pause_s)
+            if stop.is_set():  # type: ignore[attr-defined]
+                break
+    count.value = done  # type: ignore[attr-defined]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +126,25 @@ def main(argv: list[str] | None = None) -> int:
         if thread:
             thread.join()
         print(f"| {name} | {statistics.median(walls):.3f} | {statistics.median(cpus):.3f} |")
+    print("\n| XXH3 in another process | hash GiB/s | step s | loop loss per GiB hashed s |"
+          "\n|---|---:|---:|---:|")
+    base = statistics.median([_steps(step, args.steps) for _ in range(2)])
+    print(f"| none | - | {base:.3f} | - |")
+    for pause_ms in (0, 1, 2, 4, 0, 2):
+        stop_p = mp.Event()
+        count = mp.Value("q", 0)
+        proc = mp.Process(target=_hash, args=(stop_p, pause_ms / 1000, count))
+        proc.start()
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        s = _steps(step, args.steps)
+        elapsed = time.perf_counter() - t0
+        stop_p.set()
+        proc.join()
+        rate = count.value / (1 << 30) / (elapsed + 0.5)  # it hashed from 0.5 s before the steps
+        loss = args.steps * (s - base) / max(rate * elapsed, 1e-9)
+        print(f"| {'full speed' if not pause_ms else f'{pause_ms} ms pause per 8 MiB'} | "
+              f"{rate:.1f} | {s:.3f} | {loss:.3f} |")
     alone = _burn(args.burn)
     q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
     procs = [mp.Process(target=_burn_into, args=(args.burn, q)) for _ in range(2)]

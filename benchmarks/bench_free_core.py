@@ -19,7 +19,9 @@ single-threaded ``memcpy`` of the whole snapshotted state (model, Adam state, EM
 preallocated buffers, timed in the same run. The target is cost <= 0.25x the floor. **CPU-s**
 = extra CPU of the process tree per snapshot (A - B, median). After the timed pairs every
 writer takes one more snapshot with a copy of the state set aside at the call, trains on, and
-the file it wrote is loaded and compared with that copy (``equal``).
+the file it wrote is loaded and compared with that copy (``equal``). The JSON also holds the
+median A - B cost of each iteration of the segment (``iteration_cost_s``: the call's iteration
+first, then the ones the background work overlaps).
 
 Baselines in the same run: ``torch.save`` + fsync in the loop (synchronous), and DCP
 ``async_save`` (waited for at the end of the segment, as above).
@@ -100,12 +102,13 @@ class Loop:
         self.stalls: list[float] = []
         self.waits: list[float] = []
         self.durable_waits: list[float] = []  # at the end of each snapshot's segment
+        self.last_iterations: list[float] = []  # each iteration of the last segment, seconds
         if kind in SNAPKEEP:
             self.writer = getattr(writing, kind)(out_dir=out)
             self.manager = ExtensionsManager(
                 {"main": self.model, "ema": self.ema}, self.optimizer, max_epochs=1 << 30,
                 iters_per_epoch=1, out_dir=out, writer=self.writer)
-            self.snapshot = ext.snapshot(n_retains=2)
+            self.snapshot = ext.snapshot(n_retains=2, overlap=not args.no_overlap)
             self._time_direct_costs()
             self.manager.extend(self.snapshot, trigger=lambda m: self._due())
             # the correctness check's copy of the state at the call (runs before the snapshot)
@@ -199,8 +202,11 @@ class Loop:
         """``(seconds, CPU-s of the process tree, CPU-s of the training thread)``."""
         self.cpu.start()
         t0, c0 = time.perf_counter(), time.thread_time()
+        self.last_iterations = []
         for i in range(self.every):
+            ti = time.perf_counter()
             self.iteration(snapshot and i == 0)
+            self.last_iterations.append(time.perf_counter() - ti)
         t1 = time.perf_counter()
         self._wait()
         if snapshot:
@@ -248,12 +254,17 @@ def measure(kind: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
         loop.segment(False)
     fl = floor_s(state_tensors(loop.model, loop.optimizer, loop.ema))
     diffs, cpus, own, plain = [], [], [], []
+    per_iteration: list[list[float]] = []  # A - B of each iteration of the segment
     loop.stalls.clear()
     loop.waits.clear()
     loop.durable_waits.clear()
     for p in range(args.pairs):
         order = (True, False) if p % 2 == 0 else (False, True)  # ABBA
-        seg = {snap: loop.segment(snap) for snap in order}
+        seg, its = {}, {}
+        for snap in order:
+            seg[snap] = loop.segment(snap)
+            its[snap] = loop.last_iterations
+        per_iteration.append([a - b for a, b in zip(its[True], its[False])])
         diffs.append(seg[True][0] - seg[False][0])
         cpus.append(seg[True][1] - seg[False][1])
         own.append(seg[True][2] - seg[False][2])
@@ -274,6 +285,8 @@ def measure(kind: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
            "ci_hi_x": hi / fl, "cpu_s": median(cpus), "segment_s": median(plain),
            "overhead_pct": 100 * cost / median(plain), "equal": equal, "diffs": diffs,
            "cpus": cpus, "own_cpus": own, "own_cpu_s": median(own),
+           "iteration_cost_s": [median([p[i] for p in per_iteration])
+                                for i in range(args.every)],
            **direct, "direct_x_floor": (direct["stall_s"] + direct["wait_s"]) / fl}
     print(table([row], COLUMNS).splitlines()[-1], flush=True)
     return row
@@ -327,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=4, help="iterations per segment")
     p.add_argument("--pairs", type=int, default=8, help="ABBA pairs per writer (>= 6 for a CI)")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-overlap", action="store_true",
+                   help="snapkeep writers copy everything in the call (overlap=False)")
     p.add_argument("--writers", default=",".join(SNAPKEEP + BASELINES))
     p.add_argument("--dir", default=None)
     p.add_argument("--json", default=None)
@@ -355,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure(kind, args, root))
     print()
     print(table(rows, COLUMNS))
+    print("\ncost of each iteration of the snapshot segment (median A - B, s):")
+    for r in rows:
+        print(f"  {r['writer']}: " + ", ".join(f"{c:+.3f}" for c in r["iteration_cost_s"]))
     if args.plot:
         plot(rows, args.plot)
     if args.json:
