@@ -41,6 +41,29 @@ def test_progress_bar_prints_ppe_s_status_every_update_interval(tmp_path):
     assert set(threading.enumerate()) == threads_before  # no tqdm monitor thread left
 
 
+def test_progress_bar_prints_nothing_before_its_first_update_interval(tmp_path):
+    """As ppe: a run shorter than update_interval shows no (empty) bar at all."""
+    out = io.StringIO()
+    manager = _manager(tmp_path)
+    manager.extend(extensions.ProgressBar(update_interval=100, out=out))
+    for _ in range(3):
+        with manager.run_iteration():
+            pass
+    manager.finalize()
+    assert out.getvalue() == ""
+
+
+def test_progress_bar_ends_its_line_when_closed(tmp_path):
+    out = io.StringIO()
+    manager = _manager(tmp_path)
+    manager.extend(extensions.ProgressBar(update_interval=2, out=out))
+    for _ in range(4):
+        with manager.run_iteration():
+            pass
+    manager.finalize()
+    assert "4 iter, 0 epoch / 5 epochs" in out.getvalue() and out.getvalue().endswith("\n")
+
+
 def test_progress_bar_resumes_at_the_restored_iteration(tmp_path):
     out = io.StringIO()
     manager = _manager(tmp_path, max_epochs=2)

@@ -89,6 +89,7 @@ class ProgressBar(extension.Extension):
             self._bar.n = min(iteration, int(self._bar.total))
             self._bar.set_description_str(self._status, refresh=False)
             self._bar.refresh()
+            self._bar.delay = 0  # drawn: close() now ends the line
 
     def _length(self, manager: ExtensionsManagerProtocol) -> tuple[float, str]:
         if self._training_length is None:
@@ -108,6 +109,9 @@ class ProgressBar(extension.Extension):
         return _Bar(
             total=total, initial=start, file=self._out if self._out is not None else sys.stdout,
             ascii=_BAR_CHARS, unit="iter", smoothing=0, mininterval=0, dynamic_ncols=False,
+            # nothing on screen before the first update_interval (as ppe): a delay stops
+            # tqdm's draw at creation, and close() leaves a bar never drawn undrawn
+            delay=float("inf"),
             bar_format="{desc} [{bar:" + str(self._bar_length) + "}] {percentage:6.2f}% "
             "{speed:10.5g} iters/sec. ETA {remaining}",  # ppe's speed text
         )
