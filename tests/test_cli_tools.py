@@ -357,6 +357,25 @@ def test_convert_and_diff_a_sub_tree_with_key(run: Path, tmp_path: Path) -> None
         in missing.output
 
 
+def test_diff_key_b_compares_a_snapshots_sub_tree_with_an_exported_state(
+        run: Path, tmp_path: Path) -> None:
+    torch.save(state(10)["model"], tmp_path / "model.pt")  # an exported state_dict
+    same = invoke("diff", "--key", "model", "--key-b", "", str(run / "snapshot_iter_10"),
+                  str(tmp_path / "model.pt"))
+    assert same.exit_code == 0, same.output
+    other = invoke("diff", "--key", "model", "--key-b", "", str(run / "snapshot_iter_20"),
+                   str(tmp_path / "model.pt"), "--json")
+    assert other.exit_code == 1
+    differing = {t["key"] for t in json.loads(other.stdout)["tensors"] if not t["equal"]}
+    assert differing == {"w"}  # b is arange(3) at every step
+    # without --key-b the same path applies to both: B has no 'model'
+    assert invoke("diff", "--key", "model", str(run / "snapshot_iter_10"),
+                  str(tmp_path / "model.pt")).exit_code == 2
+    wrong = invoke("diff", "--key", "model", "--key-b", "nope", str(run / "snapshot_iter_10"),
+                   str(tmp_path / "model.pt"))
+    assert wrong.exit_code == 2 and "'--key-b'" in wrong.output
+
+
 def test_convert_refuses_a_corrupt_source(run: Path, tmp_path: Path) -> None:
     flip_byte(run / "snapshot_iter_10")
     result = invoke("convert", str(run / "snapshot_iter_10"), str(tmp_path / "x.pt"))

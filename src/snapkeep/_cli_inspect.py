@@ -273,13 +273,17 @@ def _metadata(manifest: Manifest | None) -> dict[str, Any] | None:
 @click.argument("b", metavar="B")
 @click.option("--key", "key", metavar="PATH", default=None,
               help="Compare only the sub-tree at PATH, e.g. models/main.")
+@click.option("--key-b", "key_b", metavar="PATH", default=None,
+              help="The sub-tree of B to compare with A's --key (default: the same PATH; '' "
+                   "for B's whole state, e.g. an exported model against a snapshot's "
+                   "models/main).")
 @click.option("--atol", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
               help="Tensors whose max absolute difference is at most this count as equal.")
 @click.option("--unsafe", is_flag=True,
               help="Allow arbitrary unpickling (weights_only=False); only for trusted files.")
 @storage_option
 @json_option
-def diff(a: str, b: str, key: str | None, atol: float, unsafe: bool,
+def diff(a: str, b: str, key: str | None, key_b: str | None, atol: float, unsafe: bool,
          storage_options: tuple[str, ...], as_json: bool) -> None:
     """Compare two snapshot files A and B: keys, shapes, dtypes, the max absolute difference of
     each tensor, other values, and the metadata their manifests record (step, run id, metrics,
@@ -293,11 +297,13 @@ def diff(a: str, b: str, key: str | None, atol: float, unsafe: bool,
             require_file(location, storage, path, hint=hint)
             states.append(load_state(location, storage, path, unsafe=unsafe))
             metadata.append(_metadata(manifest_of(storage, path)))
-    if key is not None:
-        try:
-            states = [select(state, key) for state in states]
-        except KeyError as e:
-            raise click.BadParameter(str(e.args[0]), param_hint="'--key'") from e
+    for i, (path_in, hint) in enumerate(((key, "'--key'"),
+                                         (key if key_b is None else key_b, "'--key-b'"))):
+        if path_in:  # None or '': the whole state
+            try:
+                states[i] = select(states[i], path_in)
+            except KeyError as e:
+                raise click.BadParameter(str(e.args[0]), param_hint=hint) from e
     try:
         result = compare(states[0], states[1], atol=atol)
     except TreeTooDeepError as e:
