@@ -17,7 +17,7 @@ from snapkeep._core.distributed.errors import (
 from snapkeep._core.distributed.groups import (
     Groups,
     background_groups,
-    destroy_at_exit,
+    exit_cleanly_at_exit,
     is_distributed,
 )
 
@@ -30,8 +30,8 @@ _SHARDED = {
 
 __all__ = [
     "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
-    "agree_on_resume", "all_gather", "background_groups", "destroy_at_exit", "exchange_outcomes",
-    "is_distributed",
+    "agree_on_resume", "all_gather", "background_groups", "exchange_outcomes",
+    "exit_cleanly_at_exit", "is_distributed",
     *sorted(_SHARDED),
 ]
 

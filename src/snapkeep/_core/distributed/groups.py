@@ -20,7 +20,10 @@ import atexit
 import dataclasses
 import datetime
 import logging
+import os
+import sys
 import threading
+from typing import Any
 
 import torch.distributed as dist
 
@@ -99,23 +102,55 @@ def forget_groups() -> None:
         _cache.clear()
 
 
-def destroy_at_exit() -> None:
-    """Destroy the process groups at interpreter exit if the script has not done so by then.
+def exit_cleanly_at_exit(code: int) -> None:
+    """Make the coming interpreter exit end with ``code``, without interpreter teardown.
 
-    For exits snapkeep itself starts (the preemption extension's ``SystemExit`` after every rank
-    has agreed and committed): a gloo process group still alive when the interpreter finalizes
-    can abort the process (SIGABRT, "terminate called without an active exception", exit -6
-    instead of the documented code), as PyTorch's own docs warn for scripts that skip
-    ``destroy_process_group``. The hook runs after the script's ``finally`` blocks, so a script
-    that destroys the groups itself is left alone. Safe here because every rank has just left
-    the same collective; the hook is registered once per process.
+    For the exit snapkeep itself starts under torch.distributed (the preemption extension's
+    ``SystemExit(code)`` after every rank has agreed and committed). Interpreter teardown with
+    torch.distributed's gloo backend loaded sometimes aborts the process in C++ (SIGABRT,
+    "terminate called without an active exception", exit -6 instead of ``code``): 1 exit in 24
+    here with the process groups left alive, and still about 1 in 15 after destroying them at
+    exit (PyTorch's own open issue: scripts must call ``destroy_process_group``, and even then
+    objects holding the groups are torn down with the interpreter). So the hook registered here,
+    which runs at exit after the script's ``finally`` blocks, destroys the process groups if the
+    script has not, runs every other ``atexit`` handler (newest first, as the interpreter would:
+    logging's flush, wandb's finish, ...), flushes stdout and stderr, and ends the process with
+    ``os._exit(code)``, skipping only the teardown that aborts. An exception that escaped the
+    script after the ``SystemExit`` (``sys.excepthook`` ran) exits with 1 instead. Registered
+    once per process.
     """
     global _exit_hook_registered
     with _lock:
         if _exit_hook_registered:
             return
         _exit_hook_registered = True
-    atexit.register(_destroy_if_alive)
+    escaped: list[bool] = []
+    previous_hook = sys.excepthook
+
+    def excepthook(*args: Any) -> None:
+        escaped.append(True)
+        previous_hook(*args)
+
+    sys.excepthook = excepthook
+    atexit.register(_exit_without_teardown, code, escaped)
+
+
+_finishing = False
+
+
+def _exit_without_teardown(code: int, escaped: list[bool]) -> None:
+    global _finishing
+    if _finishing:  # reached again from the _run_exitfuncs call below
+        return
+    _finishing = True
+    _destroy_if_alive()
+    atexit._run_exitfuncs()  # the other handlers, newest first; each one's error is printed
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 -- a closed or broken stream: nothing left to flush
+            pass
+    os._exit(1 if escaped else code)
 
 
 def _destroy_if_alive() -> None:

@@ -207,9 +207,9 @@ class Preemption(extension.Extension):
         if self.requeue and rank == 0:
             _requeue()
         if self._groups is not None:
-            from snapkeep.distributed import destroy_at_exit
+            from snapkeep.distributed import exit_cleanly_at_exit
 
-            destroy_at_exit()  # a gloo group left to interpreter teardown can abort (exit -6)
+            exit_cleanly_at_exit(self.exit_code)  # teardown with gloo can abort (exit -6)
         logger.warning("rank %d: preemption snapshot of iteration %d committed; exiting with %d "
                        "(run the same command again to resume from it)", rank, iteration,
                        self.exit_code)
