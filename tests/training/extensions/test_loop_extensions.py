@@ -41,27 +41,26 @@ def test_progress_bar_prints_ppe_s_status_every_update_interval(tmp_path):
     assert set(threading.enumerate()) == threads_before  # no tqdm monitor thread left
 
 
-def test_progress_bar_prints_nothing_before_its_first_update_interval(tmp_path):
-    """As ppe: a run shorter than update_interval shows no (empty) bar at all."""
+def _bar_output(tmp_path, iterations: int, update_interval: int) -> str:
+    """What a ProgressBar printed over ``iterations`` iterations and the manager's finalize."""
     out = io.StringIO()
     manager = _manager(tmp_path)
-    manager.extend(extensions.ProgressBar(update_interval=100, out=out))
-    for _ in range(3):
+    manager.extend(extensions.ProgressBar(update_interval=update_interval, out=out))
+    for _ in range(iterations):
         with manager.run_iteration():
             pass
     manager.finalize()
-    assert out.getvalue() == ""
+    return out.getvalue()
+
+
+def test_progress_bar_prints_nothing_before_its_first_update_interval(tmp_path):
+    """As ppe: a run shorter than update_interval shows no (empty) bar at all."""
+    assert _bar_output(tmp_path, 3, update_interval=100) == ""
 
 
 def test_progress_bar_ends_its_line_when_closed(tmp_path):
-    out = io.StringIO()
-    manager = _manager(tmp_path)
-    manager.extend(extensions.ProgressBar(update_interval=2, out=out))
-    for _ in range(4):
-        with manager.run_iteration():
-            pass
-    manager.finalize()
-    assert "4 iter, 0 epoch / 5 epochs" in out.getvalue() and out.getvalue().endswith("\n")
+    text = _bar_output(tmp_path, 4, update_interval=2)
+    assert "4 iter, 0 epoch / 5 epochs" in text and text.endswith("\n")
 
 
 def test_progress_bar_resumes_at_the_restored_iteration(tmp_path):
