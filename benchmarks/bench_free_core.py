@@ -24,7 +24,10 @@ median A - B cost of each iteration of the segment (``iteration_cost_s``: the ca
 first, then the ones the background work overlaps).
 
 Baselines in the same run: ``torch.save`` + fsync in the loop (synchronous), and DCP
-``async_save`` (waited for at the end of the segment, as above).
+``async_save`` (waited for at the end of the segment, as above). A writer name with ``/copy``
+(e.g. ``ProcessWriter/copy``) is that writer with the local commit copying every byte through
+its chunk buffer instead of writing the staging buffers to disk in place (how snapkeep wrote
+before in-place writes), to pair the two in one run.
 
     python benchmarks/bench_free_core.py --pairs 8 --json results/free-core.json
 """
@@ -46,13 +49,33 @@ import torch
 from _measure import TreeCpu, median, median_ci, table
 
 from snapkeep import writing
+from snapkeep._core.storage import _direct
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
 
 MIB = 1 << 20
 SNAPKEEP = ("SimpleWriter", "ThreadWriter", "ThreadQueueWriter", "ProcessWriter",
             "ProcessQueueWriter")
+COPY = tuple(f"{k}/copy" for k in SNAPKEEP)
 BASELINES = ("torch.save", "DCP async_save")
+#: Set while a ``/copy`` writer runs; a spawned worker re-imports this script (``__mp_main__``)
+#: and so reads it at start-up.
+_COPY_ENV = "BENCH_FREE_CORE_COPY"
+_IN_PLACE_MIN = _direct.IN_PLACE_MIN_BYTES
+
+
+def set_copy_mode(on: bool) -> None:
+    """Turn in-place direct writes off (``/copy`` writers) or back on, here and in workers
+    started from now on."""
+    _direct.IN_PLACE_MIN_BYTES = 1 << 62 if on else _IN_PLACE_MIN
+    if on:
+        os.environ[_COPY_ENV] = "1"
+    else:
+        os.environ.pop(_COPY_ENV, None)
+
+
+if os.environ.get(_COPY_ENV) == "1":
+    set_copy_mode(True)
 
 
 def make(model_mib: float, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
@@ -103,8 +126,8 @@ class Loop:
         self.waits: list[float] = []
         self.durable_waits: list[float] = []  # at the end of each snapshot's segment
         self.last_iterations: list[float] = []  # each iteration of the last segment, seconds
-        if kind in SNAPKEEP:
-            self.writer = getattr(writing, kind)(out_dir=out)
+        if kind in SNAPKEEP + COPY:
+            self.writer = getattr(writing, kind.split("/")[0])(out_dir=out)
             self.manager = ExtensionsManager(
                 {"main": self.model, "ema": self.ema}, self.optimizer, max_epochs=1 << 30,
                 iters_per_epoch=1, out_dir=out, writer=self.writer)
@@ -247,7 +270,16 @@ def check_equal(loop: Loop) -> bool | None:
 
 
 def measure(kind: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
-    out = tempfile.mkdtemp(prefix=kind.replace(" ", "_").replace(".", "_") + "-", dir=root)
+    set_copy_mode(kind in COPY)
+    try:
+        return _measure(kind, args, root)
+    finally:
+        set_copy_mode(False)
+
+
+def _measure(kind: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
+    out = tempfile.mkdtemp(prefix=kind.replace(" ", "_").replace(".", "_").replace("/", "_")
+                           + "-", dir=root)
     loop = Loop(kind, args, out)
     for _ in range(args.warmup):  # Adam's state exists, pages are warm, a first snapshot is out
         loop.segment(True)
@@ -273,8 +305,8 @@ def measure(kind: str, args: argparse.Namespace, root: str) -> dict[str, Any]:
     # return at once (microseconds), so the mean over the snapshots is the snapshot's wait
     direct = {"stall_s": median(loop.stalls), "wait_s": sum(loop.waits) / len(loop.stalls),
               "durable_wait_s": median(loop.durable_waits)}
-    equal = check_equal(loop) if kind in SNAPKEEP else None
-    if kind not in SNAPKEEP:
+    equal = check_equal(loop) if kind in SNAPKEEP + COPY else None
+    if kind not in SNAPKEEP + COPY:
         loop.close()
     state_mib = sum(t.nbytes for t in state_tensors(loop.model, loop.optimizer, loop.ema)) / MIB
     cost = median(diffs)
@@ -358,9 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)
     kinds = [k for k in args.writers.split(",") if k]
-    unknown = sorted(set(kinds) - set(SNAPKEEP + BASELINES))
+    known = SNAPKEEP + COPY + BASELINES
+    unknown = sorted(set(kinds) - set(known))
     if unknown:
-        p.error(f"--writers: unknown {unknown}; choose from {', '.join(SNAPKEEP + BASELINES)}")
+        p.error(f"--writers: unknown {unknown}; choose from {', '.join(known)}")
     print(f"# {platform.node()} {os.cpu_count()} CPUs, torch {torch.__version__}, 1 torch "
           f"thread, load average {os.getloadavg()[0]:.1f}", flush=True)
     print(table([], COLUMNS), flush=True)

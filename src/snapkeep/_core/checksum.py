@@ -32,16 +32,24 @@ class HashingWriter:
 
     ``torch.save`` and most ``savefun`` implementations only call ``write``/``flush``/``tell``;
     ``seek`` is refused because a checksum over rewritten bytes would be wrong.
+
+    Args:
+        raw: the file written to.
+        hashed_by: a hasher (from :func:`new_hasher`) that ``raw`` itself feeds with every byte
+            written to it, in order (:class:`~snapkeep._core.storage._direct.DirectFile` does,
+            hashing each piece while it is in the CPU cache); this wrapper then only counts.
     """
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, *, hashed_by: Any = None) -> None:
         self._raw = raw
-        self._hasher = new_hasher()
+        self._hash_here = hashed_by is None
+        self._hasher = new_hasher() if hashed_by is None else hashed_by
         self.size_bytes = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self._hasher.update(view)
+        if self._hash_here:
+            self._hasher.update(view)
         written = self._raw.write(view)
         n = len(view) if written is None else written
         self.size_bytes += n

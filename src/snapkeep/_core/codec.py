@@ -222,13 +222,44 @@ def _fast_save_supported() -> bool:
 
 _FAST_SAVE = _fast_save_supported()
 
+#: Alignment of tensor records in the files of large states: one page, so the local commit can
+#: hand the staging buffers (page-aligned) to an ``O_DIRECT`` write without a copy.
+PAGE_ALIGNMENT = 4096
+#: Largest share of a file the page alignment's padding (up to 4 KiB per record) may take.
+_MAX_PADDING_SHARE = 1 / 64
+#: Records of a ``torch.save`` file besides the tensors' (pickle, version, byte order, ...).
+_OTHER_RECORDS = 8
+
+
+def record_alignment(obj: Any, base: int) -> int:
+    """Alignment in bytes for the tensor records of ``obj``'s file: :data:`PAGE_ALIGNMENT` when
+    its padding costs at most 1/64 of the tensor bytes (states with large tensors, where a copy
+    per byte matters), else ``base`` (torch's, 64 unless the user changed
+    ``torch.serialization.config.save.storage_alignment``; a value that is not a divisor of a
+    page is kept as is)."""
+    from snapkeep._core.staging import iter_tensors
+
+    if base >= PAGE_ALIGNMENT or PAGE_ALIGNMENT % base:
+        return base
+    sizes: dict[tuple[str, int], int] = {}
+    for t in iter_tensors(obj):
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    padding = (len(sizes) + _OTHER_RECORDS) * PAGE_ALIGNMENT
+    return PAGE_ALIGNMENT if padding <= sum(sizes.values()) * _MAX_PADDING_SHARE else base
+
 
 def torch_save(obj: Any, f: BinaryIO, **kwargs: Any) -> None:
     """``torch.save(obj, f)`` without computing the zip records' CRC-32 (snapkeep's default save).
 
     The bytes are exactly those of ``torch.save`` with
     ``torch.serialization.set_crc32_options(False)`` (a process-wide switch this function does not
-    touch): a zip whose records carry a CRC of 0. ``torch.load`` never checks that CRC (a flipped
+    touch): a zip whose records carry a CRC of 0; for states whose tensors are large, with the
+    records aligned to 4 KiB instead of 64 bytes (as ``torch.serialization.config.save.
+    storage_alignment = 4096`` does; see :func:`record_alignment`), which ``torch.load`` reads as
+    any other file. ``torch.load`` never checks that CRC (a flipped
     byte in a tensor record loads silently), so it protects nothing there, and costs about 0.25
     CPU-s per GiB on one core here -- the largest CPU cost of a snapshot after the kernel's page
     cache copy. snapkeep's own XXH3-128 checksum of the whole file, recorded in the manifest and
@@ -246,7 +277,8 @@ def torch_save(obj: Any, f: BinaryIO, **kwargs: Any) -> None:
         torch.save(obj, f, **kwargs)
         return
     ser: Any = torch.serialization
-    writer = torch._C.PyTorchFileWriter(f, False, ser._get_storage_alignment())
+    writer = torch._C.PyTorchFileWriter(
+        f, False, record_alignment(obj, ser._get_storage_alignment()))
     try:
         ser._save(obj, writer, pickle, ser.DEFAULT_PROTOCOL, False)
     except BaseException:

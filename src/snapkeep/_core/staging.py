@@ -45,8 +45,28 @@ class StageStats:
     num_storages: int
 
 
+#: Host buffers of at least this many bytes are page-aligned (their own anonymous mapping), so
+#: the local ``O_DIRECT`` commit writes them to disk without a copy.
+PAGE_ALIGNED_FROM_BYTES = 1 << 20
+
+
+def _host_buffer(nbytes: int) -> torch.UntypedStorage:
+    """An uninitialised CPU storage of ``nbytes``; page-aligned from
+    :data:`PAGE_ALIGNED_FROM_BYTES` (torch's allocator aligns to 64 bytes only)."""
+    if nbytes < PAGE_ALIGNED_FROM_BYTES:
+        return torch.UntypedStorage(nbytes)
+    import mmap
+
+    # private: a process forked later must not share (and scribble on) these pages
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    mapped = mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
+    # the storage holds the mapping's buffer: unmapped when the storage is freed
+    return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes).untyped_storage()
+
+
 class HeapAllocator:
-    """Private (not shared) host buffers, one ``UntypedStorage`` per staged storage.
+    """Private (not shared) host buffers, one ``UntypedStorage`` per staged storage (those of at
+    least :data:`PAGE_ALIGNED_FROM_BYTES` page-aligned).
 
     Args:
         pin_memory: pin buffers whose source is a CUDA tensor (when CUDA is available).
@@ -71,9 +91,10 @@ class HeapAllocator:
             wanted.add(path)
             buf = self._buffers.get(path)
             if buf is None or buf.nbytes() != nbytes:
-                buf = torch.UntypedStorage(nbytes)
                 if is_cuda and self._pin_memory and torch.cuda.is_available():
-                    buf = buf.pin_memory()
+                    buf = torch.UntypedStorage(nbytes).pin_memory()  # page-aligned by CUDA
+                else:
+                    buf = _host_buffer(nbytes)
                 self._buffers[path] = buf
                 allocated += nbytes
             out.append(buf)

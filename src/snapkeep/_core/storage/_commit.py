@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 from typing import Any, BinaryIO, NoReturn, Protocol
 
-from snapkeep._core.checksum import HashingWriter
+from snapkeep._core.checksum import HashingWriter, new_hasher
 from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.storage._direct import DirectFile, open_for_write
 
@@ -223,8 +223,9 @@ class ReplaceCommit:
         except OSError as e:
             raise storage_error(e, target.url, 0, "creating a temporary file for",
                                 target.endpoint) from e
+        hasher = new_hasher()
         try:
-            raw = DirectFile(fd, direct)
+            raw = DirectFile(fd, direct, hasher=hasher)
         except BaseException as e:
             os.close(fd)
             _unlink_quietly(tmp)
@@ -233,13 +234,16 @@ class ReplaceCommit:
                                     target.endpoint) from e
             raise
         sink = _Sink(raw)
-        hashing = HashingWriter(sink)  # type: ignore[arg-type]
+        hashing = HashingWriter(sink, hashed_by=hasher)  # type: ignore[arg-type]
         try:
             with raw:
                 write_fn(hashing)  # type: ignore[arg-type]
                 sink.flush()
                 sink.finish()
                 os.fsync(raw.fileno())
+                logger.debug("%s: %d bytes written (%s), %d of them in place (no copy)",
+                             tmp, raw.size_bytes, "O_DIRECT" if raw.direct else "page cache",
+                             raw.in_place_bytes)
             _check_publish()
             os.replace(tmp, target.path)
         except BaseException as e:

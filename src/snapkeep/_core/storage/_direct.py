@@ -9,9 +9,15 @@ background snapshot costs. Snapshots are written once and read rarely, so skippi
 also stops them from evicting the training data's cached pages.
 
 ``O_DIRECT`` needs the file offset, the length and the memory address of every write aligned to
-the device's logical block: bytes are gathered in a page-aligned buffer of :data:`CHUNK_BYTES`
-and written when it is full; the tail is padded to :data:`ALIGN_BYTES` and the file truncated to
-its real size. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE
+the device's logical block. A large write whose file offset and memory address are both aligned
+to :data:`ALIGN_BYTES` (snapkeep's staging buffers are page-aligned and :func:`~snapkeep._core.
+codec.torch_save` aligns large states' tensor records to 4 KiB in the file) is written *in place*:
+the disk reads the caller's memory, with no copy. Everything else is gathered in a page-aligned
+buffer of :data:`CHUNK_BYTES` and written when it is full; the tail is padded to
+:data:`ALIGN_BYTES` and the file truncated to its real size. A ``hasher`` given to
+:class:`DirectFile` is fed every byte in file order, each piece just before it is copied or
+written, so the checksum reads bytes that are already in the CPU cache instead of a second pass
+over memory. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and FUSE
 filesystems: ``EINVAL`` when the flag is set or at the first write), the same descriptor
 continues with ordinary buffered writes; the bytes on disk are the same either way.
 """
@@ -41,6 +47,12 @@ SUPPORTED = hasattr(os, "O_DIRECT")
 #: gathered: 2 measured fastest on this machine's virtio disk (1, 2 and 4 streams in
 #: ``benchmarks/bench_write_streams.py``); 1 writes each chunk before gathering the next.
 WRITE_STREAMS = 2
+#: Smallest aligned write sent to the disk straight from the caller's memory (smaller ones are
+#: gathered: one system call per :data:`CHUNK_BYTES` is cheaper than many small direct writes).
+IN_PLACE_MIN_BYTES = 1 << 20
+#: Bytes hashed then copied (or written) at a time: small enough to stay in a core's L2 cache
+#: between the two passes.
+_HASH_PIECE_BYTES = 512 << 10
 #: Free buffers kept for reuse (a writer thread per snapshot still reuses them).
 _POOL_MAX = 4 * WRITE_STREAMS
 _WRITE_POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -139,32 +151,41 @@ class DirectFile:
         fd: an open descriptor (owned: :meth:`close` closes it).
         direct: whether ``fd`` was opened with ``O_DIRECT``.
         streams: direct writes in flight at once (>= 1, default :data:`WRITE_STREAMS`). With
-            more than one, each full chunk after the first is written by ``pwrite(2)`` at its
-            offset in a background thread while the next one is gathered; an error of such a
-            write is raised by the next ``write`` or by :meth:`finish`.
+            more than one, each chunk after the first is written by ``pwrite(2)`` at its offset
+            in a background thread while the next one is gathered (or hashed); an error of such
+            a write is raised by the next ``write`` or by :meth:`finish`.
+        hasher: an object with ``update(bytes)`` (e.g. :func:`~snapkeep._core.checksum.
+            new_hasher`), fed every byte accepted by :meth:`write`, in order.
 
-    Small writes are gathered in this thread's chunk buffer either way, so a ``savefun`` that
-    writes many small pieces costs one system call per :data:`CHUNK_BYTES`. ``write`` never
-    seeks; :meth:`finish` writes what is still gathered (the tail) and truncates the file to the
-    bytes written; call it before ``fsync``.
+    Small writes are gathered in this thread's chunk buffer, so a ``savefun`` that writes many
+    small pieces costs one system call per :data:`CHUNK_BYTES`. A write of at least
+    :data:`IN_PLACE_MIN_BYTES` that starts at an aligned file offset from an aligned address is
+    written from the caller's memory (no copy); :meth:`write` returns only once the disk has
+    taken those bytes, so the caller may reuse its memory at once. ``write`` never seeks;
+    :meth:`finish` writes what is still gathered (the tail) and truncates the file to the bytes
+    written; call it before ``fsync``.
     """
 
-    def __init__(self, fd: int, direct: bool, *, streams: int = WRITE_STREAMS) -> None:
+    def __init__(self, fd: int, direct: bool, *, streams: int = WRITE_STREAMS,
+                 hasher: Any = None) -> None:
         if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
             raise ValueError(f"streams must be an int >= 1, got {streams!r}")
         self._fd = fd
         self._direct = direct
         self._opened_direct = direct
         self._streams = streams
-        self._in_flight: collections.deque[tuple[concurrent.futures.Future[None], mmap.mmap]] \
-            = collections.deque()
+        self._hasher = hasher
+        self._in_flight: collections.deque[
+            tuple[concurrent.futures.Future[None], mmap.mmap | None]] = collections.deque()
         self._offset = 0  # file offset of the gathered chunk once writes are positioned
         self._positioned = False  # pwrite(2) at explicit offsets was used
-        self._direct_chunks = 0  # chunks written directly and synchronously
+        self._direct_chunks = 0  # direct writes known to be accepted
         self._buf: mmap.mmap | None = _acquire_buffer()
         self._view: memoryview | None = memoryview(self._buf)
         self._fill = 0  # bytes gathered in the buffer
         self.size_bytes = 0  # bytes accepted by write()
+        #: bytes written straight from the caller's memory (no copy), for tests and benchmarks
+        self.in_place_bytes = 0
         self.closed = False
 
     @property
@@ -179,10 +200,11 @@ class DirectFile:
         return True
 
     def write(self, data: Any) -> int:
-        """Accept all of ``data`` (gathered; written a chunk at a time); returns its length.
+        """Accept all of ``data`` (gathered and written a chunk at a time, or written in place);
+        returns its length.
 
         Raises:
-            OSError: from ``write(2)`` (``ENOSPC``, ``EIO``, ...).
+            OSError: from ``write(2)``/``pwrite(2)`` (``ENOSPC``, ``EIO``, ...).
             ValueError: the file is closed.
         """
         if self.closed:
@@ -191,9 +213,16 @@ class DirectFile:
         n = len(view)
         pos = 0
         while pos < n:
+            in_place = self._in_place_length(view, pos)
+            if in_place:
+                self._write_in_place(view[pos:pos + in_place])
+                pos += in_place
+                continue
             if not self._direct and not self._positioned and not self._fill \
                     and n - pos >= CHUNK_BYTES:
+                self._hash(view[pos:])
                 self._write_all(view[pos:])  # buffered and large: no need to gather
+                pos = n
                 break
             take = min(CHUNK_BYTES - self._fill, n - pos)
             self._copy_in(view[pos:pos + take])
@@ -236,7 +265,8 @@ class DirectFile:
             for future, _ in self._in_flight:  # their errors went to finish() or are moot now
                 concurrent.futures.wait([future])
             for _, buf in self._in_flight:
-                _release_buffer(buf)
+                if buf is not None:
+                    _release_buffer(buf)
             self._in_flight.clear()
             if self._view is not None:
                 try:
@@ -256,16 +286,75 @@ class DirectFile:
         self.close()
 
     # -- internals ------------------------------------------------------------------------------
+    def _hash(self, part: memoryview) -> None:
+        if self._hasher is not None:
+            self._hasher.update(part)
+
     def _copy_in(self, part: memoryview) -> None:
+        """Gather ``part`` into the chunk buffer, hashing each piece just before copying it."""
         assert self._view is not None
         size = len(part)
-        if size >= (1 << 20):  # large: a memcpy that releases the GIL
+        if size >= (1 << 20):  # large: memcpys that release the GIL
             dst = np.frombuffer(self._buf, dtype=np.uint8, count=size,  # type: ignore[arg-type]
                                 offset=self._fill)
-            dst[:] = np.frombuffer(part, dtype=np.uint8)
+            src = np.frombuffer(part, dtype=np.uint8)
+            for start in range(0, size, _HASH_PIECE_BYTES):
+                stop = min(start + _HASH_PIECE_BYTES, size)
+                self._hash(part[start:stop])
+                dst[start:stop] = src[start:stop]
         else:
+            self._hash(part)
             self._view[self._fill:self._fill + size] = part
         self._fill += size
+
+    def _in_place_length(self, view: memoryview, pos: int) -> int:
+        """How many bytes of ``view[pos:]`` can be written from the caller's memory (0: none):
+        the aligned prefix, when the file offset and the address are aligned and it is large."""
+        if not self._direct or len(view) - pos < IN_PLACE_MIN_BYTES \
+                or (self.size_bytes + pos) % ALIGN_BYTES:
+            return 0
+        address = np.frombuffer(view[pos:pos + 1], dtype=np.uint8).ctypes.data
+        if address % ALIGN_BYTES:
+            return 0
+        return (len(view) - pos) // ALIGN_BYTES * ALIGN_BYTES
+
+    def _write_in_place(self, view: memoryview) -> None:
+        """Write ``view`` (aligned address, offset and length) from the caller's memory: the
+        gathered bytes first, then :data:`CHUNK_BYTES` pieces, up to ``streams`` in flight,
+        each hashed just before it is handed to the disk. Returns once all are written."""
+        if not self._positioned:
+            self._offset = os.lseek(self._fd, 0, os.SEEK_CUR)
+            self._positioned = True
+        if self._fill:  # a whole number of blocks: the file offset here is aligned
+            self._write_behind(self._fill)
+        for start in range(0, len(view), CHUNK_BYTES):
+            piece = view[start:start + CHUNK_BYTES]
+            self._hash(piece)
+            offset = self._offset
+            self._offset += len(piece)
+            if not self._direct:  # the filesystem refused a direct write on the way
+                _pwrite_chunk(self, piece, offset)
+            elif not self._direct_chunks or self._streams == 1:
+                self._pwrite_now(piece, offset)
+            else:
+                self._wait_in_flight(self._streams - 1)
+                self._in_flight.append((_write_pool().submit(_pwrite_chunk, self, piece, offset),
+                                        None))
+            self.in_place_bytes += len(piece)
+        self._wait_in_flight(0)  # the caller's memory is its own again when write() returns
+
+    def _pwrite_now(self, view: memoryview, offset: int) -> None:
+        """A direct ``pwrite`` in this thread; the first one tells whether the filesystem accepts
+        ``O_DIRECT`` writes at all (``EINVAL``: continue buffered)."""
+        try:
+            _pwrite_chunk(self, view, offset)
+        except OSError as e:
+            if e.errno != errno.EINVAL or self._direct_chunks:
+                raise
+            self._fall_back()
+            _pwrite_chunk(self, view, offset)
+            return
+        self._direct_chunks += 1
 
     def _flush_chunk(self, length: int, real: int | None = None) -> None:
         """Write ``length`` bytes of the buffer, ``real`` of them data (the rest: padding)."""
@@ -273,7 +362,7 @@ class DirectFile:
         real = length if real is None else real
         if self._positioned or (self._direct and self._streams > 1 and length == CHUNK_BYTES
                                 and self._direct_chunks):
-            self._write_behind()  # the first chunk went synchronously: O_DIRECT is accepted
+            self._write_behind(CHUNK_BYTES)  # the first chunk went synchronously: O_DIRECT works
             return
         if not self._direct:
             self._write_all(self._view[:real])
@@ -302,18 +391,22 @@ class DirectFile:
         self._fill = 0
         self._direct_chunks += 1
 
-    def _write_behind(self) -> None:
-        """Hand the full chunk buffer to a background ``pwrite`` and gather into another."""
+    def _write_behind(self, length: int) -> None:
+        """Hand the first ``length`` gathered bytes (a whole number of blocks) to a background
+        ``pwrite`` and gather into another buffer."""
         if not self._positioned:
             self._offset = os.lseek(self._fd, 0, os.SEEK_CUR)
             self._positioned = True
         assert self._buf is not None and self._view is not None
-        buf, view, offset = self._buf, self._view, self._offset
-        future = _write_pool().submit(_pwrite_chunk, self, view, offset)
-        self._in_flight.append((future, buf))
-        self._offset += CHUNK_BYTES
+        buf, view, offset = self._buf, self._view[:length], self._offset
+        if self._streams == 1 or not self._direct_chunks:
+            self._pwrite_now(view, offset)
+        else:
+            self._in_flight.append((_write_pool().submit(_pwrite_chunk, self, view, offset),
+                                    buf))
+            self._buf, self._view = None, None
+        self._offset += length
         self._fill = 0
-        self._buf, self._view = None, None
         self._wait_in_flight(self._streams - 1)
         self._buf = _acquire_buffer() if self._buf is None else self._buf
         self._view = memoryview(self._buf) if self._view is None else self._view
@@ -326,8 +419,11 @@ class DirectFile:
             try:
                 future.result()
             except BaseException:
-                _release_buffer(buf)
+                if buf is not None:
+                    _release_buffer(buf)
                 raise
+            if buf is None:
+                continue
             if self._buf is None:
                 self._buf, self._view = buf, None
             else:
