@@ -23,11 +23,14 @@ the file it wrote is loaded and compared with that copy (``equal``). The JSON al
 median A - B cost of each iteration of the segment (``iteration_cost_s``: the call's iteration
 first, then the ones the background work overlaps).
 
-Baselines in the same run: ``torch.save`` + fsync in the loop (synchronous), and DCP
-``async_save`` (waited for at the end of the segment, as above). A writer name with ``/copy``
-(e.g. ``ProcessWriter/copy``) is that writer with the local commit copying every byte through
-its chunk buffer instead of writing the staging buffers to disk in place (how snapkeep wrote
-before in-place writes), to pair the two in one run.
+Baselines in the same run: ``torch.save`` + fsync in the loop (synchronous), DCP
+``async_save`` (waited for at the end of the segment, as above), and **copy only**, the least
+any consistent overlapped snapshot must do, with nothing written: the EMA is copied at the call
+and the optimizer-owned tensors by a background thread during the next forward/backward (the
+next ``optimizer.step()`` waits for it), each with one ``memcpy`` into warm buffers. A writer
+name with ``/copy`` (e.g. ``ProcessWriter/copy``) is that writer with the local commit copying
+every byte through its chunk buffer instead of writing the staging buffers to disk in place
+(``SNAPKEEP_DIRECT_IN_PLACE=0``, how snapkeep wrote before), to pair the two in one run.
 
     python benchmarks/bench_free_core.py --pairs 8 --json results/free-core.json
 """
@@ -57,25 +60,18 @@ MIB = 1 << 20
 SNAPKEEP = ("SimpleWriter", "ThreadWriter", "ThreadQueueWriter", "ProcessWriter",
             "ProcessQueueWriter")
 COPY = tuple(f"{k}/copy" for k in SNAPKEEP)
-BASELINES = ("torch.save", "DCP async_save")
-#: Set while a ``/copy`` writer runs; a spawned worker re-imports this script (``__mp_main__``)
-#: and so reads it at start-up.
-_COPY_ENV = "BENCH_FREE_CORE_COPY"
-_IN_PLACE_MIN = _direct.IN_PLACE_MIN_BYTES
+BASELINES = ("torch.save", "DCP async_save", "copy only")
+_IN_PLACE = _direct.IN_PLACE
 
 
 def set_copy_mode(on: bool) -> None:
-    """Turn in-place direct writes off (``/copy`` writers) or back on, here and in workers
-    started from now on."""
-    _direct.IN_PLACE_MIN_BYTES = 1 << 62 if on else _IN_PLACE_MIN
+    """Turn in-place direct writes off (``/copy`` writers) or back on, here and (through the
+    environment, read at import) in writer workers started from now on."""
+    _direct.IN_PLACE = False if on else _IN_PLACE
     if on:
-        os.environ[_COPY_ENV] = "1"
+        os.environ[_direct.IN_PLACE_ENV] = "0"
     else:
-        os.environ.pop(_COPY_ENV, None)
-
-
-if os.environ.get(_COPY_ENV) == "1":
-    set_copy_mode(True)
+        os.environ.pop(_direct.IN_PLACE_ENV, None)
 
 
 def make(model_mib: float, width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
@@ -185,10 +181,31 @@ class Loop:
         return {"main": self.model.state_dict(), "ema": self.ema.state_dict(),
                 "optimizer": self.optimizer.state_dict()}
 
+    def _copy_only(self) -> None:
+        """The copy-only baseline's snapshot: EMA now, optimizer-owned tensors in a thread."""
+        import concurrent.futures
+
+        now = list(self.ema.parameters())
+        later = [t for t in state_tensors(self.model, self.optimizer, self.ema)
+                 if not any(t is e for e in now)]
+        if not hasattr(self, "copy_buffers"):
+            self.copy_buffers = {id(t): torch.empty_like(t).zero_() for t in now + later}
+            self.copy_pool = concurrent.futures.ThreadPoolExecutor(1)
+        for t in now:
+            ctypes.memmove(self.copy_buffers[id(t)].data_ptr(), t.data_ptr(), t.nbytes)
+
+        def copy_later() -> None:
+            for t in later:
+                ctypes.memmove(self.copy_buffers[id(t)].data_ptr(), t.data_ptr(), t.nbytes)
+
+        self.pending = self.copy_pool.submit(copy_later)
+
     def _baseline_snapshot(self) -> None:
         path = os.path.join(self.out, f"b_{self.saved % 2}")
         self.saved += 1
-        if self.kind == "torch.save":
+        if self.kind == "copy only":
+            self._copy_only()
+        elif self.kind == "torch.save":
             with open(path, "wb") as f:
                 torch.save(self._state(), f)
                 f.flush()
@@ -211,6 +228,11 @@ class Loop:
         with self.manager.run_iteration():
             self.take = snapshot and self.writer is not None
             self.model(self.x).pow(2).mean().backward()
+            if self.kind == "copy only" and self.pending is not None:
+                t0 = time.perf_counter()  # as snapkeep's step pre-hook waits for staging
+                self.pending.result()
+                self.pending = None
+                self.waits.append(time.perf_counter() - t0)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=False)
             with torch.no_grad():
@@ -239,6 +261,8 @@ class Loop:
     def close(self) -> None:
         self._wait()
         self.manager.finalize()
+        if hasattr(self, "copy_pool"):
+            self.copy_pool.shutdown()
 
 
 def check_equal(loop: Loop) -> bool | None:

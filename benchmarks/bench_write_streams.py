@@ -44,9 +44,8 @@ MODES = ("in place", "copy", "copy+hash")
 def write_once(state: Any, directory: str, streams: int, mode: str
                ) -> tuple[float, float, int, bool, int]:
     path = os.path.join(directory, f"snap-{streams}")
-    saved = _direct.IN_PLACE_MIN_BYTES
-    if mode != "in place":
-        _direct.IN_PLACE_MIN_BYTES = 1 << 62
+    saved = _direct.IN_PLACE
+    _direct.IN_PLACE = mode == "in place"
     try:
         cpu0 = os.times()
         t0 = time.perf_counter()
@@ -60,7 +59,7 @@ def write_once(state: Any, directory: str, streams: int, mode: str
         elapsed = time.perf_counter() - t0
         cpu1 = os.times()
     finally:
-        _direct.IN_PLACE_MIN_BYTES = saved
+        _direct.IN_PLACE = saved
     size = os.path.getsize(path)
     os.unlink(path)
     return elapsed, (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system), size, direct, in_place

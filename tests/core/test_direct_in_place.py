@@ -216,3 +216,23 @@ def test_a_staged_snapshot_is_written_in_place(tmp_path: Any, caplog: Any,
     assert in_place >= 2 * (4 << 20) - 2 * PAGE and in_place <= written
     loaded = torch.load(tmp_path / "snap", weights_only=True)
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["m"], state["m"])
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("off", False), ("1", True),
+                                             ("", True), ("maybe", True)])
+def test_the_environment_switch(monkeypatch: Any, caplog: Any, value: str,
+                                expected: bool) -> None:
+    monkeypatch.setenv(_direct.IN_PLACE_ENV, value)
+    with caplog.at_level(logging.WARNING, logger=_direct.__name__):
+        assert _direct._in_place_from_env() is expected
+    assert ("is not one of" in caplog.text) is (value == "maybe")
+
+
+def test_in_place_off_copies_every_byte(tmp_path: Any, monkeypatch: Any) -> None:
+    _require_direct(tmp_path)
+    monkeypatch.setattr(_direct, "IN_PLACE", False)
+    src = _aligned(2 * CHUNK_BYTES)
+    f, digest = _write(tmp_path / "f", [_mv(src)])
+    assert f.in_place_bytes == 0 and f.direct
+    assert (tmp_path / "f").read_bytes() == src.numpy().tobytes()
+    assert digest == digest_file(tmp_path / "f")[0]

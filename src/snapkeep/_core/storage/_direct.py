@@ -50,6 +50,24 @@ WRITE_STREAMS = 2
 #: Smallest aligned write sent to the disk straight from the caller's memory (smaller ones are
 #: gathered: one system call per :data:`CHUNK_BYTES` is cheaper than many small direct writes).
 IN_PLACE_MIN_BYTES = 1 << 20
+#: Environment variable: ``0`` (or ``off``/``false``/``no``) turns in-place writes off, so every
+#: byte is copied through the chunk buffer (a troubleshooting switch; read at import, so writer
+#: worker processes started later inherit it).
+IN_PLACE_ENV = "SNAPKEEP_DIRECT_IN_PLACE"
+
+
+def _in_place_from_env() -> bool:
+    value = os.environ.get(IN_PLACE_ENV, "1").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value not in ("1", "on", "true", "yes", ""):
+        logger.warning("%s=%r is not one of 1/on or 0/off; in-place direct writes stay on",
+                       IN_PLACE_ENV, value)
+    return True
+
+
+#: Whether large aligned writes go to the disk from the caller's memory (see :data:`IN_PLACE_ENV`).
+IN_PLACE = _in_place_from_env()
 #: Bytes hashed then copied (or written) at a time: small enough to stay in a core's L2 cache
 #: between the two passes.
 _HASH_PIECE_BYTES = 512 << 10
@@ -310,7 +328,7 @@ class DirectFile:
     def _in_place_length(self, view: memoryview, pos: int) -> int:
         """How many bytes of ``view[pos:]`` can be written from the caller's memory (0: none):
         the aligned prefix, when the file offset and the address are aligned and it is large."""
-        if not self._direct or len(view) - pos < IN_PLACE_MIN_BYTES \
+        if not IN_PLACE or not self._direct or len(view) - pos < IN_PLACE_MIN_BYTES \
                 or (self.size_bytes + pos) % ALIGN_BYTES:
             return 0
         address = np.frombuffer(view[pos:pos + 1], dtype=np.uint8).ctypes.data
