@@ -225,7 +225,10 @@ def _requeue() -> None:
         subprocess.run(["scontrol", "requeue", job], check=True, timeout=60,
                        capture_output=True)
     except (OSError, subprocess.SubprocessError) as e:
-        logger.error("preemption: scontrol requeue %s failed: %s", job, e)
+        stderr = getattr(e, "stderr", None)
+        detail = f" ({stderr.decode(errors='replace').strip()})" if stderr else ""
+        logger.error("preemption: scontrol requeue %s failed: %s%s; the snapshot is committed, "
+                     "resubmit the job to resume from it", job, e, detail)
     else:
         logger.warning("preemption: requeued SLURM job %s", job)
 
