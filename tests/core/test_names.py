@@ -14,7 +14,7 @@ import torch
 import snapkeep
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import TEMP_MARKER, resolve_storage
-from snapkeep._core.storage._storage import TEMP_NAME_MAX_BYTES, _temp_owner
+from snapkeep._core.storage._temps import TEMP_NAME_MAX_BYTES, _temp_owner
 
 ESCAPING_TEMPLATES = [
     "../snapshot_iter_{.iteration}",

@@ -10,8 +10,7 @@ import threading
 import pytest
 import torch
 
-from snapkeep._core import saver as saver_module
-from snapkeep._core import staging
+from snapkeep._core import overlap, staging
 from snapkeep._core.staging import BufferSet, HeapAllocator, copy_threads
 
 
@@ -79,7 +78,7 @@ def test_background_staging_reuses_one_thread() -> None:
             pytest.fail(f"staging failed: {e}")
 
     for i in range(2):
-        saver_module._finish_in_background(
+        overlap.finish_in_background(
             Handle(i), lambda: seen.append(threading.get_ident()))  # type: ignore[arg-type,return-value]
         assert done[i].wait(10)
     assert len(seen) == 2 and seen[0] == seen[1] != threading.get_ident()

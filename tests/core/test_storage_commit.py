@@ -30,9 +30,9 @@ def _dead_pid() -> int:
 
 
 def _host() -> str:
-    from snapkeep._core.storage import _storage
+    from snapkeep._core.storage import _temps
 
-    return _storage._HOST
+    return _temps._HOST
 
 
 def test_temp_names_are_unique_per_writer_and_process(tmp_path):
@@ -45,7 +45,7 @@ def test_temp_names_are_unique_per_writer_and_process(tmp_path):
         base = os.path.basename(name)
         assert os.path.dirname(name) == d  # same directory: os.replace stays atomic
         assert base.startswith(".snap" + TEMP_MARKER)
-        from snapkeep._core.storage._storage import _temp_owner
+        from snapkeep._core.storage._temps import _temp_owner
 
         host, pid, _token = _temp_owner(base)
         assert (host, pid) == (_host(), os.getpid())
@@ -119,9 +119,9 @@ def _touch(path, age_s: float = 0.0) -> None:
 
 
 def _process_token() -> str:
-    from snapkeep._core.storage import _storage
+    from snapkeep._core.storage import _temps
 
-    return _storage._PROCESS_TOKEN
+    return _temps._PROCESS_TOKEN
 
 
 def test_initialize_removes_temps_of_dead_writers_only(tmp_path):
@@ -198,13 +198,13 @@ def test_stale_temps_are_told_apart_from_live_ones(tmp_path):
     import sys
     import time
 
-    from snapkeep._core.storage import _storage
+    from snapkeep._core.storage import _temps
 
     storage, d = resolve_storage(str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     dead_pid = int(dead.stdout)
-    host, me, token = _storage._HOST, os.getpid(), _storage._PROCESS_TOKEN
+    host, me, token = _temps._HOST, os.getpid(), _temps._PROCESS_TOKEN
 
     def temp(name: str) -> str:
         (tmp_path / name).write_bytes(b"partial")

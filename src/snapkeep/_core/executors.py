@@ -8,33 +8,30 @@ the trainer, so CUDA contexts and threads are safe), once, and reuses it. Staged
 through shared-memory arenas (see :mod:`.shm`); only metadata crosses the pipe. Every wait on the
 worker also watches its liveness, so a dead worker raises :class:`WorkerDiedError` instead of
 hanging (the saver then writes that snapshot in the trainer); the next job starts a fresh worker.
+
+What the worker can receive is checked by :mod:`.sendable`; the worker's own loop is :mod:`.worker`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import ctypes
-import io
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import queue
-import signal
 import sys
 import threading
-import traceback
-import types
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from snapkeep._core.commit import commit_job as execute
-from snapkeep._core.errors import SnapshotError, WorkerDiedError
+from snapkeep._core.errors import WorkerDiedError
 from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.manifest import manifest_path
-from snapkeep._core.storage import set_publish_guard
+from snapkeep._core.sendable import check_sendable
+from snapkeep._core.worker import TrainerDiedError, _worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -104,264 +101,6 @@ def _main_module_hidden() -> Iterator[None]:
             for k, v in saved.items():
                 if main is not None:
                     setattr(main, k, v)
-
-
-class _RemoteError(Exception):
-    """Stands in for a worker exception that could not be pickled back."""
-
-
-class TrainerDiedError(SnapshotError, RuntimeError):
-    """Raised in the worker right before it would publish a file whose trainer has died: nothing
-    a dead trainer started may become visible after its death."""
-
-
-# -- what the worker can receive --------------------------------------------------------------
-_WORKER_HINT = ("the ProcessWriter worker never imports the training script (__main__) and "
-                "cannot receive lambdas, local classes or OS handles; define the class at module "
-                "level in an importable module, or use ThreadWriter")
-
-
-class _Unsendable(Exception):
-    pass
-
-
-class _WorkerPickler(pickle.Pickler):
-    """Pickles like the pipe does, skipping tensors (they travel through shared memory), and
-    refuses what would pickle here but not unpickle in the worker: classes and functions of
-    ``__main__`` or local to a function."""
-
-    def persistent_id(self, obj: Any) -> Any:
-        return "tensor" if _is_tensor(obj) else None
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.FunctionType)):
-            module = getattr(obj, "__module__", None)
-            qualname = getattr(obj, "__qualname__", "")
-            if module == "__main__":
-                raise _Unsendable(f"{qualname} is defined in __main__ (the training script)")
-            if "<locals>" in qualname or "<lambda>" in qualname:
-                raise _Unsendable(f"{module}.{qualname} is a lambda or local definition")
-        return NotImplemented
-
-
-def _is_tensor(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
-
-
-def _dumps_for_worker(obj: Any) -> None:
-    buffer = io.BytesIO()
-    _WorkerPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-
-
-def _first_unsendable(node: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
-    """The key path of the first leaf the worker cannot receive and why."""
-    try:
-        _dumps_for_worker(node)
-        return None
-    except RecursionError:
-        return path, "it is nested too deeply to pickle"
-    except Exception as e:
-        reason = f"{type(e).__name__}: {e}" if not isinstance(e, _Unsendable) else str(e)
-    if isinstance(node, dict):
-        for key, value in node.items():
-            found = _first_unsendable(key, (*path, f"<key {key!r}>")) or \
-                _first_unsendable(value, (*path, key))
-            if found is not None:
-                return found
-    elif isinstance(node, (list, tuple)):
-        for i, value in enumerate(node):
-            found = _first_unsendable(value, (*path, i))
-            if found is not None:
-                return found
-    return path, reason
-
-
-_PLAIN_LEAVES = (int, float, complex, str, bytes, bool, type(None))
-
-
-def _plainly_sendable(tree: Any) -> bool:
-    """Fast path: only plain containers, tensors and builtin scalars (a state_dict, an optimizer
-    state): nothing the worker could fail to import."""
-    import collections
-
-    import torch
-
-    leaves = (*_PLAIN_LEAVES, torch.dtype, torch.device)
-    tensor = torch.Tensor
-    stack = [tree]
-    seen = 0
-    while stack:
-        node = stack.pop()
-        seen += 1
-        if seen > 10_000_000:
-            return False
-        kind = type(node)
-        if kind in leaves or isinstance(node, tensor):
-            continue
-        if kind is dict or kind is collections.OrderedDict:
-            extra = getattr(node, "__dict__", None)
-            if extra:
-                stack.append(dict(extra))
-            for key in node:
-                if type(key) not in _PLAIN_LEAVES:
-                    return False
-            stack.extend(node.values())
-        elif kind is list or kind is tuple or kind is torch.Size:
-            stack.extend(node)
-        else:
-            return False
-    return True
-
-
-def check_sendable(tree: Any, *, what: str = "the state") -> None:
-    """Check, in the trainer, that the worker process can receive ``tree`` (tensors excepted:
-    they are staged into shared memory).
-
-    Raises:
-        TypeError: naming the key path of the first leaf that cannot be sent, why, and what to do
-            (a module-level class, or ThreadWriter).
-    """
-    if _plainly_sendable(tree):
-        return
-    found = _first_unsendable(tree, ())
-    if found is None:
-        return
-    path, reason = found
-    where = "/".join(map(str, path)) or "<root>"
-    raise TypeError(f"{what} at {where} cannot be sent to the ProcessWriter worker ({reason}); "
-                    f"{_WORKER_HINT}")
-
-
-# -- worker process ---------------------------------------------------------------------------
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_trainer() -> None:
-    """Linux: have the kernel SIGKILL this worker when the thread that started it (the trainer's
-    long-lived starter thread, see :func:`_start_on_starter_thread`) dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); the worker relies on its "
-                           "parent-alive check alone", ctypes.get_errno())
-    except (OSError, AttributeError) as e:
-        logger.warning("prctl unavailable (%s); the worker relies on its parent-alive check", e)
-
-
-def _trainer_alive_check(parent_pid: int) -> Callable[[], bool]:
-    """``alive()`` for the trainer ``parent_pid``: exact while the worker is its direct child
-    (spawn: re-parenting means it died); by pid otherwise (forkserver)."""
-    if os.getppid() == parent_pid:
-        return lambda: os.getppid() == parent_pid
-
-    def alive() -> bool:
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    return alive
-
-
-_TRAINER_SIGNALS = tuple(getattr(signal, name) for name in
-                         ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
-                         if hasattr(signal, name))
-
-
-def _worker_main(conn: Any, parent_pid: int) -> None:
-    """Worker process entry point: serve jobs until told to stop, then exit at once.
-
-    SIGINT, SIGTERM, SIGHUP and SIGUSR1/2 are ignored (they reach the whole process group:
-    Ctrl-C, a scheduler's SIGTERM; the trainer decides,
-    and its ``finalize()`` waits for the save in flight). The worker dies with its trainer
-    (``PR_SET_PDEATHSIG``), and checks that the trainer is alive right before publishing each
-    file, so nothing a dead trainer started becomes visible after its death.
-
-    Every job was committed (fsynced) and answered before the loop ends, so the interpreter's
-    teardown (about a second with torch loaded) is skipped and ``finalize()`` returns promptly.
-    """
-    # Signals sent to the whole process group (Ctrl-C, a scheduler's SIGTERM, SLURM's SIGUSR1)
-    # are the trainer's to handle (extensions.preemption snapshots on them, and the worker must
-    # live to write that snapshot); the worker dies with its trainer instead.
-    for signum in _TRAINER_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-    _die_with_trainer()
-    alive = _trainer_alive_check(parent_pid)
-    if not alive():
-        os._exit(0)
-
-    def guard() -> None:
-        if not alive():
-            raise TrainerDiedError(f"the trainer (pid {parent_pid}) died; not publishing")
-
-    set_publish_guard(guard)
-    _serve(conn, alive)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(0)
-
-
-def _serve(conn: Any, alive: Callable[[], bool]) -> None:
-    """Worker process loop: receive jobs, execute them, send back records or errors.
-
-    A message that cannot be unpickled here (a class the worker cannot import) is answered with
-    an error; the worker keeps serving."""
-    import torch  # noqa: F401  (import once, before the first job)
-
-    from snapkeep._core.shm import ArenaReader
-
-    reader = ArenaReader()
-    while True:
-        if not conn.poll(1.0):
-            if not alive():  # the trainer died: nothing left to serve
-                return
-            continue
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            return
-        try:
-            message = pickle.loads(data)
-        except Exception as e:
-            reply_error: tuple[str, Any] = ("error", (_RemoteError(
-                f"the worker could not receive the snapshot ({type(e).__name__}: {e}); "
-                f"{_WORKER_HINT}"), traceback.format_exc()))
-            try:
-                conn.send(reply_error)
-            except (BrokenPipeError, OSError):
-                return
-            continue
-        if message is None:
-            return
-        kind, payload = message
-        if kind == "forget":
-            reader.forget_except(set(payload))
-            continue
-        job, arena_name, skeleton, storages = payload
-        try:
-            obj = reader.rebuild(arena_name, skeleton, storages) if arena_name else skeleton
-            record = execute(job, obj)
-            del obj
-            reply: tuple[str, Any] = ("ok", record)
-        except BaseException as e:  # sent back and re-raised in the trainer
-            text = traceback.format_exc()
-            try:
-                pickle.loads(pickle.dumps(e))  # must also rebuild in the trainer
-                err: BaseException = e
-            except Exception:
-                err = _RemoteError(f"{type(e).__name__}: {e}")
-            reply = ("error", (err, text))
-        try:
-            conn.send(reply)
-        except (BrokenPipeError, OSError):
-            return
 
 
 _STARTER: tuple[threading.Thread, queue.SimpleQueue[Any]] | None = None
@@ -565,3 +304,8 @@ class ProcessRunner:
     def close(self) -> None:
         with self._lock:
             self._stop_locked()
+
+
+__all__ = [
+    "InlineRunner", "ProcessRunner", "Runner", "ThreadRunner", "TrainerDiedError", "check_sendable",
+]

@@ -26,17 +26,22 @@ overlap.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from snapkeep._core.errors import StagingRaceError
 from snapkeep._core.staging import COPY_CHUNK_BYTES, BufferSet, StageStats, atomic, stage_split
+
+if TYPE_CHECKING:
+    from snapkeep._core.ticket import SaveHandle
 
 logger = logging.getLogger(__name__)
 
@@ -210,3 +215,48 @@ def arm(saver: Any, optimizers: Iterable[torch.optim.Optimizer], guard: StagingG
     saver.overlap_next(OverlapPlan(deferred=frozenset(owned_storages(optimizers)),
                                    before_copy=before_copy))
     return True
+
+
+# -- the background staging thread ------------------------------------------------------------
+def finish_in_background(handle: SaveHandle, finish: Callable[[], StageStats]) -> None:
+    """Run ``finish`` (the rest of an :meth:`OverlapPlan.stage`) on the one background staging
+    thread and resolve ``handle.staged`` with its stats or its error."""
+
+    def work() -> None:
+        try:
+            stats = finish()
+        except BaseException as e:  # reported through the snapshot's committed future
+            logger.error("background staging of %s (step %s) failed: %s", handle.path,
+                         handle.step, e)
+            handle.staged.set_exception(e)
+        else:
+            handle.staged.set_result(stats)
+
+    _overlap_stage_pool().submit(work)
+
+
+_OVERLAP_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_OVERLAP_POOL_LOCK = threading.Lock()
+
+
+def _overlap_stage_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """One persistent thread for background staging (a thread started per snapshot cost the
+    call ~1 ms on a busy machine; one staging runs at a time, since the next snapshot waits
+    for the previous one's)."""
+    global _OVERLAP_POOL
+    with _OVERLAP_POOL_LOCK:
+        if _OVERLAP_POOL is None:
+            _OVERLAP_POOL = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="snapkeep-overlap-stage")
+        return _OVERLAP_POOL
+
+
+def _forget_overlap_pool_in_child() -> None:
+    """A forked child has the pool object but not its thread."""
+    global _OVERLAP_POOL, _OVERLAP_POOL_LOCK
+    _OVERLAP_POOL = None
+    _OVERLAP_POOL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_overlap_pool_in_child)

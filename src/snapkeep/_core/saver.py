@@ -13,15 +13,8 @@ executes the ticket (the caller for a synchronous writer, a writer thread, a que
 forwards to the worker process) calls ``run(ticket)``. A synchronous save is the same path plus
 running the ticket at once.
 
-Back-pressure: at most ``max_pending`` snapshots are staged or being written at once, each holding
-one reusable buffer set (so memory is bounded by ``max_pending`` copies of the state). When all
-are busy, ``on_full`` decides:
-
-- ``'block'`` (default): wait for a slot; a log line every ``warn_after_s`` names the snapshot being
-  waited on; ``timeout_s`` bounds the wait with :class:`SnapshotTimeoutError`.
-- ``'skip'``: drop the new snapshot (logged) and return ``None``.
-- ``'replace'``: drop the oldest snapshot that has not started writing (logged) and take its slot;
-  when every pending snapshot is already being written, block as ``'block'``.
+Back-pressure (at most ``max_pending`` snapshots staged or being written, ``on_full`` when all are
+busy) is :mod:`.backpressure`; a snapshot in flight (handle, slot, ticket) is :mod:`.ticket`.
 
 Errors: a failed background save is raised once, as :class:`SnapshotSaveError` with the original
 exception as ``__cause__``, at the next ``save()`` or at ``finalize()``; later saves still run.
@@ -32,15 +25,14 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from snapkeep._core.backpressure import ON_FULL_POLICIES, SlotPool
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
     SnapshotError,
@@ -50,72 +42,17 @@ from snapkeep._core.errors import (
 )
 from snapkeep._core.executors import Runner
 from snapkeep._core.job import CommitRecord, SaveJob
+from snapkeep._core.overlap import finish_in_background
 from snapkeep._core.staging import BufferSet, StageStats
 from snapkeep._core.store import Retain
+from snapkeep._core.ticket import SaveHandle, Ticket, _Slot
 
 logger = logging.getLogger(__name__)
 
-ON_FULL_POLICIES = ("block", "skip", "replace")
 PostCommitHook = Callable[[CommitRecord], None]
 
 
-@dataclasses.dataclass(eq=False)
-class SaveHandle:
-    """A snapshot in flight.
-
-    Attributes:
-        path: final path of the snapshot.
-        step: training iteration when known.
-        staged: resolves (to :class:`StageStats`) when the state has been copied and the caller
-            may mutate it.
-        committed: resolves (to :class:`CommitRecord`) when the snapshot is durable; raises the
-            save's error otherwise; cancelled when the snapshot was replaced by a newer one.
-    """
-
-    path: str
-    step: int | None
-    staged: concurrent.futures.Future[StageStats] = dataclasses.field(
-        default_factory=concurrent.futures.Future)
-    committed: concurrent.futures.Future[CommitRecord] = dataclasses.field(
-        default_factory=concurrent.futures.Future)
-
-    def wait(self, timeout_s: float | None = None) -> CommitRecord:
-        """Block until committed and return the record.
-
-        Raises:
-            SnapshotTimeoutError: not committed within ``timeout_s`` seconds.
-            concurrent.futures.CancelledError: the snapshot was replaced by a newer one.
-            Exception: the save's own error.
-        """
-        try:
-            return self.committed.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError as e:
-            raise SnapshotTimeoutError(
-                f"snapshot {self.path!r} was not committed within {timeout_s} s"
-            ) from e
-
-
-@dataclasses.dataclass(eq=False)
-class _Slot:
-    """A buffer set and the snapshot (if any) that currently owns it."""
-
-    buffers: BufferSet
-    handle: SaveHandle | None = None
-    started: bool = False
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Ticket:
-    """One staged snapshot waiting to be written: its slot, handle, job and staged tree."""
-
-    slot: _Slot
-    handle: SaveHandle
-    job: SaveJob
-    staged: Any
-    retain: Retain | None = None
-
-
-class Saver:
+class Saver(SlotPool):
     """Stages, queues and commits snapshots for one writer (see module docstring).
 
     Args:
@@ -211,7 +148,7 @@ class Saver:
         if finish is None:
             handle.staged.set_result(stats)
         else:
-            _finish_in_background(handle, finish)
+            finish_in_background(handle, finish)
         return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain)
 
     def overlap_next(self, plan: Any) -> None:
@@ -239,21 +176,6 @@ class Saver:
             raise SnapshotError(f"snapshot {job.path!r} was skipped")
         self.run(ticket, report=False)
         return ticket.handle.committed.result()
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Wait until nothing is pending (errors are kept for ``raise_pending_error``).
-
-        Raises:
-            SnapshotTimeoutError: still pending after ``timeout_s`` seconds.
-        """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cond:
-            while any(s.handle is not None for s in self._slots):
-                if not self._wait_step(deadline, "all pending snapshots"):
-                    pending = [s.handle.path for s in self._slots if s.handle is not None]
-                    raise SnapshotTimeoutError(
-                        f"snapshots {pending} still not committed after {timeout_s} s"
-                    )
 
     def raise_pending_error(self) -> None:
         """Raise the oldest unreported background failure, once; log any others."""
@@ -300,16 +222,6 @@ class Saver:
             _LIVE_SAVERS.discard(self)
         self.raise_pending_error()
 
-    @property
-    def pending(self) -> int:
-        with self._cond:
-            return sum(1 for s in self._slots if s.handle is not None)
-
-    def pending_paths(self) -> list[str]:
-        """Paths of the snapshots staged or being written, oldest slot first."""
-        with self._cond:
-            return [s.handle.path for s in self._slots if s.handle is not None]
-
     def prefault_async(self, tree: Any) -> None:
         """Allocate and fault in the first slot's staging buffers for a tree shaped like
         ``tree`` in a background thread (see :mod:`snapkeep._core.prefault`); a snapshot
@@ -352,66 +264,6 @@ class Saver:
         from snapkeep._core.shm import SharedArena
 
         return BufferSet(SharedArena())
-
-    def _acquire_slot(self, handle: SaveHandle) -> _Slot | None:
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        with self._cond:
-            while True:
-                for slot in self._slots:
-                    if slot.handle is None:
-                        slot.handle, slot.started = handle, False
-                        return slot
-                if len(self._slots) < self.max_pending:
-                    slot = _Slot(buffers=self._new_buffers(), handle=handle)
-                    self._slots.append(slot)
-                    return slot
-                if self.on_full == "skip":
-                    busy = [s.handle.path for s in self._slots if s.handle is not None]
-                    logger.warning(
-                        "skipping snapshot %s (step %s): %d snapshot(s) still in flight %s "
-                        "(on_full='skip')", handle.path, handle.step, len(busy), busy)
-                    return None
-                if self.on_full == "replace":
-                    for slot in self._slots:
-                        old = slot.handle
-                        if old is not None and not slot.started and old.committed.cancel():
-                            # its queued ticket is skipped by the dispatcher (cancelled future)
-                            logger.warning(
-                                "replacing pending snapshot %s (step %s) by %s (step %s) "
-                                "(on_full='replace')", old.path, old.step, handle.path,
-                                handle.step)
-                            slot.handle = handle
-                            return slot
-                if not self._wait_step(deadline, handle.path):
-                    busy = [s.handle.path for s in self._slots if s.handle is not None]
-                    raise SnapshotTimeoutError(
-                        f"snapshot {handle.path!r} waited {self.timeout_s} s for a slot: "
-                        f"{self.max_pending} earlier snapshot(s) still writing {busy}; raise "
-                        "timeout_s or max_pending, or use on_full='skip'"
-                    )
-
-    def _wait_step(self, deadline: float | None, what: str) -> bool:
-        """One bounded wait on the condition; False when the deadline passed. Caller holds it."""
-        start = time.monotonic()
-        step = self.warn_after_s
-        if deadline is not None:
-            remaining = deadline - start
-            if remaining <= 0:
-                return False
-            step = min(step, remaining)
-        if not self._cond.wait(timeout=step):
-            waited = time.monotonic() - start
-            busy = [s.handle.path for s in self._slots if s.handle is not None]
-            logger.warning("still waiting for snapshot(s) %s to commit before %s (%.0f s)",
-                           busy, what, waited)
-        return deadline is None or time.monotonic() < deadline
-
-    def _release(self, slot: _Slot, handle: SaveHandle) -> None:
-        with self._cond:
-            if slot.handle is handle:
-                slot.handle = None
-                slot.started = False
-            self._cond.notify_all()
 
     def run(
         self, ticket: Ticket, *, report: bool = True,
@@ -526,47 +378,6 @@ def _write_in_trainer(job: SaveJob, staged: Any, died: WorkerDiedError) -> Commi
     return record
 
 
-def _finish_in_background(handle: SaveHandle, finish: Callable[[], StageStats]) -> None:
-    def work() -> None:
-        try:
-            stats = finish()
-        except BaseException as e:  # reported through the snapshot's committed future
-            logger.error("background staging of %s (step %s) failed: %s", handle.path,
-                         handle.step, e)
-            handle.staged.set_exception(e)
-        else:
-            handle.staged.set_result(stats)
-
-    _overlap_stage_pool().submit(work)
-
-
-_OVERLAP_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-_OVERLAP_POOL_LOCK = threading.Lock()
-
-
-def _overlap_stage_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """One persistent thread for background staging (a thread started per snapshot cost the
-    call ~1 ms on a busy machine; one staging runs at a time, since the next snapshot waits
-    for the previous one's)."""
-    global _OVERLAP_POOL
-    with _OVERLAP_POOL_LOCK:
-        if _OVERLAP_POOL is None:
-            _OVERLAP_POOL = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="snapkeep-overlap-stage")
-        return _OVERLAP_POOL
-
-
-def _forget_overlap_pool_in_child() -> None:
-    """A forked child has the pool object but not its thread."""
-    global _OVERLAP_POOL, _OVERLAP_POOL_LOCK
-    _OVERLAP_POOL = None
-    _OVERLAP_POOL_LOCK = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_overlap_pool_in_child)
-
-
 def _no_stats() -> StageStats:
     return StageStats(tensor_bytes=0, allocated_bytes=0, num_storages=0)
 
@@ -592,3 +403,8 @@ def _drain_at_exit() -> None:
 
 
 atexit.register(_drain_at_exit)
+
+
+__all__ = [
+    "EXIT_WAIT_S", "ON_FULL_POLICIES", "PostCommitHook", "SaveHandle", "Saver", "Ticket",
+]

@@ -1,18 +1,19 @@
-"""fsspec-backed storage: one class for every backend, a commit strategy per backend."""
+"""fsspec-backed storage: one class for every backend, a commit strategy per backend.
+
+Its parts: the path rules every write obeys (:mod:`._paths`), temporary names and the clean-up of
+abandoned ones (:mod:`._temps`), safe local-file primitives (:mod:`._local`), and turning
+``out_dir`` into a :class:`Storage` with its commit strategy (:mod:`._resolve`); the strategies
+are :mod:`._commit`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno as errno_mod
-import hashlib
 import io
 import logging
 import os
 import posixpath
-import socket
-import stat
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import IO, Any, BinaryIO
 
@@ -21,100 +22,33 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from snapkeep._core.errors import SnapshotStorageError
-from snapkeep._core.storage._commit import (
-    CommitStrategy,
-    ObjectPutCommit,
-    RenameCommit,
-    ReplaceCommit,
-    Target,
-    WriteResult,
-    storage_error,
+from snapkeep._core.storage._commit import CommitStrategy, Target, WriteResult, storage_error
+from snapkeep._core.storage._local import makedirs_durably, open_regular
+from snapkeep._core.storage._paths import (
+    DEFAULT_NAME_MAX,
+    check_basename_bytes,
+    check_path,
+    local_name_max,
+    truncate_utf8,
 )
-from snapkeep._core.storage._pfio import PfioFileSystem
+from snapkeep._core.storage._resolve import (
+    DEFERRED_UPLOAD_PROTOCOLS,
+    MIN_SPILL_BYTES,
+    commit_strategy_for,
+    resolve_storage,
+)
+from snapkeep._core.storage._temps import (
+    STALE_TEMP_AGE_S,
+    TEMP_MARKER,
+    TEMP_NAME_MAX_BYTES,
+    TEMP_PREFIX_BYTES,
+    base36,
+    is_temp_name,
+    temp_basename,
+    temp_is_abandoned,
+)
 
 logger = logging.getLogger(__name__)
-
-#: Every temporary name contains this marker; such names are never listed as snapshots.
-TEMP_MARKER = ".snapkeep-tmp."
-#: Temporary files whose owner cannot be checked are removed once older than this.
-STALE_TEMP_AGE_S = 24 * 3600.0
-#: This host, as 8 hex digits (temp names of other hosts on a shared filesystem are left alone).
-_HOST = hashlib.blake2s(socket.gethostname().encode(), digest_size=4).hexdigest()
-#: Random per process, in every temp name: a restarted trainer that gets the same pid on the same
-#: host (pid 1 in a container) tells its predecessor's temp files from its own.
-_PROCESS_TOKEN = uuid.uuid4().hex[:6]
-#: Bytes of the final name kept at the front of a temp name (for people reading a listing).
-TEMP_PREFIX_BYTES = 24
-#: Longest temp name :meth:`Storage.temp_name_for` makes, in bytes, whatever the final name:
-#: '.' + prefix + marker + host(8) '.' pid(base 36, <= 13) '.' token(6) + random(8).
-TEMP_NAME_MAX_BYTES = 1 + TEMP_PREFIX_BYTES + len(TEMP_MARKER) + 8 + 1 + 13 + 1 + 14
-#: NAME_MAX assumed where the filesystem cannot be asked (POSIX filesystems: 255 bytes).
-DEFAULT_NAME_MAX = 255
-
-#: Protocols whose files honour ``autocommit=False`` (an upload that becomes visible only when
-#: committed); objects past the spill threshold stream through it.
-DEFERRED_UPLOAD_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl"})
-#: Smallest spill threshold: S3's minimum multipart part size.
-MIN_SPILL_BYTES = 5 << 20
-
-#: pip package providing each protocol, where fsspec's own registry does not say it plainly.
-_PROTOCOL_PACKAGES = {
-    "s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": "adlfs", "abfss": "adlfs",
-    "az": "adlfs", "adl": "adlfs", "hdfs": "pyarrow", "sftp": "paramiko", "ssh": "paramiko",
-    "http": "aiohttp", "https": "aiohttp", "oci": "ocifs", "webdav": "webdav4",
-}
-
-
-def is_temp_name(name: str) -> bool:
-    """Whether ``name`` (a basename) is a snapkeep temporary file."""
-    return TEMP_MARKER in name
-
-
-def _truncate_utf8(text: str, max_bytes: int) -> str:
-    data = text.encode("utf-8", "surrogateescape")[:max_bytes]
-    return data.decode("utf-8", "ignore")
-
-
-def base36(n: int) -> str:
-    """``n`` (>= 0) in base 36, lowercase: compact pids and times in temp and arena names."""
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while True:
-        n, r = divmod(n, 36)
-        out = digits[r] + out
-        if not n:
-            return out
-
-
-def check_path(path: str, what: str = "path") -> None:
-    """Refuse a path that could leave the directory it was built for: a ``..`` component or a NUL
-    character (every write and delete of :class:`Storage` checks this, whatever the caller).
-
-    Raises:
-        ValueError: naming the path and the rule.
-    """
-    if not isinstance(path, str):
-        raise TypeError(f"{what} must be a str, got {type(path).__name__}")
-    if "\0" in path:
-        raise ValueError(f"{what} {path!r} contains a NUL character; snapshot names must not")
-    if ".." in path.replace("\\", "/").split("/"):
-        raise ValueError(f"{what} {path!r} has a '..' component, which could leave out_dir; "
-                         "snapshot names must be relative paths inside out_dir")
-
-
-def commit_strategy_for(fs: Any) -> CommitStrategy:
-    """The commit strategy for ``fs`` (see :mod:`._commit`)."""
-    if isinstance(fs, LocalFileSystem):
-        return ReplaceCommit()
-    if isinstance(fs, PfioFileSystem):
-        return RenameCommit()
-    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
-    if protocols & DEFERRED_UPLOAD_PROTOCOLS:
-        block = getattr(fs, "default_block_size", None) or getattr(fs, "blocksize", 0)
-        return ObjectPutCommit(spill_bytes=max(int(block or 0), MIN_SPILL_BYTES))
-    # memory:// (whose pipe_file is one dict assignment) and backends snapkeep does not know:
-    # buffer the complete file and publish it with one pipe_file call.
-    return ObjectPutCommit(spill_bytes=None)
 
 
 class Storage:
@@ -191,7 +125,7 @@ class Storage:
                 if size + extra > limit:
                     companion = (f" plus {extra} bytes for its manifest's name" if extra else "")
                     raise ValueError(
-                        f"filename {name!r}: the component {_truncate_utf8(part, 40)!r}... is "
+                        f"filename {name!r}: the component {truncate_utf8(part, 40)!r}... is "
                         f"{size} bytes{companion}, over the filesystem's NAME_MAX of {limit} "
                         f"bytes for {self.url(directory) or '.'!r}; use a name of at most "
                         f"{limit - extra} bytes per component")
@@ -204,27 +138,11 @@ class Storage:
             return None
         if not self.is_local:
             return DEFAULT_NAME_MAX
-        probe = os.path.abspath(directory or ".")
-        while True:
-            try:
-                return int(os.pathconf(probe, "PC_NAME_MAX"))
-            except FileNotFoundError:
-                parent = os.path.dirname(probe)
-                if parent == probe:
-                    return DEFAULT_NAME_MAX
-                probe = parent
-            except (OSError, ValueError):
-                return DEFAULT_NAME_MAX
+        return local_name_max(directory)
 
     def _check_write_path(self, path: str) -> None:
         check_path(path)
-        limit = self.name_max(self.dirname(path))
-        base = self.basename(path)
-        if limit is not None and len(base.encode("utf-8", "surrogateescape")) > limit:
-            raise ValueError(
-                f"file name {_truncate_utf8(base, 40)!r}... is "
-                f"{len(base.encode('utf-8', 'surrogateescape'))} bytes, over the filesystem's "
-                f"NAME_MAX of {limit} bytes; nothing was written")
+        check_basename_bytes(self.basename(path), self.name_max(self.dirname(path)))
 
     def url(self, path: str) -> str:
         """``path`` as a user would write it (``s3://bucket/key``; local paths unchanged)."""
@@ -295,7 +213,7 @@ class Storage:
         try:
             with self._backend_errors("creating directory", path):
                 if self.is_local:
-                    _makedirs_durably(path)
+                    makedirs_durably(path)
                 else:
                     self.fs.makedirs(path, exist_ok=True)
         except SnapshotStorageError:
@@ -333,7 +251,8 @@ class Storage:
     def open_read(self, path: str) -> IO[bytes]:
         """A readable, seekable binary file. Remote files are fetched whole (one GET), so a
         connection fault surfaces here as :class:`SnapshotStorageError`, not later mid-read.
-        Local files must be regular files (see :func:`open_regular`): a FIFO never blocks."""
+        Local files must be regular files (see :func:`~._local.open_regular`): a FIFO never
+        blocks."""
         if self.is_local:
             return os.fdopen(open_regular(path), "rb")
         return io.BytesIO(self.read_bytes(path))
@@ -384,7 +303,7 @@ class Storage:
     def remove(self, path: str) -> None:
         """Delete one file. Raises ``FileNotFoundError`` when it is already gone (where the
         backend can tell), ``ValueError`` for a path with a ``..`` component or NUL (see
-        :func:`check_path`): no caller can make snapkeep delete outside out_dir that way."""
+        :func:`._paths.check_path`): no caller can make snapkeep delete outside out_dir that way."""
         check_path(path)
         with self._backend_errors("deleting", path):
             self.fs.rm_file(path)
@@ -399,12 +318,7 @@ class Storage:
         36) and per-process token, and 8 random hex digits; :meth:`remove_stale_temps` reads the
         host, pid and token back. ``tag`` is accepted for compatibility and not used.
         """
-        prefix = _truncate_utf8(self.basename(path), TEMP_PREFIX_BYTES)
-        return self.join(
-            self.dirname(path),
-            f".{prefix}{TEMP_MARKER}{_HOST}.{base36(os.getpid())}.{_PROCESS_TOKEN}"
-            f"{uuid.uuid4().hex[:8]}",
-        )
+        return self.join(self.dirname(path), temp_basename(self.basename(path)))
 
     def write(
         self, path: str, write_fn: Callable[[BinaryIO], None], *, tag: str = "w",
@@ -467,7 +381,7 @@ class Storage:
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
             if not is_temp_name(name) or entry.get("type") == "directory":
                 continue
-            if not _temp_is_abandoned(name, entry):
+            if not temp_is_abandoned(name, entry):
                 continue
             full = self.join(directory, name)
             try:
@@ -481,168 +395,8 @@ class Storage:
         return removed
 
 
-def _makedirs_durably(path: str) -> None:
-    """``os.makedirs(path, exist_ok=True)``, with an ``fsync`` of the parent of every directory
-    it creates (POSIX makes a new directory entry durable only then)."""
-    from snapkeep._core.storage._commit import fsync_directory
-
-    missing = []
-    probe = os.path.abspath(path)
-    while not os.path.isdir(probe):
-        missing.append(probe)
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory)
-        except FileExistsError:
-            if not os.path.isdir(directory):
-                raise
-            continue  # another process made it (and synced its parent)
-        fsync_directory(os.path.dirname(directory))
-
-
-def open_regular(path: str) -> int:
-    """Open a local file for reading and return its descriptor, only if it is a regular file.
-
-    The open never blocks (``O_NONBLOCK``, cleared once the file is known to be regular), so a
-    FIFO, or a symlink to one, is refused at once instead of waiting for a writer.
-
-    Raises:
-        FileNotFoundError: no such file.
-        OSError: ``EINVAL`` for a FIFO, device, socket or directory (the path named).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                    else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
-            raise OSError(errno_mod.EINVAL, f"{path} is {kind}, not a regular file; refused")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _temp_owner(name: str) -> tuple[str, int, str] | None:
-    """``(host, pid, token+random)`` of a temp name (this version's or the older long form)."""
-    fields = name.rsplit(TEMP_MARKER, 1)[1].split(".")
-    if len(fields) == 3 and len(fields[0]) == 8:  # host(8 hex).pid(base 36).token
-        try:
-            return fields[0], int(fields[1], 36), fields[2]
-        except ValueError:
-            return None
-    if len(fields) >= 4 and fields[-2].isdigit():  # older: tag.host.pid(decimal).token
-        return fields[-3], int(fields[-2]), fields[-1]
-    return None
-
-
-def _temp_is_abandoned(name: str, entry: dict[str, Any]) -> bool:
-    owner = _temp_owner(name)
-    if owner is not None:
-        host, pid, token = owner
-        if host == _HOST:
-            if pid == os.getpid():  # ours, or a predecessor's with the same pid
-                return not token.startswith(_PROCESS_TOKEN)
-            return not _pid_alive(pid)
-    mtime: Any = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
-    if callable(getattr(mtime, "timestamp", None)):
-        mtime = mtime.timestamp()
-    if isinstance(mtime, (int, float)):
-        return time.time() - float(mtime) > STALE_TEMP_AGE_S
-    return False
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited but is not reaped yet (Linux ``/proc``; False elsewhere): it
-    can write nothing more, whoever its parent is."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat_line = f.read()
-    except OSError:
-        return False
-    return stat_line[stat_line.rfind(b")") + 2:][:1] in (b"Z", b"X")
-
-
-def _install_hint(protocol: str) -> str:
-    package = _PROTOCOL_PACKAGES.get(protocol)
-    if package is None:
-        from fsspec.registry import known_implementations
-
-        known = known_implementations.get(protocol)
-        if known is not None:
-            module = str(known.get("class", "")).split(".")[0]
-            if module and module != "fsspec":
-                package = module
-            elif known.get("err"):
-                return str(known["err"])
-    if package is None:
-        return ("no installed package provides it; see fsspec's list of known implementations, "
-                "or pass fs= an fsspec filesystem")
-    extra = " (or snapkeep[s3])" if package == "s3fs" else ""
-    return f"pip install {package}{extra}"
-
-
-def resolve_storage(
-    out_dir: str, fs: Any = None, storage_options: dict[str, Any] | None = None
-) -> tuple[Storage, str]:
-    """Turn ``out_dir`` (+ optional ``fs``) into ``(Storage, path on that storage)``.
-
-    Args:
-        out_dir: a local path, or an fsspec URL such as ``'s3://bucket/run'``, ``'memory://x'``
-            or ``'file:///abs/dir'``.
-        fs: an fsspec filesystem, or a ppe/pfio-style object (``open``, ``list``, ``stat``,
-            ``exists``, ``makedirs``, ``rename``, ``remove``) as accepted by ppe writers; None
-            picks by URL.
-        storage_options: keyword arguments for the fsspec filesystem chosen by URL (endpoint,
-            credentials); they are never logged or put in messages.
-
-    Raises:
-        ValueError: the URL's protocol is unknown or its package is missing (the message names
-            the package to install), or ``storage_options`` is given together with ``fs``.
-        TypeError: ``fs`` is neither an fsspec filesystem nor a pfio-style object.
-    """
-    out_dir = os.fspath(out_dir)
-    if fs is not None:
-        if storage_options:
-            raise ValueError(
-                "storage_options only apply when snapkeep creates the filesystem from out_dir; "
-                "with fs= given, configure that filesystem instead")
-        if isinstance(fs, fsspec.AbstractFileSystem):
-            return Storage(fs), fs._strip_protocol(out_dir) if "://" in out_dir else out_dir
-        return Storage(PfioFileSystem(fs)), out_dir  # TypeError names missing methods
-    if "://" not in out_dir:
-        return Storage(fsspec.filesystem("file")), out_dir
-    protocol = out_dir.split("://", 1)[0]
-    try:
-        filesystem, path = fsspec.core.url_to_fs(out_dir, **(storage_options or {}))
-    except ImportError as e:
-        raise ValueError(
-            f"out_dir {out_dir!r} needs the fsspec backend for protocol {protocol!r}, which is "
-            f"not installed ({e}): {_install_hint(protocol)}") from e
-    except ValueError as e:
-        if "protocol" not in str(e).lower():
-            raise
-        raise ValueError(
-            f"out_dir {out_dir!r} uses protocol {protocol!r}, which fsspec does not know "
-            f"({e}); {_install_hint(protocol)}. Use a local path or a URL such as "
-            "'s3://bucket/run', 'gs://bucket/run', 'memory://run' or 'file:///abs/dir'") from e
-    return Storage(filesystem), path
+__all__ = [
+    "DEFAULT_NAME_MAX", "DEFERRED_UPLOAD_PROTOCOLS", "MIN_SPILL_BYTES", "STALE_TEMP_AGE_S",
+    "TEMP_MARKER", "TEMP_NAME_MAX_BYTES", "TEMP_PREFIX_BYTES", "Storage", "base36", "check_path",
+    "commit_strategy_for", "is_temp_name", "open_regular", "resolve_storage",
+]

@@ -1,0 +1,70 @@
+"""A snapshot in flight: its :class:`SaveHandle` (two futures the caller may wait on), the
+buffer-set slot it holds while staged or being written, and the :class:`Ticket` the saver hands to
+whoever writes it (see :mod:`.saver`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+from snapkeep._core.errors import SnapshotTimeoutError
+from snapkeep._core.job import CommitRecord, SaveJob
+from snapkeep._core.staging import BufferSet, StageStats
+from snapkeep._core.store import Retain
+
+
+@dataclasses.dataclass(eq=False)
+class SaveHandle:
+    """A snapshot in flight.
+
+    Attributes:
+        path: final path of the snapshot.
+        step: training iteration when known.
+        staged: resolves (to :class:`StageStats`) when the state has been copied and the caller
+            may mutate it.
+        committed: resolves (to :class:`CommitRecord`) when the snapshot is durable; raises the
+            save's error otherwise; cancelled when the snapshot was replaced by a newer one.
+    """
+
+    path: str
+    step: int | None
+    staged: concurrent.futures.Future[StageStats] = dataclasses.field(
+        default_factory=concurrent.futures.Future)
+    committed: concurrent.futures.Future[CommitRecord] = dataclasses.field(
+        default_factory=concurrent.futures.Future)
+
+    def wait(self, timeout_s: float | None = None) -> CommitRecord:
+        """Block until committed and return the record.
+
+        Raises:
+            SnapshotTimeoutError: not committed within ``timeout_s`` seconds.
+            concurrent.futures.CancelledError: the snapshot was replaced by a newer one.
+            Exception: the save's own error.
+        """
+        try:
+            return self.committed.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError as e:
+            raise SnapshotTimeoutError(
+                f"snapshot {self.path!r} was not committed within {timeout_s} s"
+            ) from e
+
+
+@dataclasses.dataclass(eq=False)
+class _Slot:
+    """A buffer set and the snapshot (if any) that currently owns it."""
+
+    buffers: BufferSet
+    handle: SaveHandle | None = None
+    started: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Ticket:
+    """One staged snapshot waiting to be written: its slot, handle, job and staged tree."""
+
+    slot: _Slot
+    handle: SaveHandle
+    job: SaveJob
+    staged: Any
+    retain: Retain | None = None
