@@ -33,7 +33,7 @@ from _measure import GIB, median, table
 
 from snapkeep._core.checksum import HashingWriter, new_hasher
 from snapkeep._core.codec import torch_save
-from snapkeep._core.staging import _host_buffer
+from snapkeep._core.host_memory import _host_buffer
 from snapkeep._core.storage import _direct
 from snapkeep._core.storage._direct import DirectFile, open_for_write
 

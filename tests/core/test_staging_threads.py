@@ -10,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from snapkeep._core import overlap, staging
-from snapkeep._core.staging import BufferSet, HeapAllocator, copy_threads
+from snapkeep._core import host_memory, overlap
+from snapkeep._core.host_memory import HeapAllocator, copy_threads
+from snapkeep._core.staging import BufferSet
 
 
 def _cpus() -> int:
@@ -24,11 +25,11 @@ def test_copy_threads_borrow_this_ranks_share_of_the_cpus_when_torch_uses_fewer(
         monkeypatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert copy_threads() == max(1, min(staging.MAX_COPY_THREADS, _cpus()))
+    assert copy_threads() == max(1, min(host_memory.MAX_COPY_THREADS, _cpus()))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(_cpus()))  # one CPU per local rank: no helper
     assert copy_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not-a-number")
-    assert copy_threads() == max(1, min(staging.MAX_COPY_THREADS, _cpus()))
+    assert copy_threads() == max(1, min(host_memory.MAX_COPY_THREADS, _cpus()))
 
 
 def test_copy_threads_never_fewer_than_torchs(monkeypatch) -> None:
@@ -38,11 +39,11 @@ def test_copy_threads_never_fewer_than_torchs(monkeypatch) -> None:
 
 
 def test_a_multi_chunk_copy_is_exact_with_helpers(monkeypatch) -> None:
-    monkeypatch.setattr(staging, "COPY_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(staging, "copy_threads", lambda: 3)
+    monkeypatch.setattr(host_memory, "COPY_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(host_memory, "copy_threads", lambda: 3)
     src = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
-    staging.copy_host([(dst.data_ptr(), src.data_ptr(), src.nbytes)])
+    host_memory.copy_host([(dst.data_ptr(), src.data_ptr(), src.nbytes)])
     assert torch.equal(src, dst)
 
 

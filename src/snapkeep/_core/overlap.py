@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from snapkeep._core.errors import StagingRaceError
-from snapkeep._core.staging import COPY_CHUNK_BYTES, BufferSet, StageStats, atomic, stage_split
+from snapkeep._core.host_memory import COPY_CHUNK_BYTES
+from snapkeep._core.staging import BufferSet, StageStats, atomic, stage_split
 
 if TYPE_CHECKING:
     from snapkeep._core.ticket import SaveHandle

@@ -28,14 +28,12 @@ from typing import Any
 
 import torch
 
+from snapkeep._core.host_memory import PAGE_ALIGNED_FROM_BYTES
 from snapkeep._core.staging import apply_lazy_bits
 from snapkeep._core.storage._storage import base36
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
-#: Storages of at least this many bytes start on a page of the arena, so the worker's
-#: ``O_DIRECT`` commit writes them to disk from the arena without a copy.
-_PAGE_ALIGNED_FROM_BYTES = 1 << 20
 _PAGE = 4096
 
 
@@ -197,7 +195,7 @@ class SharedArena:
         offsets = []
         total = 0
         for _path, nbytes, _ in layout:
-            if nbytes >= _PAGE_ALIGNED_FROM_BYTES:
+            if nbytes >= PAGE_ALIGNED_FROM_BYTES:  # the worker writes it to disk in place
                 total = _align(total, _PAGE)
             offsets.append(total)
             total += _align(nbytes)

@@ -30,19 +30,24 @@ import errno
 import logging
 import mmap
 import os
-import threading
 from typing import Any
 
 import numpy as np
 
+from snapkeep._core.storage._direct_resources import (
+    CHUNK_BYTES,
+    SUPPORTED,
+    _acquire_buffer,
+    _release_buffer,
+    _set_direct,
+    _write_pool,
+    open_for_write,
+)
+
 logger = logging.getLogger(__name__)
 
-#: Bytes gathered per ``O_DIRECT`` write (reusable page-aligned buffers, one per open file).
-CHUNK_BYTES = 8 << 20
 #: Alignment of direct writes' lengths and offsets (covers 512-byte and 4 KiB logical blocks).
 ALIGN_BYTES = 4096
-#: Whether this platform has ``O_DIRECT`` (Linux); elsewhere files are written buffered.
-SUPPORTED = hasattr(os, "O_DIRECT")
 #: Direct writes in flight per file, each from its own chunk buffer, while the next chunk is
 #: gathered: 2 measured fastest on this machine's virtio disk (1, 2 and 4 streams in
 #: ``benchmarks/bench_write_streams.py``); 1 writes each chunk before gathering the next.
@@ -71,97 +76,6 @@ IN_PLACE = _in_place_from_env()
 #: Bytes hashed then copied (or written) at a time: small enough to stay in a core's L2 cache
 #: between the two passes.
 _HASH_PIECE_BYTES = 512 << 10
-#: Free buffers kept for reuse (a writer thread per snapshot still reuses them).
-_POOL_MAX = 4 * WRITE_STREAMS
-_WRITE_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-
-_POOL: list[mmap.mmap] = []
-_POOL_LOCK = threading.Lock()
-
-
-def _new_buffer() -> mmap.mmap:
-    # private: a process forked later must not share (and scribble on) these pages
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if flags:
-        return mmap.mmap(-1, CHUNK_BYTES, flags=flags)  # anonymous mappings are page-aligned
-    return mmap.mmap(-1, CHUNK_BYTES)
-
-
-def _acquire_buffer() -> mmap.mmap:
-    with _POOL_LOCK:
-        if _POOL:
-            return _POOL.pop()
-    return _new_buffer()
-
-
-def _release_buffer(buf: mmap.mmap) -> None:
-    with _POOL_LOCK:
-        if len(_POOL) < _POOL_MAX:
-            _POOL.append(buf)
-            return
-    try:
-        buf.close()
-    except BufferError:  # still exported somewhere: unmapped when collected
-        pass
-
-
-def _forget_pool_in_child() -> None:
-    global _POOL_LOCK, _WRITE_POOL
-    _POOL.clear()
-    _POOL_LOCK = threading.Lock()
-    _WRITE_POOL = None  # its threads did not survive the fork
-
-
-def _write_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _WRITE_POOL
-    with _POOL_LOCK:
-        if _WRITE_POOL is None:
-            _WRITE_POOL = concurrent.futures.ThreadPoolExecutor(
-                max_workers=4, thread_name_prefix="snapkeep-direct-write")
-        return _WRITE_POOL
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
-
-
-def _set_direct(fd: int, on: bool) -> bool:
-    """Set or clear ``O_DIRECT`` on ``fd``; False when the filesystem refuses it."""
-    import fcntl  # POSIX only; never reached where O_DIRECT does not exist
-
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        return False
-    return True
-
-
-def open_for_write(path: str, *, direct: bool = True) -> tuple[int, bool]:
-    """Create ``path`` exclusively for writing; ``(fd, direct)`` where ``direct`` says whether
-    ``O_DIRECT`` is on.
-
-    The file is created without ``O_DIRECT`` and the flag set afterwards: an ``open(2)`` with
-    ``O_DIRECT`` on a filesystem that refuses it fails *after* creating the file.
-
-    Raises:
-        OSError: from ``open(2)`` (``EEXIST``, ``ENOSPC``, ``EACCES``, ...).
-    """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    if not (direct and SUPPORTED):
-        return fd, False
-    try:
-        on = _set_direct(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    if not on:
-        logger.debug("O_DIRECT refused for %s; writing through the page cache", path)
-    return fd, on
-
-
 class DirectFile:
     """A write-only binary file over ``fd`` that writes with ``O_DIRECT`` while it can.
 
@@ -487,3 +401,7 @@ def _pwrite_chunk(f: DirectFile, view: memoryview, offset: int, real: int | None
         done += written
         if done < real and f._direct and done % ALIGN_BYTES:
             f._fall_back()
+
+
+__all__ = ["ALIGN_BYTES", "CHUNK_BYTES", "IN_PLACE", "IN_PLACE_ENV", "IN_PLACE_MIN_BYTES",
+           "SUPPORTED", "WRITE_STREAMS", "DirectFile", "open_for_write"]
