@@ -8,7 +8,6 @@ temp+rename on pfio-style objects, one complete PUT on object stores and ``memor
 
 from snapkeep._core.storage._commit import (
     CommitStrategy,
-    ObjectPutCommit,
     RenameCommit,
     ReplaceCommit,
     Target,
@@ -16,6 +15,7 @@ from snapkeep._core.storage._commit import (
     set_publish_guard,
 )
 from snapkeep._core.storage._pfio import PfioFileSystem
+from snapkeep._core.storage._put import ObjectPutCommit
 from snapkeep._core.storage._storage import (
     TEMP_MARKER,
     Storage,

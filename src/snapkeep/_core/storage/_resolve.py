@@ -10,13 +10,9 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from snapkeep._core.storage._commit import (
-    CommitStrategy,
-    ObjectPutCommit,
-    RenameCommit,
-    ReplaceCommit,
-)
+from snapkeep._core.storage._commit import CommitStrategy, RenameCommit, ReplaceCommit
 from snapkeep._core.storage._pfio import PfioFileSystem
+from snapkeep._core.storage._put import ObjectPutCommit
 
 if TYPE_CHECKING:
     from snapkeep._core.storage._storage import Storage
