@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import stat
 from typing import Any
 
@@ -191,7 +192,10 @@ def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
     directory holds no single-file snapshots."""
     from snapkeep.distributed import ShardedStore
 
-    sharded = ShardedStore(store.storage, store.directory, store.template)
+    try:
+        sharded = ShardedStore(store.storage, store.directory, store.template)
+    except ValueError:  # fields in the template's directory part: no sharded snapshot has it
+        return []
     rows = []
     for entry in sharded.entries():
         manifest = sharded.manifest(entry)
@@ -222,10 +226,15 @@ def file_checksum_status(storage: Storage, path: str) -> Status:
     return checksum_status(store, Entry(name=name, path=path, key=(), step=None))
 
 
+#: The last run of ASCII digits in a name.
+_LAST_NUMBER = re.compile(r"[0-9]+(?=[^0-9]*\Z)")
+
+
 def recorded_templates(storage: Storage, directory: str) -> list[str]:
     """Templates the manifests in ``directory`` record, for ``ls`` on a directory of another
     template: a manifest's ``template`` field when it has one, else its name with the recorded
-    step replaced by ``{.iteration}`` (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``)."""
+    step replaced by ``{.iteration}`` (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``), or,
+    without a recorded step, its last number (``iter_7`` -> ``iter_{.iteration}``)."""
     manifest_dir = storage.join(directory, MANIFEST_DIR)
     found: list[str] = []
     try:
@@ -245,11 +254,13 @@ def recorded_templates(storage: Storage, directory: str) -> list[str]:
         if not isinstance(template, str):
             step = manifest.step
             stem = manifest.name
-            if step is None or str(step) not in stem:
-                template = stem
-            else:
+            if step is not None and str(step) in stem:
                 head, _, tail = stem.rpartition(str(step))
                 template = f"{head}{{.iteration}}{tail}"
+            else:  # no step recorded (ppe's snapshot with a snapkeep writer): the last number
+                number = _LAST_NUMBER.search(stem)
+                template = stem if number is None else \
+                    f"{stem[:number.start()]}{{.iteration}}{stem[number.end():]}"
         if template not in found:
             found.append(template)
     return found
