@@ -30,11 +30,13 @@ from snapkeep.store import (
     MANIFEST_DIR,
     Entry,
     Manifest,
+    ManifestError,
     SnapshotStore,
     Storage,
     load_file,
     manifest_path,
     misnamed_reason,
+    read_manifest,
     resolve_storage,
 )
 
@@ -157,9 +159,21 @@ def checksum_status(store: SnapshotStore, entry: Entry) -> Status:
     except SnapshotCorruptError as e:
         return Status(status="corrupt", detail=str(e), manifest=store.manifest(entry))
     if manifest is None:
-        return Status(status="no manifest")
+        return Status(status="no manifest", detail=_invalid_manifest(store, entry))
     return Status(status="ok", detail=f"{manifest.algorithm} {manifest.checksum}",
                   manifest=manifest)
+
+
+def _invalid_manifest(store: SnapshotStore, entry: Entry) -> str:
+    """Why the manifest of ``entry`` is unusable (``'invalid checksum manifest: ...'``), or ''
+    when there is none: ``--json`` output has no warnings, so the reason goes in the detail."""
+    try:
+        read_manifest(store.storage, manifest_path(store.storage, entry.path))
+    except ManifestError as e:
+        return f"invalid checksum manifest: {e}"
+    except OSError:
+        return ""
+    return ""
 
 
 def load_status(store: SnapshotStore, entry: Entry) -> Status:
@@ -182,7 +196,8 @@ def load_status(store: SnapshotStore, entry: Entry) -> Status:
     reason = misnamed_reason(entry.name, entry.step, str(store.template.template), state)
     if reason is not None:  # autoload skips it too
         return Status(status="corrupt", detail=reason)
-    return Status(status="unverified", detail="no checksum manifest; loads completely")
+    return Status(status="unverified",
+                  detail=f"{found.detail or 'no checksum manifest'}; loads completely")
 
 
 def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
