@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import stat
 from typing import Any
 
@@ -29,11 +30,13 @@ from snapkeep.store import (
     MANIFEST_DIR,
     Entry,
     Manifest,
+    ManifestError,
     SnapshotStore,
     Storage,
     load_file,
     manifest_path,
     misnamed_reason,
+    read_manifest,
     resolve_storage,
 )
 
@@ -156,9 +159,21 @@ def checksum_status(store: SnapshotStore, entry: Entry) -> Status:
     except SnapshotCorruptError as e:
         return Status(status="corrupt", detail=str(e), manifest=store.manifest(entry))
     if manifest is None:
-        return Status(status="no manifest")
+        return Status(status="no manifest", detail=_invalid_manifest(store, entry))
     return Status(status="ok", detail=f"{manifest.algorithm} {manifest.checksum}",
                   manifest=manifest)
+
+
+def _invalid_manifest(store: SnapshotStore, entry: Entry) -> str:
+    """Why the manifest of ``entry`` is unusable (``'invalid checksum manifest: ...'``), or ''
+    when there is none: ``--json`` output has no warnings, so the reason goes in the detail."""
+    try:
+        read_manifest(store.storage, manifest_path(store.storage, entry.path))
+    except ManifestError as e:
+        return f"invalid checksum manifest: {e}"
+    except OSError:
+        return ""
+    return ""
 
 
 def load_status(store: SnapshotStore, entry: Entry) -> Status:
@@ -181,7 +196,8 @@ def load_status(store: SnapshotStore, entry: Entry) -> Status:
     reason = misnamed_reason(entry.name, entry.step, str(store.template.template), state)
     if reason is not None:  # autoload skips it too
         return Status(status="corrupt", detail=reason)
-    return Status(status="unverified", detail="no checksum manifest; loads completely")
+    return Status(status="unverified",
+                  detail=f"{found.detail or 'no checksum manifest'}; loads completely")
 
 
 def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
@@ -191,7 +207,10 @@ def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
     directory holds no single-file snapshots."""
     from snapkeep.distributed import ShardedStore
 
-    sharded = ShardedStore(store.storage, store.directory, store.template)
+    try:
+        sharded = ShardedStore(store.storage, store.directory, store.template)
+    except ValueError:  # fields in the template's directory part: no sharded snapshot has it
+        return []
     rows = []
     for entry in sharded.entries():
         manifest = sharded.manifest(entry)
@@ -222,10 +241,15 @@ def file_checksum_status(storage: Storage, path: str) -> Status:
     return checksum_status(store, Entry(name=name, path=path, key=(), step=None))
 
 
+#: The last run of ASCII digits in a name.
+_LAST_NUMBER = re.compile(r"[0-9]+(?=[^0-9]*\Z)")
+
+
 def recorded_templates(storage: Storage, directory: str) -> list[str]:
     """Templates the manifests in ``directory`` record, for ``ls`` on a directory of another
     template: a manifest's ``template`` field when it has one, else its name with the recorded
-    step replaced by ``{.iteration}`` (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``)."""
+    step replaced by ``{.iteration}`` (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``), or,
+    without a recorded step, its last number (``iter_7`` -> ``iter_{.iteration}``)."""
     manifest_dir = storage.join(directory, MANIFEST_DIR)
     found: list[str] = []
     try:
@@ -245,11 +269,13 @@ def recorded_templates(storage: Storage, directory: str) -> list[str]:
         if not isinstance(template, str):
             step = manifest.step
             stem = manifest.name
-            if step is None or str(step) not in stem:
-                template = stem
-            else:
+            if step is not None and str(step) in stem:
                 head, _, tail = stem.rpartition(str(step))
                 template = f"{head}{{.iteration}}{tail}"
+            else:  # no step recorded (ppe's snapshot with a snapkeep writer): the last number
+                number = _LAST_NUMBER.search(stem)
+                template = stem if number is None else \
+                    f"{stem[:number.start()]}{{.iteration}}{stem[number.end():]}"
         if template not in found:
             found.append(template)
     return found

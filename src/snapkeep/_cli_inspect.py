@@ -6,6 +6,7 @@ is removed or changes meaning) are documented in ``docs/cli.md``.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -268,6 +269,14 @@ def _metadata(manifest: Manifest | None) -> dict[str, Any] | None:
     return {name: getattr(manifest, name) for name in METADATA_FIELDS}
 
 
+def _finite_atol(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """``--atol`` must be a finite number (click's range lets ``nan`` and ``inf`` through, and
+    the JSON output cannot hold them)."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number >= 0", ctx=ctx, param=param)
+    return value
+
+
 @click.command(epilog=EXIT_CODES_EPILOG)
 @click.argument("a", metavar="A")
 @click.argument("b", metavar="B")
@@ -278,6 +287,7 @@ def _metadata(manifest: Manifest | None) -> dict[str, Any] | None:
                    "for B's whole state, e.g. an exported model against a snapshot's "
                    "models/main).")
 @click.option("--atol", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              callback=lambda ctx, param, value: _finite_atol(ctx, param, value),
               help="Tensors whose max absolute difference is at most this count as equal.")
 @click.option("--unsafe", is_flag=True,
               help="Allow arbitrary unpickling (weights_only=False); only for trusted files.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from typing import Any
 
 import click
@@ -53,10 +54,21 @@ class ModelSizeType(click.ParamType):
              epilog=EXIT_CODES_EPILOG)
 @click.version_option(package_name="snapkeep")
 @click.option("-v", "--verbose", is_flag=True, help="Log snapkeep's INFO messages to stderr.")
-def cli(verbose: bool) -> None:
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
     """snapkeep: safe, cheap PyTorch training snapshots (ppe-compatible API)."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if ctx.invoked_subcommand != "demo":  # the demo's warnings name the demo's own lines
+        ctx.with_resource(warnings.catch_warnings())  # restored when the command ends
+        warnings.showwarning = _show_tool_warning
+
+
+def _show_tool_warning(message: Warning | str, category: type[Warning], filename: str,
+                       lineno: int, file: Any = None, line: str | None = None) -> None:
+    """A warning of ``ls``/``verify``/... as one ``Warning: ...`` line on stderr: there is no
+    user code to attribute it to (Python's format would name a line of click's)."""
+    click.echo(f"Warning: {message} ({category.__name__})", err=True)
 
 
 @cli.command()

@@ -54,7 +54,9 @@ class Manifest:
             order snapshots.
         snapkeep_version: version that wrote it.
         run_id: identity of the training run lineage that wrote it (inherited on resume).
-        metrics: observation values at save time (used by best-N retention).
+        metrics: observation values at save time (used by best-N retention); finite numbers
+            only: JSON has no NaN or Infinity, so a non-finite value is left out of the file
+            when it is written and dropped when an older file holding one is read.
     """
 
     name: str
@@ -68,8 +70,11 @@ class Manifest:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
+        """The manifest as strict JSON (UTF-8; never ``NaN`` or ``Infinity``, which other JSON
+        readers and ``snapkeep ls --json`` refuse: non-finite metrics are left out)."""
         body = {"format": FORMAT, **dataclasses.asdict(self)}
-        return json.dumps(body, sort_keys=True, indent=1).encode()
+        body["metrics"] = finite_metrics(self.metrics)
+        return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str = "manifest") -> Manifest:
@@ -108,6 +113,8 @@ class Manifest:
             if problem is not None:
                 raise ManifestError(f"{source}: field {field.name!r} {problem}")
             values[field.name] = value
+        if "metrics" in values:  # Python's json reads NaN/Infinity; older snapkeep wrote them
+            values["metrics"] = finite_metrics(values["metrics"])
         manifest = cls(**values)
         manifest._check_values(source)
         return manifest
@@ -129,6 +136,25 @@ class Manifest:
             raise ManifestError(f"{source}: field 'step' is negative ({self.step})")
         if not math.isfinite(self.created_unix_s):
             raise ManifestError(f"{source}: field 'created_unix_s' is not finite")
+
+
+def finite_metrics(metrics: typing.Mapping[str, Any]) -> dict[str, float]:
+    """The entries of ``metrics`` that are finite numbers (``bool`` excluded), as floats.
+
+    What a manifest records: a metric that is NaN or infinite (a diverged loss) says nothing
+    best-N retention can rank, and JSON cannot hold it.
+    """
+    finite = {}
+    for key, value in metrics.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        try:
+            number = float(value)  # an integer beyond float's range overflows
+        except OverflowError:
+            continue
+        if math.isfinite(number):
+            finite[str(key)] = number
+    return finite
 
 
 def manifest_path(storage: Any, snapshot_path: str) -> str:
@@ -162,9 +188,13 @@ def _type_problem(value: Any, hint: Any) -> str | None:
             return None
         return f"is {_json_type(value)}, expected an integer"
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None
-        return f"is {_json_type(value)}, expected a number"
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return f"is {_json_type(value)}, expected a number"
+        try:
+            float(value)
+        except OverflowError:
+            return "is an integer beyond the range of a float"
+        return None
     if hint is str:
         if not isinstance(value, str):
             return f"is {_json_type(value)}, expected a string"

@@ -9,13 +9,17 @@ numbers in the name (iteration first, then epoch, then any other field) and neve
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import string
 from collections.abc import Callable
 from typing import Any
 
-_NUMBER = r"(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)"
-_INTEGER = r"(-?\d+)"
+#: ASCII digits only: ``\d`` would also match other scripts' digits ('snapshot_iter_\u0663',
+#: fullwidth '\uff13'), which ``int``/``float`` read as numbers, so a file no writer made would
+#: tie with the real step and could win autoload or retention over it.
+_NUMBER = r"(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)"
+_INTEGER = r"(-?[0-9]+)"
 #: fields that are counters: their names only match whole numbers ("_iter_10.5" is not a snapshot)
 _INTEGER_FIELDS = ("iteration", "epoch")
 _PRIORITY = {"iteration": 0, "epoch": 1, "epoch_detail": 2}
@@ -190,13 +194,16 @@ class FilenameTemplate:
         """Return the sort key of ``name`` or ``None`` when it is not a name of this template.
 
         The key orders the template's numeric fields iteration first, then epoch, then the others
-        in template order. A template without fields yields ``()`` for its single name.
+        in template order. A template without fields yields ``()`` for its single name. Numbers
+        are ASCII digits only, and a number beyond a float's range is not a step (``None``).
         """
         regex, priorities = self._regex()
         match = regex.match(name)
         if match is None:
             return None
         values = [float(v) for v in match.groups()]
+        if not all(math.isfinite(v) for v in values):  # digits beyond a float's range
+            return None
         order = sorted(range(len(values)), key=lambda i: (priorities[i], i))
         return tuple(values[i] for i in order)
 
