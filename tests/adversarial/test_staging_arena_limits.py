@@ -57,13 +57,6 @@ def _run(tmp_path: Path, kind: str) -> dict[str, object]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(strict=True, reason=(
-    "src/snapkeep/_core/shm.py _create_shm (line ~129) lets the OSError of "
-    "shared_memory.SharedMemory(create=True, size=...) (EFBIG from ftruncate under "
-    "RLIMIT_FSIZE; ENOSPC/ENOMEM) escape from ArenaAllocator.reserve through "
-    "BufferSet.stage and Saver.submit (saver.py ~205) as a bare OSError; proposed fix: wrap it "
-    "in SnapshotStorageError naming the arena path (/dev/shm/<name>), size_bytes and the "
-    "snapshot, suggesting ThreadWriter"))
 def test_process_writer_reports_an_arena_it_cannot_create_as_a_storage_error(
     tmp_path: Path,
 ) -> None:
@@ -113,14 +106,6 @@ def _private_small_shm_available() -> bool:
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(not _private_small_shm_available(),
                     reason="needs unshare -m and mount (root) for a small private /dev/shm")
-@pytest.mark.xfail(strict=True, reason=(
-    "src/snapkeep/_core/shm.py _create_shm (line ~129) makes the arena with ftruncate only, a "
-    "sparse tmpfs file: when /dev/shm is smaller than the state (Docker's default is 64 MB) "
-    "the staging copy touches a page tmpfs cannot back and the kernel kills the trainer with "
-    "SIGBUS (exit -7, 'Bus error', no Python error at all); proposed fix: "
-    "os.posix_fallocate(fd, 0, size) right after creating the segment (tmpfs then fails "
-    "with ENOSPC up front), unlink it and raise SnapshotStorageError naming /dev/shm, the "
-    "size and the snapshot, suggesting a larger --shm-size or ThreadWriter"))
 def test_a_dev_shm_smaller_than_the_state_is_an_error_not_a_crash(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = (f"mount -t tmpfs -o size={SHM_SIZE} tmpfs /dev/shm && "

@@ -37,6 +37,7 @@ from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
     SnapshotError,
     SnapshotSaveError,
+    SnapshotStorageError,
     SnapshotTimeoutError,
     WorkerDiedError,
 )
@@ -140,6 +141,11 @@ class Saver(SlotPool):
                 staged, stats, finish = plan.stage(slot.buffers, tree)
             else:
                 staged, stats = slot.buffers.stage(tree) if self._stage else (tree, _no_stats())
+        except SnapshotStorageError as e:  # staging memory (a process writer's arena)
+            handle.committed.cancel()
+            self._release(slot, handle)
+            raise SnapshotStorageError(f"snapshot {job.path}: {e}", errno=e.errno,
+                                       filename=e.filename, size_bytes=e.size_bytes) from e
         except BaseException:
             handle.committed.cancel()
             self._release(slot, handle)

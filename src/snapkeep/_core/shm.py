@@ -18,6 +18,7 @@ owner's), so it never warns about "leaked shared_memory objects".
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import secrets
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.host_memory import PAGE_ALIGNED_FROM_BYTES
 from snapkeep._core.staging import apply_lazy_bits
 from snapkeep._core.storage._storage import base36
@@ -125,12 +127,46 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
 
 
 def _create_shm(size: int) -> shared_memory.SharedMemory:
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=arena_name(), create=True, size=size,
-                                          track=False)  # type: ignore[call-arg]
-    shm = shared_memory.SharedMemory(name=arena_name(), create=True, size=size)
-    _untrack(shm)
+    """A new arena of ``size`` bytes whose memory is allocated now (``posix_fallocate``): a
+    ``/dev/shm`` too small for it fails here with ``ENOSPC``, not later with a ``SIGBUS`` that
+    kills the trainer when the staging copy touches a page tmpfs cannot back.
+
+    Raises:
+        SnapshotStorageError: the segment cannot be created or filled (``/dev/shm`` full or
+            too small, ``RLIMIT_FSIZE``, out of memory); nothing is left in ``/dev/shm``.
+    """
+    name = arena_name()
+    try:
+        if sys.version_info >= (3, 13):
+            shm = shared_memory.SharedMemory(name=name, create=True, size=size,
+                                              track=False)  # type: ignore[call-arg]
+        else:
+            shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            _untrack(shm)
+    except OSError as e:
+        raise _arena_error(e, name, size) from e
+    try:
+        os.posix_fallocate(shm._fd, 0, size)  # type: ignore[attr-defined]
+    except AttributeError:  # not POSIX: no /dev/shm to run out of
+        pass
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            logger.debug("posix_fallocate of arena %s refused (%s); pages are allocated on "
+                         "first touch", name, e)
+        else:
+            shm.close()
+            _unlink_shm(shm)
+            raise _arena_error(e, name, size) from e
     return shm
+
+
+def _arena_error(e: OSError, name: str, size: int) -> SnapshotStorageError:
+    return SnapshotStorageError(
+        f"cannot allocate the {size}-byte shared-memory staging arena {_SHM_DIR}/{name} "
+        f"({e.strerror or e}): a process writer stages the whole state in {_SHM_DIR}; make it "
+        "larger (docker run --shm-size, a bigger tmpfs size=), raise the file-size limit "
+        "(ulimit -f), or use ThreadWriter/ThreadQueueWriter, which stage in private memory",
+        errno=e.errno, filename=f"{_SHM_DIR}/{name}", size_bytes=size)
 
 
 def _attach_shm(name: str) -> shared_memory.SharedMemory:
