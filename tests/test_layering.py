@@ -65,7 +65,7 @@ def test_writing_never_imports_the_package_root() -> None:
     assert offenders == []
 
 
-@pytest.mark.parametrize("where", ["training", "cli.py", "demo.py"])
+@pytest.mark.parametrize("where", ["training", "cli.py", "demo.py", "_demo_task.py"])
 def test_training_cli_and_demo_use_public_names_only(where: str) -> None:
     """training, the CLI and the demo reach the core through public modules (snapkeep.store,
     snapkeep.errors, snapkeep.retention, snapkeep.writing), as a user would."""

@@ -11,10 +11,11 @@ writer                   where the save runs                         in flight (
 =======================  ==========================================  ===================
 """
 
-from snapkeep.writing._base import SimpleWriter, StandardWriter, Writer
+from snapkeep.writing._base import SimpleWriter, Writer
 from snapkeep.writing._parallel import ProcessWriter, RemoteSave, ThreadWriter
 from snapkeep.writing._ppe_fs import PpeFileSystem
 from snapkeep.writing._queue import ProcessQueueWriter, QueueWriter, ThreadQueueWriter
+from snapkeep.writing._standard import StandardWriter
 
 __all__ = [
     "Writer",

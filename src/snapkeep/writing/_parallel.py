@@ -12,7 +12,8 @@ import torch
 
 from snapkeep._core.executors import ProcessRunner, Runner, ThreadRunner
 from snapkeep._core.saver import Saver, Ticket
-from snapkeep.writing._base import SaveFun, StandardWriter
+from snapkeep.writing._base import SaveFun
+from snapkeep.writing._standard import StandardWriter
 
 
 class ThreadWriter(StandardWriter):

@@ -1,0 +1,146 @@
+"""The DCP state of a sharded snapshot: how :class:`~._sharded._ShardedSnapshot` maps its target
+to the layout in :mod:`._sharded`'s docstring and back.
+
+:class:`ShardedStateLayout` is a base of the extension; the extension's ``__init__`` sets the
+attributes it declares (``_target``, ``_weights_only``) and the extension defines ``rank``.
+Models and optimizers go through ``torch.distributed.checkpoint.state_dict``; other objects are
+``torch.save`` bytes (loaded with ``weights_only`` as the extension was told).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from snapkeep.store import Entry
+from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
+
+logger = logging.getLogger(__name__)
+
+_MANAGER_OBJECT = "manager"
+
+
+class ShardedStateLayout:
+    """Builds the state a sharded snapshot saves, the template it loads into, and applies it.
+
+    Attributes (set by the extension's ``__init__``):
+        _target: what to snapshot (None: the manager).
+        _weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
+    """
+
+    _target: Any
+    _weights_only: bool
+
+    if TYPE_CHECKING:
+        @property
+        def rank(self) -> int:
+            """This process's rank in snapkeep's groups (0 without a process group)."""
+            ...
+
+    def _parts(self, manager: Any) -> tuple[dict[str, torch.nn.Module],
+                                            dict[str, torch.optim.Optimizer], dict[str, Any]]:
+        """``(models, optimizers, other objects)`` of the target."""
+        target = manager if self._target is None else self._target
+        if target is manager:
+            return dict(manager.models), dict(manager.optimizers), {_MANAGER_OBJECT: manager}
+        objects = dict(target) if type(target) is dict else {"target": target}
+        models = {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
+        optimizers = {k: v for k, v in objects.items() if isinstance(v, torch.optim.Optimizer)}
+        others = {k: v for k, v in objects.items() if k not in models and k not in optimizers}
+        return models, optimizers, others
+
+    @staticmethod
+    def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module],
+                  name: str) -> torch.nn.Module:
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for model in models.values():
+            if any(id(p) in params for p in model.parameters()):
+                return model
+        raise ValueError(f"optimizer {name!r} holds no parameter of the snapshot's models "
+                         f"{sorted(models)}; SHARDED saves optimizers with their model")
+
+    def _other_state(self, name: str, obj: Any) -> Any:
+        if name == _MANAGER_OBJECT and self._target is None:
+            state = dict(obj.state_dict())
+            for key in ("models", "optimizers", "_rng_state"):
+                state.pop(key, None)
+            return state
+        return obj.state_dict()
+
+    def _state(self, manager: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+        models, optimizers, others = self._parts(manager)
+        state: dict[str, Any] = {
+            "models": {n: get_model_state_dict(m) for n, m in models.items()},
+            "optimizers": {n: get_optimizer_state_dict(self._model_of(o, models, n), o)
+                           for n, o in optimizers.items()},
+            "objects": {n: _to_bytes(self._other_state(n, o)) for n, o in others.items()},
+        }
+        if self._target is None and getattr(manager, "_save_rng_state", False):
+            state["rank_state"] = {f"rank{self.rank}": _to_bytes(capture_rng_state())}
+        return state
+
+    def _load_template(self, manager: Any, keys: set[str]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+        models, optimizers, others = self._parts(manager)
+        template: dict[str, Any] = {
+            "models": {n: get_model_state_dict(m) for n, m in models.items()},
+            "optimizers": {n: get_optimizer_state_dict(self._model_of(o, models, n), o)
+                           for n, o in optimizers.items()},
+            "objects": {n: b"" for n in others},
+        }
+        missing = [f"objects.{n}" for n in others if f"objects.{n}" not in keys]
+        if missing:
+            raise KeyError(f"the snapshot lacks {missing}; it was saved from another target")
+        own = f"rank{self.rank}"
+        if self._target is None and f"rank_state.{own}" in keys:
+            template["rank_state"] = {own: b""}
+        return template
+
+    def _apply_loaded(self, manager: Any, loaded: dict[str, Any], entry: Entry) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+        models, optimizers, others = self._parts(manager)
+        for name, obj in others.items():
+            state = _from_bytes(loaded["objects"][name], self._weights_only)
+            if name == _MANAGER_OBJECT and self._target is None:
+                # the manager's own loader restores iteration, extensions and triggers; models
+                # and optimizers are set from the sharded state just below
+                state = {**state,
+                         "models": {n: m.state_dict() for n, m in models.items()},
+                         "optimizers": {n: o.state_dict() for n, o in optimizers.items()}}
+            obj.load_state_dict(state)
+        for name, model in models.items():
+            set_model_state_dict(model, loaded["models"][name])
+        for name, optimizer in optimizers.items():
+            set_optimizer_state_dict(self._model_of(optimizer, models, name), optimizer,
+                                     loaded["optimizers"][name])
+        rank_state = loaded.get("rank_state", {}).get(f"rank{self.rank}")
+        if rank_state is not None and getattr(manager, "_save_rng_state", False):
+            restore_rng_state(_from_bytes(rank_state, self._weights_only))
+        elif self._target is None and getattr(manager, "_save_rng_state", False):
+            logger.warning("rank %d: %s holds no RNG state of this rank (saved on fewer ranks); "
+                           "its random streams start from the current state", self.rank,
+                           entry.path)
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes, weights_only: bool) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
