@@ -129,7 +129,9 @@ def _started_worker(writer: Any, out: str) -> int:
 @pytest.mark.parametrize("writer_cls", PROCESS_WRITERS)
 def test_worker_killed_mid_save_the_trainer_writes_that_snapshot(
     writer_cls: type[writing.Writer], tmp_path: Any, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("RANK", "3")  # as under torchrun: the warning names the rank
     out = str(tmp_path)
     gate = SocketGate()
     writer = _make(writer_cls, gate.savefun)
@@ -148,7 +150,7 @@ def test_worker_killed_mid_save_the_trainer_writes_that_snapshot(
         assert handle.committed.result().path == os.path.join(out, "s0")
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"
                     and FALLBACK_LOGGED in r.getMessage()]
-        assert len(warnings) == 1
+        assert len(warnings) == 1 and warnings[0].startswith("rank 3: "), warnings
         assert f"pid {pid})" in warnings[0] and "exit code -9" in warnings[0]
         assert "s0" in warnings[0]
         _verified(out, "s0")

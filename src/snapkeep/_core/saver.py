@@ -379,9 +379,16 @@ def _write_in_trainer(job: SaveJob, staged: Any, died: WorkerDiedError) -> Commi
             f"{died}, and the trainer's own write of that snapshot failed too "
             f"({type(e).__name__}: {e}); it was not committed. A new worker starts with the "
             "next snapshot") from e
-    logger.warning("%s; the trainer wrote that snapshot itself. A new worker starts with the "
-                   "next snapshot", died)
+    logger.warning("%s%s; the trainer wrote that snapshot itself. A new worker starts with the "
+                   "next snapshot", _rank_prefix(), died)
     return record
+
+
+def _rank_prefix() -> str:
+    """``'rank N: '`` under torchrun (its ``RANK``; a dead worker is one rank's news among many
+    ranks' logs), else ``''``."""
+    rank = os.environ.get("RANK", "").strip()
+    return f"rank {rank}: " if rank.isdigit() else ""
 
 
 def _no_stats() -> StageStats:
