@@ -299,3 +299,28 @@ def test_finalize_without_saves_and_twice_is_a_no_op(
     with _make(writer_cls) as w:  # also a context manager
         w("s0", str(tmp_path), _state(0))
     assert _listing(str(tmp_path)) == _landed(str(tmp_path), ["s0"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("writer_cls", PROCESS_WRITERS)
+def test_finalize_that_stops_a_stuck_worker_does_not_write_in_the_trainer(
+    writer_cls: type[writing.Writer], tmp_path: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """finalize() whose wait runs out stops the worker mid-save: that snapshot is reported as
+    not committed, and the trainer does not start writing it after finalize returned."""
+    out = str(tmp_path)
+    gate = SocketGate()
+    writer = _make(writer_cls, gate.savefun, timeout_s=2.0)
+    try:
+        handle = writer("s0", out, _state(0))
+        gate.wait_entered()  # the worker is stuck inside savefun
+        with pytest.raises((snapkeep.SnapshotTimeoutError, snapkeep.SnapshotSaveError)):
+            writer.finalize()  # waits timeout_s, then stops the worker
+        _done(handle.committed)
+        error = handle.committed.exception()
+        assert isinstance(error, snapkeep.WorkerDiedError), error
+        assert "the writer was finalized, so that snapshot was not committed" in str(error)
+    finally:
+        gate.close()
+    assert not [r for r in caplog.records if FALLBACK_LOGGED in r.getMessage()]
+    assert _listing(out) == _landed(out, [])  # nothing committed, no temp file left
