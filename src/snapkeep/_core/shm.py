@@ -32,7 +32,7 @@ import torch
 from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.host_memory import PAGE_ALIGNED_FROM_BYTES
 from snapkeep._core.staging import apply_lazy_bits
-from snapkeep._core.storage._storage import base36
+from snapkeep._core.storage._temps import base36, pid_alive
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64
@@ -78,13 +78,9 @@ def _owner_alive(name: str) -> bool:
         pid = int(parts[0], 36)
     except ValueError:
         return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):  # gone, or a zombie
         return False
-    except PermissionError:
-        pass
-    start = _start_ticks(pid)
+    start = _start_ticks(pid)  # alive: the same process, or a later one given its pid?
     if parts[1] == "x" or not os.path.isdir("/proc"):
         return True
     return start is not None and base36(start) == parts[1]

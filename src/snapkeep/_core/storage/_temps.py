@@ -80,7 +80,7 @@ def temp_is_abandoned(name: str, entry: dict[str, Any]) -> bool:
         if host == _HOST:
             if pid == os.getpid():  # ours, or a predecessor's with the same pid
                 return not token.startswith(_PROCESS_TOKEN)
-            return not _pid_alive(pid)
+            return not pid_alive(pid)
     mtime: Any = entry.get("mtime") or entry.get("LastModified") or entry.get("created")
     if callable(getattr(mtime, "timestamp", None)):
         mtime = mtime.timestamp()
@@ -89,7 +89,9 @@ def temp_is_abandoned(name: str, entry: dict[str, Any]) -> bool:
     return False
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` may still run: this process, one that exists (a zombie does
+    not count: it can do nothing more), or one we may not signal (another user's)."""
     if pid == os.getpid():
         return True
     try:
