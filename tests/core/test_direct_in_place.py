@@ -183,6 +183,24 @@ def test_record_alignment(base: int, tensors: list[int], expected: int) -> None:
     assert codec.record_alignment(state, base) == expected
 
 
+@pytest.mark.parametrize("odd", ["sparse_coo", "sparse_csr", "nested"])
+def test_torch_save_still_saves_tensors_without_one_storage(odd: str) -> None:
+    """Sparse and nested tensors (which ``SimpleWriter`` saves unstaged) do not break the
+    alignment choice: it counts dense storages only."""
+    dense = torch.randn(4, 5)
+    t = {"sparse_coo": dense.to_sparse(), "sparse_csr": dense.to_sparse_csr(),
+         "nested": torch.nested.as_nested_tensor([dense, dense[:2]])}[odd]
+    state = {"odd": t, "w": torch.randn(1 << 20)}
+    assert codec.record_alignment(state, 64) == PAGE
+    buf = io.BytesIO()
+    codec.torch_save(state, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    assert torch.equal(loaded["w"], state["w"])
+    got = loaded["odd"]
+    assert torch.equal(got.to_dense() if odd != "nested" else got.to_padded_tensor(0.0),
+                       t.to_dense() if odd != "nested" else t.to_padded_tensor(0.0))
+
+
 def test_torch_save_aligns_large_records_to_a_page_and_loads_back(tmp_path: Any) -> None:
     state = {"w": torch.randn(1 << 20), "b": torch.randn(7), "ema": torch.randn(1 << 20)}
     buf = io.BytesIO()

@@ -243,9 +243,12 @@ def record_alignment(obj: Any, base: int) -> int:
         return base
     sizes: dict[tuple[str, int], int] = {}
     for t in iter_tensors(obj):
-        if t.device.type == "meta":
+        if t.device.type == "meta" or t.layout != torch.strided:
+            continue  # sparse and other layouts have no one storage to count (torch saves parts)
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
             continue
-        storage = t.untyped_storage()
         sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
     padding = (len(sizes) + _OTHER_RECORDS) * PAGE_ALIGNMENT
     return PAGE_ALIGNMENT if padding <= sum(sizes.values()) * _MAX_PADDING_SHARE else base
