@@ -36,7 +36,15 @@ from snapkeep._cli_files import (
 )
 from snapkeep._cli_inspect import _none_found, load_state, store_for
 from snapkeep._cli_tree import TreeTooDeepError, compare, leaves, select
-from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest, SnapshotInfo, plan_deletions
+from snapkeep.retention import (
+    AnyOf,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    SnapshotInfo,
+    check_metrics,
+    plan_deletions,
+)
 from snapkeep.store import Entry, SnapshotStore
 
 # -- prune -------------------------------------------------------------------------------------
@@ -105,12 +113,16 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
     with storage_errors(directory):
         store = store_for(directory, template, storage_options)
         entries = store.entries()
-        newest, checked = _newest_valid(store, entries) if entries else (None, {})
         infos = []
         for entry in entries:
             manifest = store.manifest(entry)
             infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
                                       metrics=dict(manifest.metrics) if manifest else {}))
+        try:  # a KeepBest metric no manifest records: refused before anything is read or deleted
+            check_metrics(policy, infos)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="'--metric'") from e
+        newest, checked = _newest_valid(store, entries) if entries else (None, {})
         protect = [newest.name] if newest is not None else []
         doomed = set(plan_deletions(policy, infos, protect=protect))
         orphans = store.orphan_manifests(entries)
