@@ -12,9 +12,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from snapkeep._cli_maintain import check_round_trip
+from snapkeep import writing
+from snapkeep._cli_maintain import check_round_trip, remove_published
 from snapkeep.cli import cli
 from snapkeep.codecs import load_safetensors, torch_save
+from snapkeep.store import resolve_storage
 
 
 def files(directory: Path) -> list[str]:
@@ -70,3 +72,16 @@ def test_a_dst_that_would_read_back_different_is_not_written(tmp_path: Path) -> 
     exact = io.BytesIO()
     torch_save(state, exact)
     check_round_trip(state, exact.getvalue(), "SRC", str(tmp_path / "dst.pt"), unsafe=False)
+
+
+def test_a_published_dst_that_fails_its_check_is_removed_with_its_manifest(tmp_path: Path) -> None:
+    """What convert does when the published DST does not verify: the store's delete, so
+    nothing is left (the name may hold template braces)."""
+    writer = writing.SimpleWriter(out_dir=str(tmp_path))
+    writer("out{x}.safetensors", str(tmp_path), {"a": torch.ones(1)})
+    writer.finalize()
+    assert files(tmp_path) == [".snapkeep/out{x}.safetensors.json", "out{x}.safetensors"]
+    storage, path = resolve_storage(str(tmp_path / "out{x}.safetensors"))
+    assert remove_published(storage, path) == [
+        path, str(tmp_path / ".snapkeep" / "out{x}.safetensors.json")]
+    assert files(tmp_path) == []

@@ -275,7 +275,7 @@ def convert(src: str, dst: str, to: str | None, key: str | None, force: bool, un
             steps.update(1)
             after = file_checksum_status(dst_storage, dst_path)
             if after.status != "ok" or dst_storage.size(dst_path) != len(data):
-                removed = _remove_published(dst_storage, dst_path)
+                removed = remove_published(dst_storage, dst_path)
                 raise CheckFailed(f"{dst} was written but does not verify ({after.status} "
                                   f"{after.detail}); removed {', '.join(removed) or 'nothing'}")
             steps.update(1)
@@ -332,14 +332,13 @@ def _write(state: Any, data: bytes, storage: Any, path: str, options: dict[str, 
         writer.finalize()
 
 
-def _remove_published(storage: Any, path: str) -> list[str]:
-    """Remove a published DST that failed its check, and its manifest; the paths removed."""
-    removed = []
-    for target in (path, manifest_path(storage, path)):
-        if storage.exists(target):
-            storage.remove(target)
-            removed.append(target)
-    return removed
+def remove_published(storage: Any, path: str) -> list[str]:
+    """Remove a published DST that failed its check, with its manifest, through the store's
+    delete; the paths gone."""
+    directory, name = storage.dirname(path), storage.basename(path)
+    store = SnapshotStore(storage, directory, name.replace("{", "{{").replace("}", "}}"))
+    entry = Entry(name=name, path=path, key=(), step=None)
+    return [path, manifest_path(storage, path)] if store.delete(entry, by="convert") else []
 
 
 def _check_tensors_only(state: Any) -> None:
