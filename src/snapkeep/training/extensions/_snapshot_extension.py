@@ -40,6 +40,7 @@ from snapkeep.store import (
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training.extensions import _lineage, _restore
+from snapkeep.training.extensions._retention_check import MetricCheck
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             self._retention = policies[0]
         elif policies:
             self._retention = AnyOf(*policies)
+        self._metric_check = MetricCheck(self._retention)
         self.loaded_entry: Entry | None = None
         self._shared = _lineage.RunLineage.fresh()
         self._store: SnapshotStore | None = None
@@ -265,6 +267,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             extra = {"step": int(manager.iteration), "metrics": _metrics(manager),
                      "run_id": self._run_id}
             store = self._store_of(manager, quiet=True)
+            if store is not None and not on_error:
+                self._metric_check.before_save(store, self._lineage, filename,
+                                               extra["step"], extra["metrics"])
             if store is not None:
                 extra["retain"] = Retain(store=store, lineage=self._lineage,
                                          policy=None if on_error else self._retention)
