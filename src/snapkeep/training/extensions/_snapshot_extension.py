@@ -9,6 +9,7 @@ snapshots (:mod:`._distributed`, :mod:`._sharded`) build on it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import types
@@ -40,6 +41,12 @@ from snapkeep.store import (
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training.extensions import _lineage, _restore
+from snapkeep.training.extensions._resume_notice import (
+    ResumeNotice,
+    Skipped,
+    announce,
+    check_quiet,
+)
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -80,9 +87,10 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         savefun: Any = None, *, retention: RetentionPolicy | None = None,
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
         generators: Mapping[str, Any] | None = None,
-        overlap: bool = True,
+        overlap: bool = True, quiet: bool = False,
     ) -> None:
         _restore.check_target(target)
+        self._quiet = check_quiet(quiet)
         self._generators = check_generators(generators)
         if condition is None:
             condition = _always_true
@@ -321,7 +329,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if store is None:
             return None
         candidates = self._choose(store)
+        notice = ResumeNotice(directory=store.directory, template=str(store.template.template))
         if not candidates:
+            announce(notice, quiet=self._quiet)
             return None
         target = manager if self._target is None else self._target
 
@@ -333,15 +343,17 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                 raise SnapshotCorruptError(reason)
             return state
 
-        found = store.load_newest(loader, candidates=candidates)
+        skipped: list[Skipped] = []
+        found = store.load_newest(loader, candidates=candidates, on_skip=lambda e, why: (
+            skipped.append(Skipped(name=e.name, step=e.step, reason=why))))
         if found is None:
             return None
         entry, state = found
         self._apply(target, state, entry)
         self.loaded_entry = entry
         self._shared.adopt(store, candidates, entry)
-        logger.info("resumed from snapshot %s (step %s, run id %s)", entry.path, entry.step,
-                    self._run_id)
+        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
+                                     skipped=tuple(skipped)), quiet=self._quiet)
         return entry.name
 
     def _apply(self, target: Any, state: Any, entry: Entry) -> None:
