@@ -48,7 +48,8 @@ def status(out_dir: str, as_json: bool) -> None:
         raise click.exceptions.Exit(EXIT_NOT_DONE)
     when = datetime.datetime.fromtimestamp(found.time_unix_s, datetime.timezone.utc)
     if as_json:
-        click.echo(json.dumps({"schema": "snapkeep.status/1", "state": found.state, "step": found.step,
+        click.echo(json.dumps({"schema": "snapkeep.status/1", "state": found.state,
+                               "step": found.step,
                                "time_unix_s": found.time_unix_s, "reason": found.reason,
                                "snapshots": list(found.snapshots),
                                "world_size": found.world_size}, sort_keys=True))
