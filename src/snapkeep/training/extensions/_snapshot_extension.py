@@ -47,6 +47,7 @@ from snapkeep.training.extensions._resume_notice import (
     announce,
     check_quiet,
 )
+from snapkeep.training.extensions._wrapping import canonical_tree, live_tree
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -256,8 +257,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
     def _state(self, manager: Any) -> Any:
         target = manager if self._target is None else self._target
         if type(target) is dict:
-            return {k: v.state_dict() for k, v in target.items()}
-        return target.state_dict()
+            return canonical_tree(target, {k: v.state_dict() for k, v in target.items()})
+        return canonical_tree(target, target.state_dict())  # no wrapper prefixes
 
     def _make_snapshot(self, manager: Any, *, on_error: bool = False) -> None:
         writer = manager.writer if self.writer is None else self.writer
@@ -358,6 +359,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
 
     def _apply(self, target: Any, state: Any, entry: Entry) -> None:
         """Check that ``state`` fits ``target`` entirely, then load it (all or nothing)."""
+        state = live_tree(target, state)  # canonical (or old prefixed) keys -> this wrapping
         pairs = _restore.pairs_to_load(target, self._strip_rank_state(state), entry)
         _restore.require_fit(pairs, entry)
         with into_existing_state(optimizers_in(target)):  # in place where shapes match

@@ -1,0 +1,101 @@
+"""A manager snapshot taken from a model in one wrapping resumes into any other (saved from x
+loaded into): plain, ``torch.compile`` (the real ``OptimizedModule``, eager backend, never run:
+only its ``_orig_mod.`` keys matter), DDP (gloo, 1 rank), compiled DDP and DDP of a compiled
+model. The file holds canonical keys; a snapshot written with prefixed keys (before) loads too."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snapkeep import writing
+from snapkeep.training import ExtensionsManager
+from snapkeep.training import extensions as ext
+
+WRAPPINGS = ("plain", "compiled", "ddp", "compiled_ddp", "ddp_compiled")
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs gloo")
+    init = tmp_path_factory.mktemp("pg") / "init"
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _net(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                               torch.nn.Linear(8, 2))
+
+
+def _wrap(net: torch.nn.Module, how: str) -> torch.nn.Module:
+    def ddp(m: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.parallel.DistributedDataParallel(m)
+
+    def compiled(m: torch.nn.Module) -> torch.nn.Module:
+        return torch.compile(m, backend="eager")
+
+    return {"plain": lambda m: m, "compiled": compiled, "ddp": ddp,
+            "compiled_ddp": lambda m: compiled(ddp(m)),
+            "ddp_compiled": lambda m: ddp(compiled(m))}[how](net)
+
+
+def _run(out, how: str, seed: int, iterations: int):
+    net = _net(seed)
+    model = _wrap(net, how)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    manager = ExtensionsManager({"main": model}, {"main": optimizer}, 1, iters_per_epoch=100,
+                                out_dir=str(out), writer=writing.SimpleWriter(out_dir=str(out)))
+    snapshot = ext.snapshot(autoload=True, quiet=True)
+    manager.extend(snapshot, trigger=(1, "iteration"))
+    manager.start_extensions()
+    data = torch.Generator().manual_seed(3)
+    while manager.iteration < iterations:
+        with manager.run_iteration():
+            net(torch.randn(4, 4, generator=data)).pow(2).mean().backward()  # the plain net
+            optimizer.step()
+            optimizer.zero_grad()
+    manager.finalize()
+    return net, optimizer, snapshot
+
+
+def _state(net, optimizer):
+    return ({k: v.clone() for k, v in net.state_dict().items()},
+            {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()})
+
+
+@pytest.mark.parametrize(("saved", "loaded"), list(itertools.product(WRAPPINGS, WRAPPINGS)))
+def test_resume_across_wrappings(tmp_path, process_group, saved, loaded):
+    net, optimizer, _ = _run(tmp_path, saved, seed=0, iterations=2)
+    want_model, want_opt = _state(net, optimizer)
+    stored = torch.load(tmp_path / "snapshot_iter_2", weights_only=True)
+    assert list(stored["models"]["main"]) == list(want_model)  # canonical: no wrapper atoms
+
+    resumed, resumed_opt, snapshot = _run(tmp_path, loaded, seed=1, iterations=2)
+    assert snapshot.loaded_entry.name == "snapshot_iter_2"
+    got_model, got_opt = _state(resumed, resumed_opt)
+    assert got_model.keys() == want_model.keys()
+    assert all(torch.equal(got_model[k], want_model[k]) for k in want_model)
+    assert got_opt.keys() == want_opt.keys() and all(
+        torch.equal(got_opt[i][k], want_opt[i][k]) for i in want_opt for k in want_opt[i])
+
+
+@pytest.mark.parametrize("loaded", WRAPPINGS)
+def test_a_snapshot_with_prefixed_keys_still_loads(tmp_path, process_group, loaded):
+    model = _wrap(_net(0), "ddp_compiled")
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    manager = ExtensionsManager({"main": model}, {"main": optimizer}, 1, iters_per_epoch=100,
+                                out_dir=str(tmp_path))
+    state = manager.state_dict()
+    assert next(iter(state["models"]["main"])).startswith("module._orig_mod.")
+    writing.SimpleWriter(out_dir=str(tmp_path))("snapshot_iter_0", str(tmp_path), state)
+    resumed, _, snapshot = _run(tmp_path, loaded, seed=1, iterations=0)
+    assert snapshot.loaded_entry.name == "snapshot_iter_0"
+    want = _net(0).state_dict()
+    assert all(torch.equal(resumed.state_dict()[k], want[k]) for k in want)
