@@ -67,7 +67,8 @@ def _run(out, how: str, seed: int, iterations: int):
 
 def _state(net, optimizer):
     return ({k: v.clone() for k, v in net.state_dict().items()},
-            {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()})
+            {i: {k: v.clone() for k, v in s.items()}
+             for i, s in optimizer.state_dict()["state"].items()})
 
 
 @pytest.mark.parametrize(("saved", "loaded"), list(itertools.product(WRAPPINGS, WRAPPINGS)))
