@@ -87,16 +87,51 @@ def test_resume_across_wrappings(tmp_path, process_group, saved, loaded):
         torch.equal(got_opt[i][k], want_opt[i][k]) for i in want_opt for k in want_opt[i])
 
 
-@pytest.mark.parametrize("loaded", WRAPPINGS)
-def test_a_snapshot_with_prefixed_keys_still_loads(tmp_path, process_group, loaded):
-    model = _wrap(_net(0), "ddp_compiled")
+PREFIXES = {"ddp": "module.", "compiled": "_orig_mod.", "ddp_compiled": "module._orig_mod.",
+            "compiled_ddp": "_orig_mod.module."}
+
+
+@pytest.mark.parametrize(("saved", "loaded"), list(itertools.product(PREFIXES, WRAPPINGS)))
+def test_a_snapshot_with_prefixed_keys_still_loads(tmp_path, process_group, saved, loaded):
+    model = _wrap(_net(0), saved)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     manager = ExtensionsManager({"main": model}, {"main": optimizer}, 1, iters_per_epoch=100,
                                 out_dir=str(tmp_path))
-    state = manager.state_dict()
-    assert next(iter(state["models"]["main"])).startswith("module._orig_mod.")
+    state = manager.state_dict()  # the manager's own state_dict: keys as the wrapping has them
+    assert all(k.startswith(PREFIXES[saved]) for k in state["models"]["main"])
     writing.SimpleWriter(out_dir=str(tmp_path))("snapshot_iter_0", str(tmp_path), state)
     resumed, _, snapshot = _run(tmp_path, loaded, seed=1, iterations=0)
     assert snapshot.loaded_entry.name == "snapshot_iter_0"
     want = _net(0).state_dict()
     assert all(torch.equal(resumed.state_dict()[k], want[k]) for k in want)
+
+
+def test_inspect_and_diff_show_canonical_names(tmp_path, process_group):
+    from click.testing import CliRunner
+
+    from snapkeep.cli import cli
+
+    model = _wrap(_net(0), "compiled_ddp")
+    old = {k: v.clone() for k, v in model.state_dict().items()}  # written before: prefixed
+    assert next(iter(old)).startswith("_orig_mod.module.")
+    writer = writing.SimpleWriter(out_dir=str(tmp_path))
+    writer("old", str(tmp_path), old)
+    ddp = _wrap(_net(0), "ddp")
+    manager = ExtensionsManager({"main": ddp}, {}, 1, iters_per_epoch=1,
+                                out_dir=str(tmp_path), writer=writer)
+    manager.extend(ext.snapshot_object(ddp, "new_{.iteration}"),
+                   trigger=(1, "iteration"))
+    with manager.run_iteration():
+        pass
+    manager.finalize()
+    runner = CliRunner()
+    shown = runner.invoke(cli, ["inspect", "--json", str(tmp_path / "old")])
+    assert shown.exit_code == 0, shown.output
+    import json
+
+    keys = [row["key"] for row in json.loads(shown.output)["keys"]]
+    assert keys == list(_net(0).state_dict())
+    compared = runner.invoke(cli, ["diff", str(tmp_path / "old"), str(tmp_path / "new_1")])
+    assert compared.exit_code == 0, compared.output
+    assert f"\nequal: {len(keys)} of {len(keys)} common tensors equal, 0 only in A" \
+        in compared.output

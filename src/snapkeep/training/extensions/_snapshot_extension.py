@@ -47,7 +47,7 @@ from snapkeep.training.extensions._resume_notice import (
     announce,
     check_quiet,
 )
-from snapkeep.training.extensions._wrapping import canonical_tree, live_tree
+from snapkeep.wrapping import canonical_tree, live_tree
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ the unwrapped model) and autoload maps them to the live model's keys:
   of a manager's ``models``, keys (and ``_metadata`` module paths) lose the wrapper atoms, found
   by walking the live module tree (a user submodule named ``module`` is kept);
 - :func:`live_tree` (at load): each saved key goes to the live key with the same canonical key;
-  a key saved with wrapper prefixes (snapshots written before) is mapped after stripping leading
-  ``module.`` atoms and every ``_orig_mod.`` atom. Keys nothing matches are left for the fit
+  a key saved with wrapper prefixes (snapshots written before) is mapped after stripping its
+  leading ``module.``/``_orig_mod.`` atoms and every other ``_orig_mod.`` atom. Keys nothing matches are left for the fit
   check to report.
 
 Optimizer state is keyed by parameter index; wrappers keep the order of ``parameters()``, so it
@@ -83,7 +83,7 @@ def canonical_state(module: torch.nn.Module, state: Any) -> Any:
 
 def _strip(key: str) -> str:
     atoms = key.split(".")
-    while atoms and atoms[0] == "module":
+    while atoms and atoms[0] in ("module", _WRAPPED_ATTR):  # DDP and compile, either order
         atoms.pop(0)
     return ".".join(a for a in atoms if a != _WRAPPED_ATTR)
 
@@ -143,3 +143,33 @@ def canonical_tree(target: Any, state: Any) -> Any:
 def live_tree(target: Any, state: Any) -> Any:
     """A loaded snapshot state with every model's keys mapped to the live target's."""
     return _map_tree(target, state, live_state)
+
+
+def _strip_flat(state: Mapping[Any, Any]) -> Any:
+    keys = list(state)
+    if not keys or not all(isinstance(k, str) and (
+            k.startswith("module.") or _WRAPPED_ATTR in k.split(".")) for k in keys):
+        return state
+    stripped = [_strip(k) for k in keys]
+    if len(set(stripped)) != len(stripped) or "" in stripped:
+        return state
+    return dict(zip(stripped, state.values(), strict=True))
+
+
+def canonical_names(state: Any) -> Any:
+    """For showing a snapshot without its model (``snapkeep inspect``/``diff``): a state dict
+    whose every key carries wrapper atoms (a snapshot written before keys were canonical, or
+    by another tool), at the top level or as one of a manager snapshot's ``models``, with
+    leading ``module.`` atoms and every ``_orig_mod.`` atom removed. Anything else unchanged."""
+    if not isinstance(state, Mapping):
+        return state
+    top = _strip_flat(state)
+    if top is not state:
+        return top
+    models = state.get("models")
+    if not isinstance(models, Mapping):
+        return state
+    mapped = {k: _strip_flat(v) if isinstance(v, Mapping) else v for k, v in models.items()}
+    if all(mapped[k] is models[k] for k in models):
+        return state
+    return {**state, "models": mapped}
