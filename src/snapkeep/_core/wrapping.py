@@ -12,8 +12,10 @@ the unwrapped model) and autoload maps them to the live model's keys:
   by walking the live module tree (a user submodule named ``module`` is kept);
 - :func:`live_tree` (at load): each saved key goes to the live key with the same canonical key;
   a key saved with wrapper prefixes (snapshots written before) is mapped after stripping its
-  leading ``module.``/``_orig_mod.`` atoms and every other ``_orig_mod.`` atom. Keys nothing matches are left for the fit
-  check to report.
+  leading ``module.``/``_orig_mod.`` atoms and every other ``_orig_mod.`` atom. Keys nothing
+  matches are left for the fit check to report.
+- :func:`canonical_names` (``snapkeep inspect``/``diff``, no model at hand): the same stripping
+  for a state dict whose every key carries wrapper atoms.
 
 Optimizer state is keyed by parameter index; wrappers keep the order of ``parameters()``, so it
 needs no mapping. Sharded snapshots get canonical keys from DCP's ``get_state_dict`` itself.
