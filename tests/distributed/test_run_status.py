@@ -109,3 +109,38 @@ def test_status_of_a_failed_run_a_running_one_and_none(tmp_path):
     (out / ".snapkeep" / "status.json").write_text("{}")
     code, text = _status(out)
     assert code == 1 and "invalid status file" in text
+
+
+def test_a_run_killed_without_a_word_stays_running_and_status_says_not_done(tmp_path):
+    out, ready = tmp_path / "out", tmp_path / "ready"
+    script = (
+        "import sys, torch\n"
+        "from snapkeep import writing\n"
+        "from snapkeep.training import ExtensionsManager, extensions as ext\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "m = ExtensionsManager(model, opt, 10**6, iters_per_epoch=10, out_dir=sys.argv[1],\n"
+        "                      writer=writing.SimpleWriter(out_dir=sys.argv[1]))\n"
+        "m.extend(ext.snapshot(quiet=True))\n"
+        "m.extend(ext.preemption())\n"
+        "while not m.stop_trigger:\n"
+        "    with m.run_iteration():\n"
+        "        opt.step()\n"
+        "    if m.iteration == 3:\n"
+        "        open(sys.argv[2], 'w').close()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(out), str(ready)],
+                            env=rank_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the run never reached iteration 3"
+    finally:
+        proc.kill()  # SIGKILL: nothing can record anything
+        proc.wait()
+    recorded = run_status(str(out))
+    assert (recorded.state, recorded.step, recorded.world_size) == ("running", 0, 1)
+    code, text = _status(out)
+    assert code == 1 and text.startswith(
+        "running, or died without recording an outcome (killed, out of memory, node lost) at "
+        "step 0 ("), text

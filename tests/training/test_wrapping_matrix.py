@@ -135,3 +135,15 @@ def test_inspect_and_diff_show_canonical_names(tmp_path, process_group):
     assert compared.exit_code == 0, compared.output
     assert f"\nequal: {len(keys)} of {len(keys)} common tensors equal, 0 only in A" \
         in compared.output
+
+
+@pytest.mark.parametrize("loaded", WRAPPINGS)
+def test_manager_load_state_dict_of_a_canonical_snapshot(tmp_path, process_group, loaded):
+    _run(tmp_path, "plain", seed=0, iterations=1)
+    model = _wrap(_net(1), loaded)
+    manager = ExtensionsManager({"main": model}, {}, 1, iters_per_epoch=100,
+                                out_dir=str(tmp_path / "other"))
+    state = torch.load(tmp_path / "snapshot_iter_1", weights_only=True)
+    manager.load_state_dict({**state, "optimizers": {}})  # torch.load + load_state_dict, by hand
+    assert all(torch.equal(model.state_dict()[live], state["models"]["main"][key])
+               for live, key in zip(model.state_dict(), state["models"]["main"], strict=True))
