@@ -7,9 +7,10 @@ from snapkeep._core.wrapping import (
     canonical_names,
     canonical_state,
     canonical_tree,
+    dtensor_models,
     live_state,
     live_tree,
 )
 
 __all__ = ["canonical_key", "canonical_names", "canonical_state", "canonical_tree",
-           "live_state", "live_tree"]
+           "dtensor_models", "live_state", "live_tree"]

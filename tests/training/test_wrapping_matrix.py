@@ -147,3 +147,18 @@ def test_manager_load_state_dict_of_a_canonical_snapshot(tmp_path, process_group
     manager.load_state_dict({**state, "optimizers": {}})  # torch.load + load_state_dict, by hand
     assert all(torch.equal(model.state_dict()[live], state["models"]["main"][key])
                for live, key in zip(model.state_dict(), state["models"]["main"], strict=True))
+
+
+def test_a_single_file_snapshot_of_an_fsdp2_model_is_refused_with_the_way_out(tmp_path,
+                                                                               process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    net = _net(0)
+    fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+    manager = ExtensionsManager({"main": net}, {}, 1, iters_per_epoch=100, out_dir=str(tmp_path))
+    manager.extend(ext.snapshot(autoload=True))
+    with pytest.raises(TypeError, match=r"models\['main'\] holds DTensor parameters .*"
+                                        r"SnapshotMode.SHARDED"):
+        manager.start_extensions()
+    assert list(tmp_path.iterdir()) == []  # refused before the store was touched

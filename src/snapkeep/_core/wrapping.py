@@ -175,3 +175,18 @@ def canonical_names(state: Any) -> Any:
     if all(mapped[k] is models[k] for k in models):
         return state
     return {**state, "models": mapped}
+
+
+def dtensor_models(target: Any) -> list[str]:
+    """Where the models of a snapshot target (a module, a dict of objects, a manager) hold
+    ``DTensor`` parameters (FSDP2 ``fully_shard``): ``'target'``, ``"target['k']"`` or
+    ``"models['name']"``."""
+    if isinstance(target, torch.nn.Module):
+        parts: list[tuple[str, Any]] = [("target", target)]
+    elif type(target) is dict:
+        parts = [(f"target[{k!r}]", v) for k, v in target.items()]
+    else:
+        models = _models_of(target) or {}
+        parts = [(f"models[{k!r}]", v) for k, v in models.items()]
+    return [where for where, obj in parts if isinstance(obj, torch.nn.Module)
+            and any(type(p).__name__ == "DTensor" for p in obj.parameters())]

@@ -47,7 +47,7 @@ from snapkeep.training.extensions._resume_notice import (
     announce,
     check_quiet,
 )
-from snapkeep.wrapping import canonical_tree, live_tree
+from snapkeep.wrapping import canonical_tree, dtensor_models, live_tree
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -166,8 +166,10 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             UnsafeSnapshotError: the snapshot needs ``weights_only=False``.
             ValueError: the filename template names an attribute the manager does not have.
             SnapshotStorageError: the writer's output directory cannot be created.
+            TypeError: a model holds DTensor (FSDP2) parameters: use ``SnapshotMode.SHARDED``.
         """
         self._bind_continuation(manager)
+        refuse_dtensor_models(manager if self._target is None else self._target)
         if self.writer is None:
             self.writer = _snapkeep_writer_for(manager)
         # one lineage per manager: a snapshot_object beside an autoloading snapshot continues
@@ -373,6 +375,16 @@ class _Snapshot(ContinuationMixin, extension.Extension):
 
     def _restore_rank_state(self, state: Any) -> None:
         """Hook for the distributed snapshot (per-rank RNG)."""
+
+
+def refuse_dtensor_models(target: Any) -> None:
+    """A single-file snapshot of FSDP2 models would hold one rank's shards; refuse it."""
+    where = dtensor_models(target)
+    if where:
+        raise TypeError(
+            f"{', '.join(where)} holds DTensor parameters (FSDP2 fully_shard); a single-file "
+            "snapshot cannot hold them. Use snapshot(snapshot_mode=SnapshotMode.SHARDED), which "
+            "saves through torch.distributed.checkpoint and resumes into any wrapping")
 
 
 def _metrics(manager: Any) -> dict[str, float]:
