@@ -3,9 +3,10 @@
 Differences from ppe that users rely on:
 
 - ``autoload`` picks the snapshot with the highest step parsed from the filename template (not
-  the newest mtime), verifies its checksum, falls back to the next older valid one with a warning
-  naming each skipped file, and raises :class:`~snapkeep.NoValidSnapshotError` when snapshot
-  files exist but none is valid (ppe silently started over). It is all-or-nothing: a snapshot
+  the newest mtime), verifies its checksum, falls back to the next older valid one (its resume
+  notice on stderr names each skipped file, see ``_resume_notice``), and raises
+  :class:`~snapkeep.NoValidSnapshotError` when snapshot files exist but none is valid (ppe
+  silently started over). It is all-or-nothing: a snapshot
   that does not fit the target raises :class:`~snapkeep.StateMismatchError` before anything is
   loaded (see :mod:`._restore`).
 - Loading is safe by default (``torch.load(weights_only=True)``); ``weights_only=False`` opts in to
