@@ -26,7 +26,7 @@ def main() -> None:
     manager = ExtensionsManager(model, optimizer, iterations, iters_per_epoch=100,
                                 out_dir=out_dir, writer=writing.SimpleWriter(out_dir=out_dir),
                                 stop_trigger=(iterations, "iteration"))
-    manager.extend(ext.snapshot(saver_rank=0, autoload=True, timeout_s=60, quiet=True),
+    manager.extend(ext.snapshot(saver_rank=0, autoload=True, timeout_s=60),
                    trigger=(iterations, "iteration"))
     manager.extend(ext.preemption(timeout_s=60))
     data = torch.Generator().manual_seed(1)

@@ -59,6 +59,9 @@ def test_sigterm_to_torchrun_is_recorded_as_preempted_and_the_rerun_as_finished(
             job.kill()
             job.communicate()
     assert job.returncode != 0, output  # torchrun reports it as a failure: the status tells
+    # the resume notice, once per job (rank 0), not once per rank
+    assert [line for line in output.splitlines() if "snapkeep:" in line] == [
+        f"snapkeep: no snapshot of 'snapshot_iter_{{.iteration}}' in {out}, starting fresh"]
     recorded = run_status(str(out))
     assert recorded is not None and recorded.state == "preempted", output
     step = recorded.step
@@ -73,6 +76,8 @@ def test_sigterm_to_torchrun_is_recorded_as_preempted_and_the_rerun_as_finished(
     rerun = _torchrun(out, tmp_path / "ready2", step + 3)
     output = rerun.communicate(timeout=TIMEOUT_S)[0]
     assert rerun.returncode == 0, output
+    assert [line for line in output.splitlines() if "snapkeep:" in line] == [
+        f"snapkeep: resuming from snapshot_iter_{step} (step {step}) in {out}"]
     code, text = _status(out, "--json")
     assert code == 0, text
     got = json.loads(text)
