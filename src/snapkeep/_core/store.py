@@ -217,6 +217,7 @@ class SnapshotStore(StoreRemoval):
     def load_newest(
         self, loader: Callable[[Entry, bytes | None], Any], *,
         candidates: list[Entry] | None = None,
+        on_skip: Callable[[Entry, str], None] | None = None,
     ) -> tuple[Entry, Any] | None:
         """Load the newest snapshot that verifies and loads; warn about each one skipped.
 
@@ -227,6 +228,8 @@ class SnapshotStore(StoreRemoval):
                 (any of :data:`DECODE_ERRORS` other than a refused unsafe load) marks the entry
                 invalid.
             candidates: entries to consider (default: :meth:`entries`).
+            on_skip: ``on_skip(entry, reason)`` for each entry skipped, instead of a
+                ``RuntimeWarning`` (autoload prints them in its resume notice).
 
         Returns:
             ``(entry, state)``, or ``None`` when there are no snapshot files at all.
@@ -251,8 +254,11 @@ class SnapshotStore(StoreRemoval):
             except DECODE_ERRORS as e:
                 reason = str(e) if isinstance(e, SnapshotCorruptError) \
                     else f"{entry.path}: {type(e).__name__}: {e}"
-                warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
-                          RuntimeWarning)
+                if on_skip is None:
+                    warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
+                              RuntimeWarning)
+                else:
+                    on_skip(entry, reason)
                 reasons.append(reason)
                 continue
             if manifest is None:
