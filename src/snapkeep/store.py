@@ -13,6 +13,7 @@ from typing import Any
 
 from snapkeep._core.loading import load_file
 from snapkeep._core.lock import StoreLock
+from snapkeep._core.lookalikes import lookalike_message
 from snapkeep._core.manifest import (
     MANIFEST_DIR,
     Manifest,
@@ -32,6 +33,7 @@ from snapkeep._core.store import (
     SnapshotStore,
 )
 from snapkeep._core.structure import describe, find_mismatches
+from snapkeep._core.ticket import SaveHandle
 from snapkeep._core.user_warnings import user_stacklevel, warn_user
 
 
@@ -50,5 +52,5 @@ __all__ = [
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
     "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
-    "misnamed_reason", "user_stacklevel", "warn_user",
+    "misnamed_reason", "user_stacklevel", "warn_user", "lookalike_message", "SaveHandle",
 ]
