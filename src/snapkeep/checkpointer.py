@@ -145,6 +145,22 @@ def stateful(key: str, obj: Any) -> Any:
     return None
 
 
+def _start_iterator(obj: Any) -> None:
+    """After a data loader loaded its position, build its iterator now.
+
+    A new ``DataLoader`` iterator draws its seeds (sampler order, worker base seed) from the
+    global generator or the loader's ``generator``. The uninterrupted run drew them at the start
+    of the epoch, before the snapshot; a resumed run that builds its iterator mid-epoch, after
+    the generators were restored, would draw them again and shift every later random number
+    (dropout, augmentation). torchdata's ``StatefulDataLoader.state_dict()`` builds the iterator
+    from the loaded position and keeps it for the loop's next ``iter(loader)``; calling it here,
+    before the generators are restored, keeps the random streams exactly as uninterrupted.
+    (Plain-DataLoader support plugs in here and in :func:`stateful`.)
+    """
+    if isinstance(obj, torch.utils.data.DataLoader) and stateful("", obj) is not None:
+        obj.state_dict()
+
+
 class Checkpointer:
     """Saves and resumes a plain training loop's state in ``directory`` (see the module
     docstring).
@@ -432,6 +448,8 @@ class Checkpointer:
                     obj.load_state_dict(saved[key])
                 else:
                     into[key] = saved[key]
+        for obj in objects.values():
+            _start_iterator(obj)  # before the generators are restored: see its docstring
         if self.rng:
             if "rng" in payload:
                 RngState().load_state_dict(payload["rng"])
