@@ -30,6 +30,21 @@ SCRIPT = textwrap.dedent("""
     print("returned without finalize", flush=True)
 """)
 
+CHECKPOINTER = textwrap.dedent("""
+    import sys
+    import torch
+    import snapkeep
+
+    ckpt = snapkeep.Checkpointer(sys.argv[2], keep=2,
+                                 writer=getattr(snapkeep.writing, sys.argv[1])())
+    state = {"w": torch.zeros(1024, 1024)}
+    for step in range(3):
+        with torch.no_grad():
+            state["w"].fill_(step)
+        ckpt.save(step, state)
+    print("returned without close", flush=True)
+""")
+
 FAILING = textwrap.dedent("""
     import sys
     import torch
@@ -66,6 +81,17 @@ def test_script_without_finalize_keeps_its_last_snapshot(tmp_path: Any, writer: 
     assert torch.equal(loaded["w"], torch.full((1024, 1024), 2.0))
     if writer != "SimpleWriter":  # synchronous: nothing is pending at exit
         assert "at exit" in result.stderr  # the drain said what it waited for
+
+
+@pytest.mark.timeout(EXIT_BOUND_S + 30)
+@pytest.mark.parametrize("writer", ["ThreadWriter", "ProcessWriter"])
+def test_checkpointer_without_close_keeps_its_last_snapshot(tmp_path: Any, writer: str) -> None:
+    out = tmp_path / "out"
+    result = _run(["-c", CHECKPOINTER, writer, str(out)], cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert sorted(os.listdir(out)) == [".snapkeep", "ckpt_1", "ckpt_2"]  # keep=2 ran at exit
+    loaded = torch.load(out / "ckpt_2", weights_only=True)
+    assert loaded["step"] == 2 and torch.equal(loaded["state"]["w"], torch.full((1024, 1024), 2.0))
 
 
 @pytest.mark.timeout(EXIT_BOUND_S + 30)
