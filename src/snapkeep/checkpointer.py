@@ -157,8 +157,10 @@ def _start_iterator(obj: Any) -> None:
     before the generators are restored, keeps the random streams exactly as uninterrupted.
     (Plain-DataLoader support plugs in here and in :func:`stateful`.)
     """
-    if isinstance(obj, torch.utils.data.DataLoader) and stateful("", obj) is not None:
-        obj.state_dict()
+    state_dict = getattr(obj, "state_dict", None)
+    if isinstance(obj, torch.utils.data.DataLoader) and stateful("", obj) is not None \
+            and callable(state_dict):
+        state_dict()
 
 
 class Checkpointer:
