@@ -33,10 +33,12 @@ import string
 import types
 import weakref
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from snapkeep._version import __version__
+from snapkeep.distributed import is_distributed
 from snapkeep.errors import (
     NoValidSnapshotError,
     SnapshotCorruptError,
@@ -53,21 +55,28 @@ from snapkeep.store import (
     Retain,
     SaveHandle,
     SnapshotStore,
+    Storage,
     StoreLock,
     check_writable,
     describe,
     find_mismatches,
     load_file,
     lookalike_message,
+    resolve_storage,
     warn_user,
 )
 from snapkeep.training import RngState
 from snapkeep.writing import ThreadWriter, Writer
 
-__all__ = ["FORMAT", "Checkpointer", "SaveHandle"]
+if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
+    from snapkeep.sharded_checkpoint import ShardedCheckpoint
+
+__all__ = ["DEFAULT_TIMEOUT_S", "FORMAT", "Checkpointer", "SaveHandle"]
 
 logger = logging.getLogger(__name__)
 
+#: Default bound of every collective of sharded snapshots (seconds), as the manager's.
+DEFAULT_TIMEOUT_S = 600.0
 #: The ``format`` entry of a Checkpointer snapshot.
 FORMAT = "snapkeep.checkpoint/1"
 #: Run id of a Checkpointer's snapshots: retention deletes only snapshots without a run id (the
@@ -145,8 +154,9 @@ def stateful(key: str, obj: Any) -> Any:
     return None
 
 
-def _start_iterator(obj: Any) -> None:
-    """After a data loader loaded its position, build its iterator now.
+def _start_iterators(objects: Mapping[str, Any]) -> None:
+    """After the data loaders among ``objects`` loaded their position, build their iterators
+    now.
 
     A new ``DataLoader`` iterator draws its seeds (sampler order, worker base seed) from the
     global generator or the loader's ``generator``. The uninterrupted run drew them at the start
@@ -157,10 +167,11 @@ def _start_iterator(obj: Any) -> None:
     before the generators are restored, keeps the random streams exactly as uninterrupted.
     (Plain-DataLoader support plugs in here and in :func:`stateful`.)
     """
-    state_dict = getattr(obj, "state_dict", None)
-    if isinstance(obj, torch.utils.data.DataLoader) and stateful("", obj) is not None \
-            and callable(state_dict):
-        state_dict()
+    for obj in objects.values():
+        state_dict = getattr(obj, "state_dict", None)
+        if isinstance(obj, torch.utils.data.DataLoader) and stateful("", obj) is not None \
+                and callable(state_dict):
+            state_dict()
 
 
 class Checkpointer:
@@ -206,7 +217,8 @@ class Checkpointer:
         self, directory: str | os.PathLike[str], *, keep: int | RetentionPolicy | None = None,
         every: int | None = None, template: str = "ckpt_{step}", writer: Writer | None = None,
         rng: bool = True, weights_only: bool = True, map_location: Any = "cpu",
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or URL string, got "
@@ -218,9 +230,16 @@ class Checkpointer:
         for name, value in (("rng", rng), ("weights_only", weights_only)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
+        if sharded is None:
+            sharded = is_distributed()
+        if not isinstance(sharded, bool):
+            raise TypeError(f"sharded must be True, False or None (auto), got {sharded!r}")
         if writer is not None and not isinstance(writer, Writer):
             raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
                             f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
+        if writer is not None and sharded:
+            raise ValueError("sharded snapshots are written by every rank through "
+                             "torch.distributed.checkpoint; writer cannot be given")
         self._location = os.fspath(directory)
         if writer is not None and writer.out_dir and writer.out_dir != self._location:
             raise ValueError(f"writer has out_dir {writer.out_dir!r}; the Checkpointer writes "
@@ -234,29 +253,48 @@ class Checkpointer:
         self._closed = False
         self._lock: StoreLock | None = None
         self._key = ("", "")
-        self._writer = writer if writer is not None else ThreadWriter(
-            storage_options=storage_options)
+        self._sharded: ShardedCheckpoint | None = None
+        self._writer: Writer | None = None
+        if not sharded:
+            self._writer = writer if writer is not None else ThreadWriter(
+                storage_options=storage_options)
         try:
-            self._writer.initialize(self._location)  # creates it; removes stale temp files
-            storage, path = self._writer.storage_for(self._location)
-            check_writable(storage, path)
+            if self._writer is not None:
+                self._writer.initialize(self._location)  # creates it; removes stale temps
+                storage, path = self._writer.storage_for(self._location)
+            else:
+                storage, path = resolve_storage(self._location,
+                                                storage_options=dict(storage_options or {}))
             self._store = SnapshotStore(storage, path, self._template)
-            self._key = (os.path.realpath(path) if storage.is_local else storage.url(path),
-                         self._template.lock_key)
-            other = _OPEN.get(self._key)
-            if other is not None and not other._closed:
-                raise StoreLockedError(
-                    f"snapshots of {template!r} in {self._location!r} are in use by another "
-                    f"open Checkpointer of this process ({other!r}); two on one directory and "
-                    "template would delete and overwrite each other's snapshots. close() the "
-                    "other one first, or use another directory or template")
-            self._lock = self._store.lock()
-            _OPEN[self._key] = self
-            self._store.sweep(_LINEAGE)
+            if self._writer is not None or _rank() == 0:  # one process per directory locks
+                storage.makedirs(path)
+                check_writable(storage, path)
+                self._take_lock(storage, path)
+            if self._writer is not None:
+                self._store.sweep(_LINEAGE)
+            else:
+                from snapkeep.sharded_checkpoint import ShardedCheckpoint
+
+                self._sharded = ShardedCheckpoint(
+                    storage, path, self._template, policy=self._policy, rng=rng,
+                    weights_only=weights_only, timeout_s=timeout_s,
+                    storage_options=storage_options)
         except BaseException:
-            self._closed = True
-            self._writer.finalize()
+            self.close()
             raise
+
+    def _take_lock(self, storage: Storage, path: str) -> None:
+        self._key = (os.path.realpath(path) if storage.is_local else storage.url(path),
+                     self._template.lock_key)
+        other = _OPEN.get(self._key)
+        if other is not None and not other._closed:
+            raise StoreLockedError(
+                f"snapshots of {self.template!r} in {self._location!r} are in use by another "
+                f"open Checkpointer of this process ({other!r}); two on one directory and "
+                "template would delete and overwrite each other's snapshots. close() the other "
+                "one first, or use another directory or template")
+        self._lock = self._store.lock()
+        _OPEN[self._key] = self
 
     def __repr__(self) -> str:
         return f"Checkpointer({self._location!r}, template={self.template!r})"
@@ -306,12 +344,20 @@ class Checkpointer:
         step = _check_step(step)
         if not (force or on_error or self.should_save(step)):
             return None
-        tree = self._payload(step, state)
         name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
+        if self._sharded is not None:
+            for key, value in _check_state(state).items():
+                stateful(key, value)
+            sharded_handle = self._sharded.save(name, step, state, __version__)
+            if on_error:
+                sharded_handle.committed.result()
+            return sharded_handle
+        writer: Any = self._writer  # not sharded: a writer
+        tree = self._payload(step, state)
         retain = Retain(store=self._store, lineage=_LINEAGE,
                         policy=None if on_error else self._policy)
         extra: dict[str, Any] = {"step": step, "retain": retain}  # snapkeep's writer extras
-        handle = self._writer(name, self._location, tree, **extra)
+        handle = writer(name, self._location, tree, **extra)
         if on_error and handle is not None:
             handle.wait()
         return handle
@@ -338,14 +384,19 @@ class Checkpointer:
             SnapshotTimeoutError: still pending after ``timeout_s`` seconds.
             SnapshotSaveError: a background save failed (its cause chained).
         """
-        if not self._closed:
+        if self._closed:
+            return
+        if self._sharded is not None:
+            self._sharded.wait()
+        elif self._writer is not None:
             self._writer.wait(timeout_s)
 
     # -- listing and loading -------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         """Steps of the committed snapshots in the directory, oldest first (listed by name, not
         verified; on-error snapshots excluded)."""
-        return [e.step for e in self._store.entries() if e.step is not None]
+        entries = self._sharded.entries() if self._sharded is not None else self._store.entries()
+        return [e.step for e in entries if e.step is not None]
 
     def latest_step(self) -> int | None:
         """The highest step among committed snapshots (parsed from the names; ``None`` when
@@ -386,8 +437,8 @@ class Checkpointer:
         objects = _check_state(into)
         for key, value in objects.items():
             stateful(key, value)  # refuses a plain DataLoader before anything is read
-        self._writer.wait()  # a snapshot still in flight is a candidate too
-        entries = self._store.entries()
+        self.wait()  # a snapshot still in flight is a candidate too
+        entries = self._sharded.entries() if self._sharded is not None else self._store.entries()
         if step is not None:
             step = _check_step(step)
             chosen = [e for e in entries if e.step == step]
@@ -399,6 +450,12 @@ class Checkpointer:
         if not entries:
             self._nothing_to_resume()
             return None
+        if self._sharded is not None:
+            loaded = self._sharded.load(into, objects, entries, before_rng=_start_iterators)
+            if loaded is None:
+                return None
+            logger.info("resumed from %s (step %s)", loaded.path, loaded.step)
+            return loaded.step
         found = self._store.load_newest(self._load_file, candidates=entries)
         if found is None:  # unreachable: entries is not empty
             return None
@@ -450,8 +507,7 @@ class Checkpointer:
                     obj.load_state_dict(saved[key])
                 else:
                     into[key] = saved[key]
-        for obj in objects.values():
-            _start_iterator(obj)  # before the generators are restored: see its docstring
+        _start_iterators(objects)  # before the generators are restored: see its docstring
         if self.rng:
             if "rng" in payload:
                 RngState().load_state_dict(payload["rng"])
@@ -471,7 +527,10 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            self._writer.finalize()
+            if self._sharded is not None:
+                self._sharded.close()
+            if self._writer is not None:
+                self._writer.finalize()
         finally:
             lock, self._lock = self._lock, None
             if lock is not None:
@@ -504,9 +563,14 @@ class Checkpointer:
             raise RuntimeError(f"{self!r} is closed; create a new Checkpointer")
 
     @property
-    def writer(self) -> Writer:
-        """The writer (read-only)."""
+    def writer(self) -> Writer | None:
+        """The writer (read-only); None for sharded snapshots."""
         return self._writer
+
+
+def _rank() -> int:
+    """This process's rank under torch.distributed (0 without a process group)."""
+    return torch.distributed.get_rank() if is_distributed() else 0
 
 
 def _policy(keep: Any) -> RetentionPolicy | None:
