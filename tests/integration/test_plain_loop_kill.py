@@ -40,10 +40,12 @@ def _env() -> dict[str, str]:
                 PYTHONWARNINGS="ignore")
 
 
-def _run_to_end(script: pathlib.Path, cwd: pathlib.Path) -> None:
+def _run_to_end(script: pathlib.Path, cwd: pathlib.Path) -> list[int]:
+    """Run the loop to its end; return the steps it ran."""
     run = subprocess.run([sys.executable, str(script)], cwd=cwd, env=_env(), capture_output=True,
                          text=True, timeout=BOUND_S)
     assert run.returncode == 0, run.stderr
+    return [int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("step ")]
 
 
 def _kill_after(script: pathlib.Path, cwd: pathlib.Path, step: int) -> None:
@@ -92,15 +94,18 @@ def test_docs_plain_loop_killed_at_random_steps_ends_bit_identical(
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     reference.mkdir()
     killed.mkdir()
-    _run_to_end(script, reference)
+    assert _run_to_end(script, reference) == list(range(1, TOTAL_STEPS + 1))
 
     seed = random.randrange(2 ** 32)
     rng = random.Random(seed)
-    kill_steps = sorted(rng.sample(range(1, TOTAL_STEPS), 2))
+    kill_steps = sorted(rng.sample(range(12, TOTAL_STEPS), 2))  # after the first snapshot
     for step in kill_steps:
         _kill_after(script, killed, step)
     assert not (killed / "final.pt").exists(), f"seed {seed}: a kill came too late"
-    _run_to_end(script, killed)
+    steps = _run_to_end(script, killed)
+    resumed_at = steps[0] - 1
+    assert resumed_at >= 10 and resumed_at % 10 == 0, steps  # a resume, not a restart
+    assert steps == list(range(resumed_at + 1, TOTAL_STEPS + 1))
     _assert_identical(_final(reference), _final(killed), f"seed {seed}, kills {kill_steps}")
     listing = sorted(os.listdir(killed / "checkpoints"))
     assert listing == [".snapkeep", f"ckpt_{TOTAL_STEPS - 10}", f"ckpt_{TOTAL_STEPS}"], listing
