@@ -53,7 +53,6 @@ from snapkeep.store import (
     Entry,
     FilenameTemplate,
     Retain,
-    SaveHandle,
     SnapshotStore,
     Storage,
     StoreLock,
@@ -71,7 +70,7 @@ from snapkeep.writing import ThreadWriter, Writer
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
     from snapkeep.sharded_checkpoint import ShardedCheckpoint
 
-__all__ = ["DEFAULT_TIMEOUT_S", "FORMAT", "Checkpointer", "SaveHandle"]
+__all__ = ["DEFAULT_TIMEOUT_S", "FORMAT", "Checkpointer"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +204,14 @@ class Checkpointer:
         map_location: as ``torch.load``'s (default ``'cpu'``; ``load_state_dict`` moves values
             to the live objects' devices).
         storage_options: fsspec options for a URL (endpoint, credentials).
+        sharded: write each snapshot as a directory through ``torch.distributed.checkpoint``
+            (DCP), every rank its own shards of DTensor / FSDP2 state, committed by a marker
+            written last (the manager's ``SnapshotMode.SHARDED`` engine; see
+            :mod:`snapkeep.sharded_checkpoint`); ``None`` (default): when torch.distributed is
+            initialized. Then every method is collective (every rank calls it, in the same
+            order), ``writer`` cannot be given, and rank 0 locks and runs retention.
+        timeout_s: bound of every collective of sharded snapshots, seconds (default 600): a
+            dead rank makes the others raise ``CollectiveTimeoutError`` within it.
 
     Raises:
         StoreLockedError: another live Checkpointer or trainer holds ``directory`` and this
@@ -308,7 +315,7 @@ class Checkpointer:
     def save(
         self, step: int, state: Mapping[str, Any], *, force: bool = False,
         on_error: bool = False,
-    ) -> SaveHandle | None:
+    ) -> Any:
         """Snapshot ``state`` at ``step``; returns once it is staged (a consistent copy), while
         the writer commits it in the background.
 
@@ -327,9 +334,11 @@ class Checkpointer:
                 block: ``ckpt.save(step, state, on_error=True); raise``.
 
         Returns:
-            The save handle (``handle.staged``, ``handle.committed`` futures and
-            ``handle.wait(timeout_s)``, which returns the commit record or raises the save's
-            error), or ``None`` when the step was skipped (``every``, or the writer's
+            The save handle (:class:`snapkeep.store.SaveHandle`: ``handle.staged``,
+            ``handle.committed`` futures and ``handle.wait(timeout_s)``, which returns the commit
+            record or raises the save's error; sharded: a ``ShardedHandle`` with the same two
+            futures, ``committed`` giving the marker's manifest on rank 0), or ``None`` when the
+            step was skipped (``every``, or the writer's
             ``on_full='skip'``). Training may mutate every object in ``state`` as soon as this
             returns.
 
