@@ -234,3 +234,43 @@ def test_synchronous_writer_and_exit_on_exception(tmp_path: Any, caplog: Any) ->
     assert ckpt.writer.pending == 0
     with snapkeep.Checkpointer(tmp_path) as again:
         assert again.latest_step() == 1
+
+
+def test_a_failed_save_does_not_mask_the_loops_own_error(tmp_path: Any, caplog: Any) -> None:
+    def savefun(obj: Any, f: Any) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    with pytest.raises(KeyError, match="loop failed"), caplog.at_level(logging.ERROR):
+        with snapkeep.Checkpointer(tmp_path, writer=snapkeep.writing.ThreadWriter(
+                savefun=savefun)) as ckpt:
+            ckpt.save(1, {"x": torch.zeros(2)})
+            raise KeyError("loop failed")
+    assert any("while the loop raised KeyError" in r.getMessage()
+               and "No space left on device (injected)" in r.getMessage()
+               for r in caplog.records)
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep"]
+
+
+def test_sharded_in_one_process_writes_dcp_directories(tmp_path: Any) -> None:
+    state = _objects(1)
+    it = _train(state, 3)
+    with snapkeep.Checkpointer(tmp_path, keep=2, sharded=True) as ckpt:
+        assert ckpt.writer is None
+        with pytest.raises(StoreLockedError):
+            snapkeep.Checkpointer(tmp_path, sharded=True)
+        for step in (1, 2, 3):
+            ckpt.save(step, state)
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 3]
+    assert sorted(os.listdir(tmp_path / "ckpt_3")) == [".metadata", ".snapkeep-commit.json",
+                                                       "__0_0.distcp"]
+    expected_batch = next(it)
+    fresh = _objects(2)
+    assert not torch.equal(fresh["model"].weight, state["model"].weight)
+    with snapkeep.Checkpointer(tmp_path, sharded=True) as ckpt:
+        assert ckpt.load(into=fresh) == 3
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+    assert fresh["sched"].state_dict() == state["sched"].state_dict()
+    assert fresh["scaler"].state_dict() == state["scaler"].state_dict()
+    assert fresh["epoch"] == 1
+    assert torch.equal(next(iter(fresh["data"])), expected_batch)
