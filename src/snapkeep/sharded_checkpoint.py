@@ -21,13 +21,16 @@ Layout of the DCP state (keys of ``state`` as given to :meth:`Checkpointer.save`
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import logging
+import os
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 
+from snapkeep._core import exit_drain
 from snapkeep.distributed import (
     Groups,
     ShardedJob,
@@ -41,6 +44,7 @@ from snapkeep.distributed import (
     load_sharded,
     saved_keys,
 )
+from snapkeep.errors import SnapshotTimeoutError
 from snapkeep.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep.store import Entry, FilenameTemplate, Storage
 from snapkeep.training import RngState
@@ -90,6 +94,10 @@ class ShardedCheckpoint:
                     logger.warning("could not remove uncommitted %s: %s", entry.path, e)
         retain = self._retain if self.rank == 0 and policy is not None else None
         self.saver = ShardedSaver(self.store, self.groups, retain=retain)
+        self._pid = os.getpid()
+        self._closed = False
+        self._last: tuple[str, Any] | None = None  # (path, handle) of the newest save
+        exit_drain.register(self)  # committed at interpreter exit if still pending
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, name: str, step: int, state: Mapping[str, Any], version: str) -> Any:
@@ -122,7 +130,9 @@ class ShardedCheckpoint:
             rank_state["rng"] = RngState().state_dict()
         tree["rank_state"] = {f"rank{self.rank}": _to_bytes(rank_state)}
         job = ShardedJob(name=name, step=step, run_id=None, metrics={}, version=version)
-        return self.saver.save(tree, job)
+        handle = self.saver.save(tree, job)
+        self._last = (self.store.path_of(name), handle)
+        return handle
 
     def _retain(self, manifest: ShardedManifest) -> None:
         """Retention on rank 0 after a commit (whole directories)."""
@@ -246,9 +256,48 @@ class ShardedCheckpoint:
         """Wait until the snapshot in flight is committed on every rank (its error raised)."""
         self.saver.wait()
 
-    def close(self) -> None:
-        """Wait for the snapshot in flight, then stop the commit thread; idempotent."""
-        self.saver.close()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for the snapshot in flight (at most ``timeout_s`` seconds), then stop the
+        commit thread; idempotent.
+
+        Raises:
+            SnapshotTimeoutError: still not committed after ``timeout_s``.
+            Exception: the commit's error (once).
+        """
+        if self._closed:
+            return
+        try:
+            if self._last is not None and timeout_s is not None:
+                path, handle = self._last
+                try:
+                    concurrent.futures.wait([handle.committed], timeout=timeout_s)
+                finally:
+                    if not handle.committed.done():
+                        self._closed = True
+                        exit_drain.discard(self)
+                        raise SnapshotTimeoutError(
+                            f"sharded snapshot {path} not committed within {timeout_s} s")
+            self.saver.close()
+        finally:
+            self._closed = True
+            exit_drain.discard(self)
+
+    # -- what the exit drain asks (snapkeep._core.exit_drain.Drainable) ------------------------
+    @property
+    def pid(self) -> int:
+        """The process that created it (a forked child does not drain it)."""
+        return self._pid
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def pending_paths(self) -> list[str]:
+        """The snapshot in flight, if any."""
+        if self._last is None or self._last[1].committed.done():
+            return []
+        return [self._last[0]]
 
 
 def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module],

@@ -35,8 +35,11 @@ CHECKPOINTER = textwrap.dedent("""
     import torch
     import snapkeep
 
-    ckpt = snapkeep.Checkpointer(sys.argv[2], keep=2,
-                                 writer=getattr(snapkeep.writing, sys.argv[1])())
+    if sys.argv[1] == "sharded":  # through DCP, the sharded engine (one process)
+        ckpt = snapkeep.Checkpointer(sys.argv[2], keep=2, sharded=True)
+    else:
+        ckpt = snapkeep.Checkpointer(sys.argv[2], keep=2,
+                                     writer=getattr(snapkeep.writing, sys.argv[1])())
     state = {"w": torch.zeros(1024, 1024)}
     for step in range(3):
         with torch.no_grad():
@@ -84,12 +87,17 @@ def test_script_without_finalize_keeps_its_last_snapshot(tmp_path: Any, writer: 
 
 
 @pytest.mark.timeout(EXIT_BOUND_S + 30)
-@pytest.mark.parametrize("writer", ["ThreadWriter", "ProcessWriter"])
+@pytest.mark.parametrize("writer", ["ThreadWriter", "ProcessWriter", "sharded"])
 def test_checkpointer_without_close_keeps_its_last_snapshot(tmp_path: Any, writer: str) -> None:
     out = tmp_path / "out"
     result = _run(["-c", CHECKPOINTER, writer, str(out)], cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(out)) == [".snapkeep", "ckpt_1", "ckpt_2"]  # keep=2 ran at exit
+    if writer == "sharded":  # a committed DCP directory: its marker is written last
+        assert sorted(os.listdir(out / "ckpt_2")) == [".metadata", ".snapkeep-commit.json",
+                                                      "__0_0.distcp"]
+        assert "committed" in result.stderr
+        return
     loaded = torch.load(out / "ckpt_2", weights_only=True)
     assert loaded["step"] == 2 and torch.equal(loaded["state"]["w"], torch.full((1024, 1024), 2.0))
 
