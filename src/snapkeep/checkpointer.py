@@ -273,11 +273,14 @@ class Checkpointer:
                 storage, path = resolve_storage(self._location,
                                                 storage_options=dict(storage_options or {}))
             self._store = SnapshotStore(storage, path, self._template)
-            if self._writer is not None or _rank() == 0:  # one process per directory locks
+
+            def open_directory() -> None:  # one process per directory locks (rank 0)
                 storage.makedirs(path)
                 check_writable(storage, path)
                 self._take_lock(storage, path)
+
             if self._writer is not None:
+                open_directory()
                 self._store.sweep(_LINEAGE)
             else:
                 from snapkeep.sharded_checkpoint import ShardedCheckpoint
@@ -285,7 +288,7 @@ class Checkpointer:
                 self._sharded = ShardedCheckpoint(
                     storage, path, self._template, policy=self._policy, rng=rng,
                     weights_only=weights_only, timeout_s=timeout_s,
-                    storage_options=storage_options)
+                    storage_options=storage_options, open_on_rank0=open_directory)
         except BaseException:
             self.close()
             raise
@@ -575,11 +578,6 @@ class Checkpointer:
     def writer(self) -> Writer | None:
         """The writer (read-only); None for sharded snapshots."""
         return self._writer
-
-
-def _rank() -> int:
-    """This process's rank under torch.distributed (0 without a process group)."""
-    return torch.distributed.get_rank() if is_distributed() else 0
 
 
 def _policy(keep: Any) -> RetentionPolicy | None:

@@ -67,6 +67,8 @@ class ShardedCheckpoint:
         template: the Checkpointer's template (its names are directories here).
         policy: retention, or None.
         rng: save and restore each rank's global generators.
+        open_on_rank0: run on rank 0 once the process groups exist (the Checkpointer's lock);
+            its failure is raised on every rank.
         weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
         timeout_s: bound of every collective, seconds.
         storage_options: fsspec options (object stores).
@@ -74,10 +76,12 @@ class ShardedCheckpoint:
 
     def __init__(self, storage: Storage, directory: str, template: FilenameTemplate, *,
                  policy: RetentionPolicy | None, rng: bool, weights_only: bool,
-                 timeout_s: float,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 timeout_s: float, storage_options: Mapping[str, Any] | None = None,
+                 open_on_rank0: Callable[[], None] | None = None) -> None:
         self.groups: Groups | None = background_groups(timeout_s) if is_distributed() else None
         self.rank = self.groups.rank if self.groups else 0
+        if open_on_rank0 is not None:
+            self._open(open_on_rank0, storage.url(directory))
         self.store = ShardedStore(storage, directory, template,
                                   storage_options=dict(storage_options or {}))
         self._policy = policy
@@ -98,6 +102,28 @@ class ShardedCheckpoint:
         self._closed = False
         self._last: tuple[str, Any] | None = None  # (path, handle) of the newest save
         exit_drain.register(self)  # committed at interpreter exit if still pending
+
+    def _open(self, open_on_rank0: Callable[[], None], where: str) -> None:
+        """Run ``open_on_rank0`` (the directory lock) on rank 0 and tell every rank how it went:
+        when it fails, every rank raises (rank 0 its own error, e.g. ``StoreLockedError``; the
+        others ``RankFailedError`` naming it) instead of waiting for rank 0 in a collective."""
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                open_on_rank0()
+            except Exception as e:  # exchanged below
+                error = e
+        if self.groups is None:
+            if error is not None:
+                raise error
+            return
+        try:
+            exchange_outcomes(self.groups.control, error, what=f"opening {where}",
+                              timeout_s=self.groups.timeout_s)
+        except Exception:
+            if error is not None:
+                raise error from None
+            raise
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, name: str, step: int, state: Mapping[str, Any], version: str) -> Any:
