@@ -6,7 +6,8 @@ A plain loop: an MLP with dropout sharded with FSDP2 ``fully_shard`` (CPU, gloo)
 scheduler, a StatefulDataLoader over this rank's part of the data and this rank's own random
 stream (dropout), saved by ``snapkeep.Checkpointer(OUT_DIR, keep=2, every=2)`` (sharded: under
 torch.distributed) and resumed from it. Prints ``step N`` after each step; at the end rank 0
-writes the full parameters and Adam moments to ``REPORT_DIR/final.pt``.
+writes the full parameters and Adam moments to ``REPORT_DIR/final.pt``. With ITERS 0 it only
+opens the Checkpointer and prints ``opened`` or the error's type.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ def main() -> None:
     init_file, out_dir, report_dir, iters = sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
+    if iters == 0:
+        try:
+            snapkeep.Checkpointer(out_dir, timeout_s=60).close()
+            print("opened", flush=True)
+        except Exception as e:  # the test reads which error each rank got
+            print("refused:", type(e).__name__, flush=True)
+        dist.destroy_process_group()
+        return
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(16, 4))

@@ -74,3 +74,17 @@ def test_fsdp2_plain_loop_killed_at_a_random_step_ends_bit_identical(tmp_path: P
     assert listing == [".snapkeep", f"ckpt_{ITERS - 2}", f"ckpt_{ITERS}"], listing
     assert sorted(os.listdir(killed / "ckpt" / f"ckpt_{ITERS}")) == [
         ".metadata", ".snapkeep-commit.json", "__0_0.distcp", "__1_0.distcp"]
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_held_directory_is_refused_on_every_rank(tmp_path: Path) -> None:
+    import snapkeep
+
+    with snapkeep.Checkpointer(tmp_path / "ckpt", sharded=True):  # another job holds it
+        outputs = ranks.run(WORKER, 2, [str(tmp_path / "init"), str(tmp_path / "ckpt"),
+                                        str(tmp_path), "0"], timeout_s=BOUND_S)
+    assert "refused: StoreLockedError" in outputs[0], outputs
+    assert "refused: RankFailedError" in outputs[1], outputs
+    outputs = ranks.run(WORKER, 2, [str(tmp_path / "init2"), str(tmp_path / "ckpt"),
+                                    str(tmp_path), "0"], timeout_s=BOUND_S)
+    assert all("opened" in o for o in outputs), outputs  # released: free again
