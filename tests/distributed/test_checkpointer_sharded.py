@@ -51,6 +51,7 @@ def _kill_after(tmp: Path, out: Path, report: Path, step: int) -> None:
         ranks.finish(procs, BOUND_S)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(4 * BOUND_S)
 def test_fsdp2_plain_loop_killed_at_a_random_step_ends_bit_identical(tmp_path: Path) -> None:
     reference, killed = tmp_path / "reference", tmp_path / "killed"

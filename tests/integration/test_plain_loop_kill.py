@@ -86,6 +86,7 @@ def _assert_identical(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(6 * BOUND_S)
 def test_docs_plain_loop_killed_at_random_steps_ends_bit_identical(
         tmp_path: pathlib.Path) -> None:
