@@ -327,7 +327,7 @@ class Saver(SlotPool):
             error = SnapshotSaveError(
                 f"background save of {job.path!r} (step {job.step}) failed: "
                 f"{type(e).__name__}: {e}; earlier snapshots are intact. Fix the cause (chained "
-                "below), or pass on_save_error='log' to the snapshot extension to keep training")
+                "below); under a manager, snapshot(on_save_error='log') keeps training after it")
             error.__cause__ = e
             if report:
                 logger.error("snapshot %s (step %s) failed: %s: %s", job.path, job.step,
