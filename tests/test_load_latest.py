@@ -98,7 +98,6 @@ def test_unsafe_snapshot_is_refused_without_falling_back(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"out_dir": "/nonexistent/snapkeep"}, FileNotFoundError, "does not exist"),
         ({"out_dir": 3}, TypeError, "out_dir must be a path"),
         ({"template": None}, TypeError, "template must be a str"),
         ({"template": "{"}, ValueError, "malformed"),
@@ -109,3 +108,24 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict, error: type, match: str) ->
     out_dir = kwargs.pop("out_dir", tmp_path)
     with pytest.raises(error, match=match):
         snapkeep.load_latest(out_dir, **kwargs)
+
+
+def test_missing_directory_is_a_first_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="snapkeep"):
+        assert snapkeep.load_latest(tmp_path / "not" / "yet") is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"load_latest: {tmp_path / 'not' / 'yet'} does not exist: no snapshot to resume"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="is not a directory"):
+        snapkeep.load_latest(tmp_path / "file")
+
+
+def test_files_of_another_template_are_named_with_the_template_that_matches(
+        tmp_path: Path) -> None:
+    for step in (100, 200):
+        torch.save({"w": step}, tmp_path / f"{step}.pt")
+    with pytest.warns(RuntimeWarning, match=r"\['100.pt', '200.pt'\] would match the template "
+                                            r"'\{.iteration\}.pt'"):
+        assert snapkeep.load_latest(tmp_path) is None
+    with pytest.warns(RuntimeWarning, match="no checksum manifest"):  # written by torch.save
+        assert snapkeep.load_latest(tmp_path, template="{.iteration}.pt") == {"w": 200}

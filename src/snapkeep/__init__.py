@@ -9,6 +9,7 @@ from typing import Any
 from snapkeep import errors, reporting, retention, training, writing  # noqa: E402
 from snapkeep._not_shipped import not_shipped_error
 from snapkeep._version import __version__
+from snapkeep.checkpointer import Checkpointer  # noqa: E402
 from snapkeep.errors import (  # noqa: E402
     NoValidSnapshotError,
     SnapshotCorruptError,
@@ -27,7 +28,7 @@ from snapkeep.reporting import report  # noqa: E402
 
 __all__ = [
     "__version__", "errors", "reporting", "retention", "training", "writing", "load_latest",
-    "report",
+    "report", "Checkpointer",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
     "StoreLockedError", "UnsafeSnapshotError", "WorkerDiedError",

@@ -13,7 +13,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from snapkeep.store import Entry, SnapshotStore, load_file, resolve_storage
+from snapkeep.store import (
+    Entry,
+    SnapshotStore,
+    load_file,
+    lookalike_message,
+    resolve_storage,
+    warn_user,
+)
 
 __all__ = ["DEFAULT_TEMPLATE", "load_latest"]
 
@@ -65,7 +72,10 @@ def load_latest(
         for a sharded (DCP) snapshot directory of ``snapshot_mode=SHARDED``, its whole state
         gathered into one dict: ``models``, ``optimizers``, ``objects``, ``rank_state``), or
         ``None`` when ``out_dir`` holds no snapshot matching ``template`` -- the case in which
-        autoload starts fresh.
+        autoload starts fresh -- or does not exist yet (a first run; a WARNING log line names
+        the path, so that a typo shows). Files there that look like snapshots of another
+        template (``100.pt`` for ``'snapshot_iter_{.iteration}'``) are named in a
+        ``RuntimeWarning`` with the template that would match them (``'{.iteration}.pt'``).
 
     Raises:
         NoValidSnapshotError: files of the template exist but none verifies and loads (each
@@ -73,8 +83,7 @@ def load_latest(
         UnsafeSnapshotError: the newest valid file needs ``weights_only=False``; nothing in it
             was executed, and no older snapshot is loaded instead.
         SnapshotStorageError: the storage could not be reached (a URL's endpoint, credentials).
-        FileNotFoundError: ``out_dir`` is a local path that does not exist (a typo would
-            otherwise look like "no snapshots").
+        NotADirectoryError: ``out_dir`` is a local file, not a directory.
         ValueError: ``template`` is malformed.
         TypeError: an argument has the wrong type.
     """
@@ -91,9 +100,13 @@ def load_latest(
     storage, directory = resolve_storage(
         location, storage_options=dict(storage_options) if storage_options else None)
     if storage.is_local and not os.path.isdir(directory):
-        raise FileNotFoundError(
-            f"load_latest: out_dir {location!r} does not exist or is not a directory; pass the "
-            "directory the snapshots were written to (the trainer's out_dir)")
+        if os.path.exists(directory):
+            raise NotADirectoryError(
+                f"load_latest: out_dir {location!r} is not a directory; pass the directory the "
+                "snapshots were written to (the trainer's out_dir)")
+        # a first run: nothing to resume (one line, so that a typo in the path shows too)
+        logger.warning("load_latest: %s does not exist: no snapshot to resume", location)
+        return None
     try:
         store = _store(storage, directory, template)
     except ValueError as e:
@@ -109,6 +122,10 @@ def load_latest(
                                        weights_only=weights_only)
         if sharded is not None:
             return sharded
+        message = lookalike_message(storage.list_names(directory), template, "{.iteration}",
+                                    location)
+        if message is not None:
+            warn_user(message, RuntimeWarning)
         logger.info("no snapshot matching %r in %s", template, location)
         return None
     entry, state = found

@@ -14,6 +14,7 @@ from typing import Any
 
 from snapkeep._core.loading import load_file
 from snapkeep._core.lock import StoreLock
+from snapkeep._core.lookalikes import lookalike_message
 from snapkeep._core.manifest import (
     MANIFEST_DIR,
     Manifest,
@@ -36,6 +37,7 @@ from snapkeep._core.store import (
     SnapshotStore,
 )
 from snapkeep._core.structure import describe, find_mismatches
+from snapkeep._core.ticket import SaveHandle
 from snapkeep._core.user_warnings import user_stacklevel, warn_user
 
 
@@ -55,7 +57,7 @@ __all__ = [
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
     "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
     "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus", "read_run_status",
-    "write_run_status", "run_status",
+    "write_run_status", "run_status", "lookalike_message", "SaveHandle",
 ]
 
 

@@ -22,16 +22,15 @@ exception as ``__cause__``, at the next ``save()`` or at ``finalize()``; later s
 
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
+from snapkeep._core import exit_drain
 from snapkeep._core.backpressure import ON_FULL_POLICIES, SlotPool
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
@@ -99,9 +98,19 @@ class Saver(SlotPool):
         self._prefaulted = threading.Event()  # clear while a prefault thread fills a slot
         self._prefaulted.set()
         self._next_overlap: Any = None  # an OverlapPlan for the next submit (overlap.py)
-        _LIVE_SAVERS.add(self)
+        exit_drain.register(self)  # committed at interpreter exit if still pending
 
     # -- public ----------------------------------------------------------------------------------
+    @property
+    def pid(self) -> int:
+        """The process that created this saver (a forked child does not drain it at exit)."""
+        return self._pid
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
     def add_post_commit_hook(self, hook: PostCommitHook) -> None:
         """Run ``hook(record)`` after each commit, in the trainer process, on the dispatch thread
         (caller's thread for inline runners). A failing hook is logged, never fatal."""
@@ -225,7 +234,7 @@ class Saver(SlotPool):
                     close()
             with self._cond:  # a closed saver keeps no staging copies of the state
                 self._slots = [s for s in self._slots if s.handle is not None]
-            _LIVE_SAVERS.discard(self)
+            exit_drain.discard(self)
         self.raise_pending_error()
 
     def prefault_async(self, tree: Any) -> None:
@@ -318,7 +327,7 @@ class Saver(SlotPool):
             error = SnapshotSaveError(
                 f"background save of {job.path!r} (step {job.step}) failed: "
                 f"{type(e).__name__}: {e}; earlier snapshots are intact. Fix the cause (chained "
-                "below), or pass on_save_error='log' to the snapshot extension to keep training")
+                "below); under a manager, snapshot(on_save_error='log') keeps training after it")
             error.__cause__ = e
             if report:
                 logger.error("snapshot %s (step %s) failed: %s: %s", job.path, job.step,
@@ -395,29 +404,6 @@ def _no_stats() -> StageStats:
     return StageStats(tensor_bytes=0, allocated_bytes=0, num_storages=0)
 
 
-_LIVE_SAVERS: weakref.WeakSet[Saver] = weakref.WeakSet()
-EXIT_WAIT_S = 60.0
-
-
-def _drain_at_exit() -> None:
-    """At interpreter exit, give pending background snapshots a bounded chance to commit, then
-    stop workers and free shared memory. Never raises: errors are logged."""
-    for saver in list(_LIVE_SAVERS):
-        if saver._closed or saver._pid != os.getpid():
-            continue  # a forked child: the parent's threads and worker are not ours to wait for
-        if saver.pending:
-            logger.warning("waiting up to %.0f s for %d pending snapshot(s) at exit; call "
-                           "writer.finalize() (or manager.finalize()) to wait explicitly",
-                           EXIT_WAIT_S, saver.pending)
-        try:
-            saver.close(EXIT_WAIT_S)
-        except SnapshotError as e:
-            logger.error("snapshot error at exit: %s", e)
-
-
-atexit.register(_drain_at_exit)
-
-
 __all__ = [
-    "EXIT_WAIT_S", "ON_FULL_POLICIES", "PostCommitHook", "SaveHandle", "Saver", "Ticket",
+    "ON_FULL_POLICIES", "PostCommitHook", "SaveHandle", "Saver", "Ticket",
 ]

@@ -1,0 +1,630 @@
+"""The front door for plain PyTorch loops: :class:`Checkpointer`.
+
+A loop without a manager saves and resumes with one object, shaped after Orbax's
+``CheckpointManager`` (``save(step, ...)``, ``should_save``, ``latest_step``, ``wait``,
+``close``, ``max_to_keep``) and DCP's ``Stateful`` protocol (objects with
+``state_dict``/``load_state_dict`` loaded in place)::
+
+    with snapkeep.Checkpointer("runs/exp1", keep=3, every=100) as ckpt:
+        state = {"model": model, "optim": optim, "sched": sched, "data": loader}
+        start = ckpt.load(into=state) or 0
+        for step in range(start + 1, total + 1):
+            ...
+            ckpt.save(step, state)      # returns at once; written in the background
+
+It goes through the same store as the manager's snapshot extension: the directory lock, retention
+after commit, checksum manifests, the newest valid snapshot with fallback, safe loading, and the
+exit drain (a pending snapshot is committed at interpreter exit).
+
+The snapshot is one plain ``torch.save`` file (``torch.load(path, weights_only=True)`` opens
+it)::
+
+    {'format': 'snapkeep.checkpoint/1',
+     'step': int,
+     'state': {key: obj.state_dict() | generator state (uint8 tensor) | plain value},
+     'rng': {...}}   # Python, NumPy, torch CPU/CUDA generators (absent with rng=False)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import string
+import types
+import weakref
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from snapkeep._version import __version__
+from snapkeep.distributed import is_distributed
+from snapkeep.errors import (
+    NoValidSnapshotError,
+    SnapshotCorruptError,
+    SnapshotError,
+    StateMismatchError,
+    StoreLockedError,
+)
+from snapkeep.retention import KeepLatest, RetentionPolicy
+from snapkeep.staging import into_existing_state
+from snapkeep.store import (
+    ON_ERROR_SUFFIX,
+    Entry,
+    FilenameTemplate,
+    Retain,
+    SnapshotStore,
+    Storage,
+    StoreLock,
+    check_writable,
+    describe,
+    find_mismatches,
+    load_file,
+    lookalike_message,
+    resolve_storage,
+    warn_user,
+)
+from snapkeep.training import RngState
+from snapkeep.writing import ThreadWriter, Writer
+
+if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
+    from snapkeep.sharded_checkpoint import ShardedCheckpoint
+
+__all__ = ["DEFAULT_TIMEOUT_S", "FORMAT", "Checkpointer"]
+
+logger = logging.getLogger(__name__)
+
+#: Default bound of every collective of sharded snapshots (seconds), as the manager's.
+DEFAULT_TIMEOUT_S = 600.0
+#: The ``format`` entry of a Checkpointer snapshot.
+FORMAT = "snapkeep.checkpoint/1"
+#: Run id of a Checkpointer's snapshots: retention deletes only snapshots without a run id (the
+#: Checkpointer's own, and manifest-less ones), never a manager's.
+_LINEAGE: frozenset[str | None] = frozenset({None})
+
+
+#: (directory, template lock key) -> the open Checkpointer of this process holding it. The store
+#: lock (flock) refuses other processes; within one process it lets a newer trainer take over
+#: from a forgotten one (a notebook cell run again), so open Checkpointers are checked here.
+_OPEN: weakref.WeakValueDictionary[tuple[str, str], Checkpointer] = weakref.WeakValueDictionary()
+
+
+class _Step:
+    """What a step template is formatted with (its ``{step}`` fields become ``{.iteration}``)."""
+
+    def __init__(self, step: int) -> None:
+        self.iteration = step
+
+
+def step_template(template: str) -> FilenameTemplate:
+    """``template`` (``'ckpt_{step}'``, ``'{step:08d}.pt'``, ``'run/{step}'``) as a
+    :class:`FilenameTemplate` whose names parse back to the step.
+
+    Raises:
+        TypeError: ``template`` is not a str.
+        ValueError: it has no ``{step}`` field, another field, or is malformed.
+    """
+    if not isinstance(template, str):
+        raise TypeError(f"template must be a str with one {{step}} field such as 'ckpt_{{step}}' "
+                        f"or '{{step:08d}}.pt', got {type(template).__name__}")
+    parts: list[str] = []
+    fields = 0
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"template {template!r} is malformed: {e}") from e
+    for literal, field, spec, conversion in parsed:
+        parts.append(literal.replace("{", "{{").replace("}", "}}"))
+        if field is None:
+            continue
+        if field != "step" or conversion:
+            raise ValueError(f"template {template!r} has the field {{{field}}}; the only field "
+                             "is {step} (with an optional format spec such as {step:08d})")
+        fields += 1
+        parts.append("{.iteration" + (f":{spec}" if spec else "") + "}")
+    if fields != 1:
+        raise ValueError(f"template {template!r} must have exactly one {{step}} field (e.g. "
+                         f"'ckpt_{{step}}', '{{step:08d}}.pt'), it has {fields}")
+    return FilenameTemplate("".join(parts))
+
+
+def stateful(key: str, obj: Any) -> Any:
+    """The one place that decides how a value of ``state`` is saved and loaded.
+
+    Returns ``obj`` when it has ``state_dict``/``load_state_dict`` (modules, optimizers, LR
+    schedulers, ``GradScaler``, torchdata's ``StatefulDataLoader``, your own objects), or
+    ``None`` for a value saved as is (``torch.Generator`` and plain values are handled by the
+    caller).
+
+    Raises:
+        TypeError: ``obj`` is a ``torch.utils.data.DataLoader`` without ``state_dict``: it keeps
+            no position, so a resumed run would see other batches. (Position capture for plain
+            DataLoaders plugs in here.)
+    """
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict",
+                                                                       None)):
+        return obj
+    if isinstance(obj, torch.utils.data.DataLoader):
+        raise TypeError(
+            f"state[{key!r}] is a torch DataLoader, which keeps no position (no state_dict): a "
+            "resumed run would not continue with the next batch. Use torchdata's "
+            "StatefulDataLoader (from torchdata.stateful_dataloader import StatefulDataLoader; "
+            "same arguments), or leave the loader out of state")
+    return None
+
+
+def _start_iterators(objects: Mapping[str, Any]) -> None:
+    """After the data loaders among ``objects`` loaded their position, build their iterators
+    now.
+
+    A new ``DataLoader`` iterator draws its seeds (sampler order, worker base seed) from the
+    global generator or the loader's ``generator``. The uninterrupted run drew them at the start
+    of the epoch, before the snapshot; a resumed run that builds its iterator mid-epoch, after
+    the generators were restored, would draw them again and shift every later random number
+    (dropout, augmentation). torchdata's ``StatefulDataLoader.state_dict()`` builds the iterator
+    from the loaded position and keeps it for the loop's next ``iter(loader)``; calling it here,
+    before the generators are restored, keeps the random streams exactly as uninterrupted.
+    (Plain-DataLoader support plugs in here and in :func:`stateful`.)
+    """
+    for obj in objects.values():
+        state_dict = getattr(obj, "state_dict", None)
+        if isinstance(obj, torch.utils.data.DataLoader) and stateful("", obj) is not None \
+                and callable(state_dict):
+            state_dict()
+
+
+class Checkpointer:
+    """Saves and resumes a plain training loop's state in ``directory`` (see the module
+    docstring).
+
+    Args:
+        directory: where the snapshots go: a local path or an fsspec URL (``s3://bucket/run``).
+            Created if missing. One Checkpointer per directory and template at a time: the
+            directory lock (a second one, in this or another process, raises
+            :class:`~snapkeep.errors.StoreLockedError`; object stores are not locked).
+        keep: how many snapshots to keep: an int N keeps the newest N by step (Orbax's
+            ``max_to_keep``, ppe's ``n_retains``); a policy from :mod:`snapkeep.retention`
+            (``KeepEvery``, ``KeepBest``, ``AnyOf``); ``None`` keeps all. Retention runs after
+            each commit and never deletes the newest valid snapshot.
+        every: :meth:`should_save` is True every ``every`` steps (step % every == 0), and
+            :meth:`save` without ``force`` skips the others (Orbax's ``save_interval_steps``);
+            ``None`` saves whenever :meth:`save` is called.
+        template: the file name of a snapshot, with one ``{step}`` field and an optional format
+            spec (``'ckpt_{step}'``, ``'{step}.pt'``, ``'ckpt_{step:08d}'``). "Latest" is the
+            highest step parsed back from the names, never the mtime.
+        writer: the snapkeep writer that writes (from :mod:`snapkeep.writing`, with no
+            ``out_dir`` of its own); default a ``ThreadWriter`` (a staged CPU copy, written on a
+            background thread, one snapshot in flight). ``SimpleWriter()`` writes synchronously.
+            The Checkpointer finalizes it in :meth:`close`.
+        rng: also save and restore Python's, NumPy's and torch's global generators (CPU, and
+            CUDA once initialized) for bit-identical continuation; default True.
+        weights_only: load with ``torch.load(weights_only=True)`` (default): tensors,
+            containers and primitive values only; False allows arbitrary unpickling (trusted
+            files only).
+        map_location: as ``torch.load``'s (default ``'cpu'``; ``load_state_dict`` moves values
+            to the live objects' devices).
+        storage_options: fsspec options for a URL (endpoint, credentials).
+        sharded: write each snapshot as a directory through ``torch.distributed.checkpoint``
+            (DCP), every rank its own shards of DTensor / FSDP2 state, committed by a marker
+            written last (the manager's ``SnapshotMode.SHARDED`` engine; see
+            :mod:`snapkeep.sharded_checkpoint`); ``None`` (default): when torch.distributed is
+            initialized. Then every method is collective (every rank calls it, in the same
+            order), ``writer`` cannot be given, and rank 0 locks and runs retention.
+        timeout_s: bound of every collective of sharded snapshots, seconds (default 600): a
+            dead rank makes the others raise ``CollectiveTimeoutError`` within it.
+
+    Raises:
+        StoreLockedError: another live Checkpointer or trainer holds ``directory`` and this
+            template (its pid, host and start time named).
+        SnapshotStorageError: ``directory`` cannot be created or written.
+        TypeError, ValueError: a bad argument (named, with the accepted values).
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], *, keep: int | RetentionPolicy | None = None,
+        every: int | None = None, template: str = "ckpt_{step}", writer: Writer | None = None,
+        rng: bool = True, weights_only: bool = True, map_location: Any = "cpu",
+        storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"directory must be a path or URL string, got "
+                            f"{type(directory).__name__}")
+        self._policy = _policy(keep)
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
+                                  or every < 1):
+            raise ValueError(f"every must be an int >= 1 (steps) or None, got {every!r}")
+        for name, value in (("rng", rng), ("weights_only", weights_only)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        if sharded is None:
+            sharded = is_distributed()
+        if not isinstance(sharded, bool):
+            raise TypeError(f"sharded must be True, False or None (auto), got {sharded!r}")
+        if writer is not None and not isinstance(writer, Writer):
+            raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
+                            f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
+        if writer is not None and sharded:
+            raise ValueError("sharded snapshots are written by every rank through "
+                             "torch.distributed.checkpoint; writer cannot be given")
+        self._location = os.fspath(directory)
+        if writer is not None and writer.out_dir and writer.out_dir != self._location:
+            raise ValueError(f"writer has out_dir {writer.out_dir!r}; the Checkpointer writes "
+                             f"into {self._location!r}: pass a writer without out_dir")
+        self.template = template
+        self._template = step_template(template)
+        self.every = every
+        self.rng = rng
+        self._weights_only = weights_only
+        self._map_location = map_location
+        self._closed = False
+        self._lock: StoreLock | None = None
+        self._key = ("", "")
+        self._sharded: ShardedCheckpoint | None = None
+        self._writer: Writer | None = None
+        if not sharded:
+            self._writer = writer if writer is not None else ThreadWriter(
+                storage_options=storage_options)
+        try:
+            if self._writer is not None:
+                self._writer.initialize(self._location)  # creates it; removes stale temps
+                storage, path = self._writer.storage_for(self._location)
+            else:
+                storage, path = resolve_storage(self._location,
+                                                storage_options=dict(storage_options or {}))
+            self._store = SnapshotStore(storage, path, self._template)
+
+            def open_directory() -> None:  # one process per directory locks (rank 0)
+                storage.makedirs(path)
+                check_writable(storage, path)
+                self._take_lock(storage, path)
+
+            if self._writer is not None:
+                open_directory()
+                self._store.sweep(_LINEAGE)
+            else:
+                from snapkeep.sharded_checkpoint import ShardedCheckpoint
+
+                self._sharded = ShardedCheckpoint(
+                    storage, path, self._template, policy=self._policy, rng=rng,
+                    weights_only=weights_only, timeout_s=timeout_s,
+                    storage_options=storage_options, open_on_rank0=open_directory)
+        except BaseException:
+            self.close()
+            raise
+
+    def _take_lock(self, storage: Storage, path: str) -> None:
+        self._key = (os.path.realpath(path) if storage.is_local else storage.url(path),
+                     self._template.lock_key)
+        other = _OPEN.get(self._key)
+        if other is not None and not other._closed:
+            raise StoreLockedError(
+                f"snapshots of {self.template!r} in {self._location!r} are in use by another "
+                f"open Checkpointer of this process ({other!r}); two on one directory and "
+                "template would delete and overwrite each other's snapshots. close() the other "
+                "one first, or use another directory or template")
+        self._lock = self._store.lock()
+        _OPEN[self._key] = self
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self._location!r}, template={self.template!r})"
+
+    # -- saving ----------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` at ``step`` writes without ``force``: ``step % every == 0``
+        (always True with ``every=None``)."""
+        return self.every is None or _check_step(step) % self.every == 0
+
+    def save(
+        self, step: int, state: Mapping[str, Any], *, force: bool = False,
+        on_error: bool = False,
+    ) -> Any:
+        """Snapshot ``state`` at ``step``; returns once it is staged (a consistent copy), while
+        the writer commits it in the background.
+
+        Each value of ``state`` is saved by what it is: an object with ``state_dict()`` by its
+        state dict (modules, optimizers, LR schedulers, ``GradScaler``, ``StatefulDataLoader``),
+        a ``torch.Generator`` by ``get_state()``, anything else (tensors, numbers, strings,
+        containers of them) as is. With ``rng=True`` the global generators are saved too.
+
+        Args:
+            step: the training step (int >= 0); it names the file and orders snapshots.
+            state: str keys to the objects and values to save.
+            force: save even when :meth:`should_save` is False.
+            on_error: save the state of a loop that raised, under ``<name>.on-error``: never
+                loaded by :meth:`load` nor deleted by retention (it holds mid-step state; kept
+                for inspection), and waited for before returning. Use it in an ``except``
+                block: ``ckpt.save(step, state, on_error=True); raise``.
+
+        Returns:
+            The save handle (:class:`snapkeep.store.SaveHandle`: ``handle.staged``,
+            ``handle.committed`` futures and ``handle.wait(timeout_s)``, which returns the commit
+            record or raises the save's error; sharded: a ``ShardedHandle`` with the same two
+            futures, ``committed`` giving the marker's manifest on rank 0), or ``None`` when the
+            step was skipped (``every``, or the writer's
+            ``on_full='skip'``). Training may mutate every object in ``state`` as soon as this
+            returns.
+
+        Raises:
+            SnapshotSaveError: an earlier background save failed (raised once, its cause
+                chained); this snapshot was not taken.
+            TypeError: ``state`` is not a mapping with str keys, or holds a DataLoader without
+                ``state_dict``.
+            RuntimeError: the Checkpointer is closed.
+        """
+        self._require_open()
+        step = _check_step(step)
+        if not (force or on_error or self.should_save(step)):
+            return None
+        name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
+        if self._sharded is not None:
+            for key, value in _check_state(state).items():
+                stateful(key, value)
+            sharded_handle = self._sharded.save(name, step, state, __version__)
+            if on_error:
+                sharded_handle.committed.result()
+            return sharded_handle
+        writer: Any = self._writer  # not sharded: a writer
+        tree = self._payload(step, state)
+        retain = Retain(store=self._store, lineage=_LINEAGE,
+                        policy=None if on_error else self._policy)
+        extra: dict[str, Any] = {"step": step, "retain": retain}  # snapkeep's writer extras
+        handle = writer(name, self._location, tree, **extra)
+        if on_error and handle is not None:
+            handle.wait()
+        return handle
+
+    def _payload(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
+        saved: dict[str, Any] = {}
+        for key, value in _check_state(state).items():
+            if isinstance(value, torch.Generator):
+                saved[key] = value.get_state()
+            elif stateful(key, value) is not None:
+                saved[key] = value.state_dict()
+            else:
+                saved[key] = value
+        payload: dict[str, Any] = {"format": FORMAT, "step": step, "state": saved}
+        if self.rng:
+            payload["rng"] = RngState().state_dict()
+        return payload
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every snapshot saved so far is committed (durable), then raise a
+        background save's error, once (Orbax's ``wait_until_finished``).
+
+        Raises:
+            SnapshotTimeoutError: still pending after ``timeout_s`` seconds.
+            SnapshotSaveError: a background save failed (its cause chained).
+        """
+        if self._closed:
+            return
+        if self._sharded is not None:
+            self._sharded.wait()
+        elif self._writer is not None:
+            self._writer.wait(timeout_s)
+
+    # -- listing and loading -------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Steps of the committed snapshots in the directory, oldest first (listed by name, not
+        verified; on-error snapshots excluded)."""
+        entries = self._sharded.entries() if self._sharded is not None else self._store.entries()
+        return [e.step for e in entries if e.step is not None]
+
+    def latest_step(self) -> int | None:
+        """The highest step among committed snapshots (parsed from the names; ``None`` when
+        there is none). :meth:`load` verifies it and falls back to an older one if it does not
+        verify."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def load(self, into: MutableMapping[str, Any], step: int | None = None) -> int | None:
+        """Load the newest valid snapshot (or the one of ``step``) into the live objects of
+        ``into``, and return its step; ``None`` when there is nothing to resume (first run).
+
+        The newest snapshot by step whose checksum verifies and that loads is chosen; one that
+        fails is skipped with a ``RuntimeWarning`` naming it, and the next older one is tried.
+        All or nothing: every key of ``into`` must be in the snapshot and every module and
+        optimizer must fit (keys, shapes, param groups) before anything is loaded. Then objects
+        with ``load_state_dict`` load their state (optimizer state in place where it exists),
+        generators get ``set_state``, plain values are replaced in ``into`` (as ``dcp.load``
+        does), and with ``rng=True`` the global generators are restored.
+
+        Args:
+            into: the same mapping as given to :meth:`save` (its keys select what is loaded).
+            step: load exactly this step (no fallback); default the newest valid one.
+
+        Returns:
+            The step loaded, or ``None`` (one log line says so; files that look like snapshots
+            of another template are named in a warning with the template that would match).
+
+        Raises:
+            StateMismatchError: the snapshot lacks a key of ``into`` or does not fit; nothing
+                was loaded.
+            NoValidSnapshotError: snapshots exist but none verifies and loads (each reason
+                listed), or ``step`` names none / an invalid one.
+            UnsafeSnapshotError: the snapshot needs ``weights_only=False``; nothing loaded.
+            SnapshotStorageError: the storage could not be reached.
+        """
+        self._require_open()
+        objects = _check_state(into)
+        for key, value in objects.items():
+            stateful(key, value)  # refuses a plain DataLoader before anything is read
+        self.wait()  # a snapshot still in flight is a candidate too
+        entries = self._sharded.entries() if self._sharded is not None else self._store.entries()
+        if step is not None:
+            step = _check_step(step)
+            chosen = [e for e in entries if e.step == step]
+            if not chosen:
+                raise NoValidSnapshotError(
+                    f"no snapshot of step {step} in {self._location!r} (template "
+                    f"{self.template!r}); steps there: {[e.step for e in entries][-20:]}")
+            entries = chosen
+        if not entries:
+            self._nothing_to_resume()
+            return None
+        if self._sharded is not None:
+            loaded = self._sharded.load(into, objects, entries, before_rng=_start_iterators)
+            if loaded is None:
+                return None
+            logger.info("resumed from %s (step %s)", loaded.path, loaded.step)
+            return loaded.step
+        found = self._store.load_newest(self._load_file, candidates=entries)
+        if found is None:  # unreachable: entries is not empty
+            return None
+        entry, payload = found
+        self._apply(objects, into, payload, entry)
+        logger.info("resumed from %s (step %s)", entry.path, entry.step)
+        return entry.step
+
+    def _nothing_to_resume(self) -> None:
+        storage, directory = self._store.storage, self._store.directory
+        message = lookalike_message(storage.list_names(directory), self.template, "{step}",
+                                    self._location)
+        if message is not None:
+            _warn(message)
+        logger.warning("no snapshot of %r in %s: nothing to resume, starting fresh",
+                       self.template, self._location)
+
+    def _load_file(self, entry: Entry, data: bytes | None) -> Any:
+        payload = load_file(self._store.storage, entry.path, map_location=self._map_location,
+                            weights_only=self._weights_only, data=data)
+        if not isinstance(payload, Mapping) or payload.get("format") != FORMAT \
+                or not isinstance(payload.get("state"), Mapping):
+            raise SnapshotCorruptError(
+                f"{entry.path} is not a Checkpointer snapshot (no format {FORMAT!r}); written "
+                "by another tool under this template?")
+        return payload
+
+    def _apply(self, objects: Mapping[str, Any], into: MutableMapping[str, Any],
+               payload: Mapping[str, Any], entry: Entry) -> None:
+        saved = payload["state"]
+        missing = [k for k in objects if k not in saved]
+        if missing:
+            raise StateMismatchError(
+                f"snapshot {entry.path} (step {entry.step}) has no {missing} (it has "
+                f"{sorted(saved)[:20]}); nothing was loaded")
+        problems: list[str] = []
+        for key, obj in objects.items():
+            problems += [f"[{key!r}] {p}" for p in _fit_problems(obj, saved[key])]
+        if problems:
+            raise StateMismatchError(
+                f"snapshot {entry.path} (step {entry.step}) does not fit: {describe(problems)}. "
+                "Nothing was loaded.")
+        optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
+        with into_existing_state(optimizers):
+            for key, obj in objects.items():
+                if isinstance(obj, torch.Generator):
+                    obj.set_state(saved[key])
+                elif stateful(key, obj) is not None:
+                    obj.load_state_dict(saved[key])
+                else:
+                    into[key] = saved[key]
+        _start_iterators(objects)  # before the generators are restored: see its docstring
+        if self.rng:
+            if "rng" in payload:
+                RngState().load_state_dict(payload["rng"])
+            else:
+                logger.warning("snapshot %s holds no RNG state (saved with rng=False); the "
+                               "global generators were not restored", entry.path)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for pending snapshots, finalize the writer and release the directory lock;
+        idempotent.
+
+        Raises:
+            SnapshotSaveError: a background save failed and was not reported yet.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._sharded is not None:
+                self._sharded.close()
+            if self._writer is not None:
+                self._writer.finalize()
+        finally:
+            lock, self._lock = self._lock, None
+            if lock is not None:
+                lock.release()
+            if _OPEN.get(self._key) is self:
+                del _OPEN[self._key]
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: types.TracebackType | None) -> None:
+        """Close (pending snapshots are committed). While an exception propagates, a save
+        error raised by the close is logged instead, so the loop's own error is what surfaces."""
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except (SnapshotError, OSError) as e:
+            logger.error("a snapshot failed while the loop raised %s: %s", exc_type.__name__, e)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            logger.warning("%r was garbage-collected without close(); pending snapshots are "
+                           "committed at exit", self)
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed; create a new Checkpointer")
+
+    @property
+    def writer(self) -> Writer | None:
+        """The writer (read-only); None for sharded snapshots."""
+        return self._writer
+
+
+def _policy(keep: Any) -> RetentionPolicy | None:
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not (isinstance(keep, int) or callable(getattr(keep, "select",
+                                                                                None))):
+        raise TypeError(f"keep must be an int >= 1, a policy from snapkeep.retention, or None, "
+                        f"got {keep!r}")
+    if isinstance(keep, int):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (None keeps all), got {keep}")
+        return KeepLatest(keep)
+    policy: RetentionPolicy = keep
+    return policy
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return int(step)
+
+
+def _check_state(state: Any) -> Mapping[str, Any]:
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise TypeError("state must be a dict of str keys to objects with state_dict() "
+                        "(model, optimizer, scheduler, ...) or plain values, got "
+                        f"{type(state).__name__}")
+    return state
+
+
+def _fit_problems(obj: Any, saved: Any) -> list[str]:
+    """What keeps ``saved`` from loading into ``obj`` (modules: keys and shapes; optimizers:
+    param groups and their sizes)."""
+    if isinstance(obj, torch.nn.Module):
+        return find_mismatches(obj.state_dict(), saved)
+    if isinstance(obj, torch.optim.Optimizer):
+        groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+        if not isinstance(groups, list):
+            return ["not an optimizer state_dict (no 'param_groups')"]
+        sizes = [len(g.get("params", [])) for g in groups if isinstance(g, Mapping)]
+        live = [len(g["params"]) for g in obj.param_groups]
+        if sizes != live:
+            return [f"parameters per group {sizes} in the snapshot, {live} in the optimizer"]
+    return []
+
+
+def _warn(message: str) -> None:
+    warn_user(message, RuntimeWarning)
+

@@ -1,0 +1,350 @@
+"""The sharded side of :class:`snapkeep.Checkpointer`: one snapshot = one DCP directory.
+
+Under torchrun (or with ``Checkpointer(..., sharded=True)``) every rank saves and loads together
+through ``torch.distributed.checkpoint`` (DCP), as the manager's ``SnapshotMode.SHARDED`` does
+and with its engine (:class:`snapkeep.distributed.ShardedSaver`): each rank stages its shards,
+writes its own files, rank 0 writes the marker (every file's checksum) last, and retention runs
+on rank 0 after the commit. Resuming, all ranks agree on the newest snapshot every rank can verify
+(falling back together past a corrupt one), and DCP reshards it to the current world size.
+
+Layout of the DCP state (keys of ``state`` as given to :meth:`Checkpointer.save`)::
+
+    models.<key>.<fqn>          modules: get_model_state_dict (DTensor shards under FSDP2)
+    optimizers.<key>....        optimizers: get_optimizer_state_dict with the module owning
+                                their parameters
+    objects.<key>               bytes: torch.save of other state_dicts and plain values, as on
+                                rank 0 (LR schedulers, GradScaler, numbers)
+    rank_state.rank<r>          bytes: rank r's own state -- data loaders, generators and the
+                                global RNG states -- restored on rank r (a rank added since has
+                                none: it starts its streams from their current state, warned)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import logging
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+
+from snapkeep._core import exit_drain
+from snapkeep.distributed import (
+    Groups,
+    ShardedJob,
+    ShardedManifest,
+    ShardedSaver,
+    ShardedStore,
+    agree_on_resume,
+    background_groups,
+    exchange_outcomes,
+    is_distributed,
+    load_sharded,
+    saved_keys,
+)
+from snapkeep.errors import SnapshotTimeoutError
+from snapkeep.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep.store import Entry, FilenameTemplate, Storage
+from snapkeep.training import RngState
+
+logger = logging.getLogger(__name__)
+
+
+def _is_rank_local(obj: Any) -> bool:
+    """Values that differ per rank: data loaders (each rank reads its own part) and
+    generators."""
+    return isinstance(obj, (torch.utils.data.DataLoader, torch.Generator))
+
+
+class ShardedCheckpoint:
+    """The DCP-backed snapshots of one Checkpointer (see the module docstring). Every method
+    is collective: every rank calls it, in the same order.
+
+    Args:
+        storage, directory: where the snapshot directories go.
+        template: the Checkpointer's template (its names are directories here).
+        policy: retention, or None.
+        rng: save and restore each rank's global generators.
+        open_on_rank0: run on rank 0 once the process groups exist (the Checkpointer's lock);
+            its failure is raised on every rank.
+        weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
+        timeout_s: bound of every collective, seconds.
+        storage_options: fsspec options (object stores).
+    """
+
+    def __init__(self, storage: Storage, directory: str, template: FilenameTemplate, *,
+                 policy: RetentionPolicy | None, rng: bool, weights_only: bool,
+                 timeout_s: float, storage_options: Mapping[str, Any] | None = None,
+                 open_on_rank0: Callable[[], None] | None = None) -> None:
+        self.groups: Groups | None = background_groups(timeout_s) if is_distributed() else None
+        self.rank = self.groups.rank if self.groups else 0
+        if open_on_rank0 is not None:
+            self._open(open_on_rank0, storage.url(directory))
+        self.store = ShardedStore(storage, directory, template,
+                                  storage_options=dict(storage_options or {}))
+        self._policy = policy
+        self._rng = rng
+        self._weights_only = weights_only
+        if self.rank == 0:
+            storage.makedirs(directory)
+            for entry in self.store.uncommitted():
+                logger.info("removing uncommitted sharded snapshot directory %s (no marker; left "
+                            "by a crash)", entry.path)
+                try:
+                    self.store.delete(entry)
+                except OSError as e:
+                    logger.warning("could not remove uncommitted %s: %s", entry.path, e)
+        retain = self._retain if self.rank == 0 and policy is not None else None
+        self.saver = ShardedSaver(self.store, self.groups, retain=retain)
+        self._pid = os.getpid()
+        self._closed = False
+        self._last: tuple[str, Any] | None = None  # (path, handle) of the newest save
+        exit_drain.register(self)  # committed at interpreter exit if still pending
+
+    def _open(self, open_on_rank0: Callable[[], None], where: str) -> None:
+        """Run ``open_on_rank0`` (the directory lock) on rank 0 and tell every rank how it went:
+        when it fails, every rank raises (rank 0 its own error, e.g. ``StoreLockedError``; the
+        others ``RankFailedError`` naming it) instead of waiting for rank 0 in a collective."""
+        error: Exception | None = None
+        if self.rank == 0:
+            try:
+                open_on_rank0()
+            except Exception as e:  # exchanged below
+                error = e
+        if self.groups is None:
+            if error is not None:
+                raise error
+            return
+        try:
+            exchange_outcomes(self.groups.control, error, what=f"opening {where}",
+                              timeout_s=self.groups.timeout_s)
+        except Exception:
+            if error is not None:
+                raise error from None
+            raise
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, name: str, step: int, state: Mapping[str, Any], version: str) -> Any:
+        """Stage this rank's part of ``state`` and commit it in the background; returns the
+        handle (``staged`` done, ``committed`` when the marker is durable)."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        models = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+        tree: dict[str, Any] = {"models": {}, "optimizers": {}, "objects": {}}
+        own: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.nn.Module):
+                tree["models"][key] = get_model_state_dict(value)
+            elif isinstance(value, torch.optim.Optimizer):
+                tree["optimizers"][key] = get_optimizer_state_dict(
+                    _model_of(value, models, key), value)
+            elif isinstance(value, torch.Generator):
+                own[key] = value.get_state()
+            elif _is_rank_local(value):
+                own[key] = value.state_dict()
+            elif callable(getattr(value, "state_dict", None)):
+                tree["objects"][key] = _to_bytes(value.state_dict())
+            else:
+                tree["objects"][key] = _to_bytes(value)
+        rank_state: dict[str, Any] = {"state": own}
+        if self._rng:
+            rank_state["rng"] = RngState().state_dict()
+        tree["rank_state"] = {f"rank{self.rank}": _to_bytes(rank_state)}
+        job = ShardedJob(name=name, step=step, run_id=None, metrics={}, version=version)
+        handle = self.saver.save(tree, job)
+        self._last = (self.store.path_of(name), handle)
+        return handle
+
+    def _retain(self, manifest: ShardedManifest) -> None:
+        """Retention on rank 0 after a commit (whole directories)."""
+        if self._policy is None:
+            return
+        entries = self.store.entries()
+        infos = [SnapshotInfo(name=e.name, key=e.key, step=e.step, metrics={}) for e in entries]
+        by_name = {e.name: e for e in entries}
+        for name in plan_deletions(self._policy, infos, protect=[manifest.name]):
+            try:
+                self.store.delete(by_name[name])
+            except OSError as e:
+                logger.warning("retention could not delete %s (step %s): %s",
+                               by_name[name].path, by_name[name].step, e)
+
+    # -- loading ---------------------------------------------------------------------------------
+    def entries(self) -> list[Entry]:
+        """Committed snapshot directories, oldest first."""
+        return self.store.entries()
+
+    def load(self, into: MutableMapping[str, Any], objects: Mapping[str, Any],
+             entries: list[Entry], *,
+             before_rng: Callable[[Mapping[str, Any]], None]) -> Entry | None:
+        """Agree on the newest of ``entries`` every rank verifies, load it into ``objects``
+        (resharded) and return it; ``None`` when ``entries`` is empty.
+
+        ``before_rng(objects)`` runs after the data positions are loaded and before the global
+        generators are restored (the Checkpointer starts data loader iterators there).
+
+        Raises:
+            NoCommonSnapshotError: snapshots exist but none verifies on every rank.
+            RankFailedError: preparing or loading failed on some rank (named); every rank
+                raises, before anything was applied to the live objects.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        groups = self.groups
+        control = groups.control if groups else None
+        timeout_s = groups.timeout_s if groups else None
+        world_size = groups.world_size if groups else 1
+        what = f"resuming {self.store.template.template!r} in {self.store.directory!r}"
+
+        def check(name: str) -> str | None:
+            self.store.verify_part(self.store.entry(name), self.rank, world_size)
+            return None
+
+        chosen = agree_on_resume(control, [(e.key, e.name) for e in entries], check, what=what,
+                                 timeout_s=timeout_s)
+        if chosen is None:
+            return None
+        entry = self.store.entry(chosen)
+        models = {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
+        template: dict[str, Any] = {}
+        error: BaseException | None = None
+        try:
+            keys = saved_keys(self.store, entry)
+            template = {
+                "models": {k: get_model_state_dict(m) for k, m in models.items()},
+                "optimizers": {k: get_optimizer_state_dict(_model_of(o, models, k), o)
+                               for k, o in objects.items()
+                               if isinstance(o, torch.optim.Optimizer)},
+                "objects": {k: b"" for k, v in objects.items()
+                            if not isinstance(v, (torch.nn.Module, torch.optim.Optimizer))
+                            and not _is_rank_local(v)},
+            }
+            missing = [f"objects.{k}" for k in template["objects"] if f"objects.{k}" not in keys]
+            if missing:
+                raise KeyError(f"snapshot {entry.path} lacks {missing}; nothing was loaded")
+            own = f"rank{self.rank}"
+            if f"rank_state.{own}" in keys:
+                template["rank_state"] = {own: b""}
+        except Exception as e:  # exchanged below: every rank fails together
+            error = e
+        exchange_outcomes(control, error, what=f"{what}: preparing to load {entry.path}",
+                          timeout_s=timeout_s)
+        try:
+            load_sharded(self.store, entry, template, groups=groups,
+                         weights_only=self._weights_only)
+        except Exception as e:  # exchanged below
+            error = e
+        exchange_outcomes(control, error, what=f"{what}: loading {entry.path}",
+                          timeout_s=timeout_s)
+        for key, model in models.items():
+            set_model_state_dict(model, template["models"][key])
+        for key, optim in objects.items():
+            if isinstance(optim, torch.optim.Optimizer):
+                set_optimizer_state_dict(_model_of(optim, models, key), optim,
+                                         template["optimizers"][key])
+        for key, data in template["objects"].items():
+            value = _from_bytes(data, self._weights_only)
+            obj = objects[key]
+            if callable(getattr(obj, "load_state_dict", None)):
+                obj.load_state_dict(value)
+            else:
+                into[key] = value
+        rank_bytes = template.get("rank_state", {}).get(f"rank{self.rank}")
+        rank_state = _from_bytes(rank_bytes, self._weights_only) if rank_bytes else None
+        if rank_state is None:
+            logger.warning("rank %d: %s holds no state of this rank (saved on fewer ranks); its "
+                           "data loaders and random streams start from their current state",
+                           self.rank, entry.path)
+            before_rng(objects)
+            return entry
+        for key, saved in rank_state["state"].items():
+            obj = objects.get(key)
+            if isinstance(obj, torch.Generator):
+                obj.set_state(saved)
+            elif obj is not None:
+                obj.load_state_dict(saved)
+        before_rng(objects)
+        if self._rng and "rng" in rank_state:
+            RngState().load_state_dict(rank_state["rng"])
+        return entry
+
+    def wait(self) -> None:
+        """Wait until the snapshot in flight is committed on every rank (its error raised)."""
+        self.saver.wait()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for the snapshot in flight (at most ``timeout_s`` seconds), then stop the
+        commit thread; idempotent.
+
+        Raises:
+            SnapshotTimeoutError: still not committed after ``timeout_s``.
+            Exception: the commit's error (once).
+        """
+        if self._closed:
+            return
+        try:
+            if self._last is not None and timeout_s is not None:
+                path, handle = self._last
+                try:
+                    concurrent.futures.wait([handle.committed], timeout=timeout_s)
+                finally:
+                    if not handle.committed.done():
+                        self._closed = True
+                        exit_drain.discard(self)
+                        raise SnapshotTimeoutError(
+                            f"sharded snapshot {path} not committed within {timeout_s} s")
+            self.saver.close()
+        finally:
+            self._closed = True
+            exit_drain.discard(self)
+
+    # -- what the exit drain asks (snapkeep._core.exit_drain.Drainable) ------------------------
+    @property
+    def pid(self) -> int:
+        """The process that created it (a forked child does not drain it)."""
+        return self._pid
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def pending_paths(self) -> list[str]:
+        """The snapshot in flight, if any."""
+        if self._last is None or self._last[1].committed.done():
+            return []
+        return [self._last[0]]
+
+
+def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module],
+              key: str) -> torch.nn.Module:
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models.values():
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    raise ValueError(f"state[{key!r}] optimizes no parameter of the modules in state "
+                     f"{sorted(models)}; sharded snapshots save an optimizer with its module: "
+                     "put the module into state too")
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes, weights_only: bool) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
+
+
+__all__ = ["ShardedCheckpoint"]

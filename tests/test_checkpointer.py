@@ -1,0 +1,276 @@
+"""snapkeep.Checkpointer, the front door for plain loops (issue 20): real files, the real store
+lock, retention, checksums with fallback, all-or-nothing loads, first runs and templates."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import snapkeep
+from snapkeep.errors import NoValidSnapshotError, StateMismatchError, StoreLockedError
+from snapkeep.retention import KeepEvery
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+def _objects(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 4)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return {
+        "model": model, "optim": optim,
+        "sched": torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5),
+        "scaler": torch.amp.GradScaler("cpu", init_scale=2.0 ** (seed + 4)),
+        "gen": torch.Generator().manual_seed(seed),
+        "data": StatefulDataLoader(list(range(40)), batch_size=4, shuffle=True,
+                                   generator=torch.Generator().manual_seed(seed)),
+        "epoch": seed,
+    }
+
+
+def _train(state: dict[str, Any], steps: int) -> Any:
+    it = iter(state["data"])
+    for _ in range(steps):
+        batch = next(it).float()
+        state["optim"].zero_grad()
+        loss = state["model"](batch[:, None].expand(-1, 8)).pow(2).mean()
+        state["scaler"].scale(loss).backward()
+        state["scaler"].step(state["optim"])
+        state["scaler"].update()
+        state["sched"].step()
+        torch.randint(0, 10, (3,), generator=state["gen"])
+    return it
+
+
+def test_save_then_load_restores_every_kind_of_object(tmp_path: Any) -> None:
+    state = _objects(1)
+    it = _train(state, 3)
+    with snapkeep.Checkpointer(tmp_path / "ck") as ckpt:
+        handle = ckpt.save(3, state)
+        assert handle is not None and handle.staged.done()
+        record = handle.wait(timeout_s=60)
+        assert record.step == 3
+    expected_batch = next(it)
+    expected_draw = torch.randint(0, 1000, (4,), generator=state["gen"])
+    expected_global = torch.rand(3)
+
+    fresh = _objects(2)
+    assert not torch.equal(fresh["model"].weight, state["model"].weight)  # differs before
+    torch.rand(5)  # the global generator moves on; the load puts it back
+    with snapkeep.Checkpointer(tmp_path / "ck") as ckpt:
+        assert ckpt.latest_step() == 3 and ckpt.all_steps() == [3]
+        assert ckpt.load(into=fresh) == 3
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+    assert fresh["optim"].state_dict()["state"][0]["exp_avg"].equal(
+        state["optim"].state_dict()["state"][0]["exp_avg"])
+    assert fresh["sched"].state_dict() == state["sched"].state_dict()
+    assert fresh["scaler"].state_dict() == state["scaler"].state_dict()
+    assert fresh["epoch"] == 1  # a plain value is replaced in the mapping, as dcp.load does
+    assert torch.equal(next(iter(fresh["data"])), expected_batch)
+    assert torch.equal(torch.randint(0, 1000, (4,), generator=fresh["gen"]), expected_draw)
+    assert torch.equal(torch.rand(3), expected_global)  # rng=True restored the global one
+    saved = torch.load(tmp_path / "ck" / "ckpt_3", weights_only=True)  # a plain torch file
+    assert saved["format"] == snapkeep.checkpointer.FORMAT and saved["step"] == 3
+
+
+def test_keep_retains_the_newest_and_every_skips_other_steps(tmp_path: Any) -> None:
+    state = {"model": torch.nn.Linear(2, 2)}
+    with snapkeep.Checkpointer(tmp_path, keep=2, every=5, template="{step:08d}.pt") as ckpt:
+        saved = [s for s in range(1, 31) if ckpt.save(s, state) is not None]
+        assert saved == [5, 10, 15, 20, 25, 30]
+        assert ckpt.should_save(35) and not ckpt.should_save(36)
+        assert ckpt.save(31, state, force=True) is not None
+        ckpt.wait()
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "00000030.pt", "00000031.pt"]
+    with snapkeep.Checkpointer(tmp_path, keep=KeepEvery(10), template="{step:08d}.pt") as ckpt:
+        ckpt.save(40, state)
+        ckpt.save(41, state)
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "00000030.pt", "00000040.pt",
+                                            "00000041.pt"]
+
+
+def test_two_checkpointers_on_one_directory_are_refused(tmp_path: Any) -> None:
+    with snapkeep.Checkpointer(tmp_path) as first:
+        with pytest.raises(StoreLockedError, match="another open Checkpointer"):
+            snapkeep.Checkpointer(tmp_path)
+        other_process = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(f"""
+                import snapkeep, sys
+                try:
+                    snapkeep.Checkpointer({str(tmp_path)!r})
+                except snapkeep.StoreLockedError as e:
+                    sys.exit(f"StoreLockedError: {{e}}")
+            """)], env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+            capture_output=True, text=True, timeout=60, check=False)
+        assert other_process.returncode == 1
+        assert other_process.stderr.startswith("StoreLockedError")
+        assert f"pid {os.getpid()}" in other_process.stderr
+        first.save(1, {"x": torch.zeros(1)})
+    with snapkeep.Checkpointer(tmp_path) as again:  # closed: the directory is free
+        assert again.latest_step() == 1
+
+
+def test_corrupt_newest_falls_back_with_a_warning(tmp_path: Any) -> None:
+    model = torch.nn.Linear(2, 2)
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(step)
+            ckpt.save(step, {"model": model})
+    with open(tmp_path / "ckpt_2", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    fresh = torch.nn.Linear(2, 2)
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        with pytest.warns(RuntimeWarning, match="skipping snapshot ckpt_2"):
+            assert ckpt.load(into={"model": fresh}) == 1
+        assert torch.equal(fresh.weight, torch.ones(2, 2))
+        with pytest.raises(NoValidSnapshotError), pytest.warns(RuntimeWarning):
+            ckpt.load(into={"model": fresh}, step=2)  # an exact step never falls back
+        with pytest.raises(NoValidSnapshotError, match="no snapshot of step 7"):
+            ckpt.load(into={"model": fresh}, step=7)
+
+
+def test_load_is_all_or_nothing(tmp_path: Any) -> None:
+    state = _objects(1)
+    _train(state, 2)
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, state)
+    other = _objects(2)
+    other["model"] = torch.nn.Linear(8, 5)  # another shape
+    other["optim"] = torch.optim.AdamW(other["model"].parameters())
+    before = {k: v.state_dict() for k, v in other.items() if hasattr(v, "state_dict")}
+    extra = torch.nn.Linear(1, 1)
+    rng = torch.get_rng_state()
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(StateMismatchError, match="does not fit"):
+            ckpt.load(into=other)
+        with pytest.raises(StateMismatchError, match=r"has no \['extra'\]"):
+            ckpt.load(into={**state, "extra": extra})
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert other["epoch"] == 2
+    for key, sd in before.items():
+        assert str(other[key].state_dict()) == str(sd), key
+
+
+def test_first_run_returns_none_and_names_lookalike_files(tmp_path: Any,
+                                                          caplog: Any) -> None:
+    model = torch.nn.Linear(2, 2)
+    with caplog.at_level(logging.WARNING, logger="snapkeep"):
+        with snapkeep.Checkpointer(tmp_path / "new" / "run") as ckpt:
+            assert ckpt.load(into={"model": model}) is None
+            assert ckpt.latest_step() is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"no snapshot of 'ckpt_{{step}}' in {tmp_path / 'new' / 'run'}: nothing to resume, "
+        "starting fresh"]
+    for step in (100, 200):
+        torch.save({"w": 1}, tmp_path / f"{step}.pt")
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        with pytest.warns(RuntimeWarning, match=r"\['100.pt', '200.pt'\] would match the "
+                                                r"template '\{step\}.pt'"):
+            assert ckpt.load(into={"model": model}) is None
+
+
+def test_on_error_snapshot_is_kept_aside(tmp_path: Any) -> None:
+    model = torch.nn.Linear(2, 2)
+    with snapkeep.Checkpointer(tmp_path, keep=1) as ckpt:
+        ckpt.save(1, {"model": model})
+        with pytest.raises(ZeroDivisionError):
+            try:
+                raise ZeroDivisionError("the loop failed mid-step")
+            except ZeroDivisionError:
+                handle = ckpt.save(2, {"model": model}, on_error=True)
+                assert handle is not None and handle.committed.done()
+                raise
+        ckpt.save(3, {"model": model})
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "ckpt_2.on-error", "ckpt_3"]
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == [3]
+
+
+@pytest.mark.parametrize(("template", "error"), [
+    ("ckpt", "exactly one"), ("ckpt_{step}_{step}", "exactly one"),
+    ("ckpt_{.iteration}", "the only field is"), ("c_{step!r}", "the only field is"),
+    ("../{step}", "refused"),
+])
+def test_bad_templates_are_refused(tmp_path: Any, template: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        snapkeep.Checkpointer(tmp_path, template=template)
+    assert not os.path.exists(tmp_path / ".snapkeep")
+
+
+def test_bad_arguments_are_named(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        snapkeep.Checkpointer(tmp_path, keep=0)
+    with pytest.raises(ValueError, match="every must be"):
+        snapkeep.Checkpointer(tmp_path, every=0)
+    loader: Any = torch.utils.data.DataLoader(list(range(4)))  # type: ignore[arg-type]
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(TypeError, match="StatefulDataLoader"):
+            ckpt.save(1, {"data": loader})
+        with pytest.raises(TypeError, match="StatefulDataLoader"):
+            ckpt.load(into={"data": loader})
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            ckpt.save(-1, {})
+    with pytest.raises(RuntimeError, match="is closed"):
+        ckpt.save(1, {})
+
+
+def test_synchronous_writer_and_exit_on_exception(tmp_path: Any, caplog: Any) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(KeyError):
+        with snapkeep.Checkpointer(tmp_path, writer=snapkeep.writing.SimpleWriter()) as ckpt:
+            handle = ckpt.save(1, {"model": model})
+            assert handle is not None and handle.committed.done()
+            raise KeyError("loop failed")
+    assert ckpt.writer.pending == 0
+    with snapkeep.Checkpointer(tmp_path) as again:
+        assert again.latest_step() == 1
+
+
+def test_a_failed_save_does_not_mask_the_loops_own_error(tmp_path: Any, caplog: Any) -> None:
+    def savefun(obj: Any, f: Any) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    with pytest.raises(KeyError, match="loop failed"), caplog.at_level(logging.ERROR):
+        with snapkeep.Checkpointer(tmp_path, writer=snapkeep.writing.ThreadWriter(
+                savefun=savefun)) as ckpt:
+            ckpt.save(1, {"x": torch.zeros(2)})
+            raise KeyError("loop failed")
+    assert any("while the loop raised KeyError" in r.getMessage()
+               and "No space left on device (injected)" in r.getMessage()
+               for r in caplog.records)
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep"]
+
+
+def test_sharded_in_one_process_writes_dcp_directories(tmp_path: Any) -> None:
+    state = _objects(1)
+    it = _train(state, 3)
+    with snapkeep.Checkpointer(tmp_path, keep=2, sharded=True) as ckpt:
+        assert ckpt.writer is None
+        with pytest.raises(StoreLockedError):
+            snapkeep.Checkpointer(tmp_path, sharded=True)
+        for step in (1, 2, 3):
+            ckpt.save(step, state)
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 3]
+    assert sorted(os.listdir(tmp_path / "ckpt_3")) == [".metadata", ".snapkeep-commit.json",
+                                                       "__0_0.distcp"]
+    expected_batch = next(it)
+    fresh = _objects(2)
+    assert not torch.equal(fresh["model"].weight, state["model"].weight)
+    with snapkeep.Checkpointer(tmp_path, sharded=True) as ckpt:
+        assert ckpt.load(into=fresh) == 3
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+    assert fresh["sched"].state_dict() == state["sched"].state_dict()
+    assert fresh["scaler"].state_dict() == state["scaler"].state_dict()
+    assert fresh["epoch"] == 1
+    assert torch.equal(next(iter(fresh["data"])), expected_batch)
