@@ -1,8 +1,9 @@
 """Overlapped staging with a mutation tripwire (issue 12): inside the manager, a snapshot copies
 at once everything but the optimizers' parameters and state, which are copied in the background
 while the next forward/backward runs; the optimizer's step waits for that copy. Every file holds
-the values of the call; an in-place edit of an optimizer-owned tensor before it was copied fails
-the snapshot loudly instead of writing it torn.
+the values of the call; an in-place edit of an optimizer-owned tensor between the call and the
+verdict (on the training thread, at the next step) drops that snapshot with one warning instead of
+writing it torn, and ``overlap='strict'`` raises.
 
 The background copy is held on a gate (``_overlap_before_copy``) until the test has done what
 training would do after the call, so each ordering is deterministic."""
@@ -137,22 +138,55 @@ def _differs(a, b) -> bool:
 
 
 @pytest.mark.parametrize("writer_name", WRITERS)
-def test_a_manual_edit_before_the_step_is_caught(tmp_path, writer_name):
-    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name,
-                                                          on_save_error="raise")
+def test_a_manual_edit_before_the_step_drops_that_snapshot(tmp_path, writer_name):
+    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name)
+    gate = Gate()
+    ext._overlap_before_copy = gate
+    _step(manager, model)
+    assert gate.entered.wait(WAIT_S)
+    first = writer.last_handle
+    with torch.no_grad():
+        model.fc.weight.mul_(0.0)  # a manual in-place edit of an optimizer-owned parameter
+    gate.open()
+    with pytest.warns(RuntimeWarning) as warned:
+        _step(manager, model)  # the step validates the copy: dropped; the run goes on
+    (warning,) = [w for w in warned if "overlap" in str(w.message)]
+    assert "models/main/fc.weight" in str(warning.message)
+    assert "overlap=False" in str(warning.message) and "dropped" in str(warning.message)
+    assert isinstance(first.committed.exception(WAIT_S), snapkeep.StagingRaceError)
+    assert not ext._overlap_on
+    at_call = copy.deepcopy(manager.state_dict())  # snapshot_iter_2 was copied in the call
+    assert writer.last_handle.staged.done()
+    with torch.no_grad():
+        model.fc.weight.add_(1.0)  # harmless now
+    _step(manager, model)  # iteration 3, the last: finalizes
+    assert not (tmp_path / "snapshot_iter_1").exists()  # never written torn
+    saved = torch.load(tmp_path / "snapshot_iter_2", weights_only=True)
+    for section in ("models", "optimizers", "state_objects"):
+        assert not _differs(saved[section], at_call[section])
+    assert (tmp_path / "snapshot_iter_3").exists()
+
+
+@pytest.mark.parametrize("writer_name", ["ThreadWriter", "ProcessQueueWriter"])
+def test_strict_overlap_raises_the_race(tmp_path, writer_name):
+    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name, overlap="strict")
     gate = Gate()
     ext._overlap_before_copy = gate
     _step(manager, model)
     assert gate.entered.wait(WAIT_S)
     with torch.no_grad():
-        model.fc.weight.mul_(0.0)  # a manual in-place edit of an optimizer-owned parameter
+        model.fc.weight.mul_(0.0)
     gate.open()
-    with pytest.raises(snapkeep.SnapshotSaveError) as info:
-        manager.finalize()
-    cause = info.value.__cause__
-    assert isinstance(cause, snapkeep.StagingRaceError)
-    assert "models/main/fc.weight" in str(cause) and "overlap=False" in str(cause)
-    assert not (tmp_path / "snapshot_iter_1").exists()  # never written torn
+    with pytest.raises(snapkeep.StagingRaceError, match="models/main/fc.weight"):
+        _step(manager, model)  # the step's pre-hook gives the verdict and raises
+    manager.finalize()
+    assert not (tmp_path / "snapshot_iter_1").exists()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "STRICT"])
+def test_overlap_argument_is_checked(value):
+    with pytest.raises(ValueError, match="overlap must be one of True, False or 'strict'"):
+        extensions.snapshot(overlap=value)
 
 
 @pytest.mark.parametrize("writer_name", ["ThreadWriter", "ProcessWriter"])
@@ -185,13 +219,13 @@ def test_small_tensors_and_unowned_tensors_are_not_deferred():
 
     tree = {"model": model.state_dict(), "ema": {k: v.clone() for k, v in
                                                  model.state_dict().items()}}
-    staged, stats, finish = plan.stage(BufferSet(), tree)
-    assert finish is not None
+    staged, stats, deferred = plan.stage(BufferSet(), tree)
+    assert deferred is not None
     # copied now: the 2 KiB bias, BatchNorm's buffers and weights, the whole EMA copy
     assert torch.equal(staged["ema"]["fc.weight"], model.fc.weight)
     assert torch.equal(staged["model"]["fc.bias"], model.fc.bias)
     assert stats.tensor_bytes == sum(t.untyped_storage().nbytes() for t in tree["ema"].values()) \
         + sum(t.untyped_storage().nbytes() for k, t in tree["model"].items() if k != "fc.weight")
-    final = finish()
+    final = deferred.copy()
     assert torch.equal(staged["model"]["fc.weight"], model.fc.weight)
     assert final.tensor_bytes == stats.tensor_bytes + model.fc.weight.nbytes

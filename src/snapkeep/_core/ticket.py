@@ -61,10 +61,13 @@ class _Slot:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Ticket:
-    """One staged snapshot waiting to be written: its slot, handle, job and staged tree."""
+    """One staged snapshot waiting to be written: its slot, handle, job and staged tree, and
+    the verdict to wait for first when part of it is staged in the background
+    (:class:`snapkeep._core.overlap.PendingVerdict`)."""
 
     slot: _Slot
     handle: SaveHandle
     job: SaveJob
     staged: Any
     retain: Retain | None = None
+    verdict: Any = None
