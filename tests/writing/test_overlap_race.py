@@ -1,0 +1,171 @@
+"""Overlapped staging under hand edits that race the background copy (issue 18, item 1).
+
+A loop under snapkeep's ``ExtensionsManager`` snapshots every iteration and edits every
+parameter and optimizer-state tensor by hand, in place under ``no_grad``, so that each tensor's
+value *is* the iteration: after iteration ``k`` every tensor holds ``k`` at the snapshot call. A
+committed ``snap_k`` whose tensors are not all ``k`` is torn. The edits come at varying moments
+relative to the previous snapshot's background copy:
+
+- ``after``: only after the optimizer step (which validates the copy): the snapshot is published;
+- ``held``: while the copy is held on a gate (``_overlap_before_copy``), then again while it runs;
+- ``free``: at once, the copy free-running beside the edits;
+- ``during``: the gate is opened and the edits start at once, racing the copy's ``memmove``.
+
+The last three drop that snapshot (its counters moved before the verdict), with one warning for
+the whole run; overlap then turns off, the next snapshot is copied in the call and is exact, and
+the test turns overlap back on to race again. Every writer that stages is run; each committed
+file is checked by a post-commit hook as it commits (retention keeps the disk use small).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from snapkeep import writing
+from snapkeep.training import ExtensionsManager, extensions
+
+WAIT_S = 60
+#: Iteration k edits per MODES[k % 6]; each racing mode follows an overlapped snapshot (the one
+#: after a drop is copied in the call).
+MODES = ("after", "held", "after", "free", "after", "during")
+#: Snapshots per writer; the process writers pass each one through the worker process as well.
+SNAPSHOTS = 200
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(256, 1024))  # 1 MiB: staged in the background
+        self.b = torch.nn.Parameter(torch.zeros(256, 1024))
+        self.scale = torch.nn.Parameter(torch.zeros(8))  # small: copied in the call
+
+
+class Gate:
+    """Holds the background copy until :meth:`open` (bounded)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.released = threading.Event()
+
+    def __call__(self) -> None:
+        self.entered.set()
+        if not self.released.wait(WAIT_S):
+            raise TimeoutError("gate never opened")
+
+    def open(self) -> None:
+        self.released.set()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Intra-op threads make each 1 MiB ``fill_`` cost ~6 ms on a loaded 2-core machine (their
+    spin-waits compete with the writer); the race needs none of them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = list(model.parameters())
+    for state in optimizer.state.values():
+        out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+@torch.no_grad()
+def _fill(tensors: list[torch.Tensor], value: float) -> None:
+    for t in tensors:
+        t.fill_(value)
+
+
+class Checker:
+    """A post-commit hook: every committed file holds one moment, the iteration it is named for."""
+
+    def __init__(self) -> None:
+        self.committed: list[int] = []
+        self.torn: list[tuple[int, str, float, float]] = []
+
+    def __call__(self, record) -> None:
+        state = torch.load(record.path, weights_only=True)
+        step = record.step
+        tensors = dict(state["models"]["main"])
+        for key, entry in state["optimizers"]["main"]["state"].items():
+            tensors.update({f"state/{key}/{k}": v for k, v in entry.items()
+                            if isinstance(v, torch.Tensor)})
+        assert len(tensors) == 6  # 3 parameters, 3 momentum buffers
+        for name, t in tensors.items():
+            if not bool((t == step).all()):
+                self.torn.append((step, name, float(t.min()), float(t.max())))
+        self.committed.append(step)
+
+
+@pytest.mark.parametrize("writer_name", ["ThreadWriter", "ThreadQueueWriter", "ProcessWriter",
+                                         "ProcessQueueWriter"])
+def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_torch_thread):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # creates the momentum buffers
+    writer = getattr(writing, writer_name)(out_dir=str(tmp_path), timeout_s=WAIT_S)
+    checker = Checker()
+    writer.add_post_commit_hook(checker)
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=SNAPSHOTS,
+                                writer=writer)
+    ext = extensions.snapshot(filename="snap_{.iteration}", n_retains=2)
+    manager.extend(ext, trigger=(1, "iteration"))
+    tensors = _tensors(model, optimizer)
+    expected_drops: list[int] = []
+    gate: Gate | None = None
+    previous_gate: Gate | None = None
+    overlapped = False  # the previous snapshot's deferred part is copied in the background
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for k in range(1, SNAPSHOTS + 1):
+            mode = MODES[k % len(MODES)]
+            # the next iteration races a gated copy: hold this iteration's snapshot copy
+            next_mode = MODES[(k + 1) % len(MODES)]
+            gate = Gate() if next_mode in ("held", "during") else None
+            with manager.run_iteration():
+                if overlapped and mode != "after":
+                    expected_drops.append(k - 1)
+                if mode == "held" and previous_gate is not None and overlapped:
+                    assert previous_gate.entered.wait(WAIT_S)
+                    _fill(tensors, -k)  # before the copy starts
+                    previous_gate.open()
+                    _fill(tensors, k + 0.5)  # while it runs
+                elif mode == "during" and previous_gate is not None and overlapped:
+                    assert previous_gate.entered.wait(WAIT_S)
+                    previous_gate.open()
+                    for _ in range(20):  # races the memmove of the same storages
+                        _fill(tensors, -k)
+                elif mode == "free":
+                    _fill(tensors, -k)
+                elif previous_gate is not None:
+                    previous_gate.open()  # the copy was not overlapped: nothing to hold
+                optimizer.step()  # a safe point: waits for the copy and gives its verdict
+                _fill(tensors, k)  # the state of iteration k, at its snapshot call
+                ext._overlap_before_copy = gate
+            was_on = ext._overlap_on
+            overlapped = not writer.last_handle.staged.done()
+            if not was_on:
+                assert not overlapped  # after a drop, the next snapshot is copied in the call
+                ext._overlap_on = True  # race again
+            if gate is not None and not overlapped:
+                gate.open()
+            previous_gate = gate
+        assert manager._finalized  # the stop trigger finalized the manager: every verdict given
+    assert checker.torn == [], f"{len(checker.torn)} torn: {checker.torn[:5]}"
+    races = [w for w in warned if "Overlapped staging is now off" in str(w.message)]
+    assert len(races) == 1 and issubclass(races[0].category, RuntimeWarning)
+    assert sorted(checker.committed) == sorted(set(range(1, SNAPSHOTS + 1)) -
+                                                set(expected_drops))
+    assert len(expected_drops) >= SNAPSHOTS // 4
+    print(f"{writer_name}: {len(checker.committed)} committed, {len(expected_drops)} dropped, "
+          f"{len(checker.torn)} torn of {SNAPSHOTS} snapshots")
