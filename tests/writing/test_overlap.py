@@ -229,3 +229,15 @@ def test_small_tensors_and_unowned_tensors_are_not_deferred():
     final = deferred.copy()
     assert torch.equal(staged["model"]["fc.weight"], model.fc.weight)
     assert final.tensor_bytes == stats.tensor_bytes + model.fc.weight.nbytes
+
+
+@pytest.mark.parametrize("writer_name", ["ThreadWriter", "ProcessWriter"])
+def test_waiting_for_an_overlapped_snapshot_on_the_training_thread_validates_it(tmp_path,
+                                                                                writer_name):
+    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name)
+    _step(manager, model)
+    handle = writer.last_handle
+    assert handle.verdict is not None  # the parameters were staged in the background
+    record = handle.wait(WAIT_S)  # a safe point: no step needed, and no deadlock
+    assert record.step == 1 and (tmp_path / "snapshot_iter_1").exists()
+    manager.finalize()

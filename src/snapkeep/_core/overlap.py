@@ -246,6 +246,10 @@ class PendingVerdict:
 
         _overlap_stage_pool().submit(work)
 
+    def made_here(self) -> bool:
+        """Whether the current thread made the snapshot call (its waits are safe points)."""
+        return threading.current_thread() is self._caller
+
     @property
     def settled(self) -> bool:
         return self.handle.staged.done()

@@ -153,16 +153,14 @@ class Saver(SlotPool):
             self._release(slot, handle)
             raise
         self.last_stage_stats = stats
-        verdict = None
         if deferred is None:
             handle.staged.set_result(stats)
         else:
-            verdict = PendingVerdict(handle, deferred, plan.on_race)
+            verdict = handle.verdict = PendingVerdict(handle, deferred, plan.on_race)
             with self._cond:
                 self._verdicts.append(verdict)
             verdict.start()
-        return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain,
-                      verdict=verdict)
+        return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain)
 
     def overlap_next(self, plan: Any) -> None:
         """Stage the next :meth:`submit` (same thread) per ``plan``
@@ -334,8 +332,8 @@ class Saver(SlotPool):
             slot.started = True
         staged = ticket.staged
         try:
-            if ticket.verdict is not None:  # overlapped staging: nothing before the verdict
-                ticket.verdict.wait(self.timeout_s, self.warn_after_s)
+            if handle.verdict is not None:  # overlapped staging: nothing before the verdict
+                handle.verdict.wait(self.timeout_s, self.warn_after_s)
             if execute is not None:
                 record = execute(staged) or CommitRecord(
                     path=job.path, size_bytes=0, checksum=None, write_s=0.0, step=job.step)
