@@ -2,11 +2,14 @@
 
 A loop under snapkeep's ``ExtensionsManager`` snapshots every iteration and edits every
 parameter and optimizer-state tensor by hand, in place under ``no_grad``, so that each tensor's
-value *is* the iteration: after iteration ``k`` every tensor holds ``k`` at the snapshot call. A
-committed ``snap_k`` whose tensors are not all ``k`` is torn. The edits come at varying moments
+value *is* the iteration: after iteration ``k`` every tensor holds ``k`` at the snapshot call
+(``k - 1`` after an ``idle`` iteration). A committed ``snap_k`` whose tensors do not all hold
+that value is torn. The edits come at varying moments
 relative to the previous snapshot's background copy:
 
 - ``after``: only after the optimizer step (which validates the copy): the snapshot is published;
+- ``idle``: no step and no edit (the end of ``run_iteration`` or the next snapshot validates);
+  that snapshot holds the previous iteration's values;
 - ``held``: while the copy is held on a gate (``_overlap_before_copy``), then again while it runs;
 - ``free``: at once, the copy free-running beside the edits;
 - ``during``: the gate is opened and the edits start at once, racing the copy's ``memmove``.
@@ -29,9 +32,9 @@ from snapkeep import writing
 from snapkeep.training import ExtensionsManager, extensions
 
 WAIT_S = 60
-#: Iteration k edits per MODES[k % 6]; each racing mode follows an overlapped snapshot (the one
+#: Iteration k edits per MODES[k % 7]; each racing mode follows an overlapped snapshot (the one
 #: after a drop is copied in the call).
-MODES = ("after", "held", "after", "free", "after", "during")
+MODES = ("after", "held", "after", "idle", "free", "after", "during")
 #: Snapshots per writer; the process writers pass each one through the worker process as well.
 SNAPSHOTS = 200
 
@@ -87,6 +90,7 @@ class Checker:
     """A post-commit hook: every committed file holds one moment, the iteration it is named for."""
 
     def __init__(self) -> None:
+        self.at_call: dict[int, float] = {}  # step -> the value of every tensor at its call
         self.committed: list[int] = []
         self.torn: list[tuple[int, str, float, float]] = []
 
@@ -99,7 +103,7 @@ class Checker:
                             if isinstance(v, torch.Tensor)})
         assert len(tensors) == 6  # 3 parameters, 3 momentum buffers
         for name, t in tensors.items():
-            if not bool((t == step).all()):
+            if not bool((t == self.at_call[step]).all()):
                 self.torn.append((step, name, float(t.min()), float(t.max())))
         self.committed.append(step)
 
@@ -121,6 +125,7 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_tor
     ext = extensions.snapshot(filename="snap_{.iteration}", n_retains=2)
     manager.extend(ext, trigger=(1, "iteration"))
     tensors = _tensors(model, optimizer)
+    _fill(tensors, 0)
     expected_drops: list[int] = []
     gate: Gate | None = None
     previous_gate: Gate | None = None
@@ -133,7 +138,7 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_tor
             next_mode = MODES[(k + 1) % len(MODES)]
             gate = Gate() if next_mode in ("held", "during") else None
             with manager.run_iteration():
-                if overlapped and mode != "after":
+                if overlapped and mode not in ("after", "idle"):
                     expected_drops.append(k - 1)
                 if mode == "held" and previous_gate is not None and overlapped:
                     assert previous_gate.entered.wait(WAIT_S)
@@ -149,8 +154,12 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_tor
                     _fill(tensors, -k)
                 elif previous_gate is not None:
                     previous_gate.open()  # the copy was not overlapped: nothing to hold
-                optimizer.step()  # a safe point: waits for the copy and gives its verdict
-                _fill(tensors, k)  # the state of iteration k, at its snapshot call
+                if mode == "idle":
+                    checker.at_call[k] = checker.at_call.get(k - 1, 0.0)
+                else:
+                    optimizer.step()  # a safe point: waits for the copy, gives its verdict
+                    _fill(tensors, k)  # the state of iteration k, at its snapshot call
+                    checker.at_call[k] = k
                 ext._overlap_before_copy = gate
             was_on = ext._overlap_on
             overlapped = not writer.last_handle.staged.done()
