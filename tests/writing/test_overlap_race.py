@@ -22,6 +22,11 @@ file is checked by a post-commit hook as it commits (retention keeps the disk us
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 
@@ -29,6 +34,7 @@ import pytest
 import torch
 
 from snapkeep import writing
+from snapkeep._core.shm import reclaim_dead_arenas
 from snapkeep.training import ExtensionsManager, extensions
 
 WAIT_S = 60
@@ -178,3 +184,49 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_tor
     assert len(expected_drops) >= SNAPSHOTS // 4
     print(f"{writer_name}: {len(checker.committed)} committed, {len(expected_drops)} dropped, "
           f"{len(checker.torn)} torn of {SNAPSHOTS} snapshots")
+
+
+TRAINER = """
+    import concurrent.futures, os, signal, sys, torch
+    from snapkeep import writing
+    from snapkeep.training import ExtensionsManager, extensions
+    model = torch.nn.Linear(512, 512, bias=False)  # 1 MiB: staged in the background
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    writer = getattr(writing, sys.argv[2])(out_dir=sys.argv[1], timeout_s=60)
+    writer("warm", sys.argv[1], {"x": torch.zeros(1)})  # the worker is up: a commit is quick
+    writer.wait()
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=3, writer=writer)
+    manager.extend(extensions.snapshot(), trigger=(1, "iteration"))
+    with manager.run_iteration(step_optimizers=["main"]):
+        model(torch.ones(2, 512)).sum().backward()
+    handle = writer.last_handle
+    try:  # no safe point comes: the worker must not be handed the snapshot
+        handle.committed.exception(timeout=float(sys.argv[3]))
+        print("COMMITTED", flush=True)
+    except concurrent.futures.TimeoutError:
+        print("NOT VALIDATED, NOT COMMITTED", flush=True)
+    os.killpg(os.getpid(), signal.SIGKILL)  # the trainer and its worker die before any verdict
+"""
+
+
+@pytest.mark.parametrize("writer_name", ["ProcessWriter"])  # ProcessQueueWriter: same gate
+def test_a_trainer_killed_before_the_verdict_publishes_nothing(tmp_path, writer_name):
+    """The write waits for the verdict: a trainer that dies before giving it (here 3 s after
+    the call, long after the copy and a warm worker's commit time) leaves no snapshot."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(TRAINER), str(tmp_path), writer_name, "3"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=WAIT_S * 2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        reclaim_dead_arenas()  # the killed trainer's staging arena, once its group is gone
+    assert proc.returncode == -signal.SIGKILL, err
+    assert out.strip() == "NOT VALIDATED, NOT COMMITTED", err
+    assert (tmp_path / "warm").exists()
+    assert not (tmp_path / "snapshot_iter_1").exists()
+    assert not list(tmp_path.glob(".snapkeep/snapshot_iter_1*"))  # no manifest either
