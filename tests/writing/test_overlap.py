@@ -241,3 +241,21 @@ def test_waiting_for_an_overlapped_snapshot_on_the_training_thread_validates_it(
     record = handle.wait(WAIT_S)  # a safe point: no step needed, and no deadlock
     assert record.step == 1 and (tmp_path / "snapshot_iter_1").exists()
     manager.finalize()
+
+
+def test_the_end_of_run_iteration_validates_a_finished_copy(tmp_path):
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    writer = writing.ThreadWriter(out_dir=str(tmp_path), timeout_s=WAIT_S)
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=10,
+                                writer=writer)
+    manager.extend(extensions.snapshot(), trigger=(2, "iteration"))
+    _step(manager, model)
+    _step(manager, model)  # snapshot_iter_2
+    handle = writer.last_handle
+    handle.verdict.copied.result(timeout=WAIT_S)  # the copy is done; no verdict yet
+    assert not handle.staged.done()
+    with manager.run_iteration():  # no step, no edit, no snapshot, not the last iteration:
+        pass                       # only the end of run_iteration can give the verdict
+    assert handle.staged.done() and handle.committed.result(timeout=WAIT_S).step == 2
+    manager.finalize()

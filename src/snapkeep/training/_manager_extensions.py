@@ -182,7 +182,7 @@ class ExtensionsRunner:
         finally:
             self._model_available = True
 
-    def settle_staging(self) -> None:
+    def _settle_staging(self) -> None:
         """The end of ``run_iteration``: a safe point for overlapped staging. Extensions with a
         ``settle_staging()`` (snapkeep's snapshot) validate a background copy that is done, so
         its snapshot is published now (see :mod:`snapkeep._core.overlap`)."""
