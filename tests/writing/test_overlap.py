@@ -259,3 +259,15 @@ def test_the_end_of_run_iteration_validates_a_finished_copy(tmp_path):
         pass                       # only the end of run_iteration can give the verdict
     assert handle.staged.done() and handle.committed.result(timeout=WAIT_S).step == 2
     manager.finalize()
+
+
+@pytest.mark.parametrize("writer_name", ["ThreadQueueWriter", "ProcessWriter"])
+def test_strict_overlap_raises_at_finalize_after_finalizing_the_writer(tmp_path, writer_name):
+    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name, overlap="strict")
+    _step(manager, model)
+    with torch.no_grad():
+        model.fc.weight.add_(1.0)  # after the call; no step follows
+    with pytest.raises(snapkeep.StagingRaceError, match="models/main/fc.weight"):
+        manager.finalize()
+    assert writer.pending == 0 and writer._finalized  # nothing left running
+    assert not (tmp_path / "snapshot_iter_1").exists()

@@ -227,15 +227,19 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             self._make_snapshot(manager)
 
     def finalize(self, manager: Any) -> None:
-        """Finalize the writer (waits for pending snapshots) and release the store's lock. A
-        background save failure raised there is logged instead when ``on_save_error='log'``."""
+        """Validate a pending overlapped snapshot, finalize the writer (waits for pending
+        snapshots) and release the store's lock. A background save failure raised there is
+        logged instead when ``on_save_error='log'``; a ``StagingRaceError`` of
+        ``overlap='strict'`` is raised (after the writer is finalized)."""
         writer = self.writer
         try:
-            self._staging_guard.settle()  # a safe point: the last snapshot's verdict
-            if writer is not None:
-                writer.finalize()
+            try:
+                self._staging_guard.settle()  # a safe point: the last snapshot's verdict
+            finally:
+                if writer is not None:
+                    writer.finalize()
         except (SnapshotError, OSError) as e:
-            if self._on_save_error == "raise":
+            if self._on_save_error == "raise" or isinstance(e, StagingRaceError):
                 raise
             logger.error("a snapshot failed before finalize and on_save_error='log': %s", e)
         finally:
