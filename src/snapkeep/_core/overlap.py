@@ -278,8 +278,9 @@ class PendingVerdict:
 
     def wait(self, timeout_s: float | None, warn_after_s: float) -> StageStats:
         """The writer's wait for the verdict (any thread); returns the stats of a validated
-        snapshot. Should the thread that made the call end first, its writes have all
-        finished, so the verdict is given here (logged, never raised into the run).
+        snapshot. Called by the thread that made the call (a synchronous save), or should that
+        thread end first, the verdict is given here: its writes have all finished (a race is
+        logged or raised as the drop, never passed to ``on_race``).
 
         Raises:
             StagingRaceError: a counter moved: the snapshot was dropped; write nothing.
@@ -287,6 +288,10 @@ class PendingVerdict:
                 that made the call runs, logging every ``warn_after_s`` seconds).
             Exception: the copy's own error.
         """
+        if self.made_here():  # a synchronous save: the thread that must settle waits here
+            race = self.settle(block=True, timeout_s=timeout_s)
+            if race is not None:
+                raise race
         start = time.monotonic()
         next_warn = start + warn_after_s
         while True:
