@@ -17,6 +17,17 @@ Without CUDA it prints why and exits with status 0. Runs in well under 10 minute
 size on a recent GPU.
 
 Usage: ``python benchmarks/gpu_staging.py --gib 2 --json gpu.json``
+
+Why a CUDA snapshot is consistent (the argument of :mod:`snapkeep._core.overlap`, for streams):
+the call returns only after the device-to-host copies it enqueued have finished (snapkeep's side
+stream first waits on the current stream, then is synchronised), so no kernel launched after the
+call can change what was copied. An *overlapped* device copy, returning before the copy is done,
+would rest on stream order alone: a copy enqueued on the training's current stream before the
+call returns precedes every kernel launched after the call on that stream (the optimizer's
+in-place updates included); a copy on a side stream, or a kernel on another stream, needs an event
+recorded after the copy and waited on by the writing stream (``stream.wait_event``), or that
+kernel may write the memory while the copy reads it. Version counters do not help on a GPU: they
+move when a kernel is launched, not when it runs. This script measures the synchronised path.
 """
 
 from __future__ import annotations

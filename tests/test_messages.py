@@ -212,12 +212,17 @@ def bad_manifest(tmp_path: Path) -> None:
 
 
 def staging_race(tmp_path: Path) -> None:
-    from snapkeep._core.overlap import _check
+    from snapkeep._core.overlap import DeferredCopy
+    from snapkeep._core.staging import StageStats
 
     weight = torch.zeros(2)
-    version = weight._version
+    deferred = DeferredCopy(
+        copies=[], members=[("models/main/fc.weight", weight, weight._version)],
+        stats=StageStats(tensor_bytes=0, allocated_bytes=0, num_storages=0), before_copy=None)
     weight.add_(1)
-    _check([("models/main/fc.weight", weight, version)], "before it was copied")
+    race = deferred.moved()
+    assert race is not None
+    raise race
 
 
 def rank_failed(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Staging seams used by the snapshot extension (public names): overlapped staging with its
-version-counter tripwire (:mod:`snapkeep._core.overlap`), preparing staging buffers before the
+"""Staging seams used by the snapshot extension (public names): overlapped staging, validated
+on the training thread (:mod:`snapkeep._core.overlap`), preparing staging buffers before the
 first snapshot (:mod:`snapkeep._core.prefault`), and loading into the trainer's existing tensors
 (:mod:`snapkeep._core.loading`)."""
 

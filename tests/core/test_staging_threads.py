@@ -7,10 +7,9 @@ import os
 import random
 import threading
 
-import pytest
 import torch
 
-from snapkeep._core import host_memory, overlap
+from snapkeep._core import host_memory
 from snapkeep._core.host_memory import HeapAllocator, copy_threads
 from snapkeep._core.staging import BufferSet
 
@@ -62,24 +61,18 @@ def test_immutable_leaves_are_shared_and_tensors_in_tuples_still_staged() -> Non
 
 
 def test_background_staging_reuses_one_thread() -> None:
+    from snapkeep._core.overlap import DeferredCopy, PendingVerdict
+    from snapkeep._core.staging import StageStats
+    from snapkeep._core.ticket import SaveHandle
+
     seen: list[int] = []
-    done = [threading.Event(), threading.Event()]
-
-    class Handle:
-        path, step = "p", 1
-
-        def __init__(self, i: int) -> None:
-            self.i = i
-            self.staged = self
-
-        def set_result(self, _: object) -> None:
-            done[self.i].set()
-
-        def set_exception(self, e: BaseException) -> None:  # pragma: no cover - fails below
-            pytest.fail(f"staging failed: {e}")
-
-    for i in range(2):
-        overlap.finish_in_background(
-            Handle(i), lambda: seen.append(threading.get_ident()))  # type: ignore[arg-type,return-value]
-        assert done[i].wait(10)
+    stats = StageStats(tensor_bytes=0, allocated_bytes=0, num_storages=0)
+    for _ in range(2):
+        verdict = PendingVerdict(
+            SaveHandle(path="p", step=1),
+            DeferredCopy(copies=[], members=[], stats=stats,
+                         before_copy=lambda: seen.append(threading.get_ident())),
+            on_race=None)
+        verdict.start()
+        assert verdict.copied.result(timeout=10) == stats
     assert len(seen) == 2 and seen[0] == seen[1] != threading.get_ident()

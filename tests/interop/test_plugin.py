@@ -225,3 +225,28 @@ def test_ppe_snapshot_with_snapkeep_writer_on_an_fsspec_url(tmp_path):
     for name in list(w2.fs.list(out, recursive=True)):
         if not w2.fs.isdir(f"{out}/{name}"):
             w2.fs.remove(f"{out}/{name}")
+
+
+def test_overlap_under_ppe_manager_is_validated_at_the_step(tmp_path):
+    """ppe's run_iteration has no end hook: the verdict comes from the step pre-hook (or the
+    next snapshot, or finalize). A hand edit between a snapshot and the step drops it."""
+    model = torch.nn.Linear(512, 512, bias=False)  # a 1 MiB weight: staged in the background
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = snapkeep.writing.ThreadWriter(out_dir=str(tmp_path))
+    manager = ppe.training.ExtensionsManager(model, optimizer, 1, iters_per_epoch=4,
+                                             writer=writer)
+    ext = sk_extensions.snapshot(filename="snap_{.iteration}")
+    manager.extend(ext, trigger=(1, "iteration"))
+    x = torch.ones(2, 512)
+    with pytest.warns(RuntimeWarning, match="'models/main/weight'.*dropped"):
+        while not manager.stop_trigger:
+            with manager.run_iteration(step_optimizers=["main"]):
+                model(x).sum().backward()
+                if manager.iteration == 2:  # snapshot 2 was taken; its step is next
+                    with torch.no_grad():
+                        model.weight.add_(1.0)
+    manager.finalize()
+    assert not ext._overlap_on  # snapshots 3 and 4 were copied in the call
+    assert _names(tmp_path)[0] == ["snap_1", "snap_3", "snap_4"]
+    saved = torch.load(tmp_path / "snap_4", weights_only=True)
+    assert torch.equal(saved["models"]["main"]["weight"], model.weight)

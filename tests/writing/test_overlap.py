@@ -1,8 +1,9 @@
 """Overlapped staging with a mutation tripwire (issue 12): inside the manager, a snapshot copies
 at once everything but the optimizers' parameters and state, which are copied in the background
 while the next forward/backward runs; the optimizer's step waits for that copy. Every file holds
-the values of the call; an in-place edit of an optimizer-owned tensor before it was copied fails
-the snapshot loudly instead of writing it torn.
+the values of the call; an in-place edit of an optimizer-owned tensor between the call and the
+verdict (on the training thread, at the next step) drops that snapshot with one warning instead of
+writing it torn, and ``overlap='strict'`` raises.
 
 The background copy is held on a gate (``_overlap_before_copy``) until the test has done what
 training would do after the call, so each ordering is deterministic."""
@@ -137,22 +138,55 @@ def _differs(a, b) -> bool:
 
 
 @pytest.mark.parametrize("writer_name", WRITERS)
-def test_a_manual_edit_before_the_step_is_caught(tmp_path, writer_name):
-    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name,
-                                                          on_save_error="raise")
+def test_a_manual_edit_before_the_step_drops_that_snapshot(tmp_path, writer_name):
+    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name)
+    gate = Gate()
+    ext._overlap_before_copy = gate
+    _step(manager, model)
+    assert gate.entered.wait(WAIT_S)
+    first = writer.last_handle
+    with torch.no_grad():
+        model.fc.weight.mul_(0.0)  # a manual in-place edit of an optimizer-owned parameter
+    gate.open()
+    with pytest.warns(RuntimeWarning) as warned:
+        _step(manager, model)  # the step validates the copy: dropped; the run goes on
+    (warning,) = [w for w in warned if "overlap" in str(w.message)]
+    assert "models/main/fc.weight" in str(warning.message)
+    assert "overlap=False" in str(warning.message) and "dropped" in str(warning.message)
+    assert isinstance(first.committed.exception(WAIT_S), snapkeep.StagingRaceError)
+    assert not ext._overlap_on
+    at_call = copy.deepcopy(manager.state_dict())  # snapshot_iter_2 was copied in the call
+    assert writer.last_handle.staged.done()
+    with torch.no_grad():
+        model.fc.weight.add_(1.0)  # harmless now
+    _step(manager, model)  # iteration 3, the last: finalizes
+    assert not (tmp_path / "snapshot_iter_1").exists()  # never written torn
+    saved = torch.load(tmp_path / "snapshot_iter_2", weights_only=True)
+    for section in ("models", "optimizers", "state_objects"):
+        assert not _differs(saved[section], at_call[section])
+    assert (tmp_path / "snapshot_iter_3").exists()
+
+
+@pytest.mark.parametrize("writer_name", ["ThreadWriter", "ProcessQueueWriter"])
+def test_strict_overlap_raises_the_race(tmp_path, writer_name):
+    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name, overlap="strict")
     gate = Gate()
     ext._overlap_before_copy = gate
     _step(manager, model)
     assert gate.entered.wait(WAIT_S)
     with torch.no_grad():
-        model.fc.weight.mul_(0.0)  # a manual in-place edit of an optimizer-owned parameter
+        model.fc.weight.mul_(0.0)
     gate.open()
-    with pytest.raises(snapkeep.SnapshotSaveError) as info:
-        manager.finalize()
-    cause = info.value.__cause__
-    assert isinstance(cause, snapkeep.StagingRaceError)
-    assert "models/main/fc.weight" in str(cause) and "overlap=False" in str(cause)
-    assert not (tmp_path / "snapshot_iter_1").exists()  # never written torn
+    with pytest.raises(snapkeep.StagingRaceError, match="models/main/fc.weight"):
+        _step(manager, model)  # the step's pre-hook gives the verdict and raises
+    manager.finalize()
+    assert not (tmp_path / "snapshot_iter_1").exists()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "STRICT"])
+def test_overlap_argument_is_checked(value):
+    with pytest.raises(ValueError, match="overlap must be one of True, False or 'strict'"):
+        extensions.snapshot(overlap=value)
 
 
 @pytest.mark.parametrize("writer_name", ["ThreadWriter", "ProcessWriter"])
@@ -185,13 +219,55 @@ def test_small_tensors_and_unowned_tensors_are_not_deferred():
 
     tree = {"model": model.state_dict(), "ema": {k: v.clone() for k, v in
                                                  model.state_dict().items()}}
-    staged, stats, finish = plan.stage(BufferSet(), tree)
-    assert finish is not None
+    staged, stats, deferred = plan.stage(BufferSet(), tree)
+    assert deferred is not None
     # copied now: the 2 KiB bias, BatchNorm's buffers and weights, the whole EMA copy
     assert torch.equal(staged["ema"]["fc.weight"], model.fc.weight)
     assert torch.equal(staged["model"]["fc.bias"], model.fc.bias)
     assert stats.tensor_bytes == sum(t.untyped_storage().nbytes() for t in tree["ema"].values()) \
         + sum(t.untyped_storage().nbytes() for k, t in tree["model"].items() if k != "fc.weight")
-    final = finish()
+    final = deferred.copy()
     assert torch.equal(staged["model"]["fc.weight"], model.fc.weight)
     assert final.tensor_bytes == stats.tensor_bytes + model.fc.weight.nbytes
+
+
+@pytest.mark.parametrize("writer_name", ["ThreadWriter", "ProcessWriter"])
+def test_waiting_for_an_overlapped_snapshot_on_the_training_thread_validates_it(tmp_path,
+                                                                                writer_name):
+    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name)
+    _step(manager, model)
+    handle = writer.last_handle
+    assert handle.verdict is not None  # the parameters were staged in the background
+    record = handle.wait(WAIT_S)  # a safe point: no step needed, and no deadlock
+    assert record.step == 1 and (tmp_path / "snapshot_iter_1").exists()
+    manager.finalize()
+
+
+def test_the_end_of_run_iteration_validates_a_finished_copy(tmp_path):
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    writer = writing.ThreadWriter(out_dir=str(tmp_path), timeout_s=WAIT_S)
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=10,
+                                writer=writer)
+    manager.extend(extensions.snapshot(), trigger=(2, "iteration"))
+    _step(manager, model)
+    _step(manager, model)  # snapshot_iter_2
+    handle = writer.last_handle
+    handle.verdict.copied.result(timeout=WAIT_S)  # the copy is done; no verdict yet
+    assert not handle.staged.done()
+    with manager.run_iteration():  # no step, no edit, no snapshot, not the last iteration:
+        pass                       # only the end of run_iteration can give the verdict
+    assert handle.staged.done() and handle.committed.result(timeout=WAIT_S).step == 2
+    manager.finalize()
+
+
+@pytest.mark.parametrize("writer_name", ["ThreadQueueWriter", "ProcessWriter"])
+def test_strict_overlap_raises_at_finalize_after_finalizing_the_writer(tmp_path, writer_name):
+    model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name, overlap="strict")
+    _step(manager, model)
+    with torch.no_grad():
+        model.fc.weight.add_(1.0)  # after the call; no step follows
+    with pytest.raises(snapkeep.StagingRaceError, match="models/main/fc.weight"):
+        manager.finalize()
+    assert writer.pending == 0 and writer._finalized  # nothing left running
+    assert not (tmp_path / "snapshot_iter_1").exists()

@@ -78,4 +78,6 @@ class StoreLockedError(SnapshotError, RuntimeError):
 
 class StagingRaceError(SnapshotError, RuntimeError):
     """A tensor staged in the background (overlapped staging) was modified in place after the
-    snapshot call and before (or while) it was copied; that snapshot was not written."""
+    snapshot call and before its copy was validated on the training thread; that snapshot was
+    dropped (never written). Raised with ``overlap='strict'``; otherwise its message is warned
+    once and the run goes on (see :mod:`snapkeep._core.overlap`)."""

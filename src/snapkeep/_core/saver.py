@@ -38,11 +38,12 @@ from snapkeep._core.errors import (
     SnapshotSaveError,
     SnapshotStorageError,
     SnapshotTimeoutError,
+    StagingRaceError,
     WorkerDiedError,
 )
 from snapkeep._core.executors import Runner
 from snapkeep._core.job import CommitRecord, SaveJob
-from snapkeep._core.overlap import finish_in_background
+from snapkeep._core.overlap import PendingVerdict
 from snapkeep._core.staging import BufferSet, StageStats
 from snapkeep._core.store import Retain
 from snapkeep._core.ticket import SaveHandle, Ticket, _Slot
@@ -98,6 +99,7 @@ class Saver(SlotPool):
         self._prefaulted = threading.Event()  # clear while a prefault thread fills a slot
         self._prefaulted.set()
         self._next_overlap: Any = None  # an OverlapPlan for the next submit (overlap.py)
+        self._verdicts: list[PendingVerdict] = []  # overlapped snapshots not validated yet
         exit_drain.register(self)  # committed at interpreter exit if still pending
 
     # -- public ----------------------------------------------------------------------------------
@@ -131,7 +133,7 @@ class Saver(SlotPool):
         if self._closed:
             raise RuntimeError("this writer is finalized; create a new writer to save again")
         plan, self._next_overlap = self._next_overlap, None
-        self._wait_background_staging()
+        self.settle_overlap()  # a safe point: the previous snapshot's verdict first
         self.raise_pending_error()
         check = getattr(self.runner, "check_sendable", None)
         if check is not None and self._stage:  # a process worker: refuse what it cannot receive
@@ -145,9 +147,9 @@ class Saver(SlotPool):
             # call later
             self.raise_pending_error()
             self._wait_prefault()
-            finish = None
+            deferred = None
             if self._stage and plan is not None:
-                staged, stats, finish = plan.stage(slot.buffers, tree)
+                staged, stats, deferred = plan.stage(slot.buffers, tree)
             else:
                 staged, stats = slot.buffers.stage(tree) if self._stage else (tree, _no_stats())
         except SnapshotStorageError as e:  # staging memory (a process writer's arena)
@@ -160,29 +162,59 @@ class Saver(SlotPool):
             self._release(slot, handle)
             raise
         self.last_stage_stats = stats
-        if finish is None:
+        if deferred is None:
             handle.staged.set_result(stats)
         else:
-            finish_in_background(handle, finish)
+            verdict = handle.verdict = PendingVerdict(handle, deferred, plan.on_race)
+            with self._cond:
+                self._verdicts.append(verdict)
+            verdict.start()
         return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain)
 
     def overlap_next(self, plan: Any) -> None:
         """Stage the next :meth:`submit` (same thread) per ``plan``
-        (:class:`snapkeep._core.overlap.OverlapPlan`): part now, the rest in the background;
-        ``handle.staged`` resolves when all is copied, and the write waits for it."""
+        (:class:`snapkeep._core.overlap.OverlapPlan`): part now, the rest in the background.
+        ``handle.staged`` resolves when that copy has been validated at a safe point
+        (:meth:`settle_overlap`), and the write waits for it."""
         self._next_overlap = plan
 
-    def _wait_background_staging(self) -> None:
-        """The next snapshot waits for the previous one's background staging."""
+    def settle_overlap(self, *, block: bool = True) -> None:
+        """A safe point for overlapped staging (see :mod:`snapkeep._core.overlap`), called on
+        the training thread: give the verdict of every overlapped snapshot whose copy is done
+        (``block``: wait for the copies first, bounded by ``timeout_s``). A snapshot whose
+        counters moved is dropped; each plan's ``on_race`` is then called (all verdicts are
+        given first).
+
+        Raises:
+            StagingRaceError: from an ``on_race`` (``None`` raises).
+            SnapshotTimeoutError: ``block`` and a copy not done within ``timeout_s``.
+        """
         with self._cond:
-            staging = [s.handle.staged for s in self._slots
-                       if s.handle is not None and not s.handle.staged.done()]
-        for future in staging:
-            try:
-                future.exception(timeout=self.timeout_s)
-            except concurrent.futures.TimeoutError as e:
-                raise SnapshotTimeoutError(
-                    f"background staging not done after {self.timeout_s} s") from e
+            verdicts = list(self._verdicts)
+        races = []
+        try:
+            for verdict in verdicts:
+                race = verdict.settle(block=block, timeout_s=self.timeout_s)
+                if race is not None:
+                    races.append((verdict.on_race, race))
+        finally:
+            with self._cond:
+                self._verdicts = [v for v in self._verdicts if not v.settled]
+        for on_race, race in races:
+            if on_race is None:
+                raise race
+            on_race(race)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Settle overlapped snapshots (:meth:`settle_overlap`), then wait until nothing is
+        pending (:meth:`SlotPool.wait`).
+
+        Raises:
+            SnapshotTimeoutError: still pending after ``timeout_s`` seconds.
+            StagingRaceError: as :meth:`settle_overlap`.
+        """
+        self.settle_overlap()
+        super().wait(timeout_s)
 
     def save_now(self, job: SaveJob, tree: Any, *, retain: Retain | None = None) -> CommitRecord:
         """Synchronous save: ``submit`` + ``run`` in the caller's thread; raises its error."""
@@ -224,9 +256,15 @@ class Saver(SlotPool):
         finally:
             self._closed = True
             self._prefaulted.wait()  # a bounded memset; its buffers are closed next
-            for slot in list(self._slots):  # a background staging copy (bounded) as well
-                if slot.handle is not None:
-                    concurrent.futures.wait([slot.handle.staged])
+            with self._cond:  # a background staging copy (bounded) as well
+                copies = [v.copied for v in self._verdicts]
+            concurrent.futures.wait(copies)
+            with self._cond:  # never validated (closed without a wait): never written
+                unsettled, self._verdicts = self._verdicts, []
+            for verdict in unsettled:
+                verdict.drop(SnapshotError(
+                    f"snapshot {verdict.handle.path!r} was not written: the writer was closed "
+                    "before its background copy was validated"))
             self.runner.close()
             for slot in self._slots:
                 close = getattr(slot.buffers.allocator, "close", None)
@@ -303,7 +341,8 @@ class Saver(SlotPool):
             slot.started = True
         staged = ticket.staged
         try:
-            handle.staged.result()  # overlapped staging: the copy (and its tripwire) first
+            if handle.verdict is not None:  # overlapped staging: nothing before the verdict
+                handle.verdict.wait(self.timeout_s, self.warn_after_s)
             if execute is not None:
                 record = execute(staged) or CommitRecord(
                     path=job.path, size_bytes=0, checksum=None, write_s=0.0, step=job.step)
@@ -323,6 +362,11 @@ class Saver(SlotPool):
                         raise WorkerDiedError(f"{died}; the writer was finalized, so that "
                                               "snapshot was not committed") from died
                     record = _write_in_trainer(job, staged, died)
+        except StagingRaceError as e:  # dropped; the run was told at the verdict
+            logger.info("snapshot %s (step %s) dropped: %s", job.path, job.step, e)
+            handle.committed.set_exception(e)
+            self._release(slot, handle)
+            return False
         except BaseException as e:
             error = SnapshotSaveError(
                 f"background save of {job.path!r} (step {job.step}) failed: "

@@ -22,7 +22,9 @@ class SaveHandle:
         path: final path of the snapshot.
         step: training iteration when known.
         staged: resolves (to :class:`StageStats`) when the state has been copied and the caller
-            may mutate it.
+            may mutate it. With overlapped staging, only once the background copy has been
+            validated on the training thread (:mod:`snapkeep._core.overlap`); raises the
+            :class:`~snapkeep.StagingRaceError` of a dropped snapshot.
         committed: resolves (to :class:`CommitRecord`) when the snapshot is durable; raises the
             save's error otherwise; cancelled when the snapshot was replaced by a newer one.
     """
@@ -33,6 +35,8 @@ class SaveHandle:
         default_factory=concurrent.futures.Future)
     committed: concurrent.futures.Future[CommitRecord] = dataclasses.field(
         default_factory=concurrent.futures.Future)
+    #: the :class:`~snapkeep._core.overlap.PendingVerdict` of an overlapped staging, else None
+    verdict: Any = None
 
     def wait(self, timeout_s: float | None = None) -> CommitRecord:
         """Block until committed and return the record.
@@ -40,8 +44,16 @@ class SaveHandle:
         Raises:
             SnapshotTimeoutError: not committed within ``timeout_s`` seconds.
             concurrent.futures.CancelledError: the snapshot was replaced by a newer one.
+            StagingRaceError: an overlapped snapshot was dropped (see :mod:`.overlap`).
             Exception: the save's own error.
         """
+        verdict = self.verdict
+        if verdict is not None and verdict.made_here():  # a safe point: this thread waits
+            race = verdict.settle(block=True, timeout_s=timeout_s)
+            if race is not None:
+                if verdict.on_race is None:
+                    raise race
+                verdict.on_race(race)
         try:
             return self.committed.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError as e:

@@ -182,6 +182,15 @@ class ExtensionsRunner:
         finally:
             self._model_available = True
 
+    def _settle_staging(self) -> None:
+        """The end of ``run_iteration``: a safe point for overlapped staging. Extensions with a
+        ``settle_staging()`` (snapkeep's snapshot) validate a background copy that is done, so
+        its snapshot is published now (see :mod:`snapkeep._core.overlap`)."""
+        for _, entry in self.extensions:
+            settle = getattr(entry.extension, "settle_staging", None)
+            if callable(settle):
+                settle()
+
     def _run_on_error(self, exc: Exception) -> None:
         if self._run_on_error_called:
             return

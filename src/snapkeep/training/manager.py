@@ -347,6 +347,7 @@ class ExtensionsManager(ExtensionsRunner):
                 yield
                 for n in names:
                     self._optimizers[n].step()
+                self._settle_staging()  # a safe point for a snapshot's background copy
                 self.iteration += 1
                 self.execution += 1
                 self.run_extensions()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from snapkeep._core.errors import SnapshotSaveError, SnapshotTimeoutError
+from snapkeep._core.errors import SnapshotSaveError, SnapshotTimeoutError, StagingRaceError
 from snapkeep._core.executors import ThreadRunner
 from snapkeep._core.saver import SaveHandle, Ticket
 from snapkeep.writing._base import SaveFun, SimpleWriter, Writer
@@ -126,6 +126,11 @@ class QueueWriter(Writer):
         """Drain the queue, stop the consumer and the worker; raise a pending failure once."""
         if self._finalized:
             return
+        race: BaseException | None = None
+        try:  # a safe point: the consumer waits for the verdict of an overlapped snapshot
+            self._saver.settle_overlap()
+        except StagingRaceError as e:  # raised after the queue is drained and closed
+            race = e
         try:
             if self._started:
                 self._queue.put(None)  # the consumer exits after every queued task ran
@@ -146,6 +151,8 @@ class QueueWriter(Writer):
             self._queued = []
         finally:
             super().finalize()
+        if race is not None:
+            raise race
 
     def _join_queue(self) -> None:
         """``queue.join()`` (as ppe) once the consumer has exited, without the unbounded wait:

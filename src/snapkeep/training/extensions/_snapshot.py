@@ -83,7 +83,7 @@ def snapshot(
     on_save_error: str = "raise",
     generators: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
-    overlap: bool = True,
+    overlap: bool | str = True,
     quiet: bool = False,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
@@ -128,13 +128,16 @@ def snapshot(
         timeout_s: with ``saver_rank`` or ``SHARDED``: bound in seconds (default 600) of every
             collective snapkeep makes; a rank that fails raises the same error on every rank,
             naming it, and a rank that died makes the others raise within ``timeout_s``.
-        overlap: with a background writer, the call copies at once everything but the
-            manager's optimizers' parameters and state, which are copied while the next
-            forward/backward runs; those optimizers' ``step()`` waits for the copy, and a tensor
-            modified in place before it was copied fails the snapshot
-            (:class:`snapkeep.StagingRaceError`, never a torn file). See
-            :mod:`snapkeep._core.overlap` for what the check cannot see. ``False`` copies all of
-            the state in the call.
+        overlap: ``True`` (default), ``False`` or ``'strict'``. With a background writer, the
+            call copies at once everything but the manager's optimizers' parameters and state,
+            which are copied while the next forward/backward runs; those optimizers' ``step()``
+            waits for the copy, then checks on the training thread that no tensor was modified
+            in place since the call; the snapshot is published only after that check (the
+            step, the end of ``run_iteration``, the next snapshot or ``finalize``). A modified
+            tensor drops that snapshot (never a torn file): one ``RuntimeWarning`` names it and
+            this extension copies in the call from then on; ``'strict'`` raises
+            :class:`snapkeep.StagingRaceError` there instead. See :mod:`snapkeep._core.overlap`
+            for what the check cannot see. ``False`` copies all of the state in the call.
         quiet: with ``autoload``, do not print the resume notice: by default ``initialize``
             writes on stderr (rank 0 only under torch.distributed) one line naming the snapshot
             resumed from and its step, or that it starts fresh in which directory, and one line

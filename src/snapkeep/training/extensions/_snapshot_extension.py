@@ -22,6 +22,7 @@ from snapkeep.errors import SnapshotCorruptError, SnapshotError
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
 from snapkeep.staging import (
     StagingGuard,
+    StagingRaceError,
     arm,
     into_existing_state,
     optimizers_in,
@@ -37,6 +38,7 @@ from snapkeep.store import (
     check_writable,
     load_file,
     misnamed_reason,
+    warn_user,
 )
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
@@ -89,7 +91,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         savefun: Any = None, *, retention: RetentionPolicy | None = None,
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
         generators: Mapping[str, Any] | None = None,
-        overlap: bool = True, quiet: bool = False,
+        overlap: bool | str = True, quiet: bool = False,
     ) -> None:
         _restore.check_target(target)
         self._quiet = check_quiet(quiet)
@@ -108,8 +110,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if on_save_error not in ON_SAVE_ERROR:
             raise ValueError(
                 f"on_save_error must be one of {ON_SAVE_ERROR}, got {on_save_error!r}")
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        if not (isinstance(overlap, bool) or overlap == "strict"):
+            raise ValueError(f"overlap must be one of True, False or 'strict', got {overlap!r}")
         if writer is not None and not callable(writer):
             raise TypeError(f"writer must be a callable writer object, got {writer!r}")
         if savefun is not None and not callable(savefun):
@@ -126,9 +128,11 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         self._weights_only = weights_only
         self._map_location = map_location
         self._on_save_error = on_save_error
-        self._overlap = overlap
+        self._overlap = overlap  # the user's choice: True, False or 'strict'
+        self._overlap_on = bool(overlap)  # False after a dropped snapshot (non-strict)
         self._staging_guard = StagingGuard()
         self._overlap_before_copy: Callable[[], None] | None = None  # a test seam (a gate)
+        self._race_warned = False
         policies = [p for p in (KeepLatest(n_retains) if n_retains > 0 else None, retention) if p]
         self._retention: RetentionPolicy | None = None
         if len(policies) == 1:
@@ -236,14 +240,19 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             self._make_snapshot(manager)
 
     def finalize(self, manager: Any) -> None:
-        """Finalize the writer (waits for pending snapshots) and release the store's lock. A
-        background save failure raised there is logged instead when ``on_save_error='log'``."""
+        """Validate a pending overlapped snapshot, finalize the writer (waits for pending
+        snapshots) and release the store's lock. A background save failure raised there is
+        logged instead when ``on_save_error='log'``; a ``StagingRaceError`` of
+        ``overlap='strict'`` is raised (after the writer is finalized)."""
         writer = self.writer
         try:
-            if writer is not None:
-                writer.finalize()
+            try:
+                self._staging_guard.settle()  # a safe point: the last snapshot's verdict
+            finally:
+                if writer is not None:
+                    writer.finalize()
         except (SnapshotError, OSError) as e:
-            if self._on_save_error == "raise":
+            if self._on_save_error == "raise" or isinstance(e, StagingRaceError):
                 raise
             logger.error("a snapshot failed before finalize and on_save_error='log': %s", e)
         finally:
@@ -253,6 +262,28 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
+
+    def settle_staging(self) -> None:
+        """A safe point for overlapped staging (snapkeep's manager calls it at the end of each
+        ``run_iteration``, on the training thread): validate this extension's background copy if
+        it is done, so its snapshot is published without waiting for the next step.
+
+        Raises:
+            StagingRaceError: with ``overlap='strict'``, a tensor was modified in place after
+                the call (see :mod:`snapkeep._core.overlap`).
+        """
+        self._staging_guard.settle(block=False)
+
+    def _on_staging_race(self, error: StagingRaceError) -> None:
+        """A snapshot was dropped because a tensor moved under its background copy: raise
+        (``overlap='strict'``) or warn once and copy everything in the call from now on."""
+        if self._overlap == "strict":
+            raise error
+        self._overlap_on = False
+        if not self._race_warned:
+            self._race_warned = True
+            warn_user(f"{error}. Overlapped staging is now off for this snapshot extension: "
+                      "its next snapshot copies all of the state in the call", RuntimeWarning)
 
     # -- saving --------------------------------------------------------------------------------
     def _is_saver(self) -> bool:
@@ -289,15 +320,13 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                 writer._saver.raise_pending_error()
             except (SnapshotError, OSError) as e:
                 logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
-        if self._overlap and isinstance(writer, _SnapkeepWriter):
+        self._staging_guard.settle()  # a safe point: the previous snapshot's verdict first
+        if self._overlap_on and isinstance(writer, _SnapkeepWriter):
             target = manager if self._target is None else self._target
             arm(writer._saver, optimizers_in(target), self._staging_guard,
-                before_copy=self._overlap_before_copy)
+                before_copy=self._overlap_before_copy, on_race=self._on_staging_race)
         try:
             writer(filename, manager.out, state, savefun=self._savefun, **extra)
-            handle = getattr(writer, "last_handle", None)
-            if handle is not None and not handle.staged.done():
-                self._staging_guard.track(handle.staged)  # the next step() waits for it
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
                 raise
