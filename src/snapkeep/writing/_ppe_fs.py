@@ -30,11 +30,12 @@ import posixpath
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
-from snapkeep._core.checksum import digest_stream
 from snapkeep._core.errors import SnapshotCorruptError
-from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path
+from snapkeep._core.manifest import MANIFEST_DIR, manifest_path
+from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.storage._storage import is_temp_name
+from snapkeep._core.store import Entry, SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -204,26 +205,18 @@ def _mtime(info: Mapping[str, Any]) -> float:
 
 
 def _verify(storage: Storage, path: str, data: bytes | None) -> None:
-    mpath = manifest_path(storage, path)
+    """The store's own verification (checksum, size and the name its manifest records), so the
+    ppe view accepts exactly what autoload accepts; a file without a manifest is opened
+    unverified (ppe-written)."""
+    name = storage.basename(path)
+    store = SnapshotStore(storage, storage.dirname(path), FilenameTemplate(name))
     try:
-        manifest = Manifest.from_bytes(storage.read_bytes(mpath))
-    except FileNotFoundError:
-        logger.info("%s has no checksum manifest (written by ppe?); loading it unverified",
-                    storage.url(path))
-        return
-    except (ValueError, UnicodeDecodeError, TypeError) as e:
-        logger.warning("manifest %s is unreadable (%s); loading %s unverified",
-                       storage.url(mpath), e, storage.url(path))
-        return
-    if data is not None:
-        digest, size = digest_stream(io.BytesIO(data))
-    else:
-        with storage.open_read(path) as f:
-            digest, size = digest_stream(f)
-    if size != manifest.size_bytes or digest != manifest.checksum:
+        manifest = store.verify(Entry(name=name, path=path, key=(), step=None), data)
+    except SnapshotCorruptError as e:
         raise SnapshotCorruptError(
-            f"{storage.url(path)}: {size} bytes with {manifest.algorithm} checksum {digest}, its "
-            f"manifest recorded {manifest.size_bytes} bytes and {manifest.checksum} (truncated or "
-            "corrupted). ppe's autoload loads only the newest file; move it away to resume from "
-            "the previous one, or use snapkeep.training.extensions.snapshot, which falls back "
-            "to the newest valid snapshot by itself")
+            f"{e}. ppe's autoload loads only the newest file; move it away to resume from the "
+            "previous one, or use snapkeep.training.extensions.snapshot, which falls back to the "
+            "newest valid snapshot by itself") from e
+    if manifest is None:
+        logger.info("%s has no valid checksum manifest (written by ppe?); loading it unverified",
+                    storage.url(path))

@@ -1,0 +1,100 @@
+"""The store contract: what every kind of snapshot store provides, and one kind per template.
+
+A *kind* is how one snapshot is laid out on storage: :class:`~snapkeep._core.store.SnapshotStore`
+(one file per snapshot, plus a checksum manifest) and
+:class:`~snapkeep._core.distributed.sharded_store.ShardedStore` (one directory per snapshot: DCP
+shards plus a marker). A later kind (node memory with peer copies) implements the same
+:class:`StoreKind`; callers never branch on the kind for a guarantee.
+
+Call order (per trainer, one store per out_dir and template), after DCP's ``StorageWriter`` docs:
+
+1. ``check_kind()`` -- at start, before anything runs (every kind): a template that already names
+   snapshots of another kind in the directory is refused (:func:`require_one_kind`).
+2. ``lock()`` -- at start, on the one rank that writes commit records (the saver rank, or rank 0
+   of a sharded save); released at ``finalize``. Raises ``StoreLockedError`` for a second trainer.
+3. ``sweep(lineage)`` -- at start, same rank, after ``lock``: removes only what snapkeep itself
+   started and did not finish (temp files of crashed writers; sharded directories carrying the
+   in-progress mark, which is written before the first shard). Never a file or directory merely
+   because it lacks snapkeep's marker.
+4. ``entries()`` / newest-valid-with-fallback -- at resume: the highest step parsed from the name,
+   among snapshots that verify, never mtime; on-error snapshots (``<name>.on-error``) are never
+   listed. Single files: ``load_newest``/``validate``; sharded directories: ``verify_part`` on
+   every rank inside the agreed resume.
+5. commit -- per snapshot: data first, then the manifest/marker as the one publishing step
+   (through the storage layer). A snapshot without its manifest/marker is not committed.
+6. ``retain(policy, lineage, protect=...)`` -- after each commit, on the committing rank only;
+   never deletes the newest snapshot, a protected one or another run's; failures are logged.
+7. ``delete(entry)`` -- returns False (logged) on failure; never raises for a failed delete.
+
+Failure contract: verification failures are :class:`~snapkeep.errors.SnapshotCorruptError` (the
+reader falls back to the next older snapshot); a well-formed snapshot needing objects outside the
+weights-only allow-list is :class:`~snapkeep.errors.UnsafeSnapshotError` (no fallback); an
+unreachable store is :class:`~snapkeep.errors.SnapshotStorageError` (no fallback, not corruption).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.retention import RetentionPolicy
+from snapkeep._core.storage import Storage
+
+
+class StoreKind(Protocol):
+    """One kind of snapshot store (see the module docstring for the call order and which rank
+    calls what). Attributes: ``storage``, ``directory``, ``template``."""
+
+    storage: Storage
+    directory: str
+    template: FilenameTemplate
+
+    def check_kind(self) -> None:
+        """Refuse a template already naming snapshots of another kind here (ValueError)."""
+
+    def lock(self) -> Any:
+        """Take the one-trainer lock (None where the storage cannot lock)."""
+
+    def sweep(self, lineage: frozenset[str | None] | None = None) -> list[str]:
+        """Remove only snapkeep's own unfinished work; return the removed paths."""
+
+    def entries(self) -> list[Any]:
+        """Committed snapshots, oldest (lowest key) first."""
+
+    def manifest(self, entry: Any) -> Any:
+        """The manifest or marker of ``entry`` (None when missing or invalid)."""
+
+    def delete(self, entry: Any, *, by: str = "snapkeep") -> bool:
+        """Delete one snapshot (manifest/marker with it); False, logged, on failure."""
+
+    def retain(self, policy: RetentionPolicy, lineage: frozenset[str | None] | set[str | None],
+               *, protect: Sequence[str] = ()) -> list[Any]:
+        """Apply a retention policy to this run's snapshots; return those deleted."""
+
+
+def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
+                     expected: str) -> None:
+    """Refuse to start when ``base`` (the template's last part) already names snapshots of the
+    other kind in ``parent``: files when ``expected`` is ``'directory'`` (sharded), directories
+    when it is ``'file'``. One listing of each kind.
+
+    Raises:
+        ValueError: both kinds are present, naming one of each and how to fix it.
+    """
+    if expected not in ("file", "directory"):
+        raise ValueError(f"expected must be 'file' or 'directory', got {expected!r}")
+    listed = storage.list_names(parent) if expected == "directory" else storage.list_dirs(parent)
+    other = sorted((n for n in listed if base.parse(n) is not None),
+                   key=lambda n: base.parse(n) or ())
+    if not other:
+        return
+    ours, theirs = ("sharded (DCP) snapshot directories", "single-file snapshots") \
+        if expected == "directory" else ("single-file snapshots", "sharded snapshot directories")
+    raise ValueError(
+        f"the filename template {base.template!r} in {storage.url(parent)!r} already names "
+        f"{len(other)} {theirs} (e.g. {other[-1]!r}); this trainer writes {ours}. One template "
+        "holds one kind: use another filename template or out_dir, or move those away")
+
+
+__all__ = ["StoreKind", "require_one_kind"]
