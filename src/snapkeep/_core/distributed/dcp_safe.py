@@ -235,7 +235,7 @@ def dcp_errors(where: str) -> Iterator[None]:
             f"{details or e})") from e
 
 
-def gather(storage: Storage, path: str, *, weights_only: bool = True,
+def gather_dcp(storage: Storage, path: str, *, weights_only: bool = True,
            storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole state of the DCP directory ``path`` in one dict (what DCP's
     ``format_utils.dcp_to_torch_save`` writes, kept in memory), read safely; no process group.
@@ -261,5 +261,5 @@ def gather(storage: Storage, path: str, *, weights_only: bool = True,
 
 
 __all__ = ["METADATA_GLOBALS", "SafeFileSystemReader", "SafeFsspecReader", "SafeGatherPlanner",
-           "SafeLoadPlanner", "dcp_errors", "gather", "metadata_of", "read_metadata",
+           "SafeLoadPlanner", "dcp_errors", "gather_dcp", "metadata_of", "read_metadata",
            "reader_for"]
