@@ -207,7 +207,8 @@ def load_state(location: str, storage: Storage, path: str, *, unsafe: bool) -> A
         raise CheckFailed(
             f"{location}: unsafe, not corrupt: a well-formed snapshot that needs objects outside "
             f"the weights_only allow-list{f' ({calls.group(1)})' if calls else ''}, so nothing "
-            "in it was executed; if you trust this file, pass --unsafe.") from e
+            "in it was executed; if you trust this file, pass --unsafe (weights_only=False).") \
+            from e
     except SnapshotStorageError as e:
         raise StorageTrouble(f"cannot read {location}: {e}") from e
     except LOAD_ERRORS as e:
@@ -216,8 +217,9 @@ def load_state(location: str, storage: Storage, path: str, *, unsafe: bool) -> A
             detail = found.group(1) if found else str(e)
         else:
             detail = f"{type(e).__name__}: {e}" if str(e) else "empty or truncated file"
-        raise CheckFailed(f"{location}: corrupt: not a well-formed torch or safetensors "
-                          f"snapshot ({detail}).") from e
+        detail = (detail.splitlines() or [""])[0].rstrip(".")
+        raise CheckFailed(f"{location}: corrupt: not a readable torch or safetensors file "
+                          f"({detail}).") from e
 
 
 def file_format(storage: Storage, path: str) -> str:

@@ -41,6 +41,13 @@ from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.storage import Storage
 
+MARKER_NAME = ".snapkeep-commit.json"
+"""File name of the marker inside a committed sharded snapshot directory."""
+IN_PROGRESS_NAME = ".snapkeep-in-progress"
+"""Written by rank 0 before any shard: this directory is snapkeep's own work (swept when no
+marker follows)."""
+_DCP_METADATA = ".metadata"
+
 
 class StoreKind(Protocol):
     """One kind of snapshot store (see the module docstring for the call order and which rank
@@ -77,7 +84,8 @@ def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
                      expected: str) -> None:
     """Refuse to start when ``base`` (the template's last part) already names snapshots of the
     other kind in ``parent``: files when ``expected`` is ``'directory'`` (sharded), directories
-    when it is ``'file'``. One listing of each kind.
+    when it is ``'file'`` (a directory counts when it holds a marker, the in-progress mark or
+    DCP's ``.metadata``). One listing of ``parent``.
 
     Raises:
         ValueError: both kinds are present, naming one of each and how to fix it.
@@ -87,6 +95,10 @@ def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
     listed = storage.list_names(parent) if expected == "directory" else storage.list_dirs(parent)
     other = sorted((n for n in listed if base.parse(n) is not None),
                    key=lambda n: base.parse(n) or ())
+    if expected == "file":  # a directory counts only when it is a sharded snapshot (or one begun)
+        other = [n for n in other if any(
+            storage.exists(storage.join(parent, n, f))
+            for f in (MARKER_NAME, IN_PROGRESS_NAME, _DCP_METADATA))]
     if not other:
         return
     ours, theirs = ("sharded (DCP) snapshot directories", "single-file snapshots") \
@@ -97,4 +109,4 @@ def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
         "holds one kind: use another filename template or out_dir, or move those away")
 
 
-__all__ = ["StoreKind", "require_one_kind"]
+__all__ = ["IN_PROGRESS_NAME", "MARKER_NAME", "StoreKind", "require_one_kind"]

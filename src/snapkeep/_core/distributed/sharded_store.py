@@ -38,15 +38,11 @@ from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import Storage
 from snapkeep._core.store import ON_ERROR_SUFFIX, Entry
-from snapkeep._core.store_kinds import require_one_kind
+from snapkeep._core.store_kinds import IN_PROGRESS_NAME, MARKER_NAME, require_one_kind
 
 logger = logging.getLogger(__name__)
 
-MARKER_NAME = ".snapkeep-commit.json"
-"""File name of the marker inside a sharded snapshot directory."""
-IN_PROGRESS_NAME = ".snapkeep-in-progress"
-"""Written by rank 0 before any shard: this directory is snapkeep's own work (swept when no
-marker follows)."""
+
 FORMAT = "snapkeep.sharded/1"
 
 
