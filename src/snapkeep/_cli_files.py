@@ -215,8 +215,11 @@ def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
     for entry in sharded.entries():
         manifest = sharded.manifest(entry)
         size = sum(r.size_bytes for r in manifest.files.values()) if manifest else 0
-        try:
-            sharded.verify_part(entry, 0, 1)  # one "rank" checks every file
+        try:  # the store's check, as autoload's: every file, then the metadata's allow-list
+            sharded.validate_part(entry, 0, 1)
+        except UnsafeSnapshotError as e:
+            rows.append((entry, size, Status(status="unsafe", detail=str(e))))
+            continue
         except SnapshotCorruptError as e:
             rows.append((entry, size, Status(status="corrupt", detail=str(e))))
             continue

@@ -143,7 +143,7 @@ def _load_newest_sharded(storage: Any, directory: str, template: str, *, map_loc
     reasons = []
     for entry in reversed(entries):
         try:
-            sharded.verify_part(entry, 0, 1)  # every file against the marker
+            sharded.validate_part(entry, 0, 1, weights_only=weights_only)  # as autoload
             state = gather_dcp(storage, entry.path, weights_only=weights_only,
                                storage_options=storage_options)
         except SnapshotCorruptError as e:

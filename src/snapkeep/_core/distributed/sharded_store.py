@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
+from snapkeep._core.distributed.dcp_safe import metadata_of
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep._core.lock import StoreLock
 from snapkeep._core.manifest import MANIFEST_DIR
@@ -232,6 +233,12 @@ class ShardedStore:
         manifest = self.manifest(entry)
         if manifest is None:
             raise SnapshotCorruptError(f"{entry.path}: no readable marker {MARKER_NAME}")
+        recorded = manifest.name.rsplit("/", 1)[-1]
+        if recorded != self.storage.basename(entry.path):  # copied or renamed by hand
+            raise SnapshotCorruptError(
+                f"{entry.path}: its marker records the snapshot {manifest.name!r} (step "
+                f"{manifest.step}), not {self.storage.basename(entry.path)!r}: copied or renamed "
+                "by hand? Rename it back, or move it away")
         names = sorted(manifest.files)
         mine = [n for i, n in enumerate(names) if i % world_size == rank or n == ".metadata"]
         for name in mine:
@@ -246,6 +253,21 @@ class ShardedStore:
             require_match(path, digest, size, recorded_checksum=record.checksum,
                           recorded_size=record.size_bytes, algorithm=manifest.algorithm,
                           record="marker")
+        return manifest
+
+    def validate_part(self, entry: Entry, rank: int, world_size: int, *,
+                      weights_only: bool = True) -> ShardedManifest:
+        """Everything that makes ``entry`` valid to resume from, on this rank (the sharded
+        counterpart of ``SnapshotStore.validate``, run by every rank inside the agreed resume):
+        :meth:`verify_part` (marker name and this rank's share of the checksums), then DCP's
+        ``.metadata`` decoded through the allow-list.
+
+        Raises:
+            SnapshotCorruptError: a check fails or the metadata is not DCP metadata.
+            UnsafeSnapshotError: the metadata needs objects outside the allow-list.
+        """
+        manifest = self.verify_part(entry, rank, world_size)
+        metadata_of(self.storage, entry.path, weights_only=weights_only)
         return manifest
 
     # -- deletion, retention, sweeping, lock -----------------------------------------------------

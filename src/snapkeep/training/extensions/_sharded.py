@@ -42,7 +42,7 @@ from snapkeep.distributed import (
     load_sharded,
     saved_keys,
 )
-from snapkeep.errors import SnapshotError
+from snapkeep.errors import SnapshotError, UnsafeSnapshotError
 from snapkeep.retention import RetentionPolicy
 from snapkeep.store import ON_ERROR_SUFFIX
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
@@ -270,7 +270,11 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         listing = [(e.key, e.name) for e in store.entries()]
 
         def check(name: str) -> str | None:
-            store.verify_part(store.entry(name), self.rank, world_size)
+            try:  # the store's validity check; corrupt: objected to, the next older is tried
+                store.validate_part(store.entry(name), self.rank, world_size,
+                                    weights_only=self._weights_only)
+            except UnsafeSnapshotError:
+                return None  # chosen: its load raises the refusal (never a fallback past it)
             return None
 
         chosen = agree_on_resume(control, listing, check, what=what, timeout_s=timeout_s)
@@ -281,18 +285,18 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         error: BaseException | None = None
         template: dict[str, Any] = {}
         try:
-            template = self._load_template(manager, saved_keys(store, entry))
+            template = self._load_template(
+                manager, saved_keys(store, entry, weights_only=self._weights_only))
         except Exception as e:  # exchanged below: every rank fails together
             error = e
-        exchange_outcomes(control, error, what=f"{what}: preparing to load {entry.path}",
-                          timeout_s=timeout_s)
+        _together(control, error, what=f"{what}: preparing to load {entry.path}",
+                  timeout_s=timeout_s)
         try:
             load_sharded(store, entry, template, groups=groups, weights_only=self._weights_only)
             self._apply_loaded(manager, template, entry)
         except Exception as e:  # exchanged below
             error = e
-        exchange_outcomes(control, error, what=f"{what}: loading {entry.path}",
-                          timeout_s=timeout_s)
+        _together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
         manifest = store.manifest(entry)
         if manifest is not None and manifest.run_id is not None:
             self._shared.run_id = manifest.run_id
@@ -302,6 +306,16 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
                     self.rank, entry.path, entry.step,
                     manifest.world_size if manifest else "?")
         return entry.name
+
+
+def _together(control: Any, error: BaseException | None, *, what: str,
+              timeout_s: float | None) -> None:
+    """Exchange this rank's outcome of ``what`` (every rank raises together); a single process
+    (no group) raises its own error with its own type (``UnsafeSnapshotError``,
+    ``StateMismatchError``)."""
+    if control is None and error is not None:
+        raise error
+    exchange_outcomes(control, error, what=what, timeout_s=timeout_s)
 
 
 def _version() -> str:
