@@ -94,9 +94,10 @@ def load_file(
                     f"{path} is not a well-formed snapshot (corrupt: torch cannot decode it)"
                 ) from e
             raise UnsafeSnapshotError(
-                f"{path} is a well-formed snapshot that needs objects outside the weights_only "
-                f"allow-list{_refusal_reason(e)} (unsafe); loading refused and nothing in it was "
-                "executed. If you trust this file, pass weights_only=False."
+                f"{path} is unsafe, not corrupt: a well-formed snapshot with objects that only "
+                f"arbitrary unpickling can load, which can run code{_refusal_reason(e)}; loading "
+                "refused and nothing in it was executed. If you trust this file, pass "
+                "weights_only=False."
             ) from e
         raise SnapshotCorruptError(
             f"{path} is not a well-formed snapshot (corrupt: {e})") from e
