@@ -133,31 +133,28 @@ def _load_newest_sharded(storage: Any, directory: str, template: str, *, map_loc
     import torch
 
     from snapkeep.distributed import ShardedStore, gather_dcp
-    from snapkeep.errors import NoValidSnapshotError, SnapshotCorruptError
-    from snapkeep.store import warn_user
+    from snapkeep.store import newest_valid, warn_user
 
     sharded = ShardedStore(storage, directory, template, storage_options=storage_options)
-    entries = sharded.entries()
-    if not entries:
+
+    def check(entry: Entry) -> Any:
+        sharded.validate_part(entry, 0, 1, weights_only=weights_only)  # as autoload checks
+        return gather_dcp(storage, entry.path, weights_only=weights_only,
+                          storage_options=storage_options)
+
+    def skipped(entry: Entry, error: Exception) -> None:
+        warn_user(f"skipping sharded snapshot {entry.name} (step {entry.step}): {error}",
+                  RuntimeWarning)
+
+    found = newest_valid(sharded.entries(), check, skipped=skipped,
+                         what=f"{template!r} in {directory!r} (sharded)")
+    if found is None:
         return None
-    reasons = []
-    for entry in reversed(entries):
-        try:
-            sharded.validate_part(entry, 0, 1, weights_only=weights_only)  # as autoload
-            state = gather_dcp(storage, entry.path, weights_only=weights_only,
-                               storage_options=storage_options)
-        except SnapshotCorruptError as e:
-            warn_user(f"skipping sharded snapshot {entry.name} (step {entry.step}): {e}",
-                      RuntimeWarning)
-            reasons.append(str(e))
-            continue
-        if isinstance(map_location, (str, torch.device)):
-            state = _to_location(state, map_location, torch)
-        logger.info("loaded sharded snapshot %s (step %s)", entry.path, entry.step)
-        return state
-    raise NoValidSnapshotError(
-        f"{len(entries)} sharded snapshot(s) of {template!r} in {directory!r}, none valid: "
-        + "; ".join(reasons[:10]) + ". Restore a good copy, or move them away to start fresh.")
+    entry, state = found
+    if isinstance(map_location, (str, torch.device)):
+        state = _to_location(state, map_location, torch)
+    logger.info("loaded sharded snapshot %s (step %s)", entry.path, entry.step)
+    return state
 
 
 def _to_location(state: Any, map_location: Any, torch: Any) -> Any:

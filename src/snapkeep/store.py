@@ -31,6 +31,7 @@ from snapkeep._core.store import (
     Retain,
     SnapshotStore,
 )
+from snapkeep._core.store_kinds import StoreKind, newest_valid, require_one_kind
 from snapkeep._core.structure import describe, find_mismatches
 from snapkeep._core.user_warnings import user_stacklevel, warn_user
 
@@ -50,5 +51,6 @@ __all__ = [
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
     "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
-    "misnamed_reason", "user_stacklevel", "warn_user",
+    "misnamed_reason", "user_stacklevel", "warn_user", "StoreKind", "newest_valid",
+    "require_one_kind",
 ]

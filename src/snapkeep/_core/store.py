@@ -36,7 +36,6 @@ from typing import Any
 from snapkeep._core.checksum import digest_file, digest_stream, require_match
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
-    NoValidSnapshotError,
     SnapshotCorruptError,
     SnapshotStorageError,
     UnsafeSnapshotError,
@@ -54,7 +53,7 @@ from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.storage import Storage
-from snapkeep._core.store_kinds import require_one_kind
+from snapkeep._core.store_kinds import newest_valid, require_one_kind
 from snapkeep._core.store_removal import StoreRemoval
 from snapkeep._core.user_warnings import warn_user
 
@@ -273,33 +272,26 @@ class SnapshotStore(StoreRemoval):
             SnapshotStorageError: the store could not be reached (not treated as corruption).
         """
         entries = self.entries() if candidates is None else candidates
-        if not entries:
+
+        def check(entry: Entry) -> tuple[Manifest | None, Any]:
+            data = None if self.storage.is_local else self.storage.read_bytes(entry.path)
+            return self.validate(entry, loader, data)
+
+        def skipped(entry: Entry, error: SnapshotCorruptError) -> None:
+            warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {error}",
+                      RuntimeWarning)
+
+        found = newest_valid(entries, check, skipped=skipped,
+                             what=f"{self.template.template!r} in {self.directory!r}")
+        if found is None:
             return None
-        reasons = []
-        for entry in reversed(entries):
-            try:
-                data = None if self.storage.is_local else self.storage.read_bytes(entry.path)
-                manifest, state = self.validate(entry, loader, data)
-            except (UnsafeSnapshotError, SnapshotStorageError):
-                raise  # refused, or the store is unreachable: never fall back to an older one
-            except DECODE_ERRORS as e:
-                reason = str(e) if isinstance(e, SnapshotCorruptError) \
-                    else f"{entry.path}: {type(e).__name__}: {e}"
-                warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
-                          RuntimeWarning)
-                reasons.append(reason)
-                continue
-            if manifest is None:
-                warn_user(
-                    f"snapshot {entry.name} (step {entry.step}) has no checksum manifest (written "
-                    "by ppe or interrupted before its manifest was committed) or an invalid one; "
-                    "it loaded completely but is unverified", RuntimeWarning)
-            return entry, state
-        raise NoValidSnapshotError(
-            f"{len(entries)} snapshot file(s) of {self.template.template!r} in "
-            f"{self.directory!r}, none valid; refusing to start over silently. Reasons: "
-            + "; ".join(reasons[:10])
-            + ". Move them away to start fresh, or restore a good copy.")
+        entry, (manifest, state) = found
+        if manifest is None:
+            warn_user(
+                f"snapshot {entry.name} (step {entry.step}) has no checksum manifest (written "
+                "by ppe or interrupted before its manifest was committed) or an invalid one; "
+                "it loaded completely but is unverified", RuntimeWarning)
+        return entry, state
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self, job: SaveJob, obj: Any) -> CommitRecord:

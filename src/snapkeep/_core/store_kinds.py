@@ -34,9 +34,15 @@ unreachable store is :class:`~snapkeep.errors.SnapshotStorageError` (no fallback
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
+from snapkeep._core.errors import (
+    NoValidSnapshotError,
+    SnapshotCorruptError,
+    SnapshotStorageError,
+    UnsafeSnapshotError,
+)
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.storage import Storage
@@ -80,6 +86,53 @@ class StoreKind(Protocol):
         """Apply a retention policy to this run's snapshots; return those deleted."""
 
 
+E = TypeVar("E")
+R = TypeVar("R")
+
+
+def newest_valid(entries: Sequence[E], check: Callable[[E], R], *,
+                 skipped: Callable[[E, SnapshotCorruptError], None] | None = None,
+                 what: str) -> tuple[E, R] | None:
+    """THE newest-valid-with-fallback of every kind and reader: try ``entries`` newest (last)
+    first; ``check(entry)`` returns the loaded result or raises. A
+    :class:`SnapshotCorruptError` (failed verification, junk, misnamed) skips to the next older
+    one (``skipped`` is told, e.g. to warn); an :class:`UnsafeSnapshotError` or a
+    :class:`SnapshotStorageError` stops at once (never a fallback past a refusal or an outage).
+    The collective variant (every rank agreeing on one) is
+    :func:`~snapkeep._core.distributed.agreement.agree_on_resume`, with the same per-entry check.
+
+    Args:
+        entries: oldest first (as ``entries()`` lists them).
+        check: validates and loads one entry (the kind's ``validate``).
+        skipped: called for each entry skipped as corrupt.
+        what: the template and directory, for the error.
+
+    Returns:
+        ``(entry, check's result)``, or None when ``entries`` is empty.
+
+    Raises:
+        NoValidSnapshotError: entries exist but none is valid (each reason listed).
+        UnsafeSnapshotError, SnapshotStorageError: as raised by ``check``.
+    """
+    if not entries:
+        return None
+    reasons = []
+    for entry in reversed(entries):
+        try:
+            return entry, check(entry)
+        except (UnsafeSnapshotError, SnapshotStorageError):
+            raise
+        except SnapshotCorruptError as e:
+            if skipped is not None:
+                skipped(entry, e)
+            reasons.append(str(e))
+    raise NoValidSnapshotError(
+        f"{len(entries)} snapshot file(s) of {what}, none valid; refusing to start over "
+        "silently. "
+        f"Reasons: {'; '.join(reasons[:10])}. Move them away to start fresh, or restore a good "
+        "copy.")
+
+
 def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
                      expected: str) -> None:
     """Refuse to start when ``base`` (the template's last part) already names snapshots of the
@@ -109,4 +162,4 @@ def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
         "holds one kind: use another filename template or out_dir, or move those away")
 
 
-__all__ = ["IN_PROGRESS_NAME", "MARKER_NAME", "StoreKind", "require_one_kind"]
+__all__ = ["IN_PROGRESS_NAME", "MARKER_NAME", "StoreKind", "newest_valid", "require_one_kind"]

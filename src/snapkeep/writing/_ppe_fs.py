@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
 from snapkeep._core.errors import SnapshotCorruptError
-from snapkeep._core.manifest import MANIFEST_DIR, manifest_path
+from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.storage._storage import is_temp_name
@@ -142,13 +142,8 @@ class PpeFileSystem:
         """Delete the snapshot ``path`` and its manifest; a file already gone is not an error
         (logged). ``recursive`` is accepted for ppe's signature; directories are not removed."""
         storage, p = self._resolve(path)
-        for target in (p, manifest_path(storage, p)):
-            try:
-                storage.remove(target)
-            except FileNotFoundError:
-                logger.debug("remove: %s is already gone", storage.url(target))
-            else:
-                logger.debug("removed %s", storage.url(target))
+        store, entry = _store_entry(storage, p)
+        store.delete(entry, by="ppe's n_retains", strict=True)  # the store's one delete
 
     def exists(self, path: str) -> bool:
         storage, p = self._resolve(path)
@@ -204,14 +199,21 @@ def _mtime(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
+def _store_entry(storage: Storage, path: str) -> tuple[SnapshotStore, Entry]:
+    """The store holding the one file ``path`` (its name as a literal template), and its entry."""
+    name = storage.basename(path)
+    literal = FilenameTemplate(name.replace("{", "{{").replace("}", "}}"))
+    return SnapshotStore(storage, storage.dirname(path), literal), \
+        Entry(name=name, path=path, key=(), step=None)
+
+
 def _verify(storage: Storage, path: str, data: bytes | None) -> None:
     """The store's own verification (checksum, size and the name its manifest records), so the
     ppe view accepts exactly what autoload accepts; a file without a manifest is opened
     unverified (ppe-written)."""
-    name = storage.basename(path)
-    store = SnapshotStore(storage, storage.dirname(path), FilenameTemplate(name))
+    store, entry = _store_entry(storage, path)
     try:
-        manifest = store.verify(Entry(name=name, path=path, key=(), step=None), data)
+        manifest = store.verify(entry, data)
     except SnapshotCorruptError as e:
         raise SnapshotCorruptError(
             f"{e}. ppe's autoload loads only the newest file; move it away to resume from the "
