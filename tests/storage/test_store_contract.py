@@ -365,3 +365,29 @@ def test_at_most_one_listing_of_out_dir_per_snapshot_and_none_between(kind: str)
         storage, path = backend.storage()
         if storage.fs.exists(path):
             storage.fs.rm(path, recursive=True)
+
+
+def test_convert_reads_a_sharded_directory_safely(tmp_path: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``snapkeep convert DIR out.pt`` of a DCP directory: its metadata through the allow-list
+    (hostile: refused as unsafe, nothing runs, nothing written); junk metadata: corrupt."""
+    from click.testing import CliRunner
+
+    from snapkeep.cli import cli
+
+    backend = Backend("local", str(tmp_path / "run"), {})
+    _run(backend, "sharded", 2)
+    monkeypatch.chdir(tmp_path)
+    metadata = pickle.loads(backend.read("snapshot_iter_2/.metadata"))  # noqa: S301 (ours)
+    good = CliRunner().invoke(cli, ["convert", backend.path("snapshot_iter_2"), "good.pt"])
+    assert good.exit_code == 0, good.output
+    assert "models" in torch.load(tmp_path / "good.pt", weights_only=True)
+    metadata.planner_data = _Boom()
+    _put(backend, "snapshot_iter_2/.metadata", pickle.dumps(metadata))
+    bad = CliRunner().invoke(cli, ["convert", backend.path("snapshot_iter_2"), "bad.pt"])
+    assert bad.exit_code == 1 and "unsafe" in bad.output and "--unsafe" in bad.output
+    assert not (tmp_path / "snapkeep-contract-pwned").exists()
+    assert not (tmp_path / "bad.pt").exists()
+    _put(backend, "snapshot_iter_2/.metadata", JUNK["xml"])
+    junk = CliRunner().invoke(cli, ["convert", backend.path("snapshot_iter_2"), "junk.pt"])
+    assert junk.exit_code == 1 and "corrupt" in junk.output and "unsafe" not in junk.output
