@@ -391,3 +391,14 @@ def test_convert_reads_a_sharded_directory_safely(tmp_path: Any,
     _put(backend, "snapshot_iter_2/.metadata", JUNK["xml"])
     junk = CliRunner().invoke(cli, ["convert", backend.path("snapshot_iter_2"), "junk.pt"])
     assert junk.exit_code == 1 and "corrupt" in junk.output and "unsafe" not in junk.output
+
+
+def test_both_kinds_implement_the_store_protocol(backend: Backend) -> None:
+    from snapkeep.distributed import ShardedStore
+    from snapkeep.store import SnapshotStore, StoreKind
+
+    storage, path = backend.storage()
+    for store in (SnapshotStore(storage, path, TEMPLATE), ShardedStore(storage, path, TEMPLATE)):
+        assert isinstance(store, StoreKind), type(store).__name__
+        store.check_kind()
+        assert store.entries() == [] and store.sweep() == []

@@ -35,7 +35,7 @@ unreachable store is :class:`~snapkeep.errors.SnapshotStorageError` (no fallback
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from snapkeep._core.errors import (
     NoValidSnapshotError,
@@ -55,6 +55,7 @@ marker follows)."""
 _DCP_METADATA = ".metadata"
 
 
+@runtime_checkable
 class StoreKind(Protocol):
     """One kind of snapshot store (see the module docstring for the call order and which rank
     calls what). Attributes: ``storage``, ``directory``, ``template``."""
