@@ -66,17 +66,11 @@ def open_store(storage: Storage, directory: str, template: str) -> SnapshotStore
 
 
 def delete_entry(store: SnapshotStore, entry: Entry) -> list[str]:
-    """Delete a snapshot and then its manifest; return the paths removed. Raises the storage's
-    error when the snapshot cannot be deleted (its manifest is then kept)."""
-    storage = store.storage
-    removed = []
-    storage.remove(entry.path)
-    removed.append(entry.path)
-    manifest = manifest_path(storage, entry.path)
-    if storage.exists(manifest):
-        storage.remove(manifest)
-        removed.append(manifest)
-    return removed
+    """Delete a snapshot and then its manifest through the store's one delete; return the
+    snapshot's path. Raises the storage's error when the snapshot cannot be deleted (its
+    manifest is then kept)."""
+    store.delete(entry, by="prune", strict=True)
+    return [entry.path]
 
 
 def resolve(location: str, options: dict[str, Any]) -> tuple[Storage, str]:
@@ -215,8 +209,11 @@ def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
     for entry in sharded.entries():
         manifest = sharded.manifest(entry)
         size = sum(r.size_bytes for r in manifest.files.values()) if manifest else 0
-        try:
-            sharded.verify_part(entry, 0, 1)  # one "rank" checks every file
+        try:  # the store's check, as autoload's: every file, then the metadata's allow-list
+            sharded.validate_part(entry, 0, 1)
+        except UnsafeSnapshotError as e:
+            rows.append((entry, size, Status(status="unsafe", detail=str(e))))
+            continue
         except SnapshotCorruptError as e:
             rows.append((entry, size, Status(status="corrupt", detail=str(e))))
             continue

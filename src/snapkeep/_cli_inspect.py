@@ -7,6 +7,7 @@ is removed or changes meaning) are documented in ``docs/cli.md``.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any
 
@@ -43,7 +44,7 @@ from snapkeep._cli_files import (
 )
 from snapkeep._cli_tree import TreeTooDeepError, compare, select, stats_by_key
 from snapkeep.codecs import HEADER_PROBE_BYTES, is_safetensors_header
-from snapkeep.errors import SnapshotStorageError, UnsafeSnapshotError
+from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError, UnsafeSnapshotError
 from snapkeep.store import Manifest, SnapshotStore, Storage, load_file
 from snapkeep.wrapping import canonical_names
 
@@ -163,7 +164,7 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...],
                 bar.update(store.storage.size(entry.path))
                 results.append((entry, found))
     bad = sum(found.status in ("corrupt", "unsafe") for _, found in results)
-    loadable = [e.name for e, found in results if found.status in ("ok", "unverified")]
+    loadable = resumable(results)
     code = EXIT_FAILED if bad else 0
     if as_json:
         emit_json({
@@ -183,6 +184,18 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...],
         sys.exit(code)
 
 
+def resumable(results: list[tuple[Any, Status]]) -> list[str]:
+    """Names autoload could resume from, as the store's newest-valid-with-fallback walks them:
+    newest first, past corrupt ones, stopping at an unsafe one (autoload refuses it and never
+    falls back past it); the last name is the one it resumes from."""
+    for entry, found in reversed(results):
+        if found.status in ("ok", "unverified"):
+            return [entry.name]
+        if found.status == "unsafe":
+            return []
+    return []
+
+
 # -- inspect -----------------------------------------------------------------------------------
 
 
@@ -191,15 +204,23 @@ def load_state(location: str, storage: Storage, path: str, *, unsafe: bool) -> A
     try:
         return load_file(storage, path, weights_only=not unsafe)
     except UnsafeSnapshotError as e:
+        calls = re.search(r"GLOBAL ([\w.]+)", str(e.__cause__ or ""))
         raise CheckFailed(
-            f"{location} holds objects that need arbitrary unpickling (code could run while "
-            f"loading): {e}. If you trust this file, pass --unsafe.") from e
+            f"{location}: unsafe, not corrupt: a well-formed snapshot that needs objects outside "
+            f"the weights_only allow-list{f' ({calls.group(1)})' if calls else ''}, so nothing "
+            "in it was executed; if you trust this file, pass --unsafe (weights_only=False).") \
+            from e
     except SnapshotStorageError as e:
         raise StorageTrouble(f"cannot read {location}: {e}") from e
     except LOAD_ERRORS as e:
-        detail = str(e) or "empty or truncated file"
-        raise CheckFailed(f"{location}: not a readable torch or safetensors file "
-                          f"({type(e).__name__}: {detail})") from e
+        if isinstance(e, SnapshotCorruptError):
+            found = re.search(r"\(corrupt: (.*)\)$", str(e), re.S)
+            detail = found.group(1) if found else str(e)
+        else:
+            detail = f"{type(e).__name__}: {e}" if str(e) else "empty or truncated file"
+        detail = (detail.splitlines() or [""])[0].rstrip(".")
+        raise CheckFailed(f"{location}: corrupt: not a readable torch or safetensors file "
+                          f"({detail}).") from e
 
 
 def file_format(storage: Storage, path: str) -> str:

@@ -181,22 +181,21 @@ def _is_dcp_directory(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _load_dcp(src: str) -> Any:
-    """A DCP (torch.distributed.checkpoint) directory consolidated into one state, through
-    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (no process group needed)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+def _load_dcp(src: str, *, unsafe: bool) -> Any:
+    """A DCP (torch.distributed.checkpoint) directory gathered into one state in memory, as
+    ``dcp_to_torch_save`` would, but read safely: its ``.metadata`` through an allow-list and
+    every value with ``torch.load(weights_only=not unsafe)``; no process group needed."""
+    from snapkeep.distributed import gather_dcp
+    from snapkeep.errors import SnapshotCorruptError, UnsafeSnapshotError
     from snapkeep.store import resolve_storage
 
-    with tempfile.TemporaryDirectory(prefix="snapkeep-convert-") as tmp:
-        target = os.path.join(tmp, "consolidated.pt")
-        try:
-            dcp_to_torch_save(src, target)
-        except (RuntimeError, ValueError, OSError, KeyError) as e:
-            raise CheckFailed(f"{src}: the DCP checkpoint cannot be consolidated "
-                              f"({type(e).__name__}: {e})") from e
-        storage, path = resolve_storage(target)
-        return load_state(src, storage, path, unsafe=False)
+    storage, path = resolve_storage(src)
+    try:
+        return gather_dcp(storage, path, weights_only=not unsafe)
+    except UnsafeSnapshotError as e:
+        raise CheckFailed(f"{e} (with the CLI: pass --unsafe)") from e
+    except SnapshotCorruptError as e:
+        raise CheckFailed(f"{src}: the DCP checkpoint cannot be consolidated: {e}") from e
 
 
 def _format_for(dst: str, to: str | None) -> str:
@@ -236,7 +235,7 @@ def convert(src: str, dst: str, to: str | None, key: str | None, force: bool, un
     with progress(5, "converting", unit="step") as steps:
         with storage_errors(src):
             if "://" not in src and _is_dcp_directory(src):
-                state = _load_dcp(src)
+                state = _load_dcp(src, unsafe=unsafe)
                 steps.update(2)
             else:
                 storage, path = resolve(src, options)

@@ -25,7 +25,7 @@ _SHARDED = {
     "ShardedHandle": "sharded", "ShardedJob": "sharded", "ShardedSaver": "sharded",
     "load_sharded": "sharded", "saved_keys": "sharded",
     "MARKER_NAME": "sharded_store", "ShardedManifest": "sharded_store",
-    "ShardedStore": "sharded_store",
+    "ShardedStore": "sharded_store", "gather_dcp": "dcp_safe", "metadata_of": "dcp_safe",
 }
 
 __all__ = [

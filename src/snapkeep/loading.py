@@ -118,8 +118,9 @@ def load_latest(
 
     found = store.load_newest(loader)
     if found is None:
-        sharded = _load_newest_sharded(storage, directory, template, map_location=map_location,
-                                       weights_only=weights_only)
+        sharded = _load_newest_sharded(
+            storage, directory, template, map_location=map_location, weights_only=weights_only,
+            storage_options=dict(storage_options) if storage_options else None)
         if sharded is not None:
             return sharded
         message = lookalike_message(storage.list_names(directory), template, "{.iteration}",
@@ -134,51 +135,49 @@ def load_latest(
 
 
 def _load_newest_sharded(storage: Any, directory: str, template: str, *, map_location: Any,
-                         weights_only: bool) -> Any | None:
+                         weights_only: bool,
+                         storage_options: dict[str, Any] | None = None) -> Any | None:
     """The newest committed sharded (DCP) snapshot directory of ``template`` that verifies
-    against its marker, gathered into one state dict (DCP's ``dcp_to_torch_save`` into a
-    temporary file, then ``torch.load``); ``None`` when there is none. Falls back past a
-    corrupt one with a warning, as autoload does.
+    against its marker and reads safely, gathered into one state dict in memory; ``None`` when
+    there is none. Falls back past a corrupt one with a warning, as autoload does. DCP's
+    ``.metadata`` is read through an allow-list (see :mod:`snapkeep._core.distributed.dcp_safe`)
+    and its ``CheckpointException`` becomes a snapkeep error.
 
     Raises:
-        NoValidSnapshotError: sharded snapshots exist but none verifies.
-        ValueError: the directory is not local (gather a remote one with ``snapkeep convert``
-            after copying it, or load it with ``torch.distributed.checkpoint``).
+        NoValidSnapshotError: sharded snapshots exist but none verifies and reads.
+        UnsafeSnapshotError: the newest valid one needs ``weights_only=False``.
     """
-    import tempfile
-
     import torch
 
-    from snapkeep.distributed import ShardedStore
-    from snapkeep.errors import NoValidSnapshotError, SnapshotCorruptError
-    from snapkeep.store import warn_user
+    from snapkeep.distributed import ShardedStore, gather_dcp
+    from snapkeep.store import newest_valid, warn_user
 
-    sharded = ShardedStore(storage, directory, template)
-    entries = sharded.entries()
-    if not entries:
+    sharded = ShardedStore(storage, directory, template, storage_options=storage_options)
+
+    def check(entry: Entry) -> Any:
+        sharded.validate_part(entry, 0, 1, weights_only=weights_only)  # as autoload checks
+        return gather_dcp(storage, entry.path, weights_only=weights_only,
+                          storage_options=storage_options)
+
+    def skipped(entry: Entry, error: Exception) -> None:
+        warn_user(f"skipping sharded snapshot {entry.name} (step {entry.step}): {error}",
+                  RuntimeWarning)
+
+    found = newest_valid(sharded.entries(), check, skipped=skipped,
+                         what=f"{template!r} in {directory!r} (sharded)")
+    if found is None:
         return None
-    if not storage.is_local:
-        raise ValueError(
-            f"load_latest: {directory!r} holds sharded (DCP) snapshots on a remote store; load "
-            "them with torch.distributed.checkpoint (DCP's fsspec reader) or copy the newest "
-            "directory locally and use `snapkeep convert DIR state.pt`")
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    entry, state = found
+    if isinstance(map_location, (str, torch.device)):
+        state = _to_location(state, map_location, torch)
+    logger.info("loaded sharded snapshot %s (step %s)", entry.path, entry.step)
+    return state
 
-    reasons = []
-    for entry in reversed(entries):
-        try:
-            sharded.verify_part(entry, 0, 1)  # every file against the marker
-        except SnapshotCorruptError as e:
-            warn_user(f"skipping sharded snapshot {entry.name} (step {entry.step}): {e}",
-                      RuntimeWarning)
-            reasons.append(str(e))
-            continue
-        with tempfile.TemporaryDirectory(prefix="snapkeep-load-") as tmp:
-            gathered = os.path.join(tmp, "state.pt")
-            dcp_to_torch_save(entry.path, gathered)
-            state = torch.load(gathered, map_location=map_location, weights_only=weights_only)
-        logger.info("loaded sharded snapshot %s (step %s)", entry.path, entry.step)
-        return state
-    raise NoValidSnapshotError(
-        f"{len(entries)} sharded snapshot(s) of {template!r} in {directory!r}, none valid: "
-        + "; ".join(reasons[:10]) + ". Restore a good copy, or move them away to start fresh.")
+
+def _to_location(state: Any, map_location: Any, torch: Any) -> Any:
+    """Move every tensor of a gathered state as ``torch.load(map_location=...)`` would."""
+    if isinstance(state, torch.Tensor):
+        return state.to(map_location)
+    if isinstance(state, dict):
+        return {k: _to_location(v, map_location, torch) for k, v in state.items()}
+    return state

@@ -36,6 +36,7 @@ from snapkeep._core.store import (
     Retain,
     SnapshotStore,
 )
+from snapkeep._core.store_kinds import StoreKind, newest_valid, require_one_kind
 from snapkeep._core.structure import describe, find_mismatches
 from snapkeep._core.ticket import SaveHandle
 from snapkeep._core.user_warnings import user_stacklevel, warn_user
@@ -57,7 +58,8 @@ __all__ = [
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
     "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
     "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus", "read_run_status",
-    "write_run_status", "run_status", "lookalike_message", "SaveHandle",
+    "write_run_status", "run_status", "lookalike_message", "SaveHandle", "StoreKind",
+    "newest_valid", "require_one_kind",
 ]
 
 

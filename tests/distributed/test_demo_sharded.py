@@ -35,7 +35,7 @@ def test_sharded_demo_resumes_on_another_number_of_ranks(tmp_path):
     first = _torchrun(2, out, 20)
     assert "on 2 rank(s)" in first and "starting fresh" in first
     assert "done: iteration 20" in first
-    assert sorted(os.listdir(out)) == ["snapshot_iter_10", "snapshot_iter_20"]
+    assert sorted(os.listdir(out)) == [".snapkeep", "snapshot_iter_10", "snapshot_iter_20"]
     second = _torchrun(1, out, 30)
     assert "resumed from snapshot_iter_20 (iteration 20) on 1 rank(s)" in second, second
     assert "done: iteration 30" in second

@@ -48,10 +48,11 @@ def _assert_same(resumed: dict, saved: dict) -> None:
 def test_every_rank_writes_its_shards_and_rank_0_the_marker(trained):
     out, rep = trained
     assert [r.get("error") for r in reports(rep, "train", 2)] == [None, None]
-    assert sorted(os.listdir(out)) == ["snapshot_iter_2", "snapshot_iter_3"]  # n_retains=2
+    assert sorted(os.listdir(out)) == [".snapkeep", "snapshot_iter_2",
+                                       "snapshot_iter_3"]  # n_retains=2; .snapkeep: the lock
     directory = out / "snapshot_iter_3"
-    assert sorted(os.listdir(directory)) == [".metadata", MARKER, "__0_0.distcp",
-                                             "__1_0.distcp"]
+    assert sorted(os.listdir(directory)) == [".metadata", MARKER, ".snapkeep-in-progress",
+                                             "__0_0.distcp", "__1_0.distcp"]
     marker = json.loads((directory / MARKER).read_text())
     assert marker["world_size"] == 2 and marker["step"] == 3
     assert {n: f["rank"] for n, f in marker["files"].items()} == {

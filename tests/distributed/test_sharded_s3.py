@@ -65,7 +65,8 @@ def test_sharded_snapshots_round_trip_through_s3(s3):
     assert listed == ["snapshot_iter_2", "snapshot_iter_3"]  # n_retains=2: whole directories
     files = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("sharded-bucket/run/snapshot_iter_3",
                                                        refresh=True))
-    assert files == [".metadata", ".snapkeep-commit.json", "__0_0.distcp"]
+    assert files == [".metadata", ".snapkeep-commit.json", ".snapkeep-in-progress",
+                     "__0_0.distcp"]
 
     manager2, model2, snapshot2 = _manager(1, options)
     assert not torch.equal(model2.weight, saved["weight"])
@@ -90,7 +91,8 @@ def test_two_ranks_save_sharded_to_s3_and_one_rank_resumes_identically(s3, tmp_p
     assert listed == ["snapshot_iter_2", "snapshot_iter_3"]  # n_retains=2
     files = sorted(p.rsplit("/", 1)[-1] for p in fs.ls("sharded-bucket/two-ranks/snapshot_iter_3",
                                                        refresh=True))
-    assert files == [".metadata", ".snapkeep-commit.json", "__0_0.distcp", "__1_0.distcp"]
+    assert files == [".metadata", ".snapkeep-commit.json", ".snapkeep-in-progress",
+                     "__0_0.distcp", "__1_0.distcp"]
     marker = json.loads(fs.cat_file("sharded-bucket/two-ranks/snapshot_iter_3/"
                                     ".snapkeep-commit.json"))
     assert marker["world_size"] == 2 and marker["step"] == 3

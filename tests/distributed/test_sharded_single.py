@@ -37,9 +37,9 @@ def _train(out_dir: str, iterations: int, seed: int = 0, **kwargs):
 
 def test_retention_deletes_whole_directories_and_keeps_the_newest(tmp_path):
     _train(str(tmp_path), 4, n_retains=2)
-    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_3", "snapshot_iter_4"]
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snapshot_iter_3", "snapshot_iter_4"]
     assert sorted(os.listdir(tmp_path / "snapshot_iter_4")) == [
-        ".metadata", MARKER, "__0_0.distcp"]
+        ".metadata", MARKER, ".snapkeep-in-progress", "__0_0.distcp"]
     marker = json.loads((tmp_path / "snapshot_iter_4" / MARKER).read_text())
     assert marker["format"] == "snapkeep.sharded/1" and marker["step"] == 4
 
@@ -67,7 +67,8 @@ def test_a_corrupt_file_falls_back_and_none_valid_is_an_error(tmp_path):
     _corrupt(tmp_path / "snapshot_iter_1" / "__0_0.distcp")
     with pytest.raises(NoCommonSnapshotError, match="checksum"):
         _train(str(tmp_path), 1, seed=1)
-    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_1", "snapshot_iter_2"]  # kept
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snapshot_iter_1",
+                                            "snapshot_iter_2"]  # kept
 
 
 def test_sharded_rejects_savefun_and_bad_timeouts():
@@ -117,5 +118,7 @@ def test_snapshot_on_error_commits_the_failing_iteration(tmp_path):
             with manager.run_iteration():
                 if manager.iteration == 3:
                     raise RuntimeError("boom")
-    assert sorted(os.listdir(tmp_path)) == ["snapshot_iter_3"]
-    assert (tmp_path / "snapshot_iter_3" / MARKER).exists()  # committed before on_error returned
+    # mid-iteration state: under the on-error name, never a clean snapshot's (the lock: .snapkeep)
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snapshot_iter_3.on-error"]
+    # committed before on_error returned
+    assert (tmp_path / "snapshot_iter_3.on-error" / MARKER).exists()

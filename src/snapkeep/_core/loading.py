@@ -29,13 +29,19 @@ from snapkeep._core.codec import (
     load_safetensors,
     load_safetensors_file,
 )
-from snapkeep._core.errors import UnsafeSnapshotError
+from snapkeep._core.errors import SnapshotCorruptError, UnsafeSnapshotError
 from snapkeep._core.storage import Storage
 
 logger = logging.getLogger(__name__)
 
 #: Extra types snapkeep's own snapshots may contain, allowed under ``weights_only=True``.
 SAFE_GLOBALS: list[Any] = []
+
+
+def is_refused_global(error: pickle.UnpicklingError) -> bool:
+    """Whether torch's weights-only refusal is of a well-formed pickle naming a global outside
+    the allow-list (unsafe), rather than of bytes that are no pickle at all (corrupt)."""
+    return "unsupported global" in str(error).lower()
 
 
 def _refusal_reason(error: pickle.UnpicklingError) -> str:
@@ -58,10 +64,12 @@ def load_file(
         data: the file's bytes when already fetched (then ``storage`` is not read again).
 
     Raises:
-        UnsafeSnapshotError: the file needs arbitrary unpickling and ``weights_only`` is True;
-            nothing in the file was executed.
-        RuntimeError, EOFError, pickle.UnpicklingError, ValueError: the file is not a readable
-            torch or safetensors file.
+        UnsafeSnapshotError: the file is a well-formed pickle that needs objects outside the
+            allow-list and ``weights_only`` is True; nothing in the file was executed.
+        SnapshotCorruptError: the file is not a well-formed snapshot (junk, an XML error body,
+            a pickle torch cannot decode).
+        RuntimeError, EOFError, ValueError, IndexError: other decode failures of a damaged
+            torch or safetensors file (callers treat them as corrupt).
     """
     if data is None and not storage.is_local:
         data = storage.read_bytes(path)  # one download, decoded from memory
@@ -81,12 +89,18 @@ def load_file(
             return _load_mapped(path, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as e:
         if weights_only and "weights only" in str(e).lower():
+            if not is_refused_global(e):  # junk that happens to start like a pickle
+                raise SnapshotCorruptError(
+                    f"{path} is not a well-formed snapshot (corrupt: torch cannot decode it)"
+                ) from e
             raise UnsafeSnapshotError(
-                f"{path} contains objects that only arbitrary unpickling can load, which can run "
-                f"code{_refusal_reason(e)}; loading refused and nothing in it was executed. If "
-                "you trust this file, pass weights_only=False."
+                f"{path} is unsafe, not corrupt: a well-formed snapshot with objects that only "
+                f"arbitrary unpickling can load, which can run code{_refusal_reason(e)}; loading "
+                "refused and nothing in it was executed. If you trust this file, pass "
+                "weights_only=False."
             ) from e
-        raise
+        raise SnapshotCorruptError(
+            f"{path} is not a well-formed snapshot (corrupt: {e})") from e
 
 
 def _load_mapped(path: str, *, map_location: Any, weights_only: bool) -> Any:

@@ -36,7 +36,6 @@ from typing import Any
 from snapkeep._core.checksum import digest_file, digest_stream, require_match
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
-    NoValidSnapshotError,
     SnapshotCorruptError,
     SnapshotStorageError,
     UnsafeSnapshotError,
@@ -50,9 +49,11 @@ from snapkeep._core.manifest import (
     manifest_path,
     read_manifest,
 )
+from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.storage import Storage
+from snapkeep._core.store_kinds import newest_valid, require_one_kind
 from snapkeep._core.store_removal import StoreRemoval
 from snapkeep._core.user_warnings import warn_user
 
@@ -214,19 +215,52 @@ class SnapshotStore(StoreRemoval):
                       recorded_size=manifest.size_bytes, algorithm=manifest.algorithm)
         return manifest
 
+    def validate(
+        self, entry: Entry, loader: Callable[[Entry, bytes | None], Any],
+        data: bytes | None = None,
+    ) -> tuple[Manifest | None, Any]:
+        """Everything that makes ``entry`` valid to resume from, in one place (every reader
+        uses it through :meth:`load_newest`; the agreed autoload calls it on the saver rank):
+        checksum and name against its manifest (:meth:`verify`), a complete decode by
+        ``loader``, and the misnamed check (a manager state whose iteration is not the step in
+        its name: ``cp snapshot_iter_2 snapshot_iter_9``; see :mod:`.name_check`).
+
+        Returns:
+            ``(manifest or None, state)``.
+
+        Raises:
+            SnapshotCorruptError: it fails any check, or does not decode (junk, truncated).
+            UnsafeSnapshotError: a well-formed file needing objects outside the allow-list.
+            SnapshotStorageError: the store could not be reached.
+        """
+        manifest = self.verify(entry, data)
+        try:
+            state = loader(entry, data)
+        except (UnsafeSnapshotError, SnapshotStorageError, SnapshotCorruptError):
+            raise
+        except DECODE_ERRORS as e:
+            raise SnapshotCorruptError(
+                f"{entry.path} is not a well-formed snapshot (corrupt: {type(e).__name__}: "
+                f"{e})" if str(e) else f"{entry.path} is empty or truncated (corrupt: "
+                f"{type(e).__name__})") from e
+        reason = misnamed_reason(entry.name, entry.step, self.template.template, state)
+        if reason is not None:
+            raise SnapshotCorruptError(reason)
+        return manifest, state
+
     def load_newest(
         self, loader: Callable[[Entry, bytes | None], Any], *,
         candidates: list[Entry] | None = None,
         on_skip: Callable[[Entry, str], None] | None = None,
     ) -> tuple[Entry, Any] | None:
-        """Load the newest snapshot that verifies and loads; warn about each one skipped.
+        """Load the newest snapshot that is valid (:meth:`validate`); warn about each one
+        skipped. THE newest-valid-with-fallback of single-file snapshots: autoload,
+        :func:`snapkeep.load_latest`, ``snapkeep verify``/``ls`` and the ppe file view use it.
 
         Args:
             loader: ``loader(entry, data) -> state``, where ``data`` is the file's bytes when the
                 store is remote (fetched once, verified, then decoded from memory: one download)
-                and ``None`` for local files; a ``SnapshotCorruptError`` or a read/decode error
-                (any of :data:`DECODE_ERRORS` other than a refused unsafe load) marks the entry
-                invalid.
+                and ``None`` for local files.
             candidates: entries to consider (default: :meth:`entries`).
             on_skip: ``on_skip(entry, reason)`` for each entry skipped, instead of a
                 ``RuntimeWarning`` (autoload prints them in its resume notice).
@@ -241,37 +275,29 @@ class SnapshotStore(StoreRemoval):
             SnapshotStorageError: the store could not be reached (not treated as corruption).
         """
         entries = self.entries() if candidates is None else candidates
-        if not entries:
+
+        def check(entry: Entry) -> tuple[Manifest | None, Any]:
+            data = None if self.storage.is_local else self.storage.read_bytes(entry.path)
+            return self.validate(entry, loader, data)
+
+        def skipped(entry: Entry, error: SnapshotCorruptError) -> None:
+            if on_skip is not None:
+                on_skip(entry, str(error))
+                return
+            warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {error}",
+                      RuntimeWarning)
+
+        found = newest_valid(entries, check, skipped=skipped,
+                             what=f"{self.template.template!r} in {self.directory!r}")
+        if found is None:
             return None
-        reasons = []
-        for entry in reversed(entries):
-            try:
-                data = None if self.storage.is_local else self.storage.read_bytes(entry.path)
-                manifest = self.verify(entry, data)
-                state = loader(entry, data)
-            except (UnsafeSnapshotError, SnapshotStorageError):
-                raise  # refused, or the store is unreachable: never fall back to an older one
-            except DECODE_ERRORS as e:
-                reason = str(e) if isinstance(e, SnapshotCorruptError) \
-                    else f"{entry.path}: {type(e).__name__}: {e}"
-                if on_skip is None:
-                    warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
-                              RuntimeWarning)
-                else:
-                    on_skip(entry, reason)
-                reasons.append(reason)
-                continue
-            if manifest is None:
-                warn_user(
-                    f"snapshot {entry.name} (step {entry.step}) has no checksum manifest (written "
-                    "by ppe or interrupted before its manifest was committed) or an invalid one; "
-                    "it loaded completely but is unverified", RuntimeWarning)
-            return entry, state
-        raise NoValidSnapshotError(
-            f"{len(entries)} snapshot file(s) of {self.template.template!r} in "
-            f"{self.directory!r}, none valid; refusing to start over silently. Reasons: "
-            + "; ".join(reasons[:10])
-            + ". Move them away to start fresh, or restore a good copy.")
+        entry, (manifest, state) = found
+        if manifest is None:
+            warn_user(
+                f"snapshot {entry.name} (step {entry.step}) has no checksum manifest (written "
+                "by ppe or interrupted before its manifest was committed) or an invalid one; "
+                "it loaded completely but is unverified", RuntimeWarning)
+        return entry, state
 
     # -- commit ------------------------------------------------------------------------------
     def commit(self, job: SaveJob, obj: Any) -> CommitRecord:
@@ -295,6 +321,20 @@ class SnapshotStore(StoreRemoval):
         """Record that this process committed ``path`` (called by the saver after each commit):
         retention treats it as this run's snapshot even if its manifest goes missing."""
         self._committed.add(path)
+
+    # -- kind ------------------------------------------------------------------------------
+    def check_kind(self) -> None:
+        """Refuse a template that already names sharded snapshot directories here (see
+        :func:`~snapkeep._core.store_kinds.require_one_kind`); call at start.
+
+        Raises:
+            ValueError: both kinds under one template (both named).
+        """
+        split = self._split()
+        if split is None:
+            return
+        require_one_kind(self.storage, self._subdir(split[0]), FilenameTemplate(split[1]),
+                         expected="file")
 
     # -- lock ------------------------------------------------------------------------------
     def lock(self) -> StoreLock | None:

@@ -57,24 +57,34 @@ class StoreRemoval:
         def _split(self) -> tuple[str, str] | None: ...
 
     # -- deletion and retention --------------------------------------------------------------------
-    def delete(self, entry: Entry, *, by: str = "snapkeep") -> bool:
+    def delete(self, entry: Entry, *, by: str = "snapkeep", strict: bool = False) -> bool:
         """Delete a snapshot and then its manifest (a kill between the two leaves an orphan
-        manifest, removed by :meth:`sweep`). A failed delete is logged, not raised (DESIGN 5).
+        manifest, removed by :meth:`sweep`). The one delete of single-file snapshots: retention,
+        ``snapkeep prune`` and the ppe file view use it. A file already gone is not an error.
 
         Args:
             entry: the snapshot.
             by: who deletes, for the log (``'retention'``).
+            strict: raise a failed delete (``snapkeep prune`` reports it) instead of logging it
+                (retention: DESIGN 5). The manifest is then kept.
 
         Returns:
             True when the snapshot file is gone.
+
+        Raises:
+            OSError: only with ``strict``, the snapshot could not be deleted.
         """
         gone = True
         for path in (entry.path, manifest_path(self.storage, entry.path)):
+            if not gone:
+                break  # the snapshot stays: so does its manifest
             try:
                 self.storage.remove(path)
             except FileNotFoundError:
                 pass
             except OSError as e:
+                if strict:
+                    raise
                 gone = gone and path != entry.path
                 logger.warning("%s could not delete %s (step %s): %s", by, path, entry.step, e)
             else:

@@ -30,11 +30,12 @@ import posixpath
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
-from snapkeep._core.checksum import digest_stream
 from snapkeep._core.errors import SnapshotCorruptError
-from snapkeep._core.manifest import MANIFEST_DIR, Manifest, manifest_path
+from snapkeep._core.manifest import MANIFEST_DIR
+from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.storage._storage import is_temp_name
+from snapkeep._core.store import Entry, SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +142,8 @@ class PpeFileSystem:
         """Delete the snapshot ``path`` and its manifest; a file already gone is not an error
         (logged). ``recursive`` is accepted for ppe's signature; directories are not removed."""
         storage, p = self._resolve(path)
-        for target in (p, manifest_path(storage, p)):
-            try:
-                storage.remove(target)
-            except FileNotFoundError:
-                logger.debug("remove: %s is already gone", storage.url(target))
-            else:
-                logger.debug("removed %s", storage.url(target))
+        store, entry = _store_entry(storage, p)
+        store.delete(entry, by="ppe's n_retains", strict=True)  # the store's one delete
 
     def exists(self, path: str) -> bool:
         storage, p = self._resolve(path)
@@ -203,27 +199,26 @@ def _mtime(info: Mapping[str, Any]) -> float:
     return 0.0
 
 
+def _store_entry(storage: Storage, path: str) -> tuple[SnapshotStore, Entry]:
+    """The store holding the one file ``path`` (its name as a literal template), and its entry."""
+    name = storage.basename(path)
+    literal = FilenameTemplate(name.replace("{", "{{").replace("}", "}}"))
+    return SnapshotStore(storage, storage.dirname(path), literal), \
+        Entry(name=name, path=path, key=(), step=None)
+
+
 def _verify(storage: Storage, path: str, data: bytes | None) -> None:
-    mpath = manifest_path(storage, path)
+    """The store's own verification (checksum, size and the name its manifest records), so the
+    ppe view accepts exactly what autoload accepts; a file without a manifest is opened
+    unverified (ppe-written)."""
+    store, entry = _store_entry(storage, path)
     try:
-        manifest = Manifest.from_bytes(storage.read_bytes(mpath))
-    except FileNotFoundError:
-        logger.info("%s has no checksum manifest (written by ppe?); loading it unverified",
-                    storage.url(path))
-        return
-    except (ValueError, UnicodeDecodeError, TypeError) as e:
-        logger.warning("manifest %s is unreadable (%s); loading %s unverified",
-                       storage.url(mpath), e, storage.url(path))
-        return
-    if data is not None:
-        digest, size = digest_stream(io.BytesIO(data))
-    else:
-        with storage.open_read(path) as f:
-            digest, size = digest_stream(f)
-    if size != manifest.size_bytes or digest != manifest.checksum:
+        manifest = store.verify(entry, data)
+    except SnapshotCorruptError as e:
         raise SnapshotCorruptError(
-            f"{storage.url(path)}: {size} bytes with {manifest.algorithm} checksum {digest}, its "
-            f"manifest recorded {manifest.size_bytes} bytes and {manifest.checksum} (truncated or "
-            "corrupted). ppe's autoload loads only the newest file; move it away to resume from "
-            "the previous one, or use snapkeep.training.extensions.snapshot, which falls back "
-            "to the newest valid snapshot by itself")
+            f"{e}. ppe's autoload loads only the newest file; move it away to resume from the "
+            "previous one, or use snapkeep.training.extensions.snapshot, which falls back to the "
+            "newest valid snapshot by itself") from e
+    if manifest is None:
+        logger.info("%s has no valid checksum manifest (written by ppe?); loading it unverified",
+                    storage.url(path))

@@ -8,7 +8,8 @@ ranks):
 1. training thread: wait for the previous snapshot (one in flight), stage the local shards into
    reused CPU buffers (:class:`~.staging.Stager`); return. Training may now mutate its state.
 2. commit thread, on snapkeep's ``commit`` process group only (never the training's):
-   a. agree that every rank staged (rank 0 first uncommits an old directory of the same name);
+   a. agree that every rank staged (rank 0 first uncommits an old directory of the same name
+      and marks the directory as snapkeep's work in progress, before any shard is written);
    b. ``dcp.save`` of the staged tree into the snapshot directory (each rank writes its own
       ``__<rank>_*.distcp`` files with fsync; rank 0 writes ``.metadata``);
    c. every rank checksums the files it wrote and fsyncs the directory; the records are
@@ -34,16 +35,20 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
 
 from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
+from snapkeep._core.distributed.dcp_safe import (
+    METADATA_NAME,
+    SafeLoadPlanner,
+    dcp_errors,
+    metadata_of,
+    reader_for,
+)
 from snapkeep._core.distributed.errors import RankFailedError
 from snapkeep._core.distributed.groups import Groups
 from snapkeep._core.distributed.sharded_store import (
@@ -58,9 +63,6 @@ from snapkeep._core.manifest import now_unix_s
 from snapkeep._core.store import Entry
 
 logger = logging.getLogger(__name__)
-
-METADATA_NAME = ".metadata"
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardedJob:
@@ -123,31 +125,6 @@ def _writer_for(store: ShardedStore, path: str) -> _RecordingWriter | _Recording
     if store.storage.is_local:
         return _RecordingWriter(path)
     return _RecordingFsspecWriter(store.storage.url(path), store.storage_options)
-
-
-def _reader_for(store: ShardedStore, path: str) -> FileSystemReader:
-    if store.storage.is_local:
-        return FileSystemReader(path)
-    return FsspecReader(store.storage.url(path), **store.storage_options)
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that non-tensor values are unpickled with
-    ``torch.load(weights_only=...)`` (DCP always passes ``weights_only=False``)."""
-
-    def __init__(self, weights_only: bool) -> None:
-        super().__init__()
-        self._weights_only = weights_only
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        loaded = torch.load(value, weights_only=self._weights_only)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._nested_dict import (  # DCP's own helper
-                set_element,
-            )
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 class ShardedSaver:
@@ -251,7 +228,7 @@ class ShardedSaver:
         if error is None and self.rank == 0:
             try:
                 store.remove_marker(path)
-                store.storage.makedirs(path)
+                store.mark_in_progress(path, tag=f"r{self.rank}")  # before any shard
             except OSError as e:
                 error = e
         exchange_outcomes(group, error, what=f"{what}: preparing", timeout_s=timeout_s)
@@ -311,13 +288,16 @@ class ShardedSaver:
         return manifest
 
 
-def saved_keys(store: ShardedStore, entry: Entry) -> set[str]:
-    """Flattened keys (``'models.main.weight'``) stored in the snapshot ``entry``.
+def saved_keys(store: ShardedStore, entry: Entry, *, weights_only: bool = True) -> set[str]:
+    """Flattened keys (``'models.main.weight'``) stored in the snapshot ``entry``; its DCP
+    metadata is read through :func:`~.dcp_safe.read_metadata`'s allow-list.
 
     Raises:
-        OSError, ValueError: its DCP metadata cannot be read.
+        UnsafeSnapshotError: the metadata needs objects outside the allow-list.
+        SnapshotCorruptError: it is missing or not DCP metadata.
     """
-    return set(_reader_for(store, entry.path).read_metadata().state_dict_metadata)
+    metadata = metadata_of(store.storage, entry.path, weights_only=weights_only)
+    return set(metadata.state_dict_metadata)
 
 
 def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
@@ -333,12 +313,17 @@ def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
         weights_only: unpickle non-tensor values with ``torch.load(weights_only=...)``.
 
     Raises:
-        Exception: DCP's error on this rank (the caller exchanges outcomes).
+        UnsafeSnapshotError: with ``weights_only``, the metadata or a value needs arbitrary
+            unpickling (nothing in it was executed).
+        SnapshotCorruptError: DCP cannot read it (its ``CheckpointException`` converted).
+        Exception: another error on this rank (the caller exchanges outcomes).
     """
-    reader = _reader_for(store, entry.path)
+    metadata_of(store.storage, entry.path, weights_only=weights_only)
+    reader = reader_for(store.storage, entry.path, store.storage_options,
+                        weights_only=weights_only)
     group = groups.control if groups else None
-    with _single_process_quiet(group):
-        dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(weights_only),
+    with _single_process_quiet(group), dcp_errors(entry.path):
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(weights_only),
                  process_group=group, no_dist=group is None)
 
 

@@ -7,9 +7,18 @@ holding a ``torch.distributed.checkpoint`` (DCP) checkpoint as DCP writes it -- 
 the marker :data:`MARKER_NAME`, written last by one rank after every rank's files are durable;
 it is the manifest of the whole directory (each file's size, xxh3-128 checksum and writing rank).
 
-- A directory without its marker is not a snapshot: never listed, never loaded.
-- Deleting a snapshot removes the marker first, then the directory, so a crash in between leaves
-  an uncommitted directory (swept later), never a listed snapshot missing files.
+- Work in progress is marked first: rank 0 writes :data:`IN_PROGRESS_NAME` into the directory
+  before any rank writes a shard. A directory without its marker is not a snapshot: never listed,
+  never loaded.
+- The start-up :meth:`ShardedStore.sweep` removes only directories snapkeep itself started (the
+  in-progress mark present, the marker absent): a complete DCP checkpoint that snapkeep did not
+  write, or any other foreign directory, is never deleted.
+- Deleting a snapshot removes the marker first (the in-progress mark stays), then the directory,
+  so a crash in between leaves work of snapkeep's own that the next sweep removes.
+- On-error snapshots are committed under ``<name>`` + ``ON_ERROR_SUFFIX``: never listed, never
+  resumed, never deleted by retention (as single files).
+- One trainer per directory and template: :meth:`ShardedStore.lock` takes the same lock file as
+  the single-file store (rank 0 only), so a single-file trainer and a sharded one collide too.
 """
 
 from __future__ import annotations
@@ -18,18 +27,23 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
+from snapkeep._core.distributed.dcp_safe import metadata_of
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
+from snapkeep._core.lock import StoreLock
+from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import Storage
-from snapkeep._core.store import Entry
+from snapkeep._core.store import ON_ERROR_SUFFIX, Entry
+from snapkeep._core.store_kinds import IN_PROGRESS_NAME, MARKER_NAME, require_one_kind
 
 logger = logging.getLogger(__name__)
 
-MARKER_NAME = ".snapkeep-commit.json"
-"""File name of the marker inside a sharded snapshot directory."""
+
 FORMAT = "snapkeep.sharded/1"
 
 
@@ -137,10 +151,15 @@ class ShardedStore:
     def marker_path(self, path: str) -> str:
         return self.storage.join(path, MARKER_NAME)
 
+    def _parent(self) -> str:
+        return self.storage.join(self.directory, self._sub) if self._sub else self.directory
+
     def _candidates(self) -> list[Entry]:
-        parent = self.storage.join(self.directory, self._sub) if self._sub else self.directory
+        parent = self._parent()
         found = []
-        for name in self._list_directories(parent):
+        for name in self.storage.list_dirs(parent):
+            if name.endswith(ON_ERROR_SUFFIX):
+                continue
             key = self._base.parse(name)
             if key is None:
                 continue
@@ -150,25 +169,16 @@ class ShardedStore:
         found.sort(key=lambda e: (e.key, e.name))
         return found
 
-    def _list_directories(self, parent: str) -> list[str]:
-        """Names of the sub-directories of ``parent`` (fresh listing, never fsspec's cache)."""
-        fs = self.storage.fs
-        fs.invalidate_cache(parent)
-        try:
-            listed = fs.ls(parent or ".", detail=True, refresh=True)
-        except FileNotFoundError:
-            return []
-        return sorted(str(e["name"]).rstrip("/").rsplit("/", 1)[-1] for e in listed
-                      if e.get("type") == "directory")
-
     def entries(self) -> list[Entry]:
         """Committed sharded snapshots (marker present), oldest (lowest key) first."""
         return [e for e in self._candidates() if self.storage.exists(self.marker_path(e.path))]
 
     def uncommitted(self) -> list[Entry]:
-        """Snapshot directories without a marker (a save in progress, or one that crashed)."""
+        """Snapshot directories snapkeep started (in-progress mark) without a marker: a save in
+        progress, or one that crashed. Directories without the mark are never included."""
         return [e for e in self._candidates()
-                if not self.storage.exists(self.marker_path(e.path))]
+                if not self.storage.exists(self.marker_path(e.path))
+                and self.storage.exists(self.storage.join(e.path, IN_PROGRESS_NAME))]
 
     def entry(self, name: str) -> Entry:
         key = self._base.parse(self.storage.basename(name))
@@ -194,6 +204,12 @@ class ShardedStore:
         temp, fsync, replace, directory fsync; one PUT on object stores)."""
         self.storage.write_bytes(self.marker_path(path), manifest.to_bytes(), tag=tag)
 
+    def mark_in_progress(self, path: str, *, tag: str) -> None:
+        """Rank 0, before any shard is written: create ``path`` and mark it as snapkeep's own
+        work in progress (durable), so that only snapkeep's own crashed saves are swept."""
+        self.storage.makedirs(path)
+        self.storage.write_bytes(self.storage.join(path, IN_PROGRESS_NAME), b"", tag=tag)
+
     def remove_marker(self, path: str) -> None:
         """Uncommit the directory ``path`` (before it is written again or deleted)."""
         try:
@@ -217,6 +233,12 @@ class ShardedStore:
         manifest = self.manifest(entry)
         if manifest is None:
             raise SnapshotCorruptError(f"{entry.path}: no readable marker {MARKER_NAME}")
+        recorded = manifest.name.rsplit("/", 1)[-1]
+        if recorded != self.storage.basename(entry.path):  # copied or renamed by hand
+            raise SnapshotCorruptError(
+                f"{entry.path}: its marker records the snapshot {manifest.name!r} (step "
+                f"{manifest.step}), not {self.storage.basename(entry.path)!r}: copied or renamed "
+                "by hand? Rename it back, or move it away")
         names = sorted(manifest.files)
         mine = [n for i, n in enumerate(names) if i % world_size == rank or n == ".metadata"]
         for name in mine:
@@ -233,19 +255,91 @@ class ShardedStore:
                           record="marker")
         return manifest
 
-    # -- deletion --------------------------------------------------------------------------------
-    def delete(self, entry: Entry) -> None:
-        """Delete a snapshot directory: marker first (it stops being a snapshot), then the rest.
+    def validate_part(self, entry: Entry, rank: int, world_size: int, *,
+                      weights_only: bool = True) -> ShardedManifest:
+        """Everything that makes ``entry`` valid to resume from, on this rank (the sharded
+        counterpart of ``SnapshotStore.validate``, run by every rank inside the agreed resume):
+        :meth:`verify_part` (marker name and this rank's share of the checksums), then DCP's
+        ``.metadata`` decoded through the allow-list.
 
         Raises:
-            OSError: a delete failed (the caller logs it; retention is never fatal).
+            SnapshotCorruptError: a check fails or the metadata is not DCP metadata.
+            UnsafeSnapshotError: the metadata needs objects outside the allow-list.
         """
-        self.remove_marker(entry.path)
+        manifest = self.verify_part(entry, rank, world_size)
+        metadata_of(self.storage, entry.path, weights_only=weights_only)
+        return manifest
+
+    # -- deletion, retention, sweeping, lock -----------------------------------------------------
+    def delete(self, entry: Entry, *, by: str = "snapkeep") -> bool:
+        """Delete a snapshot directory: marker first (it stops being a snapshot), then the rest.
+        A failed delete is logged, not raised (DESIGN 5).
+
+        Returns:
+            True when the directory is gone.
+        """
         try:
-            self.storage.fs.rm(entry.path, recursive=True)
-        except FileNotFoundError:
-            pass
-        self.storage.fs.invalidate_cache(entry.path)
+            self.remove_marker(entry.path)
+            self.storage.remove_tree(entry.path)
+        except OSError as e:
+            logger.warning("%s could not delete %s (step %s): %s", by, entry.path, entry.step, e)
+            return False
+        logger.debug("%s deleted %s (step %s)", by, entry.path, entry.step)
+        return True
+
+    def retain(self, policy: RetentionPolicy, lineage: frozenset[str | None] | set[str | None],
+               *, protect: Sequence[str] = ()) -> list[Entry]:
+        """Delete what ``policy`` does not keep among this run's snapshots (marker's run id in
+        ``lineage``); never the newest, a protected path, or another run's. Rank 0, after a
+        commit.
+
+        Returns:
+            The entries deleted.
+        """
+        entries: list[Entry] = []
+        infos: list[SnapshotInfo] = []
+        for entry in self.entries():
+            found = self.manifest(entry)
+            if found is None or found.run_id not in lineage:
+                continue
+            entries.append(entry)
+            infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
+                                      metrics=dict(found.metrics)))
+        by_name = {e.name: e for e in entries}
+        keep = [e.name for e in entries if e.path in set(protect)]
+        return [by_name[name] for name in plan_deletions(policy, infos, protect=keep)
+                if self.delete(by_name[name], by="retention")]
+
+    def sweep(self, lineage: frozenset[str | None] | None = None) -> list[str]:
+        """Remove the directories of snapkeep's own crashed saves (:meth:`uncommitted`); never a
+        directory without the in-progress mark. Rank 0, at start, before the first save."""
+        del lineage  # an in-progress directory has no run id yet: any crashed save of ours
+        removed = []
+        for entry in self.uncommitted():
+            logger.info("removing uncommitted sharded snapshot directory %s (snapkeep's own "
+                        "save, no marker: left by a crash)", entry.path)
+            if self.delete(entry, by="sweep"):
+                removed.append(entry.path)
+        return removed
+
+    def lock(self) -> StoreLock | None:
+        """The lock of this template in this directory, shared with the single-file store
+        (same file): rank 0 takes it. None on storages without a local filesystem.
+
+        Raises:
+            StoreLockedError: another live process holds it.
+        """
+        if not self.storage.is_local:
+            logger.info("%s: no directory lock on this storage", self.directory)
+            return None
+        return StoreLock.acquire(self.storage.join(self._parent(), MANIFEST_DIR),
+                                 str(self.template.template), self.storage.url(self.directory),
+                                 key=self.template.lock_key)
+
+    def check_kind(self) -> None:
+        """Refuse a template that already names single-file snapshots here (see
+        :func:`~snapkeep._core.store_kinds.require_one_kind`)."""
+        require_one_kind(self.storage, self._parent(), self._base, expected="directory")
 
 
 def fsync_local_directory(path: str) -> None:

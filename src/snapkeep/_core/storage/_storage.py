@@ -248,6 +248,29 @@ class Storage:
                 names.append(name)
         return sorted(names)
 
+    def list_dirs(self, directory: str) -> list[str]:
+        """Basenames of the sub-directories directly in ``directory``; [] if missing (a fresh
+        listing, as :meth:`list_names`)."""
+        try:
+            entries = self._fresh_ls(directory)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(str(e["name"]).rstrip("/")) for e in entries
+                      if e.get("type") == "directory")
+
+    def remove_tree(self, path: str) -> None:
+        """Delete the directory ``path`` and everything in it (one snapshot directory); a
+        missing one is not an error.
+
+        Raises:
+            OSError: a delete failed.
+        """
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(path)
+
     def open_read(self, path: str) -> IO[bytes]:
         """A readable, seekable binary file. Remote files are fetched whole (one GET), so a
         connection fault surfaces here as :class:`SnapshotStorageError`, not later mid-read.

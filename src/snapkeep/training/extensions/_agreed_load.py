@@ -75,6 +75,10 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
 
     verified: dict[str, bytes | None] = {}
 
+    def loader(entry: Entry, data: bytes | None) -> Any:
+        return load_file(store.storage, entry.path, map_location=snapshot._map_location,
+                         weights_only=snapshot._weights_only, data=data)
+
     def check(name: str) -> str | None:
         if rank != saver:
             return None  # uses its own verified copy or receives the saver rank's bytes
@@ -82,8 +86,8 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
         if entry is None:
             return "not found on the saver rank"
         data = None if store.storage.is_local else store.storage.read_bytes(entry.path)
-        try:
-            store.verify(entry, data)
+        try:  # the store's one validity check (checksum, decode, misnamed), as autoload's
+            store.validate(entry, loader, data)
         except SnapshotCorruptError as e:
             return str(e)
         verified[name] = data

@@ -43,8 +43,8 @@ from snapkeep.distributed import (
     load_sharded,
     saved_keys,
 )
-from snapkeep.errors import SnapshotError
-from snapkeep.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep.errors import SnapshotError, UnsafeSnapshotError
+from snapkeep.retention import RetentionPolicy
 from snapkeep.store import ON_ERROR_SUFFIX, Entry
 from snapkeep.training.extensions._resume_notice import (
     INCOMPLETE_SHARDED,
@@ -170,10 +170,14 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         return self._saver
 
     def initialize(self, manager: Any) -> str | None:  # type: ignore[override]
-        """Create snapkeep's process groups (collective), autoload (returns the loaded name or
-        None) and sweep uncommitted directories (rank 0).
+        """Create snapkeep's process groups (collective); on rank 0 the store's start-up (kind
+        check, lock, sweep of snapkeep's own unfinished saves), its outcome exchanged; then
+        autoload (returns the loaded name or None).
 
         Raises:
+            StoreLockedError: (rank 0; RankFailedError on the others) another trainer holds this
+                out_dir and template.
+            ValueError: (rank 0, as above) the template already names single-file snapshots.
             NoCommonSnapshotError: snapshots exist but none is readable on every rank.
             RankFailedError: loading failed on some rank (named); no rank continues.
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
@@ -181,19 +185,35 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         if is_distributed():
             self._groups = background_groups(self.timeout_s)
         store = self._sharded_store_of(manager)
-        if self.rank == 0:
-            store.storage.makedirs(store.directory)
-        # rank 0 sweeps these after autoload; the resume notice names them
-        self._incomplete = store.uncommitted() if self.rank == 0 else []
-        loaded = self._autoload(manager) if self.autoload else None
-        if self.rank == 0:
-            for entry in self._incomplete:
-                logger.info("removing uncommitted sharded snapshot directory %s (no marker; "
-                            "left by a crash)", entry.path)
-                try:
-                    store.delete(entry)
-                except OSError as e:
-                    logger.warning("could not remove uncommitted %s: %s", entry.path, e)
+        control = self._groups.control if self._groups else None
+        timeout_s = self._groups.timeout_s if self._groups else None
+        error: BaseException | None = None
+        if self.rank == 0:  # the store's start-up, before anything runs (every rank hears)
+            try:
+                store.storage.makedirs(store.directory)
+                store.check_kind()
+                if self._lock is None:
+                    self._lock = store.lock()
+                # the resume notice names what the sweep removes (snapkeep's crashed saves)
+                self._incomplete = store.uncommitted()
+                store.sweep(self._lineage)
+            except Exception as e:  # exchanged: every rank raises the same error
+                error = e
+        if error is not None and control is None:
+            raise error  # single process: the store's own error (StoreLockedError, ValueError)
+        try:
+            exchange_outcomes(control, error, what=f"starting {store.template.template!r} in "
+                              f"{store.directory!r}", timeout_s=timeout_s)
+        except BaseException as e:
+            self._release_lock()
+            if error is not None:
+                raise error from e  # rank 0 keeps the store's error type; the others name it
+            raise
+        try:
+            loaded = self._autoload(manager) if self.autoload else None
+        except BaseException:
+            self._release_lock()
+            raise
         self._engine(manager)
         return loaded
 
@@ -225,48 +245,31 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
             self._saver.wait()
 
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
-        if self._snapshot_on_error:
-            self._make_snapshot(manager)
+        if self._snapshot_on_error:  # mid-iteration state: under <name>.on-error, never resumed
+            self._make_snapshot(manager, on_error=True)
             self.wait()
 
     def finalize(self, manager: Any) -> None:
         """Wait for the snapshot in flight (its error raised, or logged with
         ``on_save_error='log'``) and stop the commit thread. Idempotent."""
         saver = self._saver
-        if saver is None:
-            return
         try:
-            saver.close()
+            if saver is not None:
+                saver.close()
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
                 raise
             logger.error("rank %d: a sharded snapshot failed before finalize and "
                          "on_save_error='log': %s", self.rank, e)
+        finally:
+            self._release_lock()
 
     def _retain(self, manifest: ShardedManifest) -> None:
-        """Retention on rank 0 after a commit: whole directories of this run's lineage."""
+        """Retention on rank 0 after a commit: the store's (whole directories of this run)."""
         store = self._sharded_store
-        policy = self._retention
-        if store is None or policy is None:
+        if store is None or self._retention is None:
             return
-        entries: list[Entry] = []
-        infos = []
-        for entry in store.entries():
-            found = store.manifest(entry)
-            if found is None or found.run_id not in self._lineage:
-                continue
-            entries.append(entry)
-            infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
-                                      metrics=dict(found.metrics)))
-        by_name = {e.name: e for e in entries}
-        for name in plan_deletions(policy, infos, protect=[manifest.name]):
-            try:
-                store.delete(by_name[name])
-            except OSError as e:
-                logger.warning("retention could not delete %s (step %s): %s",
-                               by_name[name].path, by_name[name].step, e)
-            else:
-                logger.debug("retention deleted %s", by_name[name].path)
+        store.retain(self._retention, self._lineage, protect=[store.path_of(manifest.name)])
 
     def _register_retention(self, manager: Any) -> None:
         """Retention runs inside the sharded commit (rank 0); nothing to register."""
@@ -282,7 +285,11 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         listing = [(e.key, e.name) for e in store.entries()]
 
         def check(name: str) -> str | None:
-            store.verify_part(store.entry(name), self.rank, world_size)
+            try:  # the store's validity check; corrupt: objected to, the next older is tried
+                store.validate_part(store.entry(name), self.rank, world_size,
+                                    weights_only=self._weights_only)
+            except UnsafeSnapshotError:
+                return None  # chosen: its load raises the refusal (never a fallback past it)
             return None
 
         skipped = [Skipped(name=e.name, step=e.step, reason=INCOMPLETE_SHARDED)
@@ -303,18 +310,18 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         error: BaseException | None = None
         template: dict[str, Any] = {}
         try:
-            template = self._load_template(manager, saved_keys(store, entry))
+            template = self._load_template(
+                manager, saved_keys(store, entry, weights_only=self._weights_only))
         except Exception as e:  # exchanged below: every rank fails together
             error = e
-        exchange_outcomes(control, error, what=f"{what}: preparing to load {entry.path}",
-                          timeout_s=timeout_s)
+        _together(control, error, what=f"{what}: preparing to load {entry.path}",
+                  timeout_s=timeout_s)
         try:
             load_sharded(store, entry, template, groups=groups, weights_only=self._weights_only)
             self._apply_loaded(manager, template, entry)
         except Exception as e:  # exchanged below
             error = e
-        exchange_outcomes(control, error, what=f"{what}: loading {entry.path}",
-                          timeout_s=timeout_s)
+        _together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
         manifest = store.manifest(entry)
         if manifest is not None and manifest.run_id is not None:
             self._shared.run_id = manifest.run_id
@@ -326,6 +333,16 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
                  quiet=self._quiet, rank=self.rank)
         return entry.name
+
+
+def _together(control: Any, error: BaseException | None, *, what: str,
+              timeout_s: float | None) -> None:
+    """Exchange this rank's outcome of ``what`` (every rank raises together); a single process
+    (no group) raises its own error with its own type (``UnsafeSnapshotError``,
+    ``StateMismatchError``)."""
+    if control is None and error is not None:
+        raise error
+    exchange_outcomes(control, error, what=what, timeout_s=timeout_s)
 
 
 def _version() -> str:

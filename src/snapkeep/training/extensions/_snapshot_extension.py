@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from snapkeep.errors import SnapshotCorruptError, SnapshotError
+from snapkeep.errors import SnapshotError
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
 from snapkeep.staging import (
     StagingGuard,
@@ -37,7 +37,6 @@ from snapkeep.store import (
     StoreLock,
     check_writable,
     load_file,
-    misnamed_reason,
     warn_user,
 )
 from snapkeep.training import extension
@@ -170,7 +169,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             StateMismatchError: the chosen snapshot does not fit the target (first 10 listed);
                 nothing was loaded.
             UnsafeSnapshotError: the snapshot needs ``weights_only=False``.
-            ValueError: the filename template names an attribute the manager does not have.
+            ValueError: the filename template names an attribute the manager does not have, or
+                already names sharded snapshot directories in out_dir.
             SnapshotStorageError: the writer's output directory cannot be created.
             TypeError: a model holds DTensor (FSDP2) parameters: use ``SnapshotMode.SHARDED``.
         """
@@ -191,6 +191,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                     check_writable(*writer.storage_for(manager.out))  # not at the first snapshot
                 store = self._store_of(manager, quiet=True)
                 if store is not None:
+                    store.check_kind()  # sharded directories of this template: refused now
                     if self._lock is None:
                         self._lock = store.lock()
                     store.sweep(self._lineage)
@@ -373,12 +374,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         target = manager if self._target is None else self._target
 
         def loader(entry: Entry, data: bytes | None) -> Any:
-            state = load_file(store.storage, entry.path, map_location=self._map_location,
-                              weights_only=self._weights_only, data=data)
-            reason = misnamed_reason(entry.name, entry.step, self._template.template, state)
-            if reason is not None:  # skipped with a warning, as a corrupt file is
-                raise SnapshotCorruptError(reason)
-            return state
+            return load_file(store.storage, entry.path, map_location=self._map_location,
+                             weights_only=self._weights_only, data=data)
 
         skipped: list[Skipped] = []
         found = store.load_newest(loader, candidates=candidates, on_skip=lambda e, why: (
