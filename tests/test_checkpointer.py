@@ -262,8 +262,8 @@ def test_sharded_in_one_process_writes_dcp_directories(tmp_path: Any) -> None:
             ckpt.save(step, state)
         ckpt.wait()
         assert ckpt.all_steps() == [2, 3]
-    assert sorted(os.listdir(tmp_path / "ckpt_3")) == [".metadata", ".snapkeep-commit.json",
-                                                       "__0_0.distcp"]
+    assert sorted(os.listdir(tmp_path / "ckpt_3")) == [
+        ".metadata", ".snapkeep-commit.json", ".snapkeep-in-progress", "__0_0.distcp"]
     expected_batch = next(it)
     fresh = _objects(2)
     assert not torch.equal(fresh["model"].weight, state["model"].weight)
