@@ -5,7 +5,7 @@
 
 The loop is the user's unchanged ``while not manager.stop_trigger: for x, y in loader: with
 manager.run_iteration(): ...``; snapshots every ``--every`` iterations (4) with autoload and
-``loaders={'train': loader}``. ``--kill-at I`` SIGKILLs the process inside iteration I (after the
+``loaders={'train': loader}``. ``--kill-at I`` SIGKILLs the process group (started with ``start_new_session``) inside iteration I (after the
 forward pass, before the step); ``--term-at I`` sends SIGTERM there (``extensions.preemption()``
 snapshots and exits 143). At the end, ``OUT/final.pt`` holds the parameters, optimizer state and
 the batches each iteration of this process saw. ``--shape ddp`` is started by torchrun (2 ranks,
@@ -92,7 +92,7 @@ def main() -> None:
                 loss.backward()
                 seen.append(index.tolist())
                 if manager.iteration + 1 == args.kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.killpg(os.getpgid(0), signal.SIGKILL)  # the job: workers too
                 if manager.iteration + 1 == args.term_at:
                     os.kill(os.getpid(), signal.SIGTERM)
     if rank == 0:

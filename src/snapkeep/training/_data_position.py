@@ -236,11 +236,14 @@ class _SamplerPosition:
         if pending is None:
             return self._begin(make)
         saved_rng = (pending["torch_rng"], list(pending["generators"]))
-        restored_global = torch.get_rng_state()
-        try:
-            if int(pending["batches"]) >= int(pending["length"]):
+        restored_global = torch.get_rng_state()  # what the snapshot restored: the loop's state
+        if int(pending["batches"]) >= int(pending["length"]):
+            try:
                 self._replay_epoch(saved_rng)
-                return self._begin(make)
+            finally:
+                torch.set_rng_state(restored_global)
+            return self._begin(make)
+        try:
             return self._resume(make, saved_rng, int(pending["batches"]))
         finally:
             torch.set_rng_state(restored_global)
