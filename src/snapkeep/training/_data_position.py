@@ -41,9 +41,13 @@ the position is kept, per kind of loader:
 
 torchdata's ``StatefulDataLoader``:
     Its own ``state_dict()``/``load_state_dict()``, plus the states of its generators at the
-    snapshot, set again right after the first ``iter(loader)`` of the resumed run (torchdata
-    0.11 restores ``generator=`` to the epoch's start and, with ``num_workers=0``, the next
-    epoch's order then differs; measured).
+    snapshot. Two corrections, measured with torchdata 0.11: its resumed iterator draws a base
+    seed from the global RNG (or ``generator=``) before replacing it with the saved one, so
+    the global state is put back after that ``iter``; and it restores ``generator=`` to the
+    epoch's start, so the generators are set to their snapshot states after it (without
+    that, with ``num_workers=0`` the next epoch's order differs). A snapshot taken after the
+    epoch's last batch starts a fresh epoch from those states instead of loading the
+    finished iterator.
 
 An ``IterableDataset`` in a plain ``DataLoader`` is refused (skipping would mean reading the
 skipped samples); use ``StatefulDataLoader`` with a dataset that has ``state_dict``.
@@ -373,6 +377,7 @@ class _StatefulPosition:
     def __init__(self, loader: Any) -> None:
         self._loader = loader
         self._pending_generators: list[torch.Tensor] | None = None
+        self._pending_mid_epoch = False
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": _STATEFUL, "state": self._loader.state_dict(),
@@ -383,13 +388,26 @@ class _StatefulPosition:
             raise ValueError(f"loaders[{name!r}]: the snapshot holds the position of a "
                              f"{state.get('kind')!r} loader, this run registers a "
                              f"StatefulDataLoader ({_STATEFUL!r})")
-        self._loader.load_state_dict(state["state"])
+        loader_state = state["state"]
         self._pending_generators = list(state.get("generators", []))
+        self._pending_mid_epoch = not loader_state.get("_iterator_finished", False)
+        if self._pending_mid_epoch:
+            self._loader.load_state_dict(loader_state)
 
     def iterate(self, make: Callable[[], Iterator[Any]]) -> Iterator[Any]:
-        iterator = make()
         pending, self._pending_generators = self._pending_generators, None
-        if pending is not None:
-            for g, state in zip(_generators(self._loader), pending, strict=False):
-                g.set_state(state)
+        if pending is None:
+            return make()
+        generators = _generators(self._loader)
+        if not self._pending_mid_epoch:  # the saved epoch was complete: a fresh epoch
+            for g, g_state in zip(generators, pending, strict=False):
+                g.set_state(g_state)
+            return make()
+        # torchdata's resumed iterator draws a base seed (then replaces it with the saved
+        # one): the loop's global and loader generators must not see that draw
+        restored_global = torch.get_rng_state()
+        iterator = make()
+        torch.set_rng_state(restored_global)
+        for g, g_state in zip(generators, pending, strict=False):
+            g.set_state(g_state)
         return iterator
