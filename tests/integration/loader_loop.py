@@ -78,7 +78,8 @@ def main() -> None:
     snapshot = (ns if args.shape == "swap" else snapkeep).training.extensions.snapshot
     manager.extend(snapshot(autoload=True, loaders=loaders, **snapshot_kwargs),
                    trigger=(args.every, "iteration"))
-    manager.extend(ns.training.extensions.LogReport(trigger=(1, "iteration")))
+    if rank == 0:
+        manager.extend(ns.training.extensions.LogReport(trigger=(1, "iteration")))
     if args.term_at >= 0:
         manager.extend(sk_extensions.preemption())
     seen: list[list[int]] = []
@@ -91,6 +92,8 @@ def main() -> None:
                 ns.reporting.report({"loss": loss.item()})
                 loss.backward()
                 seen.append(index.tolist())
+                if os.environ.get("LOOP_DEBUG"):
+                    print(manager.iteration, hash(bytes(torch.get_rng_state().numpy())), loss.item(), x.sum().item())
                 if manager.iteration + 1 == args.kill_at:
                     os.killpg(os.getpgid(0), signal.SIGKILL)  # the job: workers too
                 if manager.iteration + 1 == args.term_at:

@@ -141,12 +141,12 @@ def capture(manager: Any, *, rng: bool, generators: Mapping[str, Any],
         loaders: data loader positions by name (``_data_position.check_loaders``).
     """
     state: dict[str, Any] = {"format": FORMAT}
+    if loaders:  # first: a loader's state_dict may draw (torchdata's builds an iterator)
+        state["loaders"] = {name: position.state_dict() for name, position in loaders.items()}
     if rng:
         state["rng"] = capture_rng_state()
     if generators:
         state["generators"] = {name: _capture_one(g) for name, g in generators.items()}
-    if loaders:
-        state["loaders"] = {name: position.state_dict() for name, position in loaders.items()}
     for key in ("_stop_trigger", "_internal_stop_trigger"):
         trigger = getattr(manager, key, None)
         to_state = getattr(trigger, "state_dict", None)
