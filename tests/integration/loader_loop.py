@@ -5,10 +5,11 @@
 
 The loop is the user's unchanged ``while not manager.stop_trigger: for x, y in loader: with
 manager.run_iteration(): ...``; snapshots every ``--every`` iterations (4) with autoload and
-``loaders={'train': loader}``. ``--kill-at I`` SIGKILLs the process group (started with ``start_new_session``) inside iteration I (after the
-forward pass, before the step); ``--term-at I`` sends SIGTERM there (``extensions.preemption()``
-snapshots and exits 143). At the end, ``OUT/final.pt`` holds the parameters, optimizer state and
-the batches each iteration of this process saw. ``--shape ddp`` is started by torchrun (2 ranks,
+``loaders={'train': loader}``. ``--kill-at I`` SIGKILLs the process group (the test starts
+it with ``start_new_session``; DataLoader workers die with it) inside iteration I (after the
+forward pass, before the step); ``--term-at I`` sends SIGTERM there
+(``extensions.preemption()`` snapshots and exits 143). At the end, ``OUT/final.pt`` holds the
+parameters, optimizer state and the batches each iteration of this process saw. ``--shape ddp`` is started by torchrun (2 ranks,
 gloo, ``DistributedSampler``); rank 0 writes ``final.pt``.
 """
 
@@ -92,8 +93,6 @@ def main() -> None:
                 ns.reporting.report({"loss": loss.item()})
                 loss.backward()
                 seen.append(index.tolist())
-                if os.environ.get("LOOP_DEBUG"):
-                    print(manager.iteration, hash(bytes(torch.get_rng_state().numpy())), loss.item(), x.sum().item())
                 if manager.iteration + 1 == args.kill_at:
                     os.killpg(os.getpgid(0), signal.SIGKILL)  # the job: workers too
                 if manager.iteration + 1 == args.term_at:

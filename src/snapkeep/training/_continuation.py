@@ -207,7 +207,7 @@ def restore(manager: Any, state: Mapping[str, Any], *, rng: bool,
 
 def _hint_mid_epoch(manager: Any) -> None:
     """One warning when the run resumes inside an epoch and no loader position is kept."""
-    iteration = getattr(manager, "_iteration", None)
+    iteration: Any = getattr(manager, "_iteration", None)
     if iteration is None:  # ppe's manager keeps a plain attribute
         iteration = getattr(manager, "iteration", 0)
     per_epoch = getattr(manager, "_iters_per_epoch", None)
@@ -254,8 +254,8 @@ class ContinuationMixin:
                        generators=self._generators, loaders=self._loaders)
 
     def load_state_dict(self, to_load: dict[str, Any]) -> None:
-        """Restore RNG, generator, loader and stop trigger states saved by :meth:`state_dict`; an empty
-        dict (ppe's snapshot, snapkeep 0.1.0) restores nothing.
+        """Restore RNG, generator, loader and stop trigger states saved by :meth:`state_dict`;
+        an empty dict (ppe's snapshot, snapkeep 0.1.0) restores nothing.
 
         Raises:
             ValueError: a non-empty state of an unknown format.

@@ -153,7 +153,7 @@ def _hooked_class(cls: type, *, stateful: bool) -> type:
     hooked = _HOOKED.get((cls, stateful))
     if hooked is not None:
         return hooked
-    base_iter = cls.__iter__
+    base_iter = cls.__iter__  # type: ignore[attr-defined]
 
     def __iter__(self: Any) -> Any:
         return self.__dict__[_ATTR].iterate(lambda: base_iter(self))
@@ -272,7 +272,8 @@ class _SamplerPosition:
     def _replay_epoch(self, rng: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
         """The saved epoch was complete: draw its indices again so that the generators end
         where the uninterrupted run's did (``RandomSampler``'s tail ``randperm``)."""
-        indices = iter(type(self._loader).__mro__[1]._index_sampler.fget(self._loader))
+        base = type(self._loader).__mro__[1]  # the user's loader class
+        indices = iter(base._index_sampler.fget(self._loader))  # type: ignore[attr-defined]
         self._set_rng(rng)
         for _ in indices:
             pass
