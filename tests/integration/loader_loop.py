@@ -9,8 +9,9 @@ manager.run_iteration(): ...``; snapshots every ``--every`` iterations (4) with 
 it with ``start_new_session``; DataLoader workers die with it) inside iteration I (after the
 forward pass, before the step); ``--term-at I`` sends SIGTERM there
 (``extensions.preemption()`` snapshots and exits 143). At the end, ``OUT/final.pt`` holds the
-parameters, optimizer state and the batches each iteration of this process saw. ``--shape ddp`` is started by torchrun (2 ranks,
-gloo, ``DistributedSampler``); rank 0 writes ``final.pt``.
+parameters, optimizer state and the batches each iteration of this process saw.
+``--shape ddp`` is started by torchrun (2 ranks, gloo, ``DistributedSampler``); rank 0 writes
+``final.pt``.
 """
 
 from __future__ import annotations
