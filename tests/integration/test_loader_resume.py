@@ -139,10 +139,18 @@ def test_torchrun_two_ranks_distributed_sampler_killed_mid_epoch(tmp_path, strai
     _assert_identical(straight, tmp_path, iterations=9)  # 19 samples a rank: 3 batches
 
 
-def test_mid_epoch_resume_without_loaders_names_the_argument(tmp_path):
+def test_mid_epoch_resume_without_loaders_names_the_argument_and_exits_0(tmp_path):
+    """Without ``loaders=`` the rerun says what to pass at start, replays a whole loader epoch
+    from iteration 4 and so runs 4 bodies past the end: they run uncounted (one warning),
+    and the loop ends with exit 0 instead of "Attempted to run a finalized manager"."""
     args = ["--no-loaders"]
     assert _run(tmp_path, [*args, "--kill-at", "7"]).returncode == -signal.SIGKILL
     again = _run(tmp_path, args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert final["iteration"] == 15 and len(final["seen"]) == 15 - 4 + 4
+    assert sum("remaining run_iteration bodies run uncounted" in line
+               for line in again.stderr.splitlines()) == 1
     hint = [line for line in again.stderr.splitlines() if "loaders={'train': loader}" in line]
     assert len(hint) == 1, again.stderr[-3000:]
     assert "resuming at iteration 4, 4 iterations into an epoch of 5" in hint[0]
