@@ -151,6 +151,7 @@ def test_mid_epoch_resume_without_loaders_names_the_argument_and_exits_0(tmp_pat
     assert final["iteration"] == 15 and len(final["seen"]) == 15 - 4 + 4
     assert sum("remaining run_iteration bodies run uncounted" in line
                for line in again.stderr.splitlines()) == 1
-    hint = [line for line in again.stderr.splitlines() if "loaders={'train': loader}" in line]
+    hint = [line for line in again.stderr.splitlines()
+            if line.startswith("resuming at") and "loaders={'train': loader}" in line]
     assert len(hint) == 1, again.stderr[-3000:]
     assert "resuming at iteration 4, 4 iterations into an epoch of 5" in hint[0]
