@@ -1,8 +1,8 @@
-"""The learning task of the ``snapkeep demo``: scikit-learn's digits, its sampler and its MLP.
+"""The learning task of the ``snapkeep demo``: scikit-learn's digits and its MLP.
 
 Nothing here calls snapkeep; :mod:`snapkeep.demo` runs this task under snapkeep's manager and
-snapshot extension. The sampler's position and the last loss are ``state_objects`` of the
-snapshot, so a resumed run continues the same data order.
+snapshot extension, with a shuffled ``DataLoader`` registered as ``snapshot(loaders=...)`` and
+the last loss as a ``state_objects`` entry, so a resumed run continues the same data order.
 """
 
 from __future__ import annotations
@@ -39,66 +39,6 @@ def load_digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
     n_test = round(len(x) * _HELD_OUT_FRACTION)
     test, train = order[:n_test], order[n_test:]
     return x[train], y[train], x[test], y[test]
-
-
-class EpochSampler:
-    """Deterministic shuffled mini-batches whose position is part of the snapshot.
-
-    Epoch ``e`` visits the examples in ``randperm(n)`` drawn from a generator seeded with
-    ``(seed, e)``, in batches of ``batch_size`` (the last partial batch is dropped). The state is
-    three ints, so it loads under ``torch.load(weights_only=True)``.
-
-    Args:
-        n: number of training examples.
-        batch_size: examples per batch, <= ``n``.
-        seed: data-order seed.
-    """
-
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
-        if not 1 <= batch_size <= n:
-            raise ValueError(f"batch_size must be in [1, {n}], got {batch_size}")
-        self.n = n
-        self.batch_size = batch_size
-        self.seed = seed
-        self.epoch = 0
-        self.position = 0
-        self._cached: tuple[int, torch.Tensor] | None = None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.n // self.batch_size
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        if self._cached is None or self._cached[0] != epoch:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._cached = (epoch, torch.randperm(self.n, generator=generator))
-        return self._cached[1]
-
-    def next_batch(self) -> torch.Tensor:
-        """Indices (int64 ``[batch_size]``) of the next batch; advances the position."""
-        start = self.position * self.batch_size
-        indices = self._order(self.epoch)[start:start + self.batch_size]
-        self.position += 1
-        if self.position == self.batches_per_epoch:
-            self.epoch, self.position = self.epoch + 1, 0
-        return indices
-
-    def state_dict(self) -> dict[str, int]:
-        return {"n": self.n, "batch_size": self.batch_size, "seed": self.seed,
-                "epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the position.
-
-        Raises:
-            ValueError: the snapshot was taken with another data set size, batch size or seed.
-        """
-        for key in ("n", "batch_size", "seed"):
-            if int(state[key]) != getattr(self, key):
-                raise ValueError(
-                    f"the snapshot's sampler has {key}={int(state[key])}, this run "
-                    f"{getattr(self, key)}; use the same settings or another --out directory")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 class LastLoss:

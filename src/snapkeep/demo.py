@@ -6,15 +6,16 @@ shipped inside the ``scikit-learn`` wheel, so nothing is downloaded) with snapke
 ``n_retains`` and ``autoload``.
 
 Everything that decides the next update is in the snapshot: parameters, Adam state, the global RNG
-states (dropout and the random augmentation draw from them) and the position of the data sampler
-(a ``state_objects`` entry). With one intra-op thread and deterministic algorithms, a run killed at
-any moment and started again with the same command ends with bit-identical metrics to an
-uninterrupted run.
+states (dropout and the random augmentation draw from them) and the position of the shuffled
+``torch.utils.data.DataLoader`` (``extensions.snapshot(loaders={'train': loader})``: its epoch's
+order and the batches the loop has received). With one intra-op thread and deterministic
+algorithms, a run killed at any moment and started again with the same command ends with
+bit-identical metrics to an uninterrupted run.
 
 A snapshot is also taken at the last iteration, so running a finished command again reports the
 final metrics without training.
 
-The task itself (data, sampler, model, evaluation) is :mod:`snapkeep._demo_task`; its names are
+The task itself (data, model, evaluation) is :mod:`snapkeep._demo_task`; its names are
 re-exported here.
 """
 
@@ -33,7 +34,6 @@ import torch.nn.functional as F
 
 import snapkeep
 from snapkeep._demo_task import (
-    EpochSampler,
     LastLoss,
     augment,
     build_model,
@@ -210,7 +210,8 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> DemoRes
     Raises:
         snapkeep.NoValidSnapshotError: snapshot files exist in ``out_dir`` but none verifies.
         snapkeep.StateMismatchError: the newest snapshot was made with another ``hidden_size``.
-        ValueError: the snapshot's sampler settings differ from this run's.
+        ValueError: the snapshot's loader had another number of batches per epoch
+            (another ``batch_size``).
         OSError: ``out_dir`` cannot be created or written.
         ImportError: scikit-learn is missing.
     """
@@ -234,18 +235,23 @@ def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
     torch.manual_seed(config.seed)
     model = build_model(config.hidden_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    sampler = EpochSampler(len(train_x), config.batch_size, config.seed)
+    if not 1 <= config.batch_size <= len(train_x):
+        raise ValueError(f"batch_size must be in [1, {len(train_x)}], got {config.batch_size}")
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(train_x, train_y), batch_size=config.batch_size,
+        shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(config.seed))
     last_loss = LastLoss()
     n_params = sum(p.numel() for p in model.parameters())
 
     writer = make_writer(config.writer, config.out_dir)
     manager = ExtensionsManager(
-        model, optimizer, max_epochs=1, iters_per_epoch=sampler.batches_per_epoch,
+        model, optimizer, max_epochs=1, iters_per_epoch=len(loader),
         out_dir=config.out_dir, writer=writer, stop_trigger=ReachedIteration(config.iterations),
-        state_objects={"sampler": sampler, "last_loss": last_loss},
+        state_objects={"last_loss": last_loss},
     )
     snap = TimedSnapshot(extensions.snapshot(
-        filename=TEMPLATE, writer=writer, n_retains=config.n_retains, autoload=True))
+        filename=TEMPLATE, writer=writer, n_retains=config.n_retains, autoload=True,
+        loaders={"train": loader}))
     manager.extend(snap, trigger=SnapshotSchedule(config.snapshot_interval, config.iterations))
     log_interval = config.log_interval or config.snapshot_interval
 
@@ -272,19 +278,21 @@ def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
         start = time.perf_counter()
         reported = 0
         while not manager.stop_trigger:
-            with manager.run_iteration(step_optimizers=["main"]):
-                indices = sampler.next_batch()
-                loss = F.cross_entropy(model(augment(train_x[indices])), train_y[indices])
-                snapkeep.report({"loss": loss})
-                loss.backward()
-                last_loss.value = float(loss.detach())
-            iteration = manager.iteration
-            if iteration % log_interval == 0 or iteration == config.iterations:
-                accuracy, _ = evaluate(model, test_x, test_y)
-                stalls = snap.stall_s[reported:]
-                reported = len(snap.stall_s)
-                echo(f"iter {iteration:>6}  loss {last_loss.value:.4f}  "
-                     f"accuracy {accuracy:.4f}  snapshot stall {_ms(stalls)} ms")
+            for x, y in loader:
+                with manager.run_iteration(step_optimizers=["main"]):
+                    loss = F.cross_entropy(model(augment(x)), y)
+                    snapkeep.report({"loss": loss})
+                    loss.backward()
+                    last_loss.value = float(loss.detach())
+                iteration = manager.iteration
+                if iteration % log_interval == 0 or iteration == config.iterations:
+                    accuracy, _ = evaluate(model, test_x, test_y)
+                    stalls = snap.stall_s[reported:]
+                    reported = len(snap.stall_s)
+                    echo(f"iter {iteration:>6}  loss {last_loss.value:.4f}  "
+                         f"accuracy {accuracy:.4f}  snapshot stall {_ms(stalls)} ms")
+                if manager.stop_trigger:  # --iterations need not end an epoch
+                    break
         manager.finalize()  # waits for the last snapshot to commit
         elapsed_s = time.perf_counter() - start
     finally:

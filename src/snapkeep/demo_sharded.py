@@ -38,7 +38,6 @@ import torch.nn.functional as F
 import snapkeep
 from snapkeep.demo import (
     MODEL_SIZES,
-    EpochSampler,
     LastLoss,
     ReachedIteration,
     SnapshotSchedule,
@@ -124,16 +123,21 @@ def run_sharded_demo(config: ShardedDemoConfig, echo: Callable[[str], None] = pr
         model = _shard(model, world_size)
     torch.manual_seed(config.seed * 1000 + rank)  # each rank its own dropout/augmentation
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    sampler = EpochSampler(len(train_x), config.batch_size, config.seed)
+    # the global batch order, the same on every rank and for any number of ranks; each rank
+    # takes its slice of each global batch
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(train_x, train_y), batch_size=config.batch_size,
+        shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(config.seed))
     last_loss = LastLoss()
     writer = SimpleWriter(out_dir=config.out_dir)
     manager = ExtensionsManager(
-        model, optimizer, max_epochs=1, iters_per_epoch=sampler.batches_per_epoch,
+        model, optimizer, max_epochs=1, iters_per_epoch=len(loader),
         out_dir=config.out_dir, writer=writer, stop_trigger=ReachedIteration(config.iterations),
-        state_objects={"sampler": sampler, "last_loss": last_loss})
+        state_objects={"last_loss": last_loss})
     snapshot = extensions.snapshot(
         filename=TEMPLATE, snapshot_mode=extensions.SnapshotMode.SHARDED,
-        n_retains=config.n_retains, autoload=True, timeout_s=config.timeout_s)
+        n_retains=config.n_retains, autoload=True, timeout_s=config.timeout_s,
+        loaders={"train": loader})
     manager.extend(snapshot, trigger=SnapshotSchedule(config.snapshot_interval,
                                                       config.iterations))
     manager.extend(extensions.preemption(timeout_s=config.timeout_s))
@@ -151,16 +155,20 @@ def run_sharded_demo(config: ShardedDemoConfig, echo: Callable[[str], None] = pr
     per_rank = config.batch_size // world_size
     try:
         while not manager.stop_trigger:
-            with manager.run_iteration(step_optimizers=["main"]):
-                indices = sampler.next_batch()[rank * per_rank:(rank + 1) * per_rank]
-                loss = F.cross_entropy(model(augment(train_x[indices])), train_y[indices])
-                snapkeep.report({"loss": loss})
-                loss.backward()
-                last_loss.value = float(loss.detach())
-            if manager.iteration % config.snapshot_interval == 0:
-                accuracy, _ = evaluate(model, test_x, test_y)  # collective under FSDP2
-                say(f"iter {manager.iteration:>6}  loss {last_loss.value:.4f}  "
-                    f"accuracy {accuracy:.4f}")
+            for x, y in loader:
+                with manager.run_iteration(step_optimizers=["main"]):
+                    x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:
+                                                                       (rank + 1) * per_rank]
+                    loss = F.cross_entropy(model(augment(x)), y)
+                    snapkeep.report({"loss": loss})
+                    loss.backward()
+                    last_loss.value = float(loss.detach())
+                if manager.iteration % config.snapshot_interval == 0:
+                    accuracy, _ = evaluate(model, test_x, test_y)  # collective under FSDP2
+                    say(f"iter {manager.iteration:>6}  loss {last_loss.value:.4f}  "
+                        f"accuracy {accuracy:.4f}")
+                if manager.stop_trigger:  # --iterations need not end an epoch
+                    break
     finally:
         manager.finalize()
     accuracy, _ = evaluate(model, test_x, test_y)

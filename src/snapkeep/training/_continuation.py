@@ -8,6 +8,8 @@ the first ``stop_trigger`` check)::
     {'format': 'snapkeep.continuation/1',
      'rng': {...},                      # see _rng_state.capture_rng_state; absent when disabled
      'generators': {name: state},       # objects the loop registered (snapshot(generators=...))
+     'loaders': {name: position},       # data loaders' positions (snapshot(loaders=...));
+                                        # see _data_position
      'stop_trigger': {...},             # the manager's stop trigger state (EarlyStoppingTrigger)
      'internal_stop_trigger': {...}}
 
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from snapkeep.training._data_position import LoaderPosition
 from snapkeep.training._rng_state import (
     _to_bytes,
     _to_tensor,
@@ -127,15 +130,19 @@ def _restore_one(obj: Any, state: Any) -> None:
         obj.load_state_dict(state)
 
 
-def capture(manager: Any, *, rng: bool, generators: Mapping[str, Any]) -> dict[str, Any]:
+def capture(manager: Any, *, rng: bool, generators: Mapping[str, Any],
+            loaders: Mapping[str, LoaderPosition] | None = None) -> dict[str, Any]:
     """The continuation state of ``manager`` now (see the module docstring).
 
     Args:
         manager: snapkeep's or ppe's manager (its stop triggers are read when present).
         rng: include Python's, NumPy's, torch's CPU and CUDA global generator states.
         generators: objects registered by the loop, by name.
+        loaders: data loader positions by name (``_data_position.check_loaders``).
     """
     state: dict[str, Any] = {"format": FORMAT}
+    if loaders:  # first: a loader's state_dict may draw (torchdata's builds an iterator)
+        state["loaders"] = {name: position.state_dict() for name, position in loaders.items()}
     if rng:
         state["rng"] = capture_rng_state()
     if generators:
@@ -149,14 +156,19 @@ def capture(manager: Any, *, rng: bool, generators: Mapping[str, Any]) -> dict[s
 
 
 def restore(manager: Any, state: Mapping[str, Any], *, rng: bool,
-            generators: Mapping[str, Any]) -> None:
+            generators: Mapping[str, Any],
+            loaders: Mapping[str, LoaderPosition] | None = None) -> None:
     """Restore what :func:`capture` returned.
 
-    Generators registered now but absent from ``state`` (and the reverse) are logged and left
-    as they are.
+    Generators and loaders registered now but absent from ``state`` (and the reverse) are
+    logged and left as they are. A loader's position applies at the loop's next
+    ``iter(loader)``. A resume in the middle of an epoch with no loader registered logs one
+    warning naming ``loaders=`` (a ``for batch in loader`` loop would replay the epoch from its
+    start).
 
     Raises:
-        ValueError: ``state`` is not a continuation state of a known format.
+        ValueError: ``state`` is not a continuation state of a known format; a loader's saved
+            position does not fit the registered loader.
     """
     if state.get("format") != FORMAT:
         raise ValueError(f"not a snapkeep continuation state (format {state.get('format')!r}, "
@@ -176,8 +188,37 @@ def restore(manager: Any, state: Mapping[str, Any], *, rng: bool,
     for name in sorted(set(saved) - set(generators)):
         logger.warning("the snapshot holds the state of generator %r, which is not registered "
                        "now; ignored", name)
+    loaders = loaders or {}
+    saved_loaders = state.get("loaders", {})
+    for name, position in loaders.items():
+        if name in saved_loaders:
+            position.load_state_dict(saved_loaders[name], name)
+        else:
+            logger.warning("loader %r has no saved position; it starts its epoch from the "
+                           "beginning", name)
+    for name in sorted(set(saved_loaders) - set(loaders)):
+        logger.warning("the snapshot holds the position of loader %r, which is not registered "
+                       "now (snapshot(loaders=...)); ignored", name)
+    if not loaders:
+        _hint_mid_epoch(manager)
     if rng and "rng" in state:
         restore_rng_state(state["rng"])
+
+
+def _hint_mid_epoch(manager: Any) -> None:
+    """One warning when the run resumes inside an epoch and no loader position is kept."""
+    iteration: Any = getattr(manager, "_iteration", None)
+    if iteration is None:  # ppe's manager keeps a plain attribute
+        iteration = getattr(manager, "iteration", 0)
+    per_epoch = getattr(manager, "_iters_per_epoch", None)
+    if not isinstance(per_epoch, int) or per_epoch < 1 or int(iteration) % per_epoch == 0:
+        return
+    logger.warning(
+        "resuming at iteration %d, %d iterations into an epoch of %d, with no data loader "
+        "position in the snapshot: if the loop iterates a DataLoader, pass "
+        "extensions.snapshot(..., loaders={'train': loader}) so the epoch continues where it "
+        "stopped (without it the loop starts the loader's epoch over)",
+        int(iteration), int(iteration) % per_epoch, per_epoch)
 
 
 class ContinuationMixin:
@@ -191,6 +232,7 @@ class ContinuationMixin:
 
     _target: Any
     _generators: dict[str, Any]
+    _loaders: dict[str, LoaderPosition] = {}  # noqa: RUF012  (replaced per instance)
     _continuation_manager: Any = None
 
     def _bind_continuation(self, manager: Any) -> None:
@@ -209,11 +251,11 @@ class ContinuationMixin:
         if not self._carries_continuation():
             return {}
         return capture(self._continuation_manager, rng=self._rng_enabled(),
-                       generators=self._generators)
+                       generators=self._generators, loaders=self._loaders)
 
     def load_state_dict(self, to_load: dict[str, Any]) -> None:
-        """Restore RNG, generator and stop trigger states saved by :meth:`state_dict`; an empty
-        dict (ppe's snapshot, snapkeep 0.1.0) restores nothing.
+        """Restore RNG, generator, loader and stop trigger states saved by :meth:`state_dict`;
+        an empty dict (ppe's snapshot, snapkeep 0.1.0) restores nothing.
 
         Raises:
             ValueError: a non-empty state of an unknown format.
@@ -221,7 +263,7 @@ class ContinuationMixin:
         if not to_load or not self._carries_continuation():
             return
         restore(self._continuation_manager, to_load, rng=self._rng_enabled(),
-                generators=self._generators)
+                generators=self._generators, loaders=self._loaders)
 
 
 class RngState:

@@ -200,6 +200,8 @@ class ExtensionsManager(ExtensionsRunner):
         self._start_extensions_called: bool = False
         self._run_on_error_called: bool = False
         self._finalized: bool = False
+        # bodies tolerated after the stop trigger finalized a run resumed mid-epoch
+        self._overrun_left: int = 0
         # Extensions may read `models` only in iterations where one that declares
         # `needs_model_state` may fire (ppe's rule); outside run_extensions always.
         self._model_available: bool = True
@@ -316,17 +318,29 @@ class ExtensionsManager(ExtensionsRunner):
         On entry: starts the extensions (first call), opens a fresh ``observation`` and makes
         the manager's reporter current, calls ``zero_grad()`` on ``step_optimizers``. On normal
         exit: ``step()`` on them, ``iteration += 1``, runs the extensions, then finalizes the
-        manager if the stop trigger fires. If the body or an extension raises, every extension's
-        ``on_error`` runs (once per manager) and the exception propagates.
+        manager if the stop trigger fires. If the body or an extension raises, every
+        extension's ``on_error`` runs (once per manager) and the exception propagates.
+
+        After a resume ``r`` iterations into an epoch, a ``for batch in loader`` loop whose
+        loader position was not saved (``snapshot(loaders=...)``) runs ``r`` iterations past
+        the end: those ``r`` calls after the stop trigger finalized the manager run the body
+        uncounted (no zero_grad/step, no extension) with one warning, instead of raising
+        (snapkeep addition; ppe raises).
 
         Args:
             step_optimizers: Names of optimizers to zero and step around the body.
 
         Raises:
-            RuntimeError: The manager was already finalized.
+            RuntimeError: The manager was already finalized (beyond the tolerance above).
             KeyError: A name in ``step_optimizers`` is not a registered optimizer.
         """
         if self._finalized:
+            if self._overrun_left > 0:  # a loader epoch that outlasts a resumed run's end
+                self._overrun_left -= 1
+                self._warn_overrun()
+                with self.reporter.scope({}):
+                    yield
+                return
             raise RuntimeError(
                 "Attempted to run a finalized manager (a closed manager: finalize() already ran)")
         names = list(step_optimizers or [])
@@ -355,7 +369,19 @@ class ExtensionsManager(ExtensionsRunner):
                 self._run_on_error(exc)
                 raise
         if self._internal_stop_trigger(self):
+            self._overrun_left = self._start_iteration % self._iters_per_epoch_value
             self.finalize()
+
+    def _warn_overrun(self) -> None:
+        if getattr(self, "_overrun_warned", False):
+            return
+        self._overrun_warned = True
+        logger.warning(
+            "training ended at iteration %d, but the loop's data loader epoch goes on because "
+            "the run resumed %d iterations into an epoch without the loader's position: its "
+            "remaining run_iteration bodies run uncounted (no zero_grad/step, no extensions); "
+            "pass extensions.snapshot(..., loaders={'train': loader}) to resume exactly",
+            self._iteration, self._start_iteration % self._iters_per_epoch_value)
 
     def finalize(self) -> None:
         """Finalizes the started extensions, then the writer; idempotent.

@@ -85,6 +85,7 @@ def snapshot(
     timeout_s: float | None = None,
     overlap: bool | str = True,
     quiet: bool = False,
+    loaders: Mapping[str, Any] | None = None,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
 
@@ -120,11 +121,20 @@ def snapshot(
         map_location: ``torch.load``'s ``map_location`` for autoload (default ``'cpu'``).
         on_save_error: ``'raise'`` (default) stops training on a failed save; ``'log'`` logs it
             and continues.
-        generators: RNGs the training loop owns, by name (``torch.Generator`` of a
-            ``DataLoader``, ``random.Random``, NumPy generators, or objects with
-            ``state_dict``/``load_state_dict``), saved and restored with the global RNG states
-            in this extension's part of the manager's state (snapkeep addition; manager
-            snapshots only).
+        generators: RNGs the training loop owns, by name (``random.Random``, NumPy
+            generators, ``torch.Generator``, or objects with ``state_dict``/``load_state_dict``),
+            saved and restored with the global RNG states in this extension's part of the
+            manager's state (snapkeep addition; manager snapshots only). A ``DataLoader``'s
+            generator belongs in ``loaders=`` instead: its state at the snapshot is not the
+            state the next epoch starts from.
+        loaders: data loaders the loop iterates, by name (``torch.utils.data.DataLoader`` with
+            any sampler, ``num_workers`` >= 0, ``DistributedSampler``; torchdata's
+            ``StatefulDataLoader``). Each loader's position (its epoch's order and the batches
+            the loop has received) is saved; after a resume the loop's next ``iter(loader)``
+            continues the epoch where it stopped, with the same batches in the same order, so
+            ``for batch in loader`` ends with the manager's epoch. The loader object is hooked
+            in place (see ``snapkeep.training._data_position``). snapkeep addition; manager
+            snapshots only.
         timeout_s: with ``saver_rank`` or ``SHARDED``: bound in seconds (default 600) of every
             collective snapkeep makes; a rank that fails raises the same error on every rank,
             naming it, and a rank that died makes the others raise within ``timeout_s``.
@@ -146,7 +156,8 @@ def snapshot(
 
     Raises:
         TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type
-            (``quiet`` not a bool, ...).
+            (``quiet`` not a bool, ``loaders`` not a mapping of names to accepted loaders,
+            ...).
         ValueError: a bad value (the message names the argument and what is accepted).
         RuntimeError: ``saver_rank``/``DISTRIBUTED`` without an initialised process group.
     """
@@ -157,7 +168,7 @@ def snapshot(
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
         savefun=savefun, retention=retention, weights_only=weights_only,
         map_location=map_location, on_save_error=on_save_error, generators=generators,
-        overlap=overlap, quiet=quiet,
+        overlap=overlap, quiet=quiet, loaders=loaders,
     )
     if snapshot_mode == SnapshotMode.DEFAULT and saver_rank is None:
         return _Snapshot(**kwargs)

@@ -41,6 +41,7 @@ from snapkeep.store import (
 )
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
+from snapkeep.training._data_position import check_loaders
 from snapkeep.training.extensions import _lineage, _restore
 from snapkeep.training.extensions._resume_notice import (
     ResumeNotice,
@@ -91,10 +92,12 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
         generators: Mapping[str, Any] | None = None,
         overlap: bool | str = True, quiet: bool = False,
+        loaders: Mapping[str, Any] | None = None,
     ) -> None:
         _restore.check_target(target)
         self._quiet = check_quiet(quiet)
         self._generators = check_generators(generators)
+        self._loaders = check_loaders(loaders)
         if condition is None:
             condition = _always_true
         elif not callable(condition):

@@ -1,0 +1,113 @@
+"""snapshot(loaders=...): argument checks, and resume from every batch of a two-epoch run in
+one process (the subprocess matrix is tests/integration/test_loader_resume.py).
+
+The resumed loader is a new object built the same way, in a process whose global RNG is
+elsewhere; the loop draws from the global RNG after each batch (as dropout would). From every
+position it must yield the remaining batches of the uninterrupted run and leave the global RNG
+where the uninterrupted run had it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
+
+from snapkeep.training import extensions
+from snapkeep.training._data_position import check_loaders
+
+DATA = TensorDataset(torch.arange(11))
+EPOCHS = 2
+
+
+def _loader(kind: str) -> DataLoader:
+    if kind == "global":
+        return DataLoader(DATA, batch_size=3, shuffle=True)
+    if kind == "generator":
+        return DataLoader(DATA, batch_size=3, shuffle=True,
+                          generator=torch.Generator().manual_seed(5))
+    if kind == "sampler-generator":
+        sampler = RandomSampler(DATA, generator=torch.Generator().manual_seed(6))
+        return DataLoader(DATA, batch_size=4, sampler=sampler, drop_last=True)
+    if kind == "batch-sampler":
+        sampler = BatchSampler(RandomSampler(DATA), batch_size=2, drop_last=False)
+        return DataLoader(DATA, batch_sampler=sampler)
+    if kind == "no-batching":
+        return DataLoader(DATA, batch_size=None, shuffle=True)
+    if kind == "sequential":
+        return DataLoader(DATA, batch_size=3, sampler=SequentialSampler(DATA))
+    raise AssertionError(kind)
+
+
+def _run(loader: DataLoader, position, *, epochs_left: int, on_batch=None) -> list:
+    out = []
+    for _ in range(epochs_left):
+        for (batch,) in loader:
+            out.append((batch.tolist(), float(torch.rand(()))))
+            if on_batch is not None:
+                on_batch()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["global", "generator", "sampler-generator", "batch-sampler",
+                                  "no-batching", "sequential"])
+def test_resume_from_every_batch_continues_the_uninterrupted_run(kind):
+    torch.manual_seed(0)
+    loader = _loader(kind)
+    position = check_loaders({"train": loader})["train"]
+    saved: list[tuple[dict, torch.Tensor]] = []
+    straight = _run(loader, position, epochs_left=EPOCHS,
+                    on_batch=lambda: saved.append((position.state_dict(), torch.get_rng_state())))
+    per_epoch = len(loader)
+    assert len(straight) == EPOCHS * per_epoch
+    for done, (state, rng) in enumerate(saved[:-1], start=1):
+        torch.manual_seed(1234)  # another process: the global RNG is elsewhere
+        resumed_loader = _loader(kind)
+        resumed = check_loaders({"train": resumed_loader})["train"]
+        resumed.load_state_dict(state, "train")
+        torch.set_rng_state(rng)  # what the snapshot extension restores
+        epochs_left = EPOCHS - done // per_epoch
+        tail = _run(resumed_loader, resumed, epochs_left=epochs_left)
+        assert tail == straight[done:], f"resumed after batch {done}"
+
+
+def test_a_changed_loader_length_is_refused_at_load():
+    torch.manual_seed(0)
+    loader = _loader("global")
+    position = check_loaders({"train": loader})["train"]
+    next(iter(loader))
+    state = position.state_dict()
+    other = DataLoader(DATA, batch_size=4, shuffle=True)
+    with pytest.raises(ValueError, match=r"loaders\['train'\].* 4 batches per epoch, this one "
+                                         r"has 3"):
+        check_loaders({"train": other})["train"].load_state_dict(state, "train")
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+@pytest.mark.parametrize(("loaders", "message"), [
+    ([1], r"loaders must be a mapping of names to data loaders.*got list"),
+    ({"train": [1, 2]}, r"loaders\['train'\] is a list; accepted: a torch.utils.data.DataLoader"),
+    ({1: DataLoader(DATA)}, r"loaders keys must be str names, got 1"),
+    ({"s": DataLoader(_Stream())}, r"loaders\['s'\] is a DataLoader over an IterableDataset"),
+])
+def test_bad_loaders_argument_names_it_and_the_accepted_kinds(loaders, message):
+    with pytest.raises(TypeError, match=message):
+        extensions.snapshot(loaders=loaders)
+
+
+def test_the_hooked_loader_keeps_its_class_name_and_isinstance():
+    loader = DataLoader(DATA, batch_size=3)
+    extensions.snapshot(loaders={"train": loader})
+    assert isinstance(loader, DataLoader) and type(loader).__name__ == "DataLoader"
+    assert len(loader) == 4 and [b[0].tolist() for b in loader][0] == [0, 1, 2]
