@@ -274,7 +274,6 @@ def test_prune_deletes_snapshots_with_their_manifests(run: Path) -> None:
         (["--keep-best", "1", "--metric", "val/loss", "--mode", "max"], [10, 40]),
         (["--keep-best", "2", "--metric", "val/loss", "--keep-latest", "1"], [20, 40]),
         (["--keep-latest", "1", "--keep-every", "30"], [30, 40]),
-        (["--keep-best", "1", "--metric", "no/such"], [40]),
     ],
 )
 def test_prune_policies(run: Path, options: list[str], kept: list[int]) -> None:
@@ -282,6 +281,48 @@ def test_prune_policies(run: Path, options: list[str], kept: list[int]) -> None:
     assert body["keep"] == [f"snapshot_iter_{n}" for n in kept]
     assert [p for p in names(run) if not p.startswith(".")] == sorted(
         f"snapshot_iter_{n}" for n in kept)
+
+
+@pytest.mark.parametrize("options", [["--keep-best", "1", "--metric", "val_loss"],
+                                     ["--keep-best", "1", "--metric", "val_loss",
+                                      "--keep-latest", "1"],
+                                     ["--keep-best", "1", "--metric", "val_loss",
+                                      "--keep-latest", "9"]])
+def test_prune_refuses_a_metric_no_manifest_records(run: Path, options: list[str]) -> None:
+    before = names(run)
+    for extra in ([], ["--yes"], ["--yes", "--json"]):
+        result = CliRunner().invoke(cli, ["prune", str(run), *options, *extra])
+        assert result.exit_code == 2, result.output
+        assert "KeepBest metric 'val_loss' is recorded by none of the 4 snapshot manifest(s); " \
+               "the metrics they record: 'val/loss'. Nothing was deleted." in result.output
+    assert names(run) == before
+
+
+def test_prune_dry_run_lists_exactly_what_yes_deletes(run: Path) -> None:
+    (run / "snapshot_iter_30").unlink()  # its manifest is now an orphan
+    options = ["--keep-best", "1", "--metric", "val/loss", "--mode", "max"]
+    before = names(run)
+    dry = invoke("prune", str(run), *options)
+    assert dry.exit_code == 0 and names(run) == before
+    assert dry.output.splitlines() == [
+        "keep          snapshot_iter_10  (step 10)",
+        "would delete  snapshot_iter_20  (step 20)",
+        "keep          snapshot_iter_40  (step 40)",
+        f"would delete  {run / '.snapkeep' / 'snapshot_iter_30.json'}  (manifest without a "
+        "snapshot)",
+        "would delete 1 snapshot, kept 2; pass --yes to delete",
+    ]
+    body = as_json(invoke("prune", str(run), *options, "--json"), "prune")
+    assert [d["name"] for d in body["delete"]] == ["snapshot_iter_20"]
+    assert body["orphan_manifests"] == [str(run / ".snapkeep" / "snapshot_iter_30.json")]
+    done = invoke("prune", str(run), *options, "--yes")
+    assert done.exit_code == 0
+    assert [line.replace("deleted     ", "would delete") for line in done.output.splitlines()
+            ][:-1] == dry.output.splitlines()[:-1]
+    # gone: exactly the listed snapshot (with its manifest) and the listed orphan manifest
+    assert sorted(set(before) - set(names(run))) == [
+        ".snapkeep/snapshot_iter_20.json", ".snapkeep/snapshot_iter_30.json",
+        "snapshot_iter_20"]
 
 
 def test_prune_never_deletes_the_newest_valid_snapshot(run: Path) -> None:

@@ -289,12 +289,15 @@ WARNINGS = {
     "existing snapshots, autoload=False": Row(UserWarning, already_holds, (
         "already holds 2 snapshot(s)", "autoload=False",
         "use another out_dir or autoload=True to resume")),
+}
+
+RESUME_NOTICES = {  # autoload's skips: lines of its resume notice on stderr, not warnings
     "file and manifest renamed to another step": Row(RuntimeWarning, renamed, (
-        "skipping snapshot snapshot_iter_9 (step 9)",
+        "snapkeep: skipped snapshot_iter_9 (step 9): ",
         "its manifest records the snapshot 'snapshot_iter_1' (step 1), not 'snapshot_iter_9'",
         "Rename it back, or move both away")),
     "file copied to another step's name": Row(RuntimeWarning, copied_without_manifest, (
-        "skipping snapshot snapshot_iter_9 (step 9)",
+        "snapkeep: skipped snapshot_iter_9 (step 9): ",
         "named for step 9 but holds iteration 1", "it is not resumed from",
         "Rename the file to match")),
 }
@@ -337,3 +340,21 @@ def test_warning_text_once_at_the_call_site(name: str, tmp_path: Path,
     assert pathlib.Path(mine[0].filename).resolve() == THIS_FILE, mine[0].filename
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING
                 and row.fragments[0] in r.getMessage()], "the warning was logged as well"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(RESUME_NOTICES))
+def test_resume_notice_text_once(name: str, tmp_path: Path,
+                                 capfd: pytest.CaptureFixture[str]) -> None:
+    row = RESUME_NOTICES[name]
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        row.make(tmp_path)
+    assert not [w for w in caught if "snapshot_iter_9" in str(w.message)]
+    lines = [line for line in capfd.readouterr().err.splitlines()
+             if line.startswith(row.fragments[0])]
+    assert len(lines) == 1, lines
+    for fragment in row.fragments:
+        assert fragment in lines[0], (fragment, lines[0])

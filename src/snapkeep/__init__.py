@@ -4,7 +4,10 @@
 ``ppe.training.extensions.snapshot``, ``ppe.writing.ThreadWriter``, ``ppe.reporting.report``.
 """
 
+from typing import Any
+
 from snapkeep import errors, reporting, retention, training, writing  # noqa: E402
+from snapkeep._not_shipped import not_shipped_error
 from snapkeep._version import __version__
 from snapkeep.errors import (  # noqa: E402
     NoValidSnapshotError,
@@ -29,3 +32,8 @@ __all__ = [
     "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
     "StoreLockedError", "UnsafeSnapshotError", "WorkerDiedError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ppe's names snapkeep does not ship (ppe.nn, ppe.to, ppe.cuda, ...): a pointing error
+    raise not_shipped_error(__name__, name)

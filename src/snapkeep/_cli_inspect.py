@@ -46,6 +46,7 @@ from snapkeep._cli_tree import TreeTooDeepError, compare, select, stats_by_key
 from snapkeep.codecs import HEADER_PROBE_BYTES, is_safetensors_header
 from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError, UnsafeSnapshotError
 from snapkeep.store import Manifest, SnapshotStore, Storage, load_file
+from snapkeep.wrapping import canonical_names
 
 #: Manifest fields ``diff`` shows side by side (size, checksum and time always differ).
 METADATA_FIELDS = ("step", "run_id", "metrics", "snapkeep_version")
@@ -246,7 +247,7 @@ def inspect(file: str, unsafe: bool, storage_options: tuple[str, ...], as_json: 
         size = require_file(file, storage, path)
         checksum = file_checksum_status(storage, path)
         fmt = file_format(storage, path)
-        state = load_state(file, storage, path, unsafe=unsafe)
+        state = canonical_names(load_state(file, storage, path, unsafe=unsafe))
         rows = stats_by_key(state)
     iteration = state.get("_start_iteration") if isinstance(state, dict) else None
     version = (state.get("_snapkeep_version") or state.get("ppe_version")) \
@@ -319,6 +320,9 @@ def diff(a: str, b: str, key: str | None, key_b: str | None, atol: float, unsafe
     """Compare two snapshot files A and B: keys, shapes, dtypes, the max absolute difference of
     each tensor, other values, and the metadata their manifests record (step, run id, metrics,
     version; shown, not compared). Exit 0 when the states are equal, 1 when they differ.
+
+    Model keys are compared by canonical name: the wrapper atoms of torch.compile
+    (_orig_mod.) and DDP (module.) of older snapshots are removed first.
     """
     options = parse_storage_options(storage_options)
     states, metadata = [], []
@@ -326,7 +330,7 @@ def diff(a: str, b: str, key: str | None, key_b: str | None, atol: float, unsafe
         with storage_errors(location):
             storage, path = resolve(location, options)
             require_file(location, storage, path, hint=hint)
-            states.append(load_state(location, storage, path, unsafe=unsafe))
+            states.append(canonical_names(load_state(location, storage, path, unsafe=unsafe)))
             metadata.append(_metadata(manifest_of(storage, path)))
     for i, (path_in, hint) in enumerate(((key, "'--key'"),
                                          (key if key_b is None else key_b, "'--key-b'"))):

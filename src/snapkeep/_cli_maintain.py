@@ -5,8 +5,10 @@ JSON shapes are documented in ``docs/cli.md``.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
+import tempfile
 from typing import Any
 
 import click
@@ -35,8 +37,16 @@ from snapkeep._cli_files import (
 )
 from snapkeep._cli_inspect import _none_found, load_state, store_for
 from snapkeep._cli_tree import TreeTooDeepError, compare, leaves, select
-from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest, SnapshotInfo, plan_deletions
-from snapkeep.store import Entry, SnapshotStore
+from snapkeep.retention import (
+    AnyOf,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    SnapshotInfo,
+    check_metrics,
+    plan_deletions,
+)
+from snapkeep.store import Entry, SnapshotStore, manifest_path
 
 # -- prune -------------------------------------------------------------------------------------
 
@@ -104,12 +114,16 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
     with storage_errors(directory):
         store = store_for(directory, template, storage_options)
         entries = store.entries()
-        newest, checked = _newest_valid(store, entries) if entries else (None, {})
         infos = []
         for entry in entries:
             manifest = store.manifest(entry)
             infos.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
                                       metrics=dict(manifest.metrics) if manifest else {}))
+        try:  # a KeepBest metric no manifest records: refused before anything is read or deleted
+            check_metrics(policy, infos)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="'--metric'") from e
+        newest, checked = _newest_valid(store, entries) if entries else (None, {})
         protect = [newest.name] if newest is not None else []
         doomed = set(plan_deletions(policy, infos, protect=protect))
         orphans = store.orphan_manifests(entries)
@@ -208,9 +222,11 @@ def convert(src: str, dst: str, to: str | None, key: str | None, force: bool, un
     """Convert the snapshot SRC to DST: torch.save <-> safetensors, or a DCP checkpoint
     directory (torch.distributed.checkpoint, sharded) to one torch.save file.
 
-    SRC is verified against its checksum manifest first (a corrupt SRC is refused). DST is
-    written through snapkeep's writer (atomic, with a checksum manifest), then read back,
-    verified and compared with SRC's state. safetensors holds tensors only: a state with other
+    SRC is verified against its checksum manifest first (a corrupt SRC is refused). DST's
+    bytes are made in memory, read back as a reader of DST would and compared with SRC's state
+    before anything is written; only then are those bytes published through snapkeep's writer
+    (atomic, with a checksum manifest) and verified. On any failure nothing is left at DST.
+    safetensors holds tensors only: a state with other
     values (optimizer hyper-parameters, iteration counters) is refused with the first such key;
     --key models/main converts the model of a manager snapshot.
     """
@@ -250,41 +266,78 @@ def convert(src: str, dst: str, to: str | None, key: str | None, force: bool, un
                 raise click.BadParameter(
                     f"{dst!r} exists{' and is a directory' if kind == 'directory' else ''}; "
                     "pass --force to replace a file, or choose another DST", param_hint="'DST'")
-            _write(state, fmt, dst_storage, dst_path, options)
+        data = _encode(state, fmt, dst)
+        check_round_trip(state, data, src, dst, unsafe=unsafe)  # before anything is published
+        steps.update(1)
+        with storage_errors(dst):
+            _write(state, data, dst_storage, dst_path, options)
             steps.update(1)
             after = file_checksum_status(dst_storage, dst_path)
-            if after.status != "ok":
-                raise CheckFailed(f"{dst} was written but does not verify: {after.status} "
-                                  f"{after.detail}")
+            if after.status != "ok" or dst_storage.size(dst_path) != len(data):
+                removed = remove_published(dst_storage, dst_path)
+                raise CheckFailed(f"{dst} was written but does not verify ({after.status} "
+                                  f"{after.detail}); removed {', '.join(removed) or 'nothing'}")
             steps.update(1)
-            back = load_state(dst, dst_storage, dst_path, unsafe=unsafe)
-            try:
-                difference = compare(state, back)
-            except TreeTooDeepError as e:
-                raise CheckFailed(str(e)) from e
-            if not difference.equal:
-                raise CheckFailed(f"{dst} reads back different from {src}: "
-                                  f"{difference.as_json()}")
-            steps.update(1)
-    size = dst_storage.size(dst_path)
-    click.echo(f"converted {src} -> {dst} ({fmt}, {size} bytes, checksum "
+    click.echo(f"converted {src} -> {dst} ({fmt}, {len(data)} bytes, checksum "
                f"{after.detail}; read back equal)")
 
 
-def _write(state: Any, fmt: str, storage: Any, path: str, options: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` with a :class:`snapkeep.writing.SimpleWriter` (atomic commit
-    and a checksum manifest)."""
-    from snapkeep import writing
+def _encode(state: Any, fmt: str, dst: str) -> bytes:
+    """``state`` encoded as DST's bytes, in memory; a codec's refusal is one clear line."""
     from snapkeep.codecs import save_safetensors, torch_save
 
-    savefun = save_safetensors if fmt == "safetensors" else torch_save
+    buffer = io.BytesIO()
+    try:
+        (save_safetensors if fmt == "safetensors" else torch_save)(state, buffer)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckFailed(f"cannot convert to {dst} ({fmt}): {e}; nothing was written") from e
+    return buffer.getvalue()
+
+
+def check_round_trip(state: Any, data: bytes, src: str, dst: str, *, unsafe: bool) -> None:
+    """Decode ``data`` as a reader of DST will (format from its first bytes, safe loading
+    unless ``unsafe``) and compare it with ``state``; refuse before DST is written."""
+    from snapkeep.store import resolve_storage
+
+    with tempfile.TemporaryDirectory(prefix="snapkeep-convert-") as tmp:
+        encoded = os.path.join(tmp, "encoded")
+        with open(encoded, "wb") as f:
+            f.write(data)
+        storage, path = resolve_storage(encoded)
+        back = load_state(dst, storage, path, unsafe=unsafe)
+        try:
+            difference = compare(state, back)
+        except TreeTooDeepError as e:
+            raise CheckFailed(str(e)) from e
+    if not difference.equal:
+        raise CheckFailed(f"{dst} would read back different from {src}, so it was not "
+                          f"written: {difference.as_json()}")
+
+
+def _write(state: Any, data: bytes, storage: Any, path: str, options: dict[str, Any]) -> None:
+    """Publish the checked bytes ``data`` (of ``state``) at ``path`` with a
+    :class:`snapkeep.writing.SimpleWriter` (atomic commit and a checksum manifest)."""
+    from snapkeep import writing
+
+    def write_checked(obj: Any, f: Any) -> None:
+        f.write(data)
+
     directory, name = storage.dirname(path), storage.basename(path)
     url = storage.url(directory)
     writer = writing.SimpleWriter(out_dir=url, storage_options=options or None)
     try:
-        writer(name, url, state, savefun=savefun)
+        writer(name, url, state, savefun=write_checked)
     finally:
         writer.finalize()
+
+
+def remove_published(storage: Any, path: str) -> list[str]:
+    """Remove a published DST that failed its check, with its manifest, through the store's
+    delete; the paths gone."""
+    directory, name = storage.dirname(path), storage.basename(path)
+    store = SnapshotStore(storage, directory, name.replace("{", "{{").replace("}", "}}"))
+    entry = Entry(name=name, path=path, key=(), step=None)
+    return [path, manifest_path(storage, path)] if store.delete(entry, by="convert") else []
 
 
 def _check_tensors_only(state: Any) -> None:

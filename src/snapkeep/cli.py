@@ -1,5 +1,5 @@
-"""The ``snapkeep`` command line: ``demo``, ``ls``, ``verify``, ``inspect``, ``diff``, ``prune``
-and ``convert``.
+"""The ``snapkeep`` command line: ``demo``, ``ls``, ``verify``, ``inspect``, ``diff``, ``prune``,
+``convert`` and ``status``.
 
 Run ``snapkeep --help`` (or ``python -m snapkeep.cli --help``) for the options; exit codes and
 JSON shapes are in ``docs/cli.md`` and each command's ``--help``.
@@ -18,6 +18,7 @@ import click
 from snapkeep._cli_common import DEFAULT_TEMPLATE, EXIT_CODES_EPILOG, plural
 from snapkeep._cli_inspect import diff, inspect, ls_command, verify
 from snapkeep._cli_maintain import convert, prune
+from snapkeep._cli_status import status
 from snapkeep.errors import SnapshotError
 
 __all__ = ["DEFAULT_TEMPLATE", "cli", "main"]
@@ -130,7 +131,7 @@ def demo(out_dir: str, iterations: int, snapshot_interval: int, n_retains: int, 
 
 
 
-for _command in (ls_command, verify, inspect, diff, prune, convert):
+for _command in (ls_command, verify, inspect, diff, prune, convert, status):
     cli.add_command(_command)
 
 

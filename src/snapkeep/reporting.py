@@ -24,6 +24,8 @@ from typing import Any
 import numpy
 import torch
 
+from snapkeep._not_shipped import not_shipped_error
+
 __all__ = [
     "DictSummary",
     "Observation",
@@ -314,3 +316,8 @@ class DictSummary:
             else:
                 merged._summaries[key] = mine if mine is not None else theirs  # type: ignore[assignment]
         return merged
+
+
+def __getattr__(name: str) -> Any:
+    # ppe's scalar helpers (divide_scalar, ...) are not shipped
+    raise not_shipped_error(__name__, name)

@@ -8,10 +8,12 @@ from snapkeep._core.retention import (
     KeepLatest,
     RetentionPolicy,
     SnapshotInfo,
+    best_metrics,
+    check_metrics,
     plan_deletions,
 )
 
 __all__ = [
     "AnyOf", "KeepBest", "KeepEvery", "KeepLatest", "RetentionPolicy", "SnapshotInfo",
-    "plan_deletions",
+    "best_metrics", "check_metrics", "plan_deletions",
 ]

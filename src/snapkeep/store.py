@@ -3,7 +3,8 @@
 ``SnapshotStore(storage, directory, template)`` lists snapshots by step, verifies them against
 their manifests, loads the newest valid one, deletes, applies retention, sweeps stale temps and
 orphan manifests, and takes the directory lock; see :mod:`snapkeep._core.store`.
-:func:`open_store` builds one from a directory or URL as the writers do.
+:func:`open_store` builds one from a directory or URL as the writers do. :func:`run_status` reads
+how the last run in a directory ended (written by ``extensions.preemption``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from snapkeep._core.manifest import (
 from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.preflight import check_writable
+from snapkeep._core.run_status import RunStatus
+from snapkeep._core.run_status import read_status as read_run_status
+from snapkeep._core.run_status import write_status as write_run_status
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.store import (
     DECODE_ERRORS,
@@ -50,5 +54,19 @@ __all__ = [
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
     "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
-    "misnamed_reason", "user_stacklevel", "warn_user",
+    "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus", "read_run_status",
+    "write_run_status", "run_status",
 ]
+
+
+def run_status(out_dir: str, *, fs: Any = None,
+               storage_options: Mapping[str, Any] | None = None) -> RunStatus | None:
+    """How the last run with ``extensions.preemption`` in ``out_dir`` ended (its
+    ``.snapkeep/status.json``; see :mod:`snapkeep._core.run_status`), or None without one.
+
+    Raises:
+        ValueError: the status file is not valid.
+        OSError, SnapshotStorageError: it could not be read.
+    """
+    storage, path = resolve_storage(out_dir, fs, dict(storage_options or {}))
+    return read_run_status(storage, path)

@@ -12,6 +12,8 @@ from snapkeep.retention import (
     KeepEvery,
     KeepLatest,
     SnapshotInfo,
+    best_metrics,
+    check_metrics,
     plan_deletions,
 )
 
@@ -52,7 +54,9 @@ TABLE = [
      snaps(10, 20, 30, loss={10: math.nan, 20: 0.5, 30: 0.9}), (), names(10)),
     ("best-tie-newer-wins", KeepBest(1, "loss"),
      snaps(10, 20, 30, loss={10: 0.5, 20: 0.5, 30: 0.9}), (), names(10)),
-    ("best-no-metrics-keeps-newest", KeepBest(2, "loss"), snaps(1, 2, 3), (), names(1, 2)),
+    ("best-no-metrics-nothing-to-delete", KeepBest(2, "loss"), snaps(1), (), []),
+    ("best-metric-on-one-snapshot-enough", KeepBest(1, "loss"),
+     snaps(1, 2, 3, loss={1: 0.5}), (), names(2)),
     ("anyof-latest-or-best", AnyOf(KeepLatest(1), KeepBest(1, "loss")),
      snaps(10, 20, 30, 40, 50, loss=LOSS), (), names(10, 20, 30)),
     ("anyof-every-or-latest", AnyOf(KeepEvery(20), KeepLatest(2)),
@@ -112,3 +116,40 @@ BAD = [
 def test_bad_arguments_name_the_argument(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+# -- a KeepBest metric no manifest records is refused before anything is deleted ---------------
+
+MISSING = [
+    # (id, policy, snapshots, the message names)
+    ("typo-alone", KeepBest(2, "val/loss"), snaps(1, 2, 3, loss={1: 0.5, 2: 0.4}),
+     ["'val/loss'", "'loss'"]),
+    ("typo-inside-anyof", AnyOf(KeepLatest(1), KeepBest(1, "val/loss")),
+     snaps(1, 2, 3, loss={1: 0.5}), ["'val/loss'", "'loss'"]),
+    ("no-metrics-at-all", KeepBest(2, "loss"), snaps(1, 2, 3), ["'loss'", "record: none"]),
+]
+
+
+@pytest.mark.parametrize(("policy", "snapshots", "named"), [m[1:] for m in MISSING],
+                         ids=[m[0] for m in MISSING])
+def test_missing_best_metric_is_a_value_error_naming_the_recorded_ones(policy, snapshots, named):
+    with pytest.raises(ValueError, match="recorded by none of the 3 snapshot") as info:
+        plan_deletions(policy, snapshots)
+    for text in named:
+        assert text in str(info.value)
+    with pytest.raises(ValueError, match="Nothing was deleted"):
+        check_metrics(policy, snapshots)
+
+
+def test_missing_metric_with_nothing_to_delete_plans_nothing_but_check_refuses():
+    policy = AnyOf(KeepLatest(5), KeepBest(1, "val/loss"))
+    assert plan_deletions(policy, snaps(1, 2, 3)) == []
+    with pytest.raises(ValueError, match="'val/loss'"):
+        check_metrics(policy, snaps(1, 2, 3))
+    check_metrics(policy, [])  # nothing committed yet: nothing to check
+
+
+def test_best_metrics_of_nested_policies():
+    policy = AnyOf(KeepBest(1, "a"), AnyOf(KeepLatest(1), KeepBest(2, "b"), KeepBest(3, "a")))
+    assert best_metrics(policy) == ["a", "b"]
+    assert best_metrics(KeepLatest(1)) == []

@@ -5,6 +5,7 @@ mismatching keys/shapes are listed and nothing is deleted."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -55,14 +56,18 @@ def _flip(path: str) -> None:
     [(_truncate, "truncated"), (_zero, "truncated"), (_flip, "does not match the recorded")],
     ids=["truncated", "zero-length", "byte-flipped"],
 )
-def test_damaged_newest_is_skipped_and_previous_loaded(tmp_path, damage, reason):
+def test_damaged_newest_is_skipped_and_previous_loaded(tmp_path, damage, reason, capfd):
     before = _three_snapshots(tmp_path)
     newest = tmp_path / "snapshot_iter_3"
     damage(str(newest))
+    capfd.readouterr()
 
     manager, ext, model = make_run(tmp_path)
-    with pytest.warns(RuntimeWarning, match=rf"skipping snapshot snapshot_iter_3 .*{reason}"):
-        assert manager.iteration == 2
+    assert manager.iteration == 2
+    lines = capfd.readouterr().err.splitlines()  # the resume notice: outcome, then each skip
+    assert lines[0] == f"snapkeep: resuming from snapshot_iter_2 (step 2) in {tmp_path}"
+    assert len(lines) == 2 and re.fullmatch(
+        rf"snapkeep: skipped snapshot_iter_3 \(step 3\): .*{reason}.*", lines[1]), lines
     assert ext.loaded_entry.name == "snapshot_iter_2"
     assert_params(model, 2)
     assert listing(tmp_path) == before  # nothing deleted, the damaged file kept for inspection
@@ -74,8 +79,7 @@ def test_all_invalid_raises_and_deletes_nothing(tmp_path):
         _truncate(str(tmp_path / name))
 
     manager, _, _ = make_run(tmp_path, n_retains=1)
-    with pytest.warns(RuntimeWarning, match="skipping"), \
-            pytest.raises(snapkeep.NoValidSnapshotError, match="3 snapshot file"):
+    with pytest.raises(snapkeep.NoValidSnapshotError, match="3 snapshot file"):
         manager.start_extensions()
     assert listing(tmp_path) == before
 

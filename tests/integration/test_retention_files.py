@@ -71,6 +71,33 @@ def test_keep_best_survives_a_restart(tmp_path):
     assert listing(tmp_path) == _expect(2, 6, 9)  # best two + the newest
 
 
+@pytest.mark.parametrize("writer_class", ["SimpleWriter", "ThreadWriter"])
+def test_keep_best_with_a_metric_never_reported_stops_the_run_before_deleting(
+        tmp_path, writer_class):
+    writer = getattr(snapkeep.writing, writer_class)(out_dir=str(tmp_path))
+    manager, _, model = make_run(tmp_path, writer=writer, autoload=False,
+                                 retention=KeepBest(1, "val/loss"))
+    train(manager, model, 1, LOSSES)  # one snapshot: retention has nothing to delete
+    with pytest.raises(ValueError) as info:
+        train(manager, model, 1, LOSSES)  # this save's retention would delete step 1
+    manager.finalize()
+    assert str(info.value).startswith(
+        "KeepBest metric 'val/loss' is recorded by none of the 2 snapshot manifest(s); the "
+        "metrics they record: 'loss'. Nothing was deleted.")
+    assert listing(tmp_path) == _expect(1)  # step 2 was not written, step 1 not deleted
+
+
+def test_keep_best_metric_reported_later_is_accepted(tmp_path):
+    """A metric first recorded by a later snapshot (an evaluator that runs less often) is fine
+    as long as retention has nothing to delete before it appears."""
+    manager, _, model = make_run(tmp_path, autoload=False,
+                                 retention=AnyOf(KeepLatest(3), KeepBest(1, "loss")))
+    train(manager, model, 2)  # no 'loss' reported yet, nothing to delete
+    train(manager, model, 3, LOSSES)  # steps 3..5 report 0.8, 0.7, 0.6
+    manager.finalize()
+    assert listing(tmp_path) == _expect(3, 4, 5)
+
+
 class VanishingPolicy:
     """Keeps the newest only and, while retention is planning, deletes the files it is about to
     delete (another process cleaning up at the same moment)."""

@@ -4,6 +4,7 @@ corruption detection, crash-safe commit, small and multipart objects, concurrent
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -117,8 +118,8 @@ def _flip(data: bytes) -> bytes:
 @pytest.mark.parametrize(("damage", "reason"), [(_truncate, "truncated"),
                                                 (_flip, "does not match the recorded")],
                          ids=["truncated", "byte-flipped"])
-def test_damaged_newest_is_detected_and_previous_loaded(backend: Backend, damage: Any,
-                                                        reason: str) -> None:
+def test_damaged_newest_is_detected_and_previous_loaded(
+        backend: Backend, damage: Any, reason: str, capfd: pytest.CaptureFixture[str]) -> None:
     model = _model()
     manager, _ = _run(backend, writing.SimpleWriter(**backend.writer_kwargs()), model)
     _train(manager, model, 2)
@@ -128,8 +129,10 @@ def test_damaged_newest_is_detected_and_previous_loaded(backend: Backend, damage
     assert backend.read("snap_iter_2") != newest
 
     manager, ext, resumed = _resume(backend)
-    with pytest.warns(RuntimeWarning, match=rf"skipping snapshot snap_iter_2 .*{reason}"):
-        manager.start_extensions()
+    capfd.readouterr()
+    manager.start_extensions()
+    assert re.search(rf"^snapkeep: skipped snap_iter_2 \(step 2\): .*{reason}",
+                     capfd.readouterr().err, re.MULTILINE)
     assert ext.loaded_entry.name == "snap_iter_1"
     assert manager.iteration == 1 and _params_equal(resumed, 1.0)
     assert backend.raw_names() == [".snapkeep/", "snap_iter_1", "snap_iter_2"]  # kept

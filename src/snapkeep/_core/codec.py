@@ -62,9 +62,31 @@ def _flatten(
         _flatten(value, f"{prefix}{separator}{key}" if prefix else key, separator, out, empty)
 
 
+_ROUND_TRIPS: dict[torch.dtype, bool] = {}
+
+
+def _dtype_round_trips(dtype: torch.dtype) -> bool:
+    """Whether safetensors both writes and reads back ``dtype`` as itself (measured once per
+    dtype with a one-element tensor: the installed safetensors writes some dtypes, e.g.
+    ``float8_e8m0fnu``, that it cannot read back)."""
+    known = _ROUND_TRIPS.get(dtype)
+    if known is None:
+        from safetensors.torch import load, save
+
+        try:
+            back = load(save({"t": torch.zeros(1, dtype=dtype)}))["t"]
+            known = back.dtype == dtype
+        except Exception:  # any refusal (KeyError, SafetensorError, ...) means: not supported
+            known = False
+        _ROUND_TRIPS[dtype] = known
+    return known
+
+
 def _storable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Detached, contiguous CPU tensors with no two sharing memory (safetensors refuses
-    shared storages; tied weights are stored twice and load as separate tensors)."""
+    shared storages; tied weights are stored twice and load as separate tensors), their
+    conjugate and negative bits resolved (safetensors writes the raw memory, so ``x.conj()``
+    would otherwise be stored unconjugated)."""
     seen: set[tuple[str, int]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -72,8 +94,18 @@ def _storable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if t.layout != torch.strided:
             raise TypeError(f"save_safetensors: tensor {name!r} has layout {t.layout}; only "
                             "dense tensors can be stored")
+        if not _dtype_round_trips(t.dtype):
+            raise TypeError(
+                f"save_safetensors: tensor {name!r} has dtype {t.dtype}, which safetensors "
+                "cannot store and read back; save this state with torch.save (torch_save)")
         if t.device.type != "cpu":
             t = t.cpu()
+        try:
+            t = t.resolve_conj().resolve_neg()  # a copy only when a bit is set
+        except (RuntimeError, NotImplementedError) as e:  # e.g. no neg kernel for float8
+            raise TypeError(f"save_safetensors: tensor {name!r} is a conjugate or negative view "
+                            f"of dtype {t.dtype} that torch cannot resolve ({e}); pass "
+                            "tensor.clone() values, or save with torch.save") from e
         ident = (str(t.device), t.untyped_storage().data_ptr())
         full = t.is_contiguous() and t.storage_offset() == 0 \
             and t.untyped_storage().nbytes() == t.numel() * t.element_size()
@@ -93,14 +125,16 @@ def save_safetensors(obj: Any, f: BinaryIO, *, separator: str = DEFAULT_SEPARATO
     twice the state's size.
 
     Args:
-        obj: a tensor-leaved tree of ``str``-keyed dicts (any device, any dtype; written as CPU
-            tensors).
+        obj: a tensor-leaved tree of ``str``-keyed dicts (any device; written as CPU tensors;
+            any dtype that safetensors reads back, e.g. not ``complex128``; conjugate and
+            negative views are written as the values they show).
         f: a writable binary file object.
         separator: joins nested keys; must not occur in any key.
 
     Raises:
         TypeError: a leaf is not a tensor (its path is named), a key is not a ``str``, or a
-            tensor is sparse.
+            tensor is sparse or of a dtype safetensors cannot read back (e.g.
+            ``complex128``; the key is named).
         ValueError: a key contains ``separator``.
     """
     from safetensors.torch import save
@@ -275,7 +309,47 @@ def torch_save(obj: Any, f: BinaryIO, **kwargs: Any) -> None:
     Args:
         obj: what ``torch.save`` accepts.
         f: a writable binary file object (``write``/``flush``); not seeked.
+
+    Raises:
+        RuntimeError: as ``torch.save``; when two tensors share memory as different dtypes
+            (``x.conj()`` and ``x.conj().imag``), the message names both paths.
     """
+    try:
+        _torch_save(obj, f, **kwargs)
+    except RuntimeError as e:
+        clash = _dtype_clash(obj)
+        if clash is None:
+            raise
+        raise RuntimeError(f"torch_save: {clash}; torch.save cannot store two views of one "
+                           "memory as different dtypes: save a .clone() of one of them") from e
+
+
+def _dtype_clash(obj: Any) -> str | None:
+    """The first two tensor paths of ``obj`` (dicts, lists, tuples) whose memory is shared but
+    whose dtypes differ (``x.conj()`` beside ``x.conj().imag``), as a sentence; None if none."""
+    seen: dict[tuple[str, int], tuple[str, torch.dtype]] = {}
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            try:
+                key = (str(node.device), node.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):  # no single storage (sparse, subclass)
+                continue
+            first = seen.setdefault(key, (where, node.dtype))
+            if first[1] != node.dtype:
+                return (f"{first[0] or '<root>'!r} ({first[1]}) and {where or '<root>'!r} "
+                        f"({node.dtype}) view the same memory")
+        elif isinstance(node, dict):
+            stack.extend(reversed([(f"{where}/{k}" if where else str(k), v)
+                                   for k, v in node.items()]))  # walked in order
+        elif isinstance(node, (list, tuple)):
+            stack.extend(reversed([(f"{where}/{i}" if where else str(i), v)
+                                   for i, v in enumerate(node)]))
+    return None
+
+
+def _torch_save(obj: Any, f: BinaryIO, **kwargs: Any) -> None:
     if kwargs or not _FAST_SAVE or not callable(getattr(f, "write", None)):
         torch.save(obj, f, **kwargs)
         return

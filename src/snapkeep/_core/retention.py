@@ -123,12 +123,59 @@ class AnyOf:
         return keep
 
 
+def best_metrics(policy: object) -> list[str]:
+    """The metric names the :class:`KeepBest` policies in ``policy`` rank by (inside
+    :class:`AnyOf` too), in order, without repeats; ``[]`` for other policies."""
+    if isinstance(policy, KeepBest):
+        return [policy.metric]
+    found: list[str] = []
+    for inner in getattr(policy, "policies", ()) if isinstance(policy, AnyOf) else ():
+        found.extend(m for m in best_metrics(inner) if m not in found)
+    return found
+
+
+def check_metrics(policy: RetentionPolicy, snapshots: Sequence[SnapshotInfo]) -> None:
+    """Refuse a :class:`KeepBest` metric that none of ``snapshots`` records.
+
+    Such a policy keeps nothing, so retention would delete the very snapshots it was meant to
+    keep (a typo such as ``val/loss`` for ``val_loss``). Checked before anything is deleted.
+
+    Args:
+        policy: the retention policy.
+        snapshots: the committed snapshots (their manifests' metrics). With none, nothing is
+            checked.
+
+    Raises:
+        ValueError: a ``KeepBest`` metric is recorded by no snapshot; the message names the
+            metrics the snapshots do record.
+    """
+    if not snapshots:
+        return
+    recorded = sorted({name for s in snapshots for name in s.metrics})
+    missing = [m for m in best_metrics(policy) if not any(m in s.metrics for s in snapshots)]
+    if not missing:
+        return
+    listed = ", ".join(repr(m) for m in recorded) if recorded else "none"
+    raise ValueError(
+        f"KeepBest metric {', '.join(repr(m) for m in missing)} is recorded by none of the "
+        f"{len(snapshots)} snapshot manifest(s); the metrics they record: {listed}. Nothing "
+        "was deleted. Metrics come from manager.observation at save time (finite numbers only)")
+
+
 def plan_deletions(
     policy: RetentionPolicy, snapshots: Sequence[SnapshotInfo], *, protect: Sequence[str] = (),
 ) -> list[str]:
-    """Names to delete: not kept by ``policy``, not the newest, not in ``protect``; oldest first."""
+    """Names to delete: not kept by ``policy``, not the newest, not in ``protect``; oldest first.
+
+    Raises:
+        ValueError: something would be deleted while a :class:`KeepBest` metric is recorded by
+            none of ``snapshots`` (see :func:`check_metrics`); nothing is planned then.
+    """
     if not snapshots:
         return []
     ordered = sorted(snapshots, key=lambda s: (s.key, s.name))
     keep = set(policy.select(ordered)) | {ordered[-1].name} | set(protect)
-    return [s.name for s in ordered if s.name not in keep]
+    doomed = [s.name for s in ordered if s.name not in keep]
+    if doomed:
+        check_metrics(policy, ordered)
+    return doomed

@@ -252,6 +252,7 @@ class SnapshotStore(StoreRemoval):
     def load_newest(
         self, loader: Callable[[Entry, bytes | None], Any], *,
         candidates: list[Entry] | None = None,
+        on_skip: Callable[[Entry, str], None] | None = None,
     ) -> tuple[Entry, Any] | None:
         """Load the newest snapshot that is valid (:meth:`validate`); warn about each one
         skipped. THE newest-valid-with-fallback of single-file snapshots: autoload,
@@ -262,6 +263,8 @@ class SnapshotStore(StoreRemoval):
                 store is remote (fetched once, verified, then decoded from memory: one download)
                 and ``None`` for local files.
             candidates: entries to consider (default: :meth:`entries`).
+            on_skip: ``on_skip(entry, reason)`` for each entry skipped, instead of a
+                ``RuntimeWarning`` (autoload prints them in its resume notice).
 
         Returns:
             ``(entry, state)``, or ``None`` when there are no snapshot files at all.
@@ -285,8 +288,11 @@ class SnapshotStore(StoreRemoval):
             except DECODE_ERRORS as e:
                 reason = str(e) if isinstance(e, SnapshotCorruptError) \
                     else f"{entry.path}: {type(e).__name__}: {e}"
-                warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
-                          RuntimeWarning)
+                if on_skip is None:
+                    warn_user(f"skipping snapshot {entry.name} (step {entry.step}): {reason}",
+                              RuntimeWarning)
+                else:
+                    on_skip(entry, reason)
                 reasons.append(reason)
                 continue
             if manifest is None:

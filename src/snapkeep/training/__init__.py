@@ -1,12 +1,14 @@
 """Training-loop API with ppe's names: ``ExtensionsManager``, extensions and triggers.
 
 Mirrors the manager/extension/trigger part of ``pytorch_pfn_extras.training``; ppe's
-``Trainer``, ``Evaluator``, Ignite manager and metrics are not provided.
+``Trainer``, ``Evaluator``, Ignite manager and metrics are not provided (asking for them raises
+an ``AttributeError`` that points to the plug-in path).
 ``snapkeep.training.extensions`` is imported on first access.
 """
 
 from typing import TYPE_CHECKING, Any
 
+from snapkeep._not_shipped import not_shipped_error
 from snapkeep.training import triggers
 from snapkeep.training._continuation import RngState
 from snapkeep.training._manager_protocol import (
@@ -53,4 +55,4 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module("snapkeep.training.extensions")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise not_shipped_error(__name__, name)

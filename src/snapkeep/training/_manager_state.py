@@ -3,7 +3,9 @@
 ppe 0.9.0's layout, key for key (loadable by ppe's manager, and ppe's snapshots load here)::
 
     _start_iteration, _start_execution   ints
-    models, optimizers, state_objects    {name: obj.state_dict()}
+    models, optimizers, state_objects    {name: obj.state_dict()} (models loaded through
+                                         snapkeep.wrapping.live_state: canonical keys load
+                                         into a compiled or DDP-wrapped model)
     extensions                           {name: {'extension': ..., 'trigger': ...}}
     ppe_version                          str: snapkeep's version (``ppe.__version__`` after
                                          ``import snapkeep as ppe``)
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from snapkeep.store import user_stacklevel
 from snapkeep.training._rng_state import restore_rng_state
+from snapkeep.wrapping import live_state
 
 if TYPE_CHECKING:
     from snapkeep.training.manager import ExtensionsManager
@@ -76,8 +79,8 @@ def load_manager_state(
     manager.iteration = start
     manager._start_execution = int(to_load.get("_start_execution", start))
     manager.execution = manager._start_execution
-    for name, model in manager.models.items():
-        model.load_state_dict(_entry(to_load, "models", name))
+    for name, model in manager.models.items():  # canonical keys -> this wrapping's
+        model.load_state_dict(live_state(model, _entry(to_load, "models", name)))
     for name, optimizer in manager._optimizers.items():
         optimizer.load_state_dict(_entry(to_load, "optimizers", name))
     if "state_objects" in to_load:

@@ -11,6 +11,9 @@ writer                   where the save runs                         in flight (
 =======================  ==========================================  ===================
 """
 
+from typing import Any
+
+from snapkeep._not_shipped import not_shipped_error
 from snapkeep.writing._base import SimpleWriter, Writer
 from snapkeep.writing._parallel import ProcessWriter, RemoteSave, ThreadWriter
 from snapkeep.writing._ppe_fs import PpeFileSystem
@@ -29,3 +32,8 @@ __all__ = [
     "ProcessQueueWriter",
     "PpeFileSystem",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ppe's TensorBoardWriter is not shipped: the error says so and points to the plug-in path
+    raise not_shipped_error(__name__, name)

@@ -8,6 +8,7 @@ manifest -> post-commit hooks) lives in :mod:`snapkeep._core` and is the same fo
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,6 +47,10 @@ class Writer:
             same storage, for ppe's snapshot extension (autoload, ``n_retains``).
         out_dir: directory this writer uses. When empty, the ``out_dir`` passed to ``__call__``
             (the manager's ``out``) is used -- ppe instead wrote into the working directory.
+            When both are empty, an absolute local ``filename`` is written where it names
+            (``writer('/tmp/run/myfile.dat', '', target)``, as ppe's
+            ``os.path.join(out_dir, filename)``); otherwise a filename must stay inside the
+            directory (an absolute or ``..`` name is refused with ``ValueError``).
         storage_options: keyword arguments for the fsspec filesystem (endpoint, credentials).
         zip_crc32: when ``savefun`` is ``torch.save`` (the default), also compute the CRC-32 of
             every zip record as ``torch.save`` does. Default False: snapkeep writes the same
@@ -152,6 +157,7 @@ class Writer:
             Exception: the save's own error.
         """
         self._refuse_if_finalized()
+        filename, out_dir = self._place(filename, out_dir)
         job = self._job(filename, out_dir, savefun, append, savefun_kwargs)
         if not self._initialized:
             self.initialize(self._directory(out_dir))
@@ -219,6 +225,17 @@ class Writer:
     def _directory(self, out_dir: str) -> str:
         return self.out_dir or out_dir or ""
 
+    def _place(self, filename: str, out_dir: str) -> tuple[str, str]:
+        """``(name, out_dir)`` for a save: with no directory at all (the writer's and
+        ``out_dir`` empty), an absolute local ``filename`` becomes its base name in its own
+        directory, as ppe's ``os.path.join('', filename)``; otherwise unchanged (the storage
+        then refuses a name that leaves the directory)."""
+        if self._directory(out_dir) or not isinstance(filename, str) \
+                or not os.path.isabs(filename):
+            return filename, out_dir
+        directory, name = os.path.split(filename)
+        return name, directory
+
     def _post_commit(self, record: CommitRecord) -> None:
         for hook in list(self._cleanup_hooks):
             try:
@@ -250,6 +267,7 @@ class Writer:
         savefun_kwargs: Mapping[str, Any], extra: Mapping[str, Any],
     ) -> Ticket | None:
         self._refuse_if_finalized()
+        filename, out_dir = self._place(filename, out_dir)
         extra = dict(extra)
         retain = extra.pop("retain", None)
         if retain is not None and not isinstance(retain, Retain):

@@ -8,8 +8,10 @@ import importlib
 import pytest
 
 import snapkeep
+from snapkeep._not_shipped import NOT_SHIPPED as NOT_SHIPPED_IN
 from snapkeep.training import extensions
-from snapkeep.training.extensions._not_shipped import NOT_SHIPPED
+
+NOT_SHIPPED = NOT_SHIPPED_IN["snapkeep.training.extensions"]
 
 SHIPPED = {"Evaluator", "FailOnNonNumber", "LRScheduler", "LogReport", "PrintReport",
            "PrintReportCLI", "ProgressBar", "ProgressBarCLI", "SnapshotMode", "observe_lr",

@@ -85,6 +85,7 @@ def agree_on_resume(
     listing: Sequence[tuple[tuple[float, ...], str]],
     check: Callable[[str], str | None],
     *, what: str, timeout_s: float | None = None, required: bool = True,
+    on_skip: Callable[[str, dict[int, str]], None] | None = None,
 ) -> str | None:
     """Choose the snapshot every rank resumes from, once, together.
 
@@ -103,6 +104,8 @@ def agree_on_resume(
         required: whether this rank objects to a snapshot missing from its own listing
             (False: ``check`` is asked about every candidate, e.g. a rank that receives the
             snapshot's bytes from the saver rank instead of reading its node-local disk).
+        on_skip: ``on_skip(name, {rank: reason})`` for each snapshot skipped (the same calls on
+            every rank), instead of a log warning on every rank; the caller reports them once.
 
     Returns:
         The chosen name (the same on every rank), or None when no rank has any snapshot.
@@ -132,11 +135,14 @@ def agree_on_resume(
                              timeout_s=timeout_s)
         failed = {r: m for r, m in enumerate(reasons) if m is not None}
         if not failed:
-            if refused:
+            if refused and on_skip is None:
                 logger.warning("%s: every rank resumes from %s; newer snapshot(s) skipped: %s",
                                what, name, _describe(refused))
             return name
         refused[name] = failed
+        if on_skip is not None:
+            on_skip(name, failed)
+            continue
         logger.warning("%s: snapshot %s is not readable on rank(s) %s: %s", what, name,
                        sorted(failed), "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
     raise NoCommonSnapshotError(

@@ -9,7 +9,7 @@ to keep it: ppe's manager with snapkeep's snapshot extension.
 
 from typing import Any
 
-from snapkeep.training.extensions._not_shipped import NOT_SHIPPED, not_shipped_error
+from snapkeep._not_shipped import not_shipped_error
 from snapkeep.training.extensions._preemption import (
     EXIT_CODE_PREEMPTED,
     Preemption,
@@ -55,6 +55,4 @@ def __getattr__(name: str) -> Any:
         from snapkeep.training.extensions._sharded import sharded_snapshot
 
         return sharded_snapshot
-    if name in NOT_SHIPPED:
-        raise not_shipped_error(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise not_shipped_error(__name__, name)

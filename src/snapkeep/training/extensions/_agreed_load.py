@@ -16,6 +16,7 @@ different iterations. Here, on snapkeep's ``control`` group (bounded by ``timeou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,12 @@ from snapkeep.distributed import (
 )
 from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep.store import Entry, load_file
+from snapkeep.training.extensions._resume_notice import (
+    ResumeNotice,
+    Skipped,
+    announce,
+    skipped_on_ranks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +93,17 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
         verified[name] = data
         return None
 
+    skipped: list[Skipped] = []
+
+    def on_skip(name: str, reasons: dict[int, str]) -> None:
+        skipped.append(skipped_on_ranks(name, entry_of(name).step, reasons))
+
     chosen = agree_on_resume(group, [(e.key, e.name) for e in entries], check, what=what,
-                             timeout_s=timeout_s, required=rank == saver)
+                             timeout_s=timeout_s, required=rank == saver, on_skip=on_skip)
+    notice = ResumeNotice(directory=store.directory, template=store.template.template,
+                          skipped=tuple(skipped))
     if chosen is None:
+        announce(notice, quiet=snapshot._quiet, rank=rank)
         return None
     entry = entry_of(chosen)
     # 3. a copy of its own, or the saver rank's bytes
@@ -131,8 +146,8 @@ def agreed_autoload(snapshot: Any, manager: Any) -> str | None:
     exchange_outcomes(group, error, what=f"{what}: loading {chosen}", timeout_s=timeout_s)
     snapshot.loaded_entry = entry
     snapshot._shared.adopt(store, entries or [entry], entry)
-    logger.info("rank %d resumed from %s (step %s), chosen with every rank", rank, entry.path,
-                entry.step)
+    announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
+             quiet=snapshot._quiet, rank=rank)
     return entry.name
 
 

@@ -75,8 +75,9 @@ class _DistributedSnapshot(_Snapshot):
         if not per_rank:
             return
         if len(per_rank) != self._size:
-            logger.warning("snapshot holds RNG states of %d ranks, world size is %d; rank %d "
-                           "keeps the saver rank's state", len(per_rank), self._size, self._rank)
+            if self._rank == 0:  # the same on every rank: said once per job
+                logger.warning("snapshot holds RNG states of %d ranks, world size is %d; every "
+                               "rank keeps the saver rank's state", len(per_rank), self._size)
             return
         restore_rng_state(per_rank[self._rank])
 

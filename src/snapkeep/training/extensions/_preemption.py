@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from snapkeep.training import extension
+from snapkeep.training.extensions._run_status import StatusRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class Preemption(extension.Extension):
         self._previous: dict[signal.Signals, Any] = {}
         self._groups: Any = None
         self._snapshotted: dict[int, int] = {}
+        self._status = StatusRecorder()  # .snapkeep/status.json, for the job script
 
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self, manager: Any) -> None:
@@ -115,12 +117,22 @@ class Preemption(extension.Extension):
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         self._watch_snapshots(manager)
+        self._status.start(manager, self._snapshot_extensions(manager),
+                           rank=self._groups.rank if self._groups else 0,
+                           world_size=self._groups.world_size if self._groups else 1)
+
+    def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
+        """Record the run as ``failed`` in its status file (rank 0)."""
+        self._status.failed(manager, exc)
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
         self.received.append(signum)  # only record: the boundary acts (async-signal safe)
 
     def finalize(self, manager: Any) -> None:
-        """Restore the previous signal handlers. Idempotent."""
+        """Record ``finished`` in the status file unless preempted or failing (rank 0), and
+        restore the previous signal handlers. Idempotent."""
+        if self.preempted_at is None:
+            self._status.finalize(manager)
         if threading.current_thread() is threading.main_thread():
             for sig, previous in self._previous.items():
                 signal.signal(sig, previous)
@@ -204,6 +216,11 @@ class Preemption(extension.Extension):
             logger.warning("rank %d: %d further signal(s) arrived during the preemption "
                            "snapshot; ignored (the snapshot is committed)", rank,
                            len(self.received) - 1)
+        self._status.preempted(
+            manager, snapshots=[e._template.format(manager) for e in snapshots
+                                if e._template.parsable],
+            reason="signal " + ", ".join(sorted({signal.Signals(s).name for s in self.received}))
+            if self.received else "signal on another rank")
         if self.requeue and rank == 0:
             _requeue()
         if self._groups is not None:

@@ -24,6 +24,7 @@ Building that state and applying a loaded one is :mod:`._sharded_state`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from collections.abc import Callable
@@ -44,7 +45,14 @@ from snapkeep.distributed import (
 )
 from snapkeep.errors import SnapshotError, UnsafeSnapshotError
 from snapkeep.retention import RetentionPolicy
-from snapkeep.store import ON_ERROR_SUFFIX
+from snapkeep.store import ON_ERROR_SUFFIX, Entry
+from snapkeep.training.extensions._resume_notice import (
+    INCOMPLETE_SHARDED,
+    ResumeNotice,
+    Skipped,
+    announce,
+    skipped_on_ranks,
+)
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
 from snapkeep.training.extensions._snapshot import _metrics, _Snapshot
 from snapkeep.writing import Writer as _SnapkeepWriter
@@ -68,6 +76,7 @@ def sharded_snapshot(
     weights_only: bool = True,
     on_save_error: str = "raise",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    quiet: bool = False,
 ) -> _ShardedSnapshot:
     """Returns a sharded snapshot extension; ``snapshot(snapshot_mode=SnapshotMode.SHARDED)``
     returns one with the default ``timeout_s``.
@@ -96,6 +105,9 @@ def sharded_snapshot(
         timeout_s: bound in seconds of every snapkeep collective (commit agreement, resume
             agreement); a rank that died or hangs makes the others raise
             :class:`~snapkeep.errors.CollectiveTimeoutError` within it.
+        quiet: with ``autoload``, do not print the resume notice (rank 0 writes on stderr the
+            snapshot resumed from or "starting fresh", and each snapshot skipped with its
+            reason, incomplete directories included).
 
     Raises:
         ValueError: a callable ``filename``, a template with fields in its directory part, or a
@@ -105,7 +117,7 @@ def sharded_snapshot(
         target=target, condition=condition, writer=writer, filename=filename,
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
         retention=retention, weights_only=weights_only, on_save_error=on_save_error,
-        timeout_s=timeout_s)
+        timeout_s=timeout_s, quiet=quiet)
 
 
 class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
@@ -130,6 +142,7 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         self._groups: Groups | None = None
         self._sharded_store: ShardedStore | None = None
         self._saver: ShardedSaver | None = None
+        self._incomplete: list[Entry] = []
 
     # -- setup ---------------------------------------------------------------------------------
     @property
@@ -181,6 +194,8 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
                 store.check_kind()
                 if self._lock is None:
                     self._lock = store.lock()
+                # the resume notice names what the sweep removes (snapkeep's crashed saves)
+                self._incomplete = store.uncommitted()
                 store.sweep(self._lineage)
             except Exception as e:  # exchanged: every rank raises the same error
                 error = e
@@ -277,8 +292,18 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
                 return None  # chosen: its load raises the refusal (never a fallback past it)
             return None
 
-        chosen = agree_on_resume(control, listing, check, what=what, timeout_s=timeout_s)
+        skipped = [Skipped(name=e.name, step=e.step, reason=INCOMPLETE_SHARDED)
+                   for e in reversed(self._incomplete)]
+
+        def on_skip(name: str, reasons: dict[int, str]) -> None:
+            skipped.append(skipped_on_ranks(name, store.entry(name).step, reasons))
+
+        chosen = agree_on_resume(control, listing, check, what=what, timeout_s=timeout_s,
+                                 on_skip=on_skip)
+        notice = ResumeNotice(directory=store.directory, template=store.template.template,
+                              skipped=tuple(skipped))
         if chosen is None:
+            announce(notice, quiet=self._quiet, rank=self.rank)
             return None
         entry = store.entry(chosen)
         # 1. build what to load into (local), 2. DCP load (collective), 3. apply (local)
@@ -305,6 +330,8 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         logger.info("rank %d resumed from sharded snapshot %s (step %s, saved on %s rank(s))",
                     self.rank, entry.path, entry.step,
                     manifest.world_size if manifest else "?")
+        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
+                 quiet=self._quiet, rank=self.rank)
         return entry.name
 
 

@@ -3,9 +3,10 @@
 Differences from ppe that users rely on:
 
 - ``autoload`` picks the snapshot with the highest step parsed from the filename template (not
-  the newest mtime), verifies its checksum, falls back to the next older valid one with a warning
-  naming each skipped file, and raises :class:`~snapkeep.NoValidSnapshotError` when snapshot
-  files exist but none is valid (ppe silently started over). It is all-or-nothing: a snapshot
+  the newest mtime), verifies its checksum, falls back to the next older valid one (its resume
+  notice on stderr names each skipped file, see ``_resume_notice``), and raises
+  :class:`~snapkeep.NoValidSnapshotError` when snapshot files exist but none is valid (ppe
+  silently started over). It is all-or-nothing: a snapshot
   that does not fit the target raises :class:`~snapkeep.StateMismatchError` before anything is
   loaded (see :mod:`._restore`).
 - Loading is safe by default (``torch.load(weights_only=True)``); ``weights_only=False`` opts in to
@@ -83,6 +84,7 @@ def snapshot(
     generators: Mapping[str, Any] | None = None,
     timeout_s: float | None = None,
     overlap: bool = True,
+    quiet: bool = False,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
 
@@ -133,9 +135,15 @@ def snapshot(
             (:class:`snapkeep.StagingRaceError`, never a torn file). See
             :mod:`snapkeep._core.overlap` for what the check cannot see. ``False`` copies all of
             the state in the call.
+        quiet: with ``autoload``, do not print the resume notice: by default ``initialize``
+            writes on stderr (rank 0 only under torch.distributed) one line naming the snapshot
+            resumed from and its step, or that it starts fresh in which directory, and one line
+            per snapshot skipped with its reason (corrupt, misnamed, incomplete sharded
+            directory; see ``_resume_notice``). snapkeep addition.
 
     Raises:
-        TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type.
+        TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type
+            (``quiet`` not a bool, ...).
         ValueError: a bad value (the message names the argument and what is accepted).
         RuntimeError: ``saver_rank``/``DISTRIBUTED`` without an initialised process group.
     """
@@ -146,7 +154,7 @@ def snapshot(
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
         savefun=savefun, retention=retention, weights_only=weights_only,
         map_location=map_location, on_save_error=on_save_error, generators=generators,
-        overlap=overlap,
+        overlap=overlap, quiet=quiet,
     )
     if snapshot_mode == SnapshotMode.DEFAULT and saver_rank is None:
         return _Snapshot(**kwargs)

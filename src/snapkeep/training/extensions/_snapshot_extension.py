@@ -9,6 +9,7 @@ snapshots (:mod:`._distributed`, :mod:`._sharded`) build on it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import types
@@ -39,6 +40,14 @@ from snapkeep.store import (
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training.extensions import _lineage, _restore
+from snapkeep.training.extensions._resume_notice import (
+    ResumeNotice,
+    Skipped,
+    announce,
+    check_quiet,
+)
+from snapkeep.training.extensions._retention_check import MetricCheck
+from snapkeep.wrapping import canonical_tree, dtensor_models, live_tree
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -79,9 +88,10 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         savefun: Any = None, *, retention: RetentionPolicy | None = None,
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
         generators: Mapping[str, Any] | None = None,
-        overlap: bool = True,
+        overlap: bool = True, quiet: bool = False,
     ) -> None:
         _restore.check_target(target)
+        self._quiet = check_quiet(quiet)
         self._generators = check_generators(generators)
         if condition is None:
             condition = _always_true
@@ -124,6 +134,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             self._retention = policies[0]
         elif policies:
             self._retention = AnyOf(*policies)
+        self._metric_check = MetricCheck(self._retention)
         self.loaded_entry: Entry | None = None
         self._shared = _lineage.RunLineage.fresh()
         self._store: SnapshotStore | None = None
@@ -157,8 +168,10 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             ValueError: the filename template names an attribute the manager does not have, or
                 already names sharded snapshot directories in out_dir.
             SnapshotStorageError: the writer's output directory cannot be created.
+            TypeError: a model holds DTensor (FSDP2) parameters: use ``SnapshotMode.SHARDED``.
         """
         self._bind_continuation(manager)
+        refuse_dtensor_models(manager if self._target is None else self._target)
         if self.writer is None:
             self.writer = _snapkeep_writer_for(manager)
         # one lineage per manager: a snapshot_object beside an autoloading snapshot continues
@@ -249,8 +262,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
     def _state(self, manager: Any) -> Any:
         target = manager if self._target is None else self._target
         if type(target) is dict:
-            return {k: v.state_dict() for k, v in target.items()}
-        return target.state_dict()
+            return canonical_tree(target, {k: v.state_dict() for k, v in target.items()})
+        return canonical_tree(target, target.state_dict())  # no wrapper prefixes
 
     def _make_snapshot(self, manager: Any, *, on_error: bool = False) -> None:
         writer = manager.writer if self.writer is None else self.writer
@@ -266,6 +279,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             extra = {"step": int(manager.iteration), "metrics": _metrics(manager),
                      "run_id": self._run_id}
             store = self._store_of(manager, quiet=True)
+            if store is not None and not on_error:
+                self._metric_check.before_save(store, self._lineage, filename,
+                                               extra["step"], extra["metrics"])
             if store is not None:
                 extra["retain"] = Retain(store=store, lineage=self._lineage,
                                          policy=None if on_error else self._retention)
@@ -322,7 +338,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if store is None:
             return None
         candidates = self._choose(store)
+        notice = ResumeNotice(directory=store.directory, template=str(store.template.template))
         if not candidates:
+            announce(notice, quiet=self._quiet)
             return None
         target = manager if self._target is None else self._target
 
@@ -330,19 +348,22 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             return load_file(store.storage, entry.path, map_location=self._map_location,
                              weights_only=self._weights_only, data=data)
 
-        found = store.load_newest(loader, candidates=candidates)
+        skipped: list[Skipped] = []
+        found = store.load_newest(loader, candidates=candidates, on_skip=lambda e, why: (
+            skipped.append(Skipped(name=e.name, step=e.step, reason=why))))
         if found is None:
             return None
         entry, state = found
         self._apply(target, state, entry)
         self.loaded_entry = entry
         self._shared.adopt(store, candidates, entry)
-        logger.info("resumed from snapshot %s (step %s, run id %s)", entry.path, entry.step,
-                    self._run_id)
+        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
+                                     skipped=tuple(skipped)), quiet=self._quiet)
         return entry.name
 
     def _apply(self, target: Any, state: Any, entry: Entry) -> None:
         """Check that ``state`` fits ``target`` entirely, then load it (all or nothing)."""
+        state = live_tree(target, state)  # canonical (or old prefixed) keys -> this wrapping
         pairs = _restore.pairs_to_load(target, self._strip_rank_state(state), entry)
         _restore.require_fit(pairs, entry)
         with into_existing_state(optimizers_in(target)):  # in place where shapes match
@@ -356,6 +377,16 @@ class _Snapshot(ContinuationMixin, extension.Extension):
 
     def _restore_rank_state(self, state: Any) -> None:
         """Hook for the distributed snapshot (per-rank RNG)."""
+
+
+def refuse_dtensor_models(target: Any) -> None:
+    """A single-file snapshot of FSDP2 models would hold one rank's shards; refuse it."""
+    where = dtensor_models(target)
+    if where:
+        raise TypeError(
+            f"{', '.join(where)} holds DTensor parameters (FSDP2 fully_shard); a single-file "
+            "snapshot cannot hold them. Use snapshot(snapshot_mode=SnapshotMode.SHARDED), which "
+            "saves through torch.distributed.checkpoint and resumes into any wrapping")
 
 
 def _metrics(manager: Any) -> dict[str, float]:

@@ -1,0 +1,68 @@
+"""``snapkeep status OUT_DIR``: how the last run in OUT_DIR ended, for job scripts (requeue after
+a preemption, stop after a finished run). Reads ``.snapkeep/status.json`` (written by
+``extensions.preemption``) through :func:`snapkeep.store.run_status`."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import click
+
+from snapkeep._cli_common import storage_errors
+from snapkeep.store import run_status
+
+EXIT_FINISHED = 0
+EXIT_PREEMPTED = 75
+"""Exit code of ``snapkeep status`` for a preempted run: ``EX_TEMPFAIL`` of sysexits.h
+("temporary failure, retry"): the job should run the same command again."""
+EXIT_NOT_DONE = 1
+"""Failed, died without a word (still ``running``), no status, or an unreadable one."""
+
+STATUS_EPILOG = """\b
+Exit codes:
+  0   finished: the manager was finalized without error or preemption
+  75  preempted: the preemption snapshot is committed; run the same
+      command again (requeue) to resume
+  1   failed, or still 'running' after the job ended (killed, out of
+      memory, node lost), or no status file, or an invalid one
+  2   usage error
+  3   storage error: unreachable endpoint, credentials, permissions
+"""
+
+
+@click.command("status", epilog=STATUS_EPILOG)
+@click.argument("out_dir")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
+def status(out_dir: str, as_json: bool) -> None:
+    """How the last run with extensions.preemption() in OUT_DIR ended (its exit code says it)."""
+    with storage_errors(out_dir):
+        try:
+            found = run_status(out_dir)
+        except ValueError as e:
+            click.echo(f"{out_dir}: invalid status file: {e}", err=True)
+            raise click.exceptions.Exit(EXIT_NOT_DONE) from None
+    if found is None:
+        click.echo(f"{out_dir}: no run status (no run with extensions.preemption() wrote "
+                   "there)", err=True)
+        raise click.exceptions.Exit(EXIT_NOT_DONE)
+    when = datetime.datetime.fromtimestamp(found.time_unix_s, datetime.timezone.utc)
+    if as_json:
+        click.echo(json.dumps({"schema": "snapkeep.status/1", "state": found.state,
+                               "step": found.step,
+                               "time_unix_s": found.time_unix_s, "reason": found.reason,
+                               "snapshots": list(found.snapshots),
+                               "world_size": found.world_size}, sort_keys=True))
+    else:
+        text = {"running": "running, or died without recording an outcome (killed, out of "
+                           "memory, node lost)"}.get(found.state, found.state)
+        line = (f"{text} at step {found.step} ({when:%Y-%m-%dT%H:%M:%SZ}, "
+                f"{found.world_size} rank(s))")
+        if found.reason:
+            line += f": {found.reason}"
+        if found.snapshots:
+            line += f"; snapshot {', '.join(found.snapshots)}"
+        click.echo(line)
+    code = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED}.get(found.state,
+                                                                         EXIT_NOT_DONE)
+    raise click.exceptions.Exit(code)

@@ -1,0 +1,105 @@
+"""The run's status file: how the last run in an output directory ended, for a job script.
+
+Under torchrun a preempted worker's exit status does not reach the job script (torchrun reports
+any non-zero worker exit as a failure and exits 1), so ``extensions.preemption`` records the
+outcome in ``<out_dir>/.snapkeep/status.json`` (rank 0, through the storage layer: one atomic
+write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. States:
+
+- ``running``: written when training starts; still there after the job ended means the run died
+  without a word (SIGKILL, out of memory, a node lost);
+- ``preempted``: written after the preemption snapshot is committed on every rank;
+- ``finished``: the manager was finalized without an error or a preemption;
+- ``failed``: the training loop raised (the exception's type and first line in ``reason``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from snapkeep._core.manifest import MANIFEST_DIR
+from snapkeep._core.storage import Storage
+
+STATUS_NAME = "status.json"
+"""File name of the status, under ``MANIFEST_DIR`` (``.snapkeep``) of the output directory."""
+
+STATES = ("running", "preempted", "finished", "failed")
+FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStatus:
+    """One run's outcome. ``step`` is the manager's iteration when it was recorded;
+    ``time_unix_s`` seconds since the epoch (UTC); ``snapshots`` the names committed for a
+    preemption; ``reason`` the signals or the error; ``world_size`` the number of ranks."""
+
+    state: str
+    step: int
+    time_unix_s: float
+    reason: str = ""
+    snapshots: tuple[str, ...] = ()
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots)},
+                          sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RunStatus:
+        """Parse a status file.
+
+        Raises:
+            ValueError: not a status file of a known format (the message says what is wrong).
+        """
+        try:
+            raw: Any = json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ValueError(f"not a snapkeep status of format {FORMAT}")
+        try:
+            return cls(state=str(raw["state"]), step=int(raw["step"]),
+                       time_unix_s=float(raw["time_unix_s"]), reason=str(raw.get("reason", "")),
+                       snapshots=tuple(str(s) for s in raw.get("snapshots", ())),
+                       world_size=int(raw.get("world_size", 1)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad field: {e}") from None
+
+
+def status_path(storage: Storage, directory: str) -> str:
+    return storage.join(directory, MANIFEST_DIR, STATUS_NAME)
+
+
+def write_status(storage: Storage, directory: str, *, state: str, step: int, reason: str = "",
+                 snapshots: tuple[str, ...] = (), world_size: int = 1,
+                 clock: Any = time.time) -> RunStatus:
+    """Record ``state`` for the run in ``directory`` (replaces the previous status atomically).
+
+    Raises:
+        OSError: the status could not be written.
+    """
+    status = RunStatus(state=state, step=int(step), time_unix_s=float(clock()), reason=reason,
+                       snapshots=tuple(snapshots), world_size=world_size)
+    storage.makedirs(storage.join(directory, MANIFEST_DIR))
+    storage.write_bytes(status_path(storage, directory), status.to_bytes(), tag="status")
+    return status
+
+
+def read_status(storage: Storage, directory: str) -> RunStatus | None:
+    """The status recorded in ``directory``; None when there is none.
+
+    Raises:
+        ValueError: the file exists but is not a valid status.
+        OSError: it could not be read.
+    """
+    try:
+        data = storage.read_bytes(status_path(storage, directory), max_bytes=1 << 20)
+    except FileNotFoundError:
+        return None
+    return RunStatus.from_bytes(data)
