@@ -21,14 +21,13 @@ import torch
 from snapkeep import writing
 from snapkeep._core.memory_store import (
     MemoryStore,
-    MemoryTierTooSmallError,
     describe_tiers,
     job_id,
     reclaim_stale,
     tier_dir,
 )
 from snapkeep._core.storage._temps import TEMP_MARKER, base36, temp_basename
-from snapkeep.errors import SnapshotCorruptError
+from snapkeep.errors import MemoryTierTooSmallError, SnapshotCorruptError
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
 

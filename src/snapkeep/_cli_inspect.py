@@ -123,7 +123,7 @@ def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
 
 
 def _ls_memory(root: str, as_json: bool) -> None:
-    from snapkeep._core.memory_store import describe_tiers
+    from snapkeep.store import describe_tiers
 
     tiers = describe_tiers(root)
     if as_json:

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from snapkeep._core.checksum import digest_stream
-from snapkeep._core.errors import SnapshotCorruptError
+from snapkeep._core.errors import MemoryTierTooSmallError, SnapshotCorruptError
 from snapkeep._core.job import SaveJob
 from snapkeep._core.storage import resolve_storage
 from snapkeep._core.store import Entry, SnapshotStore
@@ -44,10 +44,6 @@ TEMPLATE = "ram_iter_{.iteration}"
 """Filename template of the snapshots in a memory store (parsed for the step)."""
 PREFIX = "snapkeep-"
 """Every tier directory under the root starts with this (``snapkeep ls --memory`` lists them)."""
-
-
-class MemoryTierTooSmallError(ValueError):
-    """The tmpfs under the tier's root has less free space than the tier needs."""
 
 
 def job_id(out_dir: str, template: str) -> str:
@@ -152,6 +148,11 @@ class MemoryStore(SnapshotStore):
                 f"peer copy of rank {self.source} step {step}: checksum {digest} of the bytes "
                 f"received differs from {checksum} recorded by its owner")
         return self.commit_state(step, data, _write_bytes)
+
+    @staticmethod
+    def digest(data: bytes) -> str:
+        """The XXH3-128 hex digest of ``data``, as manifests record it."""
+        return digest_stream(io.BytesIO(data))[0]
 
     def keep_newest(self) -> None:
         """Delete every snapshot but the newest (the retention of the memory tier)."""
@@ -341,6 +342,6 @@ def remove_rank(root: str, job: str, rank: int) -> None:
         pass  # other ranks' directories are still there: the last one removes it
 
 
-__all__ = ["Held", "MemoryStore", "MemoryTierTooSmallError", "PREFIX", "TEMPLATE",
+__all__ = ["Held", "MemoryStore", "PREFIX", "TEMPLATE",
            "check_space", "describe_tiers", "job_id", "owners", "reclaim_stale", "remove_rank",
            "tier_bytes", "tier_dir", "write_owner"]

@@ -12,7 +12,7 @@ What one rank holds in its node's tmpfs (``root``, default ``/dev/shm``), at mos
 step + one peer copy per rank it replicates for (``replicas`` of them) + one snapshot in flight,
 i.e. ``(2 + replicas) x`` the size of its ``torch.save``'d state. Retention keeps the newest
 complete step alone. The size is checked at start against the tmpfs's free space
-(:class:`~snapkeep._core.memory_store.MemoryTierTooSmallError`, naming the size needed).
+(:class:`~snapkeep.errors.MemoryTierTooSmallError`, naming the size needed).
 
 The RAM snapshot is serialised from the live state on the training thread (``torch.save`` into
 memory, one copy, committed to tmpfs with its XXH3 manifest); it shares no staging buffer with
@@ -48,20 +48,26 @@ from typing import Any
 
 import torch
 
-from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
-from snapkeep._core.distributed.groups import background_groups, is_distributed
-from snapkeep._core.errors import SnapshotCorruptError
-from snapkeep._core.memory_store import (
+from snapkeep.distributed import (
+    all_gather,
+    background_groups,
+    exchange_outcomes,
+    is_distributed,
+)
+from snapkeep.errors import SnapshotCorruptError
+from snapkeep.store import (
     Held,
     MemoryStore,
+    SnapshotStore,
     check_space,
     job_id,
+    owners,
     reclaim_stale,
     remove_rank,
     tier_bytes,
+    tier_dir,
     write_owner,
 )
-from snapkeep.store import SnapshotStore
 from snapkeep.training import extension
 from snapkeep.training.extensions._lineage import SNAPSHOT_MARKER
 from snapkeep.wrapping import canonical_tree, live_tree
@@ -239,8 +245,6 @@ class _MemoryTierExtension(extension.Extension):
                 setattr(manager, RESTORED_ATTRIBUTE, self.restored)
 
     def _previous_world(self) -> int | None:
-        from snapkeep._core.memory_store import owners, tier_dir
-
         for record in owners(tier_dir(self.tier.root, self._job)):
             if record.get("rank") == self._rank:
                 world = record.get("world")
@@ -359,9 +363,7 @@ class _MemoryTierExtension(extension.Extension):
                 received = _recv(holder, control)
                 digest = everyone[holder]["held"][r][1]
                 try:
-                    from snapkeep._core.checksum import digest_stream
-
-                    got, _ = digest_stream(io.BytesIO(received))
+                    got = MemoryStore.digest(received)
                     if got != digest:
                         raise SnapshotCorruptError(
                             f"peer copy from rank {holder}: checksum {got} differs from {digest}")
