@@ -194,6 +194,7 @@ class _MemoryTierExtension(extension.Extension):
         self._peer_error: BaseException | None = None
         self._failed = False
         self._started = False
+        self._owner_written = False
         self._rank = 0
         self._world = 1
         self._groups: Any = None
@@ -237,12 +238,18 @@ class _MemoryTierExtension(extension.Extension):
         check_space(tier.root, needed,
                     held_bytes=tier_bytes(tier.root, self._job, self._rank))
         previous_world = self._previous_world()
-        write_owner(tier.root, self._job, self._rank, world=self._world)
         self._started = True
         if any(getattr(s, "autoload", False) for s in snapshots):
             self.restored = self._recover(manager, snapshots, previous_world)
             if self.restored is not None:
                 setattr(manager, RESTORED_ATTRIBUTE, self.restored)
+
+    def _own_tier(self) -> None:
+        """Record this process as the owner of the rank's tier (at its first write: a run that
+        never writes to RAM, e.g. one started after its last iteration, creates no tier)."""
+        if not self._owner_written:
+            write_owner(self.tier.root, self._job, self._rank, world=self._world)
+            self._owner_written = True
 
     def _previous_world(self) -> int | None:
         for record in owners(tier_dir(self.tier.root, self._job)):
@@ -331,6 +338,7 @@ class _MemoryTierExtension(extension.Extension):
         source = _source_name(self._rank, sources[self._rank])
         if sources[self._rank] != self._rank:  # own copy restored too (it was lost)
             try:
+                self._own_tier()
                 digest = everyone[sources[self._rank]]["held"][self._rank][1]
                 MemoryStore(self.tier.root, self._job, self._rank).commit_bytes(step, data,
                                                                                 digest)
@@ -386,6 +394,7 @@ class _MemoryTierExtension(extension.Extension):
         """Commit this rank's state to RAM, then start its peer copies in the background (after
         waiting for the previous ones: one in flight)."""
         step = int(manager.iteration)
+        self._own_tier()
         buf = io.BytesIO()
         torch.save(canonical_tree(manager, manager.state_dict()), buf)
         data = buf.getvalue()
