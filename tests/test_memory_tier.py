@@ -265,3 +265,15 @@ def test_memory_store_follows_the_store_contract(tmp_path: Path) -> None:
         store.read(held)
     assert store.delete(store.entries()[-1])
     assert store.entries() == []
+
+
+def test_defaults_name_the_tier_by_job_under_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ext.MemoryTier(every=5).root == "/dev/shm"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    a, b = job_id("/runs/a", TEMPLATE), job_id("/runs/b", TEMPLATE)
+    assert a != b and a == job_id("/runs/a", TEMPLATE) and len(a) == 16
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: not a job id
+    assert job_id("/runs/a", TEMPLATE) == a
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
+    assert job_id("/runs/a", TEMPLATE) == "job_42"
+    assert tier_dir("/dev/shm", "job_42") == "/dev/shm/snapkeep-job_42"

@@ -11,6 +11,7 @@ Each rank's node RAM is ``BASE/node<RANK>`` (a directory per simulated node); st
 - ``resume``: start again (an audit hook records every snapshot data file of storage opened for
   reading during the start: single-file snapshots, so every byte of saved state), train to 8,
   finalize; write ``BASE/report_rank<RANK>.json``.
+- ``missing``: rank 1 exits before the recovery agreement; rank 0 reports how its start ended.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import torch
@@ -90,6 +92,22 @@ def main() -> None:
             reads.append(path)
 
     sys.addaudithook(hook)
+    if phase == "missing":  # rank 1 dies before the recovery agreement; rank 0 must not hang
+        from snapkeep.distributed import background_groups
+
+        background_groups(60)  # the tier's groups (a collective: every rank creates them)
+        if rank == 1:
+            os._exit(0)
+        manager, model, tier = build(base, rank, replicas)
+        began = time.monotonic()
+        try:
+            manager.start_extensions()
+            outcome = "resumed"
+        except Exception as e:
+            outcome = type(e).__name__
+        with open(os.path.join(base, f"report_rank{rank}.json"), "w") as f:
+            json.dump({"outcome": outcome, "elapsed_s": time.monotonic() - began}, f)
+        os._exit(0)
     manager, model, tier = build(base, rank, replicas)
     manager.start_extensions()
     recording[0] = False

@@ -9,7 +9,8 @@ damaged in one way each, and the ranks restart on each copy.
   ranks, storage with 2);
 - two neighbours lost (4 ranks, 2 replicas): RAM still covers every rank;
 - storage lost: RAM resumes and persists step 4 to storage first;
-- every node lost: storage.
+- every node lost: storage;
+- a rank missing at the agreement: the others raise CollectiveTimeoutError (no hang).
 
 Each resumed run trains to iteration 8 and must be bit-identical to an uninterrupted run; every
 finished run removes its tiers.
@@ -122,3 +123,14 @@ def test_four_ranks_resume_from_peers_ram_without_reading_storage(
         killed4: Path, tmp_path: Path, name: str, damage: Any, sources: list[str]) -> None:
     reports = _resume(killed4, tmp_path, name, 4, 2, damage)
     _check(reports, start=4, sources=sources, storage_read=False)
+
+
+def test_a_rank_missing_at_the_agreement_is_an_error_not_a_hang(killed2: Path,
+                                                                 tmp_path: Path) -> None:
+    base = tmp_path / "missing"
+    shutil.copytree(killed2, base)
+    procs = start(WORKER, 2, [str(base / "init"), str(base), "missing", "1"])
+    finish(procs, 120)
+    report = json.loads((base / "report_rank0.json").read_text())
+    assert report["outcome"] == "CollectiveTimeoutError"
+    assert report["elapsed_s"] < 60 + 10  # the tier's timeout_s bounds it
