@@ -55,12 +55,14 @@ from snapkeep.distributed import (
     is_distributed,
 )
 from snapkeep.errors import SnapshotCorruptError
+from snapkeep.staging import into_existing_state, optimizers_in
 from snapkeep.store import (
     Held,
     MemoryStore,
     SnapshotStore,
     check_space,
     job_id,
+    load_file,
     owners,
     reclaim_stale,
     remove_rank,
@@ -326,17 +328,22 @@ class _MemoryTierExtension(extension.Extension):
                 logger.warning("memory tier: rank %d could not use its copy of step %d from "
                                "%s: %s", r, step, _source_name(r, sources[r]), message)
                 excluded.add((r, sources[r]))
-        assert data is not None
         error_load: BaseException | None = None
         try:
-            state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            manager.load_state_dict(live_tree(manager, state))
+            if data is None:  # the own copy, verified in the inventory: loaded mapped, no copy
+                own = MemoryStore(self.tier.root, self._job, self._rank)
+                state = load_file(own.storage, own.storage.join(
+                    own.directory, f"ram_iter_{step}"), map_location="cpu", weights_only=True)
+            else:
+                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            with into_existing_state(optimizers_in(manager)):  # in place where shapes match
+                manager.load_state_dict(live_tree(manager, state))
         except Exception as e:  # every rank raises together below
             error_load = e
         exchange_outcomes(control, error_load, what=f"{what}: loading step {step}",
                           timeout_s=self.tier.timeout_s)
         source = _source_name(self._rank, sources[self._rank])
-        if sources[self._rank] != self._rank:  # own copy restored too (it was lost)
+        if data is not None:  # taken from a peer: the own copy is restored too (it was lost)
             try:
                 self._own_tier()
                 digest = everyone[sources[self._rank]]["held"][self._rank][1]
@@ -350,8 +357,9 @@ class _MemoryTierExtension(extension.Extension):
 
     def _fetch(self, step: int, sources: list[int], everyone: list[dict[str, Any]],
                control: Any) -> tuple[bytes | None, str | None]:
-        """This rank's bytes of ``step`` (own copy, or received from its source; sending the
-        copies it holds to the ranks that take theirs from it). Returns ``(data, error)``."""
+        """This rank's bytes of ``step`` when they come from a peer (None for the own copy,
+        which is loaded from its file), sending the copies it holds to the ranks that take
+        theirs from it. Returns ``(data, error)``."""
         rank = self._rank
         data: bytes | None = None
         error: str | None = None
@@ -378,15 +386,11 @@ class _MemoryTierExtension(extension.Extension):
                     data = received
                 except SnapshotCorruptError as e:
                     error = str(e)
-        if sources[rank] == rank:
-            store = MemoryStore(self.tier.root, self._job, rank)
-            held = store.newest_verified()
-            try:
-                if held is None or held.step != step:
-                    raise SnapshotCorruptError(f"own RAM copy of step {step} is gone")
-                data = store.read(held)
-            except SnapshotCorruptError as e:
-                error = str(e)
+        if sources[rank] == rank:  # verified by newest_verified() in the inventory
+            own = everyone[rank]["own"]
+            if own is None or own[0] != step or not os.path.exists(os.path.join(
+                    self.tier.root, f"snapkeep-{self._job}", f"rank{rank}", f"ram_iter_{step}")):
+                error = f"own RAM copy of step {step} is gone"
         return data, error
 
     # -- each trigger ------------------------------------------------------------------------
