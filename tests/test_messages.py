@@ -211,6 +211,17 @@ def bad_manifest(tmp_path: Path) -> None:
     read_manifest(store.storage, str(tmp_path / "manifest.json"))
 
 
+def memory_tier_too_small(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    with torch.device("meta"):  # a state larger than the free space, allocating nothing
+        model = torch.nn.Linear(1, 1)
+        model.weight = torch.nn.Parameter(torch.empty(st.f_bavail * st.f_frsize // 4 + 1, 1))
+    manager = ExtensionsManager(model, {}, 1, iters_per_epoch=1, out_dir=str(tmp_path / "out"))
+    manager.extend(extensions.memory_tier(extensions.MemoryTier(every=1,
+                                                                root=str(tmp_path / "shm"))))
+    manager.start_extensions()
+
+
 def staging_race(tmp_path: Path) -> None:
     from snapkeep._core.overlap import DeferredCopy
     from snapkeep._core.staging import StageStats
@@ -275,6 +286,9 @@ ERRORS = {
     "StagingRaceError": Row(snapkeep.StagingRaceError, staging_race, (
         "models/main/fc.weight", "modified in place after the snapshot call",
         "overlap=False")),
+    "MemoryTierTooSmallError": Row(snapkeep.errors.MemoryTierTooSmallError,
+                                   memory_tier_too_small, (
+        "memory tier:", "free but this rank needs", "enlarge the tmpfs", "--shm-size")),
     "RankFailedError": Row(snapkeep.errors.RankFailedError, rank_failed, (
         "sharded save of snapshot_iter_3 failed on rank(s) [0]", "No space left",
         "fix the error of the rank(s) named")),

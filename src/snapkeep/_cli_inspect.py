@@ -81,10 +81,17 @@ def _none_found(store: SnapshotStore, directory: str, template: str) -> str:
 @template_option
 @storage_option
 @json_option
+@click.option("--memory", is_flag=True,
+              help="DIR is a memory tier root (e.g. /dev/shm): list each job's tier, its owners "
+                   "and the step each rank holds (own copy and peer copies).")
 def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
-               as_json: bool) -> None:
+               as_json: bool, memory: bool) -> None:
     """List the snapshots in DIR (a path or an fsspec URL) by step, with size and checksum
-    status (ok, corrupt, no manifest). Exits 0 even when there are none."""
+    status (ok, corrupt, no manifest); with --memory, the memory tiers under DIR. Exits 0 even
+    when there are none."""
+    if memory:
+        _ls_memory(directory, as_json)
+        return
     with storage_errors(directory):
         store = store_for(directory, template, storage_options)
         entries = store.entries()
@@ -113,6 +120,26 @@ def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
     for entry, size, found in rows:
         click.echo(f"{entry.step if entry.step is not None else '-':>10}  "
                    f"{human_bytes(size):>12}  {found.status:<12}  {entry.name}")
+
+
+def _ls_memory(root: str, as_json: bool) -> None:
+    from snapkeep.store import describe_tiers
+
+    tiers = describe_tiers(root)
+    if as_json:
+        emit_json({"schema": "snapkeep.ls-memory/1", "root": root, "tiers": tiers})
+        return
+    if not tiers:
+        click.echo(f"no memory tiers in {root}")
+        return
+    for tier in tiers:
+        owners = ", ".join(f"rank {o.get('rank')}: pid {o.get('pid')} on {o.get('host')}"
+                           for o in tier["owners"]) or "no owner record"
+        click.echo(f"{tier['dir']}  ({owners})")
+        click.echo(f"  {'rank':>6}  {'copy of':>8}  {'step':>10}  {'size':>12}  name")
+        for held in tier["held"]:
+            click.echo(f"  {held['rank']:>6}  {held['source']:>8}  {held['step']:>10}  "
+                       f"{human_bytes(held['bytes']):>12}  ram_iter_{held['step']}")
 
 
 def _entry_json(entry: Any, size: int, found: Status) -> dict[str, Any]:

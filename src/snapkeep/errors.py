@@ -7,6 +7,7 @@ from snapkeep._core.distributed.errors import (
 )
 from snapkeep._core.errors import (
     ManifestError,
+    MemoryTierTooSmallError,
     NoValidSnapshotError,
     SnapshotCorruptError,
     SnapshotError,
@@ -21,7 +22,8 @@ from snapkeep._core.errors import (
 )
 
 __all__ = [
-    "CollectiveTimeoutError", "ManifestError", "NoCommonSnapshotError", "NoValidSnapshotError",
+    "CollectiveTimeoutError", "ManifestError", "MemoryTierTooSmallError",
+    "NoCommonSnapshotError", "NoValidSnapshotError",
     "RankFailedError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
     "StoreLockedError", "UnsafeSnapshotError", "WorkerDiedError",

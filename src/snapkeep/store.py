@@ -3,6 +3,7 @@
 ``SnapshotStore(storage, directory, template)`` lists snapshots by step, verifies them against
 their manifests, loads the newest valid one, deletes, applies retention, sweeps stale temps and
 orphan manifests, and takes the directory lock; see :mod:`snapkeep._core.store`.
+:class:`MemoryStore` is the node-RAM kind of the memory tier (one rank's snapshots in a tmpfs).
 :func:`open_store` builds one from a directory or URL as the writers do. :func:`run_status` reads
 how the last run in a directory ended (written by ``extensions.preemption``).
 """
@@ -21,6 +22,19 @@ from snapkeep._core.manifest import (
     ManifestError,
     manifest_path,
     read_manifest,
+)
+from snapkeep._core.memory_store import (
+    Held,
+    MemoryStore,
+    check_space,
+    describe_tiers,
+    job_id,
+    owners,
+    reclaim_stale,
+    remove_rank,
+    tier_bytes,
+    tier_dir,
+    write_owner,
 )
 from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
@@ -53,6 +67,8 @@ def open_store(
 
 
 __all__ = [
+    "Held", "MemoryStore", "check_space", "describe_tiers", "job_id", "owners", "reclaim_stale",
+    "remove_rank", "tier_bytes", "tier_dir", "write_owner",
     "DECODE_ERRORS", "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest",
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",

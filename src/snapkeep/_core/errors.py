@@ -76,6 +76,11 @@ class StoreLockedError(SnapshotError, RuntimeError):
     """Another live trainer holds the lock of this output directory and filename template."""
 
 
+class MemoryTierTooSmallError(SnapshotError, ValueError):
+    """The filesystem under the memory tier's root (a tmpfs) has less free space than the tier
+    needs; raised at start, naming the size needed."""
+
+
 class StagingRaceError(SnapshotError, RuntimeError):
     """A tensor staged in the background (overlapped staging) was modified in place after the
     snapshot call and before its copy was validated on the training thread; that snapshot was

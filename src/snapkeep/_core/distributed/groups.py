@@ -1,6 +1,6 @@
 """Process groups for snapkeep's own collectives, kept apart from the training's.
 
-Two gloo groups over all ranks, created once per process (a collective call: every rank creates
+Three gloo groups over all ranks, created once per process (a collective call: every rank creates
 them at the same point, in ``initialize`` of the first sharded/preemption extension):
 
 - ``commit``: used only by the background commit thread (DCP's planning collectives, gathering
@@ -8,6 +8,8 @@ them at the same point, in ``initialize`` of the first sharded/preemption extens
   interleaves with the training's own collectives.
 - ``control``: used only by the training thread for snapkeep's agreements (which snapshot to
   resume, the preemption flag, on-error snapshots).
+- ``peer``: used only by the memory tier's background thread (peer copies of each rank's RAM
+  snapshot), so a peer copy never interleaves with a commit or an agreement.
 
 Both are created with ``timeout=timeout_s``, so a rank that died or hangs makes the others'
 collectives on them fail within that time instead of blocking forever (gloo honours the group
@@ -43,6 +45,7 @@ class Groups:
         world_size: number of ranks.
         commit: group of the background commit thread.
         control: group of the training thread's agreements.
+        peer: group of the memory tier's peer-copy thread.
         timeout_s: the bound of every collective on both groups.
     """
 
@@ -50,6 +53,7 @@ class Groups:
     world_size: int
     commit: dist.ProcessGroup
     control: dist.ProcessGroup
+    peer: dist.ProcessGroup
     timeout_s: float
 
 
@@ -88,8 +92,9 @@ def background_groups(timeout_s: float) -> Groups:
         timeout = datetime.timedelta(seconds=float(timeout_s))
         commit = dist.new_group(backend="gloo", timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout)
+        peer = dist.new_group(backend="gloo", timeout=timeout)
         groups = Groups(rank=dist.get_rank(), world_size=dist.get_world_size(), commit=commit,
-                        control=control, timeout_s=float(timeout_s))
+                        control=control, peer=peer, timeout_s=float(timeout_s))
         _cache[float(timeout_s)] = groups
         logger.debug("rank %d: created snapkeep's commit and control groups (timeout %.1f s)",
                      groups.rank, timeout_s)

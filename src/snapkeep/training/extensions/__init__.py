@@ -1,6 +1,7 @@
 """Extensions shipped with snapkeep, under ppe's names (as ``ppe.training.extensions``).
 
-Snapshots (``snapshot``, ``snapshot_object``) and the extensions of a usual ppe training loop:
+Snapshots (``snapshot``, ``snapshot_object``), the node-RAM tier (``memory_tier``,
+``MemoryTier``) and the extensions of a usual ppe training loop:
 ``LogReport``, ``PrintReport``, ``ProgressBar``, ``observe_lr``, ``observe_value``,
 ``LRScheduler``, ``FailOnNonNumber`` and ``Evaluator``. Asking for another ppe extension
 (``PlotReport``, ``ParameterStatistics``, ...) raises an ``AttributeError`` that explains how
@@ -10,6 +11,7 @@ to keep it: ppe's manager with snapkeep's snapshot extension.
 from typing import Any
 
 from snapkeep._not_shipped import not_shipped_error
+from snapkeep.training.extensions._memory_tier import MemoryTier, memory_tier
 from snapkeep.training.extensions._preemption import (
     EXIT_CODE_PREEMPTED,
     Preemption,
@@ -34,11 +36,13 @@ __all__ = [
     "FailOnNonNumber",
     "LRScheduler",
     "LogReport",
+    "MemoryTier",
     "Preemption",
     "PrintReport",
     "PrintReportCLI",
     "ProgressBar",
     "ProgressBarCLI",
+    "memory_tier",
     "SnapshotMode",
     "observe_lr",
     "observe_value",

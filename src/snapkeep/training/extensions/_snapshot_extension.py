@@ -43,6 +43,7 @@ from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training._data_position import check_loaders
 from snapkeep.training.extensions import _lineage, _restore
+from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE
 from snapkeep.training.extensions._resume_notice import (
     ResumeNotice,
     Skipped,
@@ -199,7 +200,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                         self._lock = store.lock()
                     store.sweep(self._lineage)
             loaded = None
-            if self.autoload:
+            restored = getattr(manager, RESTORED_ATTRIBUTE, None)  # the memory tier resumed it
+            if self.autoload and restored is None:
                 loaded = self._autoload(manager)
             elif self._is_saver() and not _lineage.has_autoloading_snapshot(manager):
                 store = self._store_of(manager, quiet=True)
@@ -212,6 +214,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             target = manager if self._target is None else self._target
             prefault_before_first_snapshot(self.writer._saver, lambda: self._state(manager),
                                            optimizers_in(target))
+        if restored is not None and self.autoload and restored.newer_than_storage:
+            self._make_snapshot(manager)  # persist the RAM step first (memory tier)
         return loaded
 
     def _check_template(self, manager: Any) -> None:

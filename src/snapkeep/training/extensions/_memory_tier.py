@@ -1,0 +1,548 @@
+"""The memory tier: every ``every`` iterations each rank commits its state to node RAM (a tmpfs
+directory that outlives the process) and a background thread copies it to ``replicas`` peer
+ranks; at start, ranks resume from RAM (own, else a peer's) when it is at least as new as
+storage, without reading storage.
+
+Use it beside an autoloading snapshot extension::
+
+    manager.extend(extensions.snapshot(autoload=True), trigger=(1000, "iteration"))
+    manager.extend(extensions.memory_tier(MemoryTier(every=50, replicas=1)))
+
+What one rank holds in its node's tmpfs (``root``, default ``/dev/shm``), at most: its own newest
+step + one peer copy per rank it replicates for (``replicas`` of them) + one snapshot in flight,
+i.e. ``(2 + replicas) x`` the size of its ``torch.save``'d state. Retention keeps the newest
+complete step alone. The size is checked at start against the tmpfs's free space
+(:class:`~snapkeep.errors.MemoryTierTooSmallError`, naming the size needed).
+
+The RAM snapshot is serialised from the live state on the training thread (``torch.save`` into
+memory, one copy, committed to tmpfs with its XXH3 manifest); it shares no staging buffer with
+the durable snapshot, which the snapshot extension stages and writes at its own trigger. Peer
+copies run on snapkeep's ``peer`` process group (gloo; see
+:mod:`snapkeep._core.distributed.groups`), never on the training's; at most one is in flight.
+
+Recovery (``initialize``, when the manager has an autoloading snapshot extension): every rank
+verifies what its tmpfs holds (its own newest step and the peer copies), all ranks exchange
+that inventory in one bounded collective, and choose together the newest step that every rank
+can take from RAM (own copy, else the first peer holding a verified copy) and that is at least
+the newest step listed on storage (a listing only: no storage file is opened). Peer bytes travel
+on the control group and are checked against the owner's checksum before use; a copy that fails
+is excluded and the choice made again, falling through to an older RAM step or to storage (the
+snapshot extension's normal autoload). A different world size than the tier's falls back to
+storage. When the RAM step is newer than storage, the snapshot extension writes it to storage
+first ("persist at breakpoint"), then training goes on.
+
+Cleanup: ``finalize`` after the stop trigger fired (a run that finished) removes the rank's tier;
+a crashed or killed run leaves it for its restart. At start, tiers of other jobs whose owners are
+dead and older than ``stale_after_s`` are reclaimed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import threading
+import types
+from typing import Any
+
+import torch
+
+from snapkeep.distributed import (
+    all_gather,
+    background_groups,
+    exchange_outcomes,
+    is_distributed,
+)
+from snapkeep.errors import SnapshotCorruptError
+from snapkeep.staging import into_existing_state, optimizers_in
+from snapkeep.store import (
+    Held,
+    MemoryStore,
+    SnapshotStore,
+    check_space,
+    job_id,
+    load_file,
+    owners,
+    reclaim_stale,
+    remove_rank,
+    tier_bytes,
+    tier_dir,
+    write_owner,
+)
+from snapkeep.training import extension
+from snapkeep.training.extensions._lineage import SNAPSHOT_MARKER
+from snapkeep.wrapping import canonical_tree, live_tree
+
+logger = logging.getLogger(__name__)
+
+RESTORED_ATTRIBUTE = "_snapkeep_memory_restored"
+"""Set on the manager when the tier restored its state (a :class:`Restored`); the snapshot
+extension then skips its autoload and persists the step when it is newer than storage."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryTier:
+    """Configuration of the memory tier (see the module docstring).
+
+    Attributes:
+        every: commit to RAM every this many iterations (int > 0).
+        replicas: peer ranks receiving a copy of each rank's RAM snapshot (int >= 0, less than
+            the world size; ignored in a single process).
+        stride: peer ``i`` (1..replicas) of rank ``r`` is ``(r + stride*i) % world``. Default:
+            ``LOCAL_WORLD_SIZE`` under torchrun when it is less than the world size (peers on
+            other nodes), else 1.
+        root: the tmpfs directory holding the tiers (default ``/dev/shm``).
+        job: the job id naming the tier (default: ``TORCHELASTIC_RUN_ID``, else a hash of
+            out_dir and the snapshot's template).
+        timeout_s: bound in seconds of every collective of the tier (agreement, peer copies).
+        stale_after_s: a tier of another job whose owners are dead is reclaimed once its newest
+            owner record is older than this (seconds).
+    """
+
+    every: int
+    replicas: int = 1
+    stride: int | None = None
+    root: str = "/dev/shm"
+    job: str | None = None
+    timeout_s: float = 120.0
+    stale_after_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        for name, low in (("every", 1), ("replicas", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"MemoryTier {name} must be an int >= {low}, got {value!r}")
+        if self.stride is not None and (isinstance(self.stride, bool)
+                                        or not isinstance(self.stride, int) or self.stride < 1):
+            raise ValueError(f"MemoryTier stride must be None or an int >= 1, got "
+                             f"{self.stride!r}")
+        if not isinstance(self.root, str) or not self.root or "://" in self.root:
+            raise ValueError(f"MemoryTier root must be a local directory path (a tmpfs such as "
+                             f"/dev/shm), got {self.root!r}")
+        if self.job is not None and (not isinstance(self.job, str) or not self.job
+                                     or "/" in self.job):
+            raise ValueError(f"MemoryTier job must be None or a name without '/', got "
+                             f"{self.job!r}")
+        for name in ("timeout_s", "stale_after_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"MemoryTier {name} must be a positive number of seconds, "
+                                 f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Restored:
+    """What the memory tier restored at start.
+
+    Attributes:
+        step: the step every rank resumed from.
+        source: where this rank's state came from: ``'own'`` or ``'peer<R>'``.
+        storage_step: the newest step listed on storage (None: none).
+    """
+
+    step: int
+    source: str
+    storage_step: int | None
+
+    @property
+    def newer_than_storage(self) -> bool:
+        return self.storage_step is None or self.step > self.storage_step
+
+
+def memory_tier(tier: MemoryTier) -> _MemoryTierExtension:
+    """The memory-tier extension for ``tier``; extend the manager with it (its trigger is
+    ``(tier.every, 'iteration')``). See the module docstring of :mod:`._memory_tier`.
+
+    Raises:
+        TypeError: ``tier`` is not a :class:`MemoryTier`.
+    """
+    if not isinstance(tier, MemoryTier):
+        raise TypeError(f"memory_tier expects a MemoryTier(every=..., ...), got {tier!r}")
+    return _MemoryTierExtension(tier)
+
+
+def _snapshot_extensions(manager: Any) -> list[Any]:
+    entries = getattr(manager, "_extensions", {})
+    return [e.extension for e in entries.values()
+            if getattr(getattr(e, "extension", None), SNAPSHOT_MARKER, False)]
+
+
+def _state_bytes(state: Any) -> int:
+    total = 0
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+class _MemoryTierExtension(extension.Extension):
+    """See :func:`memory_tier`."""
+
+    priority = extension.PRIORITY_SNAPSHOT + 1  # initialize (recovery) before the snapshot's
+    needs_model_state = True
+
+    def __init__(self, tier: MemoryTier) -> None:
+        self.tier = tier
+        self.trigger = (tier.every, "iteration")
+        self.restored: Restored | None = None
+        self._thread: threading.Thread | None = None
+        self._peer_error: BaseException | None = None
+        self._failed = False
+        self._started = False
+        self._owner_written = False
+        self._rank = 0
+        self._world = 1
+        self._groups: Any = None
+        self._job = ""
+        self._stride = 1
+        self._replicas = 0
+
+    # -- start ------------------------------------------------------------------------------
+    def initialize(self, manager: Any) -> None:  # type: ignore[override]
+        """Check the tmpfs, reclaim dead jobs' tiers, record this owner, and recover.
+
+        Raises:
+            MemoryTierTooSmallError: the tmpfs cannot hold the tier (size needed named).
+            ValueError: ``replicas`` is not less than the world size.
+            CollectiveTimeoutError: a rank did not take part in the agreement in time.
+        """
+        tier = self.tier
+        snapshots = _snapshot_extensions(manager)
+        if is_distributed():
+            self._groups = background_groups(tier.timeout_s)
+            self._rank, self._world = self._groups.rank, self._groups.world_size
+        if self._world > 1 and tier.replicas >= self._world:
+            raise ValueError(f"MemoryTier replicas must be less than the world size "
+                             f"({self._world}), got {tier.replicas}")
+        self._replicas = tier.replicas if self._world > 1 else 0
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        self._stride = tier.stride if tier.stride is not None else (
+            local if 0 < local < self._world else 1)
+        if self._replicas and any((self._stride * i) % self._world == 0
+                                  for i in range(1, self._replicas + 1)):
+            raise ValueError(f"MemoryTier stride {self._stride} makes a rank its own peer with "
+                             f"world size {self._world} and {self._replicas} replica(s)")
+        if any(hasattr(s, "_sharded_store_of") for s in snapshots):
+            raise ValueError("the memory tier does not work with SnapshotMode.SHARDED snapshots "
+                             "yet; use it with single-file or DISTRIBUTED snapshots")
+        template = str(getattr(snapshots[0], "filename", "")) if snapshots else ""
+        self._job = tier.job or job_id(str(manager.out), template)
+        reclaim_stale(tier.root, keep=self._job, stale_after_s=tier.stale_after_s)
+        state = canonical_tree(manager, manager.state_dict())
+        needed = int(_state_bytes(state) * (2 + self._replicas) * 1.05) + 2**20
+        check_space(tier.root, needed,
+                    held_bytes=tier_bytes(tier.root, self._job, self._rank))
+        previous_world = self._previous_world()
+        self._started = True
+        if any(getattr(s, "autoload", False) for s in snapshots):
+            self.restored = self._recover(manager, snapshots, previous_world)
+            if self.restored is not None:
+                setattr(manager, RESTORED_ATTRIBUTE, self.restored)
+
+    def _own_tier(self) -> None:
+        """Record this process as the owner of the rank's tier (at its first write: a run that
+        never writes to RAM, e.g. one started after its last iteration, creates no tier)."""
+        if not self._owner_written:
+            write_owner(self.tier.root, self._job, self._rank, world=self._world)
+            self._owner_written = True
+
+    def _previous_world(self) -> int | None:
+        for record in owners(tier_dir(self.tier.root, self._job)):
+            if record.get("rank") == self._rank:
+                world = record.get("world")
+                return int(world) if isinstance(world, int) else None
+        return None
+
+    def _storage_step(self, manager: Any, snapshots: list[Any]) -> int | None:
+        """The newest step listed on storage by this rank (names only: nothing opened)."""
+        newest: int | None = None
+        for snap in snapshots:
+            writer = getattr(snap, "writer", None) or manager.writer
+            storage_for = getattr(writer, "storage_for", None)
+            template = getattr(snap, "filename", None)
+            if not callable(storage_for) or not isinstance(template, str):
+                continue
+            try:
+                storage, directory = storage_for(manager.out)
+                store = SnapshotStore(storage, directory, template)
+                steps = [e.step for e in store.entries() if e.step is not None]
+                steps += [s for s in _directory_steps(store) if s is not None]
+            except Exception as e:  # an unreachable store: RAM can still be used
+                logger.warning("memory tier: could not list %s: %s", template, e)
+                continue
+            if steps:
+                newest = max(steps) if newest is None else max(newest, *steps)
+        return newest
+
+    def _inventory(self, previous_world: int | None) -> dict[str, Any]:
+        root, job, rank = self.tier.root, self._job, self._rank
+        if previous_world is not None and previous_world != self._world:
+            logger.warning("memory tier: held for world size %d, now %d; resuming from storage",
+                           previous_world, self._world)
+            return {"own": None, "held": {}}
+        own = MemoryStore(root, job, rank).newest_verified()
+        held: dict[int, tuple[int, str]] = {}
+        rank_dir = os.path.join(root, f"snapkeep-{job}", f"rank{rank}")
+        try:
+            subs = os.listdir(rank_dir)
+        except OSError:
+            subs = []
+        for sub in subs:
+            if sub.startswith("peer") and sub[4:].isdigit():
+                found = MemoryStore(root, job, rank, int(sub[4:])).newest_verified()
+                if found is not None:
+                    held[int(sub[4:])] = (found.step, found.checksum)
+        return {"own": None if own is None else (own.step, own.checksum), "held": held}
+
+    def _recover(self, manager: Any, snapshots: list[Any],
+                 previous_world: int | None) -> Restored | None:
+        control = None if self._groups is None else self._groups.control
+        what = "memory tier recovery"
+        mine = self._inventory(previous_world)
+        mine["storage"] = self._storage_step(manager, snapshots)
+        everyone = all_gather(control, mine, what=what, timeout_s=self.tier.timeout_s)
+        storage_steps = [i["storage"] for i in everyone if i["storage"] is not None]
+        storage_step = max(storage_steps) if storage_steps else None
+        excluded: set[tuple[int, int]] = set()  # (rank, holder) copies that failed in use
+        while True:
+            plan = _plan(everyone, self._world, self._stride, excluded, storage_step)
+            if plan is None:
+                logger.info("memory tier: no step complete in RAM on every rank at or after "
+                            "storage's (%s); resuming from storage", storage_step)
+                return None
+            step, sources = plan
+            data, error = self._fetch(step, sources, everyone, control)
+            failures = all_gather(control, None if error is None else error,
+                                  what=f"{what}: step {step}", timeout_s=self.tier.timeout_s)
+            failed = {r: m for r, m in enumerate(failures) if m is not None}
+            if not failed:
+                break
+            for r, message in failed.items():
+                logger.warning("memory tier: rank %d could not use its copy of step %d from "
+                               "%s: %s", r, step, _source_name(r, sources[r]), message)
+                excluded.add((r, sources[r]))
+        error_load: BaseException | None = None
+        try:
+            if data is None:  # the own copy, verified in the inventory: loaded mapped, no copy
+                own = MemoryStore(self.tier.root, self._job, self._rank)
+                state = load_file(own.storage, own.storage.join(
+                    own.directory, f"ram_iter_{step}"), map_location="cpu", weights_only=True)
+            else:
+                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            with into_existing_state(optimizers_in(manager)):  # in place where shapes match
+                manager.load_state_dict(live_tree(manager, state))
+        except Exception as e:  # every rank raises together below
+            error_load = e
+        exchange_outcomes(control, error_load, what=f"{what}: loading step {step}",
+                          timeout_s=self.tier.timeout_s)
+        source = _source_name(self._rank, sources[self._rank])
+        if data is not None:  # taken from a peer: the own copy is restored too (it was lost)
+            try:
+                self._own_tier()
+                digest = everyone[sources[self._rank]]["held"][self._rank][1]
+                MemoryStore(self.tier.root, self._job, self._rank).commit_bytes(step, data,
+                                                                                digest)
+            except Exception as e:  # best effort; the next RAM snapshot writes it anyway
+                logger.warning("memory tier: could not restore the own copy: %s", e)
+        logger.info("memory tier: rank %d resumed step %d from %s RAM (storage: %s)",
+                    self._rank, step, source, storage_step)
+        return Restored(step=step, source=source, storage_step=storage_step)
+
+    def _fetch(self, step: int, sources: list[int], everyone: list[dict[str, Any]],
+               control: Any) -> tuple[bytes | None, str | None]:
+        """This rank's bytes of ``step`` when they come from a peer (None for the own copy,
+        which is loaded from its file), sending the copies it holds to the ranks that take
+        theirs from it. Returns ``(data, error)``."""
+        rank = self._rank
+        data: bytes | None = None
+        error: str | None = None
+        for r, holder in enumerate(sources):
+            if holder == r:
+                continue
+            if rank == holder:
+                try:
+                    store = MemoryStore(self.tier.root, self._job, rank, r)
+                    held = store.newest_verified()
+                    payload = store.read(held) if held is not None and held.step == step \
+                        else b""
+                except SnapshotCorruptError:
+                    payload = b""
+                _send(payload, r, control)
+            elif rank == r:
+                received = _recv(holder, control)
+                digest = everyone[holder]["held"][r][1]
+                try:
+                    got = MemoryStore.digest(received)
+                    if got != digest:
+                        raise SnapshotCorruptError(
+                            f"peer copy from rank {holder}: checksum {got} differs from {digest}")
+                    data = received
+                except SnapshotCorruptError as e:
+                    error = str(e)
+        if sources[rank] == rank:  # verified by newest_verified() in the inventory
+            own = everyone[rank]["own"]
+            if own is None or own[0] != step or not os.path.exists(os.path.join(
+                    self.tier.root, f"snapkeep-{self._job}", f"rank{rank}", f"ram_iter_{step}")):
+                error = f"own RAM copy of step {step} is gone"
+        return data, error
+
+    # -- each trigger ------------------------------------------------------------------------
+    def __call__(self, manager: Any) -> None:
+        """Commit this rank's state to RAM, then start its peer copies in the background (after
+        waiting for the previous ones: one in flight)."""
+        step = int(manager.iteration)
+        self._own_tier()
+        buf = io.BytesIO()
+        torch.save(canonical_tree(manager, manager.state_dict()), buf)
+        data = buf.getvalue()
+        held = MemoryStore(self.tier.root, self._job, self._rank).commit_state(
+            step, data, _write)
+        self._wait_peers()
+        if self._replicas and self._groups is not None:
+            self._thread = threading.Thread(
+                target=self._copy_to_peers, args=(held, data), daemon=True,
+                name="snapkeep-memory-peers")
+            self._thread.start()
+
+    def _copy_to_peers(self, held: Held, data: bytes) -> None:
+        group = self._groups.peer
+        try:
+            for i in range(1, self._replicas + 1):
+                dst = (self._rank + self._stride * i) % self._world
+                src = (self._rank - self._stride * i) % self._world
+                header = torch.tensor([held.step, len(data)], dtype=torch.int64)
+                digest = torch.frombuffer(bytearray(held.checksum.encode().ljust(64)),
+                                          dtype=torch.uint8)
+                got_header = torch.empty(2, dtype=torch.int64)
+                got_digest = torch.empty(64, dtype=torch.uint8)
+                _pairwise(group, [header, digest], [got_header, got_digest], dst, src)
+                got = torch.empty(int(got_header[1]), dtype=torch.uint8)
+                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                _pairwise(group, [payload], [got], dst, src)
+                checksum = bytes(got_digest.tolist()).decode().strip()
+                MemoryStore(self.tier.root, self._job, self._rank, src).commit_bytes(
+                    int(got_header[0]), got.numpy().tobytes(), checksum)
+        except BaseException as e:  # never stops training; logged and kept for finalize
+            self._peer_error = e
+            logger.error("memory tier: peer copy of step %d failed: %s", held.step, e)
+
+    def _wait_peers(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(self.tier.timeout_s * 2)
+
+    def wait(self) -> None:
+        """Wait for the peer copies in flight (bounded by ``2 x timeout_s``)."""
+        self._wait_peers()
+
+    # -- end ---------------------------------------------------------------------------------
+    def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
+        """Keep the tier: the run did not finish."""
+        self._failed = True
+
+    def finalize(self, manager: Any) -> None:
+        """Wait for peer copies; remove this rank's tier when the run finished (the stop trigger
+        fired and no iteration raised)."""
+        self._wait_peers()
+        if not self._started or self._failed:
+            return
+        try:
+            finished = bool(manager.stop_trigger)
+        except Exception:  # a manager without a stop trigger: treat the run as unfinished
+            finished = False
+        if finished:
+            remove_rank(self.tier.root, self._job, self._rank)
+
+
+def _directory_steps(store: SnapshotStore) -> list[int | None]:
+    """Steps of the template's directories (sharded snapshots), from one listing."""
+    parsed = [store.template.parse(n) for n in store.storage.list_dirs(store.directory)]
+    return [int(k[0]) for k in parsed if k]
+
+
+def _source_name(rank: int, holder: int) -> str:
+    return "own" if holder == rank else f"peer{holder}"
+
+
+def _plan(everyone: list[dict[str, Any]], world: int, stride: int,
+          excluded: set[tuple[int, int]], storage_step: int | None,
+          ) -> tuple[int, list[int]] | None:
+    """The newest step every rank can take from RAM (at least ``storage_step``), and each
+    rank's source (itself or a holder rank); None when there is none."""
+    steps: set[int] = set()
+    for inv in everyone:
+        if inv["own"] is not None:
+            steps.add(inv["own"][0])
+        steps.update(s for s, _ in inv["held"].values())
+    for step in sorted(steps, reverse=True):
+        if storage_step is not None and step < storage_step:
+            return None
+        sources: list[int] = []
+        for r in range(world):
+            own = everyone[r]["own"]
+            if own is not None and own[0] == step and (r, r) not in excluded:
+                sources.append(r)
+                continue
+            holders = [h for h in _holder_order(r, world, stride)
+                       if everyone[h]["held"].get(r, (None,))[0] == step
+                       and (r, h) not in excluded]
+            if not holders:
+                break
+            sources.append(holders[0])
+        else:
+            return step, sources
+    return None
+
+
+def _holder_order(rank: int, world: int, stride: int) -> list[int]:
+    """The ranks that may hold ``rank``'s copy, nearest replica first, then any other."""
+    order = [(rank + stride * i) % world for i in range(1, world)]
+    seen: list[int] = []
+    for h in order + list(range(world)):
+        if h != rank and h not in seen:
+            seen.append(h)
+    return seen
+
+
+def _pairwise(group: Any, send: list[torch.Tensor], recv: list[torch.Tensor], dst: int,
+              src: int) -> None:
+    import torch.distributed as dist
+
+    ops = [dist.P2POp(dist.isend, t, dst, group) for t in send]
+    ops += [dist.P2POp(dist.irecv, t, src, group) for t in recv]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _send(payload: bytes, dst: int, group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst, group=group)
+    if payload:
+        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=group)
+
+
+def _recv(src: int, group: Any) -> bytes:
+    import torch.distributed as dist
+
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    if int(size[0]) == 0:
+        return b""
+    out = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.recv(out, src, group=group)
+    return out.numpy().tobytes()
+
+
+def _write(data: bytes, f: Any) -> None:
+    f.write(data)
+
+
+__all__ = ["MemoryTier", "RESTORED_ATTRIBUTE", "Restored", "memory_tier"]

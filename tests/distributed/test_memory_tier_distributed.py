@@ -1,0 +1,136 @@
+"""The memory tier's failure matrix with real gloo ranks: one training run is SIGKILLed after
+iteration 5 (RAM at step 4 with peer copies, storage at step 3); copies of what it left are
+damaged in one way each, and the ranks restart on each copy.
+
+- process lost (tiers intact): every rank resumes step 4 from its own RAM;
+- node lost (one rank's tmpfs wiped): that rank takes its copy from a peer's RAM; no storage
+  snapshot file is opened;
+- node lost and the peer copy corrupt: detected, the next source is used (another peer with 4
+  ranks, storage with 2);
+- two neighbours lost (4 ranks, 2 replicas): RAM still covers every rank;
+- storage lost: RAM resumes and persists step 4 to storage first;
+- every node lost: storage;
+- a rank missing at the agreement: the others raise CollectiveTimeoutError (no hang).
+
+Each resumed run trains to iteration 8 and must be bit-identical to an uninterrupted run; every
+finished run removes its tiers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed
+from memory_tier_worker import reference
+from ranks import finish, run, start
+
+WORKER = Path(__file__).with_name("memory_tier_worker.py")
+
+pytestmark = [pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="torch.distributed with gloo is not available")]
+
+
+def _killed_run(base: Path, world: int, replicas: int) -> None:
+    procs = start(WORKER, world, [str(base / "init"), str(base), "train", str(replicas)])
+    outputs = finish(procs, 180)
+    for proc, output in zip(procs, outputs):
+        assert proc.returncode == -signal.SIGKILL, output
+    (base / "init").unlink(missing_ok=True)
+
+
+def _corrupt_copy(base: Path, holder: int, source: int) -> None:
+    path = next((base / f"node{holder}" / "snapkeep-test" / f"rank{holder}" /
+                 f"peer{source}").glob("ram_iter_*"))
+    data = bytearray(path.read_bytes())
+    data[60] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _resume(killed: Path, tmp: Path, name: str, world: int, replicas: int,
+            damage: Any) -> list[dict[str, Any]]:
+    base = tmp / name
+    shutil.copytree(killed, base)
+    damage(base)
+    run(WORKER, world, [str(base / "init"), str(base), "resume", str(replicas)], timeout_s=180)
+    return [json.loads((base / f"report_rank{r}.json").read_text()) for r in range(world)]
+
+
+def _wipe(*nodes: int) -> Any:
+    def damage(base: Path) -> None:
+        for n in nodes:
+            shutil.rmtree(base / f"node{n}")
+    return damage
+
+
+def _check(reports: list[dict[str, Any]], *, start: int, sources: list[str | None],
+           storage_read: bool) -> None:
+    expected = reference()
+    assert [r["start"] for r in reports] == [start] * len(reports)
+    assert [r["source"] for r in reports] == sources
+    for r in reports:
+        assert r["weights"] == expected  # bit-identical to the uninterrupted run
+        assert r["tier_left"] == []  # a finished run removes its tier
+        if not storage_read:
+            assert r["storage_reads"] == []
+    if storage_read:
+        assert any(r["storage_reads"] for r in reports)
+
+
+@pytest.fixture(scope="module")
+def killed2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("killed2")
+    _killed_run(base, 2, 1)
+    return base
+
+
+@pytest.mark.parametrize(("name", "damage", "start", "sources", "storage_read"), [
+    ("process_lost", lambda b: None, 4, ["own", "own"], False),
+    ("node_lost", _wipe(1), 4, ["own", "peer0"], False),
+    ("node_lost_peer_copy_corrupt", lambda b: (_wipe(1)(b), _corrupt_copy(b, 0, 1)), 3,
+     [None, None], True),
+    ("storage_lost", lambda b: shutil.rmtree(b / "storage"), 4, ["own", "own"], False),
+    ("every_node_lost", _wipe(0, 1), 3, [None, None], True),
+])
+def test_two_ranks(killed2: Path, tmp_path: Path, name: str, damage: Any, start: int,
+                   sources: list[str | None], storage_read: bool) -> None:
+    reports = _resume(killed2, tmp_path, name, 2, 1, damage)
+    _check(reports, start=start, sources=sources, storage_read=storage_read)
+    if start == 4:  # the RAM step was written to storage before training went on
+        assert "snapshot_iter_4" in reports[0]["persisted"]
+
+
+@pytest.fixture(scope="module")
+def killed4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("killed4")
+    _killed_run(base, 4, 2)
+    return base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "damage", "sources"), [
+    ("node_lost", _wipe(1), ["own", "peer2", "own", "own"]),
+    ("node_lost_peer_copy_corrupt", lambda b: (_wipe(1)(b), _corrupt_copy(b, 2, 1)),
+     ["own", "peer3", "own", "own"]),
+    ("two_neighbours_lost", _wipe(1, 2), ["own", "peer3", "peer3", "own"]),
+])
+def test_four_ranks_resume_from_peers_ram_without_reading_storage(
+        killed4: Path, tmp_path: Path, name: str, damage: Any, sources: list[str]) -> None:
+    reports = _resume(killed4, tmp_path, name, 4, 2, damage)
+    _check(reports, start=4, sources=sources, storage_read=False)
+
+
+def test_a_rank_missing_at_the_agreement_is_an_error_not_a_hang(killed2: Path,
+                                                                 tmp_path: Path) -> None:
+    base = tmp_path / "missing"
+    shutil.copytree(killed2, base)
+    procs = start(WORKER, 2, [str(base / "init"), str(base), "missing", "1"])
+    finish(procs, 120)
+    report = json.loads((base / "report_rank0.json").read_text())
+    assert report["outcome"] == "CollectiveTimeoutError"
+    assert report["elapsed_s"] < 60 + 10  # the tier's timeout_s bounds it

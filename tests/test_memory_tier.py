@@ -1,0 +1,279 @@
+"""The memory tier in one process: RAM commits every K iterations into a tmpfs-like directory
+(tmp_path, never /dev/shm), a restart resumes from RAM without opening a storage snapshot and
+persists the newer RAM step to storage first, a corrupt RAM copy falls through to storage, a
+too-small filesystem is refused at start naming the size, a finished run removes its tier and a
+dead job's tier is reclaimed. The node-RAM store itself (:class:`MemoryStore`) is checked
+against the store contract's steps (kind, lock, sweep, entries, manifest, delete, retention)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from snapkeep import writing
+from snapkeep._core.memory_store import (
+    MemoryStore,
+    describe_tiers,
+    job_id,
+    reclaim_stale,
+    tier_dir,
+)
+from snapkeep._core.storage._temps import TEMP_MARKER, base36, temp_basename
+from snapkeep.errors import MemoryTierTooSmallError, SnapshotCorruptError
+from snapkeep.training import ExtensionsManager
+from snapkeep.training import extensions as ext
+
+TEMPLATE = "snapshot_iter_{.iteration}"
+
+
+def _manager(out: Path, root: Path, *, every: int = 2, storage_every: int = 3,
+             model: torch.nn.Module | None = None) -> tuple[ExtensionsManager, torch.nn.Module]:
+    manager, model, _ = _with_tier(out, root, every=every, storage_every=storage_every,
+                                   model=model)
+    return manager, model
+
+
+def _with_tier(out: Path, root: Path, *, every: int = 2, storage_every: int = 3,
+               model: torch.nn.Module | None = None) -> tuple[ExtensionsManager, torch.nn.Module,
+                                                               Any]:
+    torch.manual_seed(0)
+    model = model if model is not None else torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    manager = ExtensionsManager(model, optimizer, 1, iters_per_epoch=8, out_dir=str(out),
+                                writer=writing.SimpleWriter(out_dir=str(out)))
+    manager.extend(ext.snapshot(filename=TEMPLATE, autoload=True),
+                   trigger=(storage_every, "iteration"))
+    tier = ext.memory_tier(ext.MemoryTier(every=every, replicas=0, root=str(root)))
+    manager.extend(tier)
+    return manager, model, tier
+
+
+def _step(manager: ExtensionsManager, model: torch.nn.Module) -> None:
+    optimizer = manager.optimizers["main"]
+    g = torch.Generator().manual_seed(manager.iteration)
+    x = torch.randn(8, 4, generator=g)
+    with manager.run_iteration():
+        optimizer.zero_grad()
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+
+
+def _train(manager: ExtensionsManager, model: torch.nn.Module, until: int) -> None:
+    manager.start_extensions()
+    while manager.iteration < until:
+        _step(manager, model)
+
+
+class _StorageReads:
+    """Snapshot data files under ``out`` opened for reading (an audit hook on ``open``; hooks
+    cannot be removed, so it records only while ``active``). Manifests are not counted: the
+    persist-at-breakpoint write of the RAM step reads its own new manifest back (retention)."""
+
+    hooks: list[_StorageReads] = []
+
+    def __init__(self, out: Path) -> None:
+        self.out = str(out)
+        self.reads: list[str] = []
+        self.active = True
+        if not _StorageReads.hooks:
+            sys.addaudithook(_StorageReads._hook)
+        _StorageReads.hooks.append(self)
+
+    @staticmethod
+    def _hook(event: str, args: tuple[Any, ...]) -> None:
+        if event != "open":
+            return
+        path, mode, flags = args
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return
+        path = os.fsdecode(path)
+        writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (
+            mode is None and flags & (os.O_WRONLY | os.O_RDWR))
+        for recorder in _StorageReads.hooks:
+            if recorder.active and path.startswith(recorder.out) and not writes \
+                    and "snapshot_iter_" in path \
+                    and "/.snapkeep/" not in path:
+                recorder.reads.append(path)
+
+
+def test_configuration_errors_name_the_argument() -> None:
+    for kwargs, word in (({"every": 0}, "every"), ({"every": 2, "replicas": -1}, "replicas"),
+                         ({"every": 2, "stride": 0}, "stride"),
+                         ({"every": 2, "root": "s3://b/x"}, "root"),
+                         ({"every": 2, "timeout_s": 0}, "timeout_s"),
+                         ({"every": True}, "every")):
+        with pytest.raises(ValueError, match=word):
+            ext.MemoryTier(**kwargs)
+    with pytest.raises(TypeError, match="MemoryTier"):
+        ext.memory_tier(3)  # type: ignore[arg-type]
+
+
+def test_restart_resumes_from_ram_reads_no_storage_and_persists_first(tmp_path: Path) -> None:
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model = _manager(out, root)
+    _train(manager, model, 5)  # RAM at 2, 4; storage at 3; then the process "dies": no finalize
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    job = job_id(str(out), TEMPLATE)
+    assert [e.step for e in MemoryStore(str(root), job, 0).entries()] == [4]  # newest alone
+    assert sorted(os.listdir(out)) == [".snapkeep", "snapshot_iter_3"]
+
+    reads = _StorageReads(out)
+    resumed, model2, tier = _with_tier(out, root)
+    resumed.start_extensions()
+    reads.active = False
+    assert resumed.iteration == 4
+    assert reads.reads == []
+    assert tier.restored is not None and tier.restored.source == "own"
+    assert tier.restored.storage_step == 3
+    assert "snapshot_iter_4" in os.listdir(out)  # persisted at the breakpoint
+    # bit-identical to an uninterrupted run of the same steps
+    ref_manager, ref_model = _manager(tmp_path / "ref", tmp_path / "ref_shm")
+    _train(ref_manager, ref_model, 8)
+    ref_manager.finalize()
+    while resumed.iteration < 8:
+        _step(resumed, model2)
+    resumed.finalize()
+    for key, value in ref_model.state_dict().items():
+        assert torch.equal(model2.state_dict()[key], value), key
+    assert not torch.equal(expected["weight"], model2.state_dict()["weight"])
+    # a finished run removes its tier
+    assert not os.path.exists(tier_dir(str(root), job))
+    assert not os.path.exists(tier_dir(str(tmp_path / "ref_shm"),
+                                       job_id(str(tmp_path / "ref"), TEMPLATE)))
+
+
+def test_a_corrupt_ram_copy_falls_through_to_storage(tmp_path: Path) -> None:
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model = _manager(out, root)
+    _train(manager, model, 5)
+    store = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0)
+    path = store.entries()[-1].path
+    with open(path, "r+b") as f:
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed, _ = _manager(out, root)
+    resumed.start_extensions()
+    assert resumed.iteration == 3  # storage's newest, not the corrupt RAM step 4
+    resumed.finalize()
+
+
+def test_ram_older_than_storage_is_not_used(tmp_path: Path) -> None:
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model = _manager(out, root, every=4, storage_every=5)
+    _train(manager, model, 6)  # RAM at 4, storage at 5
+    resumed, _ = _manager(out, root, every=4, storage_every=5)
+    resumed.start_extensions()
+    assert resumed.iteration == 5
+    resumed.finalize()
+
+
+def test_a_too_small_filesystem_is_refused_at_start_naming_the_size(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    with torch.device("meta"):  # a state larger than the free space, allocating nothing
+        big = torch.nn.Linear(1, 1)
+        big.weight = torch.nn.Parameter(torch.empty(free // 4 + 1, 1))
+    manager, _ = _manager(tmp_path / "out", tmp_path / "shm", model=big)
+    with pytest.raises(MemoryTierTooSmallError, match=r"needs [0-9.]+ MiB") as info:
+        manager.start_extensions()
+    assert "--shm-size" in str(info.value)
+
+
+def test_a_dead_jobs_tier_is_reclaimed_and_a_live_one_kept(tmp_path: Path) -> None:
+    root = tmp_path / "shm"
+    old = time.time() - 7200
+    for job, pid in (("dead", 2**22 + 12345), ("live", os.getpid())):
+        directory = Path(tier_dir(str(root), job))
+        (directory / "rank0").mkdir(parents=True)
+        (directory / "owner-rank0.json").write_text(json.dumps(
+            {"pid": pid, "host": os.uname().nodename, "time": old, "rank": 0}))
+    recent = Path(tier_dir(str(root), "recent"))
+    recent.mkdir()
+    (recent / "owner-rank0.json").write_text(json.dumps(
+        {"pid": 2**22 + 12345, "host": os.uname().nodename, "time": time.time(), "rank": 0}))
+    removed = reclaim_stale(str(root), keep="mine", stale_after_s=3600)
+    assert removed == [tier_dir(str(root), "dead")]
+    assert sorted(os.listdir(root)) == ["snapkeep-live", "snapkeep-recent"]
+
+
+def test_snapkeep_ls_memory_shows_what_each_tier_holds(tmp_path: Path) -> None:
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model = _manager(out, root)
+    _train(manager, model, 5)
+    tiers = describe_tiers(str(root))
+    assert [(h["rank"], h["source"], h["step"]) for h in tiers[0]["held"]] == [(0, 0, 4)]
+    from click.testing import CliRunner
+
+    from snapkeep.cli import cli
+    result = CliRunner().invoke(cli, ["ls", "--memory", str(root)])
+    assert result.exit_code == 0, result.output
+    assert "ram_iter_4" in result.output and f"pid {os.getpid()}" in result.output
+
+
+# -- the store contract's steps, for the node-RAM kind ------------------------------------------
+
+
+def test_memory_store_follows_the_store_contract(tmp_path: Path) -> None:
+    store = MemoryStore(str(tmp_path), "job", 0)
+    store.check_kind()
+    lock = store.lock()
+    try:
+        second = subprocess.run(  # a second trainer (another process) is refused
+            [sys.executable, "-c", "import sys; from snapkeep._core.memory_store import "
+             "MemoryStore; from snapkeep.errors import StoreLockedError\n"
+             f"try: MemoryStore({str(tmp_path)!r}, 'job', 0).lock()\n"
+             "except StoreLockedError: sys.exit(3)"],
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), timeout=60)
+        assert second.returncode == 3
+    finally:
+        if lock is not None:
+            lock.release()
+    for step in (1, 2, 3):
+        held = store.commit_state(step, {"w": torch.full((3,), float(step))}, torch.save)
+    assert [e.step for e in store.entries()] == [3]  # retention: the newest step alone
+    assert store.manifest(store.entries()[-1]) is not None
+    assert store.newest_verified() == held
+    # a crashed writer's temp is swept; a foreign file is not
+    head, tail = temp_basename("ram_iter_4").rsplit(TEMP_MARKER, 1)
+    host, _, token = tail.split(".")  # a temp of a writer (this host) whose pid is gone
+    Path(store.directory, f"{head}{TEMP_MARKER}{host}.{base36(2**22 + 12345)}.{token}") \
+        .write_bytes(b"x")
+    Path(store.directory, "notes.txt").write_bytes(b"mine")
+    store.sweep()
+    assert sorted(os.listdir(store.directory)) == [".snapkeep", "notes.txt", "ram_iter_3"]
+    # corruption is SnapshotCorruptError; a peer copy damaged in transit is never committed
+    peer = MemoryStore(str(tmp_path), "job", 1, source=0)
+    data = Path(held.path).read_bytes()
+    damaged = data[:40] + bytes([data[40] ^ 0xFF]) + data[41:]
+    with pytest.raises(SnapshotCorruptError, match="checksum"):
+        peer.commit_bytes(3, damaged, held.checksum)
+    assert peer.entries() == []
+    assert peer.commit_bytes(3, data, held.checksum).checksum == held.checksum
+    Path(held.path).write_bytes(damaged)
+    assert store.newest_verified() is None
+    with pytest.raises(SnapshotCorruptError):
+        store.read(held)
+    assert store.delete(store.entries()[-1])
+    assert store.entries() == []
+
+
+def test_defaults_name_the_tier_by_job_under_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ext.MemoryTier(every=5).root == "/dev/shm"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    a, b = job_id("/runs/a", TEMPLATE), job_id("/runs/b", TEMPLATE)
+    assert a != b and a == job_id("/runs/a", TEMPLATE) and len(a) == 16
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: not a job id
+    assert job_id("/runs/a", TEMPLATE) == a
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
+    assert job_id("/runs/a", TEMPLATE) == "job_42"
+    assert tier_dir("/dev/shm", "job_42") == "/dev/shm/snapkeep-job_42"
