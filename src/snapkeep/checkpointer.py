@@ -349,7 +349,8 @@ class Checkpointer:
 
         Each value of ``state`` is saved by what it is: an object with ``state_dict()`` by its
         state dict (modules, optimizers, LR schedulers, ``GradScaler``, ``StatefulDataLoader``),
-        a ``torch.Generator`` by ``get_state()``, anything else (tensors, numbers, strings,
+        a plain ``torch.utils.data.DataLoader`` by its position (see :func:`stateful`; hooked
+        in place at the first ``save`` or ``load``), a ``torch.Generator`` by ``get_state()``, anything else (tensors, numbers, strings,
         containers of them) as is. With ``rng=True`` the global generators are saved too.
 
         Args:
@@ -373,8 +374,8 @@ class Checkpointer:
         Raises:
             SnapshotSaveError: an earlier background save failed (raised once, its cause
                 chained); this snapshot was not taken.
-            TypeError: ``state`` is not a mapping with str keys, or holds a DataLoader without
-                ``state_dict``.
+            TypeError: ``state`` is not a mapping with str keys, or holds a plain DataLoader
+                over an ``IterableDataset`` (or any plain DataLoader with ``sharded=True``).
             RuntimeError: the Checkpointer is closed.
         """
         self._require_open()
