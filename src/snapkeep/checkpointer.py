@@ -350,8 +350,9 @@ class Checkpointer:
         Each value of ``state`` is saved by what it is: an object with ``state_dict()`` by its
         state dict (modules, optimizers, LR schedulers, ``GradScaler``, ``StatefulDataLoader``),
         a plain ``torch.utils.data.DataLoader`` by its position (see :func:`stateful`; hooked
-        in place at the first ``save`` or ``load``), a ``torch.Generator`` by ``get_state()``, anything else (tensors, numbers, strings,
-        containers of them) as is. With ``rng=True`` the global generators are saved too.
+        in place at the first ``save`` or ``load``), a ``torch.Generator`` by ``get_state()``,
+        anything else (tensors, numbers, strings, containers of them) as is. With
+        ``rng=True`` the global generators are saved too.
 
         Args:
             step: the training step (int >= 0); it names the file and orders snapshots.
