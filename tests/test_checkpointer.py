@@ -212,16 +212,49 @@ def test_bad_arguments_are_named(tmp_path: Any) -> None:
         snapkeep.Checkpointer(tmp_path, keep=0)
     with pytest.raises(ValueError, match="every must be"):
         snapkeep.Checkpointer(tmp_path, every=0)
-    loader: Any = torch.utils.data.DataLoader(list(range(4)))  # type: ignore[arg-type]
+    class Stream(torch.utils.data.IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(4))
+
+    loader: Any = torch.utils.data.DataLoader(Stream())
     with snapkeep.Checkpointer(tmp_path) as ckpt:
-        with pytest.raises(TypeError, match="StatefulDataLoader"):
+        with pytest.raises(TypeError, match="IterableDataset.*StatefulDataLoader"):
             ckpt.save(1, {"data": loader})
-        with pytest.raises(TypeError, match="StatefulDataLoader"):
+        with pytest.raises(TypeError, match="IterableDataset.*StatefulDataLoader"):
             ckpt.load(into={"data": loader})
         with pytest.raises(ValueError, match="step must be an int >= 0"):
             ckpt.save(-1, {})
     with pytest.raises(RuntimeError, match="is closed"):
         ckpt.save(1, {})
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["global-rng", "generator"])
+def test_a_plain_dataloader_resumes_mid_epoch_with_the_next_batch(tmp_path: Any,
+                                                                  seeded: bool) -> None:
+    def make() -> Any:
+        generator = torch.Generator().manual_seed(7) if seeded else None
+        return torch.utils.data.DataLoader(list(range(40)), batch_size=4, shuffle=True,
+                                           generator=generator)
+
+    torch.manual_seed(3)
+    loader = make()
+    state = {"data": loader}
+    with snapkeep.Checkpointer(tmp_path, writer=snapkeep.writing.SimpleWriter()) as ckpt:
+        assert ckpt.load(into=state) is None  # hooks the loader before its first iter
+        seen = [b.tolist() for b in loader]  # epoch 1
+        it = iter(loader)  # epoch 2
+        seen += [next(it).tolist() for _ in range(3)]
+        ckpt.save(13, state)
+        rest = [b.tolist() for b in it] + [b.tolist() for b in loader]  # epoch 2 end, epoch 3
+        assert isinstance(loader, torch.utils.data.DataLoader)
+    assert len(seen) == 13 and sorted(sum(seen[:10], [])) == list(range(40))
+
+    torch.manual_seed(99)  # the snapshot's global RNG replaces it
+    again = make()
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.load(into={"data": again}) == 13
+        resumed = [b.tolist() for b in again] + [b.tolist() for b in again]
+    assert resumed == rest  # the 7 batches left of epoch 2, then the same epoch 3
 
 
 def test_synchronous_writer_and_exit_on_exception(tmp_path: Any, caplog: Any) -> None:

@@ -65,6 +65,7 @@ from snapkeep.store import (
     warn_user,
 )
 from snapkeep.training import RngState
+from snapkeep.training._data_position import LoaderPosition, loader_position
 from snapkeep.writing import ThreadWriter, Writer
 
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
@@ -131,26 +132,49 @@ def step_template(template: str) -> FilenameTemplate:
 def stateful(key: str, obj: Any) -> Any:
     """The one place that decides how a value of ``state`` is saved and loaded.
 
-    Returns ``obj`` when it has ``state_dict``/``load_state_dict`` (modules, optimizers, LR
-    schedulers, ``GradScaler``, torchdata's ``StatefulDataLoader``, your own objects), or
-    ``None`` for a value saved as is (``torch.Generator`` and plain values are handled by the
-    caller).
+    Returns an object with ``state_dict()``/``load_state_dict(state)`` to save and load
+    ``obj`` through: ``obj`` itself when it has them (modules, optimizers, LR schedulers,
+    ``GradScaler``, torchdata's ``StatefulDataLoader``, your own objects); for a plain
+    ``torch.utils.data.DataLoader``, its position (epoch order and batches received, kept by
+    hooking the loader in place, as ``extensions.snapshot(loaders=...)`` does: see
+    ``snapkeep.training._data_position``). ``None`` for a value saved as is
+    (``torch.Generator`` and plain values are handled by the caller).
 
     Raises:
-        TypeError: ``obj`` is a ``torch.utils.data.DataLoader`` without ``state_dict``: it keeps
-            no position, so a resumed run would see other batches. (Position capture for plain
-            DataLoaders plugs in here.)
+        TypeError: ``obj`` is a plain ``DataLoader`` over an ``IterableDataset`` (its position
+            cannot be skipped to without reading it).
     """
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict",
                                                                        None)):
         return obj
     if isinstance(obj, torch.utils.data.DataLoader):
-        raise TypeError(
-            f"state[{key!r}] is a torch DataLoader, which keeps no position (no state_dict): a "
-            "resumed run would not continue with the next batch. Use torchdata's "
-            "StatefulDataLoader (from torchdata.stateful_dataloader import StatefulDataLoader; "
-            "same arguments), or leave the loader out of state")
+        return _LoaderState(key, loader_position(key, obj))
     return None
+
+
+class _LoaderState:
+    """``state_dict``/``load_state_dict(state)`` of a plain DataLoader, through its position."""
+
+    def __init__(self, key: str, position: LoaderPosition) -> None:
+        self._key = key
+        self._position = position
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._position.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._position.load_state_dict(state, self._key)
+
+
+def _refuse_plain_loaders(objects: Mapping[str, Any]) -> None:
+    """Sharded snapshots keep no plain DataLoader position (yet)."""
+    for key, value in objects.items():
+        if isinstance(value, torch.utils.data.DataLoader) and not callable(
+                getattr(value, "state_dict", None)):
+            raise TypeError(
+                f"state[{key!r}] is a plain torch DataLoader: sharded snapshots keep the "
+                "position of torchdata's StatefulDataLoader only (from "
+                "torchdata.stateful_dataloader import StatefulDataLoader; same arguments)")
 
 
 def _start_iterators(objects: Mapping[str, Any]) -> None:
@@ -164,7 +188,8 @@ def _start_iterators(objects: Mapping[str, Any]) -> None:
     (dropout, augmentation). torchdata's ``StatefulDataLoader.state_dict()`` builds the iterator
     from the loaded position and keeps it for the loop's next ``iter(loader)``; calling it here,
     before the generators are restored, keeps the random streams exactly as uninterrupted.
-    (Plain-DataLoader support plugs in here and in :func:`stateful`.)
+    A plain ``DataLoader`` needs nothing here: its hooked ``iter`` sets the epoch's saved
+    generator states itself and puts the global generator back afterwards.
     """
     for obj in objects.values():
         state_dict = getattr(obj, "state_dict", None)
@@ -324,8 +349,10 @@ class Checkpointer:
 
         Each value of ``state`` is saved by what it is: an object with ``state_dict()`` by its
         state dict (modules, optimizers, LR schedulers, ``GradScaler``, ``StatefulDataLoader``),
-        a ``torch.Generator`` by ``get_state()``, anything else (tensors, numbers, strings,
-        containers of them) as is. With ``rng=True`` the global generators are saved too.
+        a plain ``torch.utils.data.DataLoader`` by its position (see :func:`stateful`; hooked
+        in place at the first ``save`` or ``load``), a ``torch.Generator`` by ``get_state()``,
+        anything else (tensors, numbers, strings, containers of them) as is. With
+        ``rng=True`` the global generators are saved too.
 
         Args:
             step: the training step (int >= 0); it names the file and orders snapshots.
@@ -348,8 +375,8 @@ class Checkpointer:
         Raises:
             SnapshotSaveError: an earlier background save failed (raised once, its cause
                 chained); this snapshot was not taken.
-            TypeError: ``state`` is not a mapping with str keys, or holds a DataLoader without
-                ``state_dict``.
+            TypeError: ``state`` is not a mapping with str keys, or holds a plain DataLoader
+                over an ``IterableDataset`` (or any plain DataLoader with ``sharded=True``).
             RuntimeError: the Checkpointer is closed.
         """
         self._require_open()
@@ -358,6 +385,7 @@ class Checkpointer:
             return None
         name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
         if self._sharded is not None:
+            _refuse_plain_loaders(_check_state(state))
             for key, value in _check_state(state).items():
                 stateful(key, value)
             sharded_handle = self._sharded.save(name, step, state, __version__)
@@ -379,8 +407,8 @@ class Checkpointer:
         for key, value in _check_state(state).items():
             if isinstance(value, torch.Generator):
                 saved[key] = value.get_state()
-            elif stateful(key, value) is not None:
-                saved[key] = value.state_dict()
+            elif (saver := stateful(key, value)) is not None:
+                saved[key] = saver.state_dict()
             else:
                 saved[key] = value
         payload: dict[str, Any] = {"format": FORMAT, "step": step, "state": saved}
@@ -447,8 +475,10 @@ class Checkpointer:
         """
         self._require_open()
         objects = _check_state(into)
+        if self._sharded is not None:
+            _refuse_plain_loaders(objects)
         for key, value in objects.items():
-            stateful(key, value)  # refuses a plain DataLoader before anything is read
+            stateful(key, value)  # hooks a plain DataLoader before its first iter
         self.wait()  # a snapshot still in flight is a candidate too
         entries = self._sharded.entries() if self._sharded is not None else self._store.entries()
         if step is not None:
@@ -515,8 +545,8 @@ class Checkpointer:
             for key, obj in objects.items():
                 if isinstance(obj, torch.Generator):
                     obj.set_state(saved[key])
-                elif stateful(key, obj) is not None:
-                    obj.load_state_dict(saved[key])
+                elif (loader := stateful(key, obj)) is not None:
+                    loader.load_state_dict(saved[key])
                 else:
                     into[key] = saved[key]
         _start_iterators(objects)  # before the generators are restored: see its docstring

@@ -1,7 +1,9 @@
 """The plain-loop page's snapkeep loop (docs/plain-loop.md, its first ```python block, run as
 written) killed with SIGKILL at random steps and rerun ends bit-identical to an uninterrupted run:
 model, optimizer, LR scheduler, GradScaler, data position and the global RNG (dropout) all
-continue exactly (issue 20's done-when)."""
+continue exactly (issue 20's done-when). The page's plain shuffled DataLoader on the global RNG
+with num_workers=0, and the same loop with ``generator=`` and num_workers=2 (only the trainer's
+pid is killed: its worker processes outlive it and must not hold the store lock)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,20 @@ PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "plain-loop.md"
 TOTAL_STEPS = 120
 SAVE_LINE = "            ckpt.save(step, state)  # every 10 steps; returns while it is written\n"
 BOUND_S = 120
+LOADER_LINE = "loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)\n"
+LOADERS = {
+    "global-rng-0-workers": LOADER_LINE,
+    "generator-2-workers": LOADER_LINE.replace(
+        "shuffle=True)", "shuffle=True, num_workers=2,\n"
+        "                                     generator=torch.Generator().manual_seed(5))"),
+}
 
 
-def _script() -> str:
+def _script(loader_line: str) -> str:
     block = python_blocks(PAGE.read_text())[0]
     assert "total_steps = 60\n" in block and SAVE_LINE in block  # the page's loop, as written
+    assert LOADER_LINE in block
+    block = block.replace(LOADER_LINE, loader_line)
     block = block.replace("total_steps = 60\n", f"total_steps = {TOTAL_STEPS}\n")
     # say each step on stdout, so the test can kill the loop right after a chosen step
     block = block.replace(SAVE_LINE, SAVE_LINE + "            print('step', step, flush=True)\n")
@@ -48,10 +59,13 @@ def _run_to_end(script: pathlib.Path, cwd: pathlib.Path) -> list[int]:
     return [int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("step ")]
 
 
-def _kill_after(script: pathlib.Path, cwd: pathlib.Path, step: int) -> None:
-    """Run the loop and SIGKILL it as soon as it reports ``step`` (or let it end first)."""
+def _kill_after(script: pathlib.Path, cwd: pathlib.Path, step: int, groups: list[int]) -> None:
+    """Run the loop in its own process group (appended to ``groups``) and SIGKILL its pid only
+    as soon as it reports ``step`` (or let it end first); worker processes live on."""
     proc = subprocess.Popen([sys.executable, str(script)], cwd=cwd, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    groups.append(proc.pid)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -88,10 +102,23 @@ def _assert_identical(a: Any, b: Any, where: str = "") -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(6 * BOUND_S)
+@pytest.mark.parametrize("loader", sorted(LOADERS))
 def test_docs_plain_loop_killed_at_random_steps_ends_bit_identical(
-        tmp_path: pathlib.Path) -> None:
+        tmp_path: pathlib.Path, loader: str) -> None:
     script = tmp_path / "loop.py"
-    script.write_text(_script())
+    script.write_text(_script(LOADERS[loader]))
+    groups: list[int] = []
+    try:
+        _killed_and_rerun(script, tmp_path, groups)
+    finally:
+        for group in groups:  # leftover worker processes of the killed loops
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _killed_and_rerun(script: pathlib.Path, tmp_path: pathlib.Path, groups: list[int]) -> None:
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     reference.mkdir()
     killed.mkdir()
@@ -101,7 +128,7 @@ def test_docs_plain_loop_killed_at_random_steps_ends_bit_identical(
     rng = random.Random(seed)
     kill_steps = sorted(rng.sample(range(12, TOTAL_STEPS), 2))  # after the first snapshot
     for step in kill_steps:
-        _kill_after(script, killed, step)
+        _kill_after(script, killed, step, groups)
     assert not (killed / "final.pt").exists(), f"seed {seed}: a kill came too late"
     steps = _run_to_end(script, killed)
     resumed_at = steps[0] - 1

@@ -165,3 +165,58 @@ def test_a_second_manager_of_the_same_process_takes_the_lock_over(tmp_path, capl
         proc.stdin.close()  # type: ignore[union-attr]
         proc.stdout.close()  # type: ignore[union-attr]
     second.finalize()
+
+
+FORKING_CHILD = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, sys.argv[2])
+    import torch
+    from integration_support import make_run, train
+    manager, _, model = make_run(sys.argv[1])
+    train(manager, model, 2)  # the lock is held from here on
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=1, num_workers=2,
+                                         persistent_workers=True)
+    it = iter(loader)
+    next(it)  # both workers forked and running
+    workers = [w.pid for w in it._workers]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a plain fork child that outlives the trainer (blocks until killed)
+        os.read(r, 1)
+        os._exit(0)
+    print("READY", manager.iteration, pid, *workers, flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_forked_children_of_a_sigkilled_trainer_do_not_hold_the_lock(tmp_path):
+    """kill -9 of only the trainer's pid: its DataLoader workers and an os.fork child live on
+    (in their own process group), yet a restart gets the lock at once."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen([sys.executable, "-c", FORKING_CHILD, str(tmp_path), here], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        fields = _line(proc).split()
+        assert fields[:2] == ["READY", "2"] and len(fields) == 5
+        children = [int(pid) for pid in fields[2:]]
+        proc.send_signal(signal.SIGKILL)  # the trainer only, not its group
+        proc.wait(timeout=WAIT_S)
+        for pid in children:
+            os.kill(pid, 0)  # still alive: they would hold an inherited lock descriptor
+        manager, _, model = make_run(tmp_path)
+        manager.start_extensions()  # no StoreLockedError naming the dead pid
+        assert manager.iteration == 2
+        assert_params(model, 2)
+        manager.finalize()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the leftover children
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=WAIT_S)
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.stdout.close()  # type: ignore[union-attr]

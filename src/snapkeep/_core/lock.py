@@ -10,6 +10,13 @@ What is locked: local filesystems (and network filesystems whose flock is cohere
 e.g. NFSv4, Lustre, GPFS with the right mount options). Object stores (``s3://``, ``gs://``,
 ``memory://``) and pfio-style objects have no lock: the store returns ``None`` and two trainers
 on one prefix are not detected there.
+
+Forked children never hold the lock: a ``fork`` child (DataLoader workers, ``multiprocessing``
+with the fork start method, ``os.fork``) shares the parent's open file description, so its copy
+of the descriptor would keep the flock alive after the trainer is killed, and a restart would be
+refused naming a dead pid. A handler registered with :func:`os.register_at_fork` closes the
+child's copies at once (closing a child's copy does not release the parent's flock); exec'd
+children never get the descriptor (``O_CLOEXEC``).
 """
 
 from __future__ import annotations
@@ -37,6 +44,28 @@ logger = logging.getLogger(__name__)
 # lock file (real path) -> the StoreLock of this process that holds it
 _HELD: dict[str, StoreLock] = {}
 _HELD_GUARD = threading.Lock()
+
+
+def _close_in_forked_child() -> None:
+    """``os.register_at_fork(after_in_child=...)``: drop this process's copies of held locks.
+
+    Runs in the single thread of a new fork child. The guard is replaced rather than taken: a
+    thread of the parent may have held it at the fork, and it would never be released here.
+    """
+    global _HELD_GUARD
+    _HELD_GUARD = threading.Lock()
+    for lock in list(_HELD.values()):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 def lock_file_name(template: str) -> str:

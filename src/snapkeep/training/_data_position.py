@@ -64,7 +64,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["LOADER_KINDS", "LoaderPosition", "check_loaders"]
+__all__ = ["LOADER_KINDS", "LoaderPosition", "check_loaders", "loader_position"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,11 +112,21 @@ def check_loaders(loaders: Mapping[str, Any] | None) -> dict[str, LoaderPosition
     for name, loader in loaders.items():
         if not isinstance(name, str):
             raise TypeError(f"loaders keys must be str names, got {name!r}")
-        positions[name] = _position_of(name, loader)
+        positions[name] = loader_position(name, loader)
     return positions
 
 
-def _position_of(name: str, loader: Any) -> LoaderPosition:
+def loader_position(name: str, loader: Any) -> LoaderPosition:
+    """Hook ``loader`` in place (module docstring) and return its position; a loader hooked
+    before (by a snapshot extension or a ``Checkpointer``) returns the position it has.
+
+    Hook a loader before its first ``iter(loader)``: an epoch started unhooked has no recorded
+    generator states, so it is saved as not started.
+
+    Raises:
+        TypeError: ``loader`` is not one of :data:`LOADER_KINDS` (``name`` names it in the
+            message), or a plain ``DataLoader`` over an ``IterableDataset``.
+    """
     existing = getattr(loader, _ATTR, None) if isinstance(loader, DataLoader) else None
     if existing is not None:
         return existing  # type: ignore[no-any-return]
