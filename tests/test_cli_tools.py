@@ -333,6 +333,39 @@ def test_prune_never_deletes_the_newest_valid_snapshot(run: Path) -> None:
     assert (run / "snapshot_iter_30").exists()
 
 
+def test_prune_and_verify_skip_a_misnamed_copy_as_autoload_does(tmp_path: Path) -> None:
+    """``cp snapshot_iter_20 snapshot_iter_90``: its manager state says iteration 20, so every
+    reader skips it (issue 17); prune protects the snapshot autoload resumes from, verify
+    names it."""
+    run = tmp_path / "run"
+    writer = writing.SimpleWriter(out_dir=str(run))
+    for step in (20, 40):  # a manager's state records the iteration it was saved at
+        writer(f"snapshot_iter_{step}", str(run), {**state(step), "_start_iteration": step},
+               step=step)
+    writer.finalize()
+    (run / "snapshot_iter_90").write_bytes((run / "snapshot_iter_20").read_bytes())
+    verify = as_json(invoke("verify", str(run), "--json"), "verify")
+    assert verify["newest_loadable"] == "snapshot_iter_40"
+    body = as_json(invoke("prune", str(run), "--keep-latest", "1", "--json"), "prune")
+    assert body["newest_valid"] == "snapshot_iter_40"
+    assert body["keep"] == ["snapshot_iter_40", "snapshot_iter_90"]
+
+
+def test_prune_keeps_an_unsafe_snapshot_autoload_stops_at(run: Path) -> None:
+    """Autoload refuses an unsafe snapshot and never falls back past it, so prune protects it
+    (not an older valid one autoload would never reach) and names no newest valid one."""
+    import datetime
+
+    torch.save({"when": datetime.date(2024, 1, 2)}, run / "snapshot_iter_50")
+    (run / "snapshot_iter_60").write_bytes(b"junk")
+    body = as_json(invoke("prune", str(run), "--keep-latest", "1", "--yes", "--json"), "prune")
+    assert body["newest_valid"] is None
+    assert body["keep"] == ["snapshot_iter_50", "snapshot_iter_60"]
+    assert (run / "snapshot_iter_50").exists()
+    verify = as_json(invoke("verify", str(run), "--json"), "verify")
+    assert verify["newest_loadable"] is None
+
+
 def test_prune_removes_orphan_manifests(run: Path) -> None:
     (run / "snapshot_iter_10").unlink()
     body = as_json(invoke("prune", str(run), "--keep-latest", "5", "--yes", "--json"), "prune")

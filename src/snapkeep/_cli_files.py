@@ -20,11 +20,17 @@ import dataclasses
 import os
 import re
 import stat
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
 
-from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError, UnsafeSnapshotError
+from snapkeep.errors import (
+    NoValidSnapshotError,
+    SnapshotCorruptError,
+    SnapshotStorageError,
+    UnsafeSnapshotError,
+)
 from snapkeep.store import (
     DECODE_ERRORS,
     MANIFEST_DIR,
@@ -36,6 +42,7 @@ from snapkeep.store import (
     load_file,
     manifest_path,
     misnamed_reason,
+    newest_valid,
     read_manifest,
     resolve_storage,
 )
@@ -192,6 +199,46 @@ def load_status(store: SnapshotStore, entry: Entry) -> Status:
         return Status(status="corrupt", detail=reason)
     return Status(status="unverified",
                   detail=f"{found.detail or 'no checksum manifest'}; loads completely")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoloadChoice:
+    """What autoload would do with a template's snapshots, as the CLI's statuses show it:
+    ``resume_from`` (None: none valid, or ``refused`` stopped the walk), ``refused`` (an unsafe
+    snapshot autoload refuses and never falls back past), ``checked`` (status of each entry
+    checked on the way, by name)."""
+
+    resume_from: Entry | None
+    refused: Entry | None
+    checked: dict[str, Status]
+
+
+def autoload_choice(entries: Sequence[Entry],
+                    status_of: Callable[[Entry], Status]) -> AutoloadChoice:
+    """The store's newest-valid-with-fallback (:func:`snapkeep.store.newest_valid`, as autoload
+    walks them) over ``entries`` (oldest first) with the CLI's ``status_of`` as the check:
+    ``'ok'``/``'unverified'`` is valid, ``'unsafe'`` stops the walk, anything else is skipped as
+    corrupt. Raises only what ``status_of`` raises (``SnapshotStorageError``)."""
+    checked: dict[str, Status] = {}
+    last: list[Entry] = []
+
+    def check(entry: Entry) -> Status:
+        found = checked[entry.name] = status_of(entry)
+        last[:] = [entry]
+        if found.status == "unsafe":
+            raise UnsafeSnapshotError(found.detail)
+        if found.status not in ("ok", "unverified"):
+            raise SnapshotCorruptError(found.detail)
+        return found
+
+    try:
+        chosen = newest_valid(entries, check, what="the CLI's listing")
+    except UnsafeSnapshotError:
+        return AutoloadChoice(resume_from=None, refused=last[0], checked=checked)
+    except NoValidSnapshotError:
+        chosen = None
+    return AutoloadChoice(resume_from=chosen[0] if chosen else None, refused=None,
+                          checked=checked)
 
 
 def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:

@@ -31,6 +31,7 @@ from snapkeep._cli_files import (
     CheckFailed,
     Status,
     StorageTrouble,
+    autoload_choice,
     checksum_status,
     file_checksum_status,
     load_status,
@@ -212,15 +213,12 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...],
 
 
 def resumable(results: list[tuple[Any, Status]]) -> list[str]:
-    """Names autoload could resume from, as the store's newest-valid-with-fallback walks them:
-    newest first, past corrupt ones, stopping at an unsafe one (autoload refuses it and never
-    falls back past it); the last name is the one it resumes from."""
-    for entry, found in reversed(results):
-        if found.status in ("ok", "unverified"):
-            return [entry.name]
-        if found.status == "unsafe":
-            return []
-    return []
+    """Names autoload could resume from (:func:`autoload_choice`, the store's
+    newest-valid-with-fallback): the one it resumes from, or none (none valid, or an unsafe
+    one stops it: autoload refuses it and never falls back past it)."""
+    status = {entry.name: found for entry, found in results}
+    chosen = autoload_choice([e for e, _ in results], lambda e: status[e.name]).resume_from
+    return [chosen.name] if chosen is not None else []
 
 
 # -- inspect -----------------------------------------------------------------------------------

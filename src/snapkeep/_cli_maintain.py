@@ -27,7 +27,7 @@ from snapkeep._cli_common import (
 from snapkeep._cli_files import (
     EXIT_FAILED,
     CheckFailed,
-    Status,
+    autoload_choice,
     delete_entry,
     file_checksum_status,
     file_kind,
@@ -72,20 +72,6 @@ def _policy(keep_latest: int | None, keep_every: int | None, keep_best: int | No
     return policies[0] if len(policies) == 1 else AnyOf(*policies)
 
 
-def _newest_valid(
-    store: SnapshotStore, entries: list[Entry],
-) -> tuple[Entry | None, dict[str, Status]]:
-    """The newest snapshot autoload would resume from (checked newest first), and the status
-    of every snapshot checked on the way."""
-    checked: dict[str, Status] = {}
-    for entry in reversed(entries):
-        found = load_status(store, entry)
-        checked[entry.name] = found
-        if found.status in ("ok", "unverified"):
-            return entry, checked
-    return None, checked
-
-
 @click.command(epilog=EXIT_CODES_EPILOG)
 @click.argument("directory", metavar="DIR")
 @click.option("--keep-latest", type=click.IntRange(min=1), metavar="N",
@@ -107,8 +93,9 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
     """Delete the snapshots of DIR that no policy keeps (a snapshot is kept when any policy
     keeps it), with their manifests. A dry run unless --yes is given.
 
-    The newest valid snapshot (the one autoload would resume from) is never deleted, nor is
-    the newest snapshot by step. Manifests whose snapshot is gone are deleted too.
+    The newest valid snapshot (the one autoload would resume from) is never deleted, nor an
+    unsafe one autoload stops at (it never falls back past it), nor the newest snapshot by
+    step. Manifests whose snapshot is gone are deleted too.
     """
     policy = _policy(keep_latest, keep_every, keep_best, metric, mode)
     with storage_errors(directory):
@@ -123,8 +110,9 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
             check_metrics(policy, infos)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="'--metric'") from e
-        newest, checked = _newest_valid(store, entries) if entries else (None, {})
-        protect = [newest.name] if newest is not None else []
+        choice = autoload_choice(entries, lambda e: load_status(store, e))
+        newest, checked = choice.resume_from, choice.checked
+        protect = [e.name for e in (newest, choice.refused) if e is not None]
         doomed = set(plan_deletions(policy, infos, protect=protect))
         orphans = store.orphan_manifests(entries)
         deleted: list[str] = []

@@ -10,21 +10,23 @@ import json
 import click
 
 from snapkeep._cli_common import storage_errors
-from snapkeep.store import run_status
+from snapkeep.store import run_is_alive, run_status
 
 EXIT_FINISHED = 0
 EXIT_PREEMPTED = 75
 """Exit code of ``snapkeep status`` for a preempted run: ``EX_TEMPFAIL`` of sysexits.h
 ("temporary failure, retry"): the job should run the same command again."""
 EXIT_NOT_DONE = 1
-"""Failed, died without a word (still ``running``), no status, or an unreadable one."""
+"""Failed, still running, died without a word (still ``running``), no status, or an unreadable
+one."""
 
 STATUS_EPILOG = """\b
 Exit codes:
   0   finished: the manager was finalized without error or preemption
   75  preempted: the preemption snapshot is committed; run the same
       command again (requeue) to resume
-  1   failed, or still 'running' after the job ended (killed, out of
+  1   failed, or 'running': still running (checked by pid on the host
+      that wrote the status) or died without a word (killed, out of
       memory, node lost), or no status file, or an invalid one
   2   usage error
   3   storage error: unreachable endpoint, credentials, permissions
@@ -47,15 +49,26 @@ def status(out_dir: str, as_json: bool) -> None:
                    "there)", err=True)
         raise click.exceptions.Exit(EXIT_NOT_DONE)
     when = datetime.datetime.fromtimestamp(found.time_unix_s, datetime.timezone.utc)
+    alive = run_is_alive(found) if found.state == "running" else None
     if as_json:
         click.echo(json.dumps({"schema": "snapkeep.status/1", "state": found.state,
                                "step": found.step,
                                "time_unix_s": found.time_unix_s, "reason": found.reason,
                                "snapshots": list(found.snapshots),
-                               "world_size": found.world_size}, sort_keys=True))
+                               "world_size": found.world_size, "pid": found.pid,
+                               "host": found.host, "alive": alive}, sort_keys=True))
     else:
-        text = {"running": "running, or died without recording an outcome (killed, out of "
-                           "memory, node lost)"}.get(found.state, found.state)
+        text = found.state
+        if found.state == "running":
+            where = f"pid {found.pid} on {found.host}" if found.pid else "no pid recorded"
+            if alive is True:
+                text = f"running ({where})"
+            elif alive is False:
+                text = (f"died (not running: {where} is gone) without recording an outcome "
+                        "(killed, out of memory, node lost)")
+            else:
+                text = (f"running, or died without recording an outcome (killed, out of memory, "
+                        f"node lost; {where}, cannot be checked from this host)")
         line = (f"{text} at step {found.step} ({when:%Y-%m-%dT%H:%M:%SZ}, "
                 f"{found.world_size} rank(s))")
         if found.reason:

@@ -40,6 +40,7 @@ from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.preflight import check_writable
 from snapkeep._core.run_status import RunStatus
+from snapkeep._core.run_status import is_alive as run_is_alive
 from snapkeep._core.run_status import read_status as read_run_status
 from snapkeep._core.run_status import write_status as write_run_status
 from snapkeep._core.storage import Storage, resolve_storage
@@ -75,7 +76,7 @@ __all__ = [
     "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
     "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus", "read_run_status",
     "write_run_status", "run_status", "lookalike_message", "SaveHandle", "StoreKind",
-    "newest_valid", "require_one_kind",
+    "newest_valid", "require_one_kind", "run_is_alive",
 ]
 
 

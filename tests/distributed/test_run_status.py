@@ -6,7 +6,9 @@ rerun finishes and ``snapkeep status`` exits 0. In-process: an error records ``f
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +22,7 @@ from ranks import rank_env
 
 from snapkeep import writing
 from snapkeep.cli import cli
-from snapkeep.store import run_status
+from snapkeep.store import resolve_storage, run_status, write_run_status
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
 
@@ -140,6 +142,12 @@ def test_a_run_killed_without_a_word_stays_running_and_status_says_not_done(tmp_
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ready.exists(), "the run never reached iteration 3"
+        host = socket.gethostname()
+        code, text = _status(out)  # the run is alive: said so, still not done
+        assert code == 1 and text.startswith(f"running (pid {proc.pid} on {host}) at step 0 ("), \
+            text
+        body = json.loads(_status(out, "--json")[1])
+        assert (body["pid"], body["host"], body["alive"]) == (proc.pid, host, True)
     finally:
         proc.kill()  # SIGKILL: nothing can record anything
         proc.wait()
@@ -147,5 +155,25 @@ def test_a_run_killed_without_a_word_stays_running_and_status_says_not_done(tmp_
     assert (recorded.state, recorded.step, recorded.world_size) == ("running", 0, 1)
     code, text = _status(out)
     assert code == 1 and text.startswith(
-        "running, or died without recording an outcome (killed, out of memory, node lost) at "
-        "step 0 ("), text
+        f"died (not running: pid {proc.pid} on {host} is gone) without recording an outcome "
+        "(killed, out of memory, node lost) at step 0 ("), text
+    assert json.loads(_status(out, "--json")[1])["alive"] is False
+
+
+def test_status_of_a_running_state_written_elsewhere_or_by_a_reused_pid(tmp_path):
+    """Liveness is checked only on the host that wrote the status, and a pid now used by
+    another process (this one, started later than the recorded start token) is not the run."""
+    out = tmp_path / "out"
+    storage, directory = resolve_storage(str(out))
+    write_run_status(storage, directory, state="running", step=7)  # written by this process
+    path = out / ".snapkeep" / "status.json"
+    raw = json.loads(path.read_text())
+    assert (raw["pid"], raw["host"]) == (os.getpid(), socket.gethostname())
+    assert _status(out)[1].startswith(f"running (pid {os.getpid()} on ")
+    path.write_text(json.dumps({**raw, "start_token": raw["start_token"] + "0"}))
+    code, text = _status(out)
+    assert code == 1 and text.startswith(f"died (not running: pid {os.getpid()} on "), text
+    path.write_text(json.dumps({**raw, "host": "another-node-of-the-job"}))
+    code, text = _status(out)
+    assert code == 1 and "cannot be checked from this host" in text, text
+    assert json.loads(_status(out, "--json")[1])["alive"] is None

@@ -122,3 +122,31 @@ def test_snapshot_on_error_commits_the_failing_iteration(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snapshot_iter_3.on-error"]
     # committed before on_error returned
     assert (tmp_path / "snapshot_iter_3.on-error" / MARKER).exists()
+
+
+def test_keep_best_with_a_metric_never_recorded_stops_the_run_before_deleting(tmp_path):
+    """As for single files (issue 17 item 4): the trainer gets the ValueError at the save whose
+    retention would delete a snapshot, before anything is written; nothing is deleted."""
+    from snapkeep import reporting
+    from snapkeep.retention import KeepBest
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = ExtensionsManager(model, optimizer, 1, iters_per_epoch=100, out_dir=str(tmp_path),
+                                writer=writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED,
+                                retention=KeepBest(1, "val/loss")), trigger=(1, "iteration"))
+    manager.start_extensions()
+    with manager.run_iteration(step_optimizers=["main"]):  # nothing to delete yet: saved
+        reporting.report({"loss": 0.5})
+        model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(ValueError) as info:
+        with manager.run_iteration(step_optimizers=["main"]):
+            reporting.report({"loss": 0.4})
+            model(torch.ones(2, 4)).sum().backward()
+    manager.finalize()
+    assert str(info.value).startswith(
+        "KeepBest metric 'val/loss' is recorded by none of the 2 snapshot manifest(s); the "
+        "metrics they record: 'loss'. Nothing was deleted.")
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snapshot_iter_1"]
+    assert (tmp_path / "snapshot_iter_1" / MARKER).is_file()

@@ -94,8 +94,8 @@ def test_checkpointer_without_close_keeps_its_last_snapshot(tmp_path: Any, write
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(out)) == [".snapkeep", "ckpt_1", "ckpt_2"]  # keep=2 ran at exit
     if writer == "sharded":  # a committed DCP directory: its marker is written last
-        assert sorted(os.listdir(out / "ckpt_2")) == [".metadata", ".snapkeep-commit.json",
-                                                      "__0_0.distcp"]
+        assert sorted(os.listdir(out / "ckpt_2")) == [  # the in-progress mark stays (store)
+            ".metadata", ".snapkeep-commit.json", ".snapkeep-in-progress", "__0_0.distcp"]
         assert "committed" in result.stderr
         return
     loaded = torch.load(out / "ckpt_2", weights_only=True)

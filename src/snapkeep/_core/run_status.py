@@ -5,8 +5,10 @@ any non-zero worker exit as a failure and exits 1), so ``extensions.preemption``
 outcome in ``<out_dir>/.snapkeep/status.json`` (rank 0, through the storage layer: one atomic
 write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. States:
 
-- ``running``: written when training starts; still there after the job ended means the run died
-  without a word (SIGKILL, out of memory, a node lost);
+- ``running``: written when training starts, with the writing process's ``pid``, ``host`` and
+  start token (``/proc/<pid>/stat``'s start time, so a reused pid is not taken for the run); still
+  there after the job ended means the run died without a word (SIGKILL, out of memory, a node
+  lost). On the same host :func:`is_alive` tells which (see there);
 - ``preempted``: written after the preemption snapshot is committed on every rank;
 - ``finished``: the manager was finalized without an error or a preemption;
 - ``failed``: the training loop raised (the exception's type and first line in ``reason``).
@@ -15,6 +17,8 @@ write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. St
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -33,7 +37,9 @@ FORMAT = 1
 class RunStatus:
     """One run's outcome. ``step`` is the manager's iteration when it was recorded;
     ``time_unix_s`` seconds since the epoch (UTC); ``snapshots`` the names committed for a
-    preemption; ``reason`` the signals or the error; ``world_size`` the number of ranks."""
+    preemption; ``reason`` the signals or the error; ``world_size`` the number of ranks;
+    ``pid``, ``host`` and ``start_token`` the writing process (0 and '' in files written before
+    they were recorded)."""
 
     state: str
     step: int
@@ -41,6 +47,9 @@ class RunStatus:
     reason: str = ""
     snapshots: tuple[str, ...] = ()
     world_size: int = 1
+    pid: int = 0
+    host: str = ""
+    start_token: str = ""
 
     def __post_init__(self) -> None:
         if self.state not in STATES:
@@ -67,7 +76,9 @@ class RunStatus:
             return cls(state=str(raw["state"]), step=int(raw["step"]),
                        time_unix_s=float(raw["time_unix_s"]), reason=str(raw.get("reason", "")),
                        snapshots=tuple(str(s) for s in raw.get("snapshots", ())),
-                       world_size=int(raw.get("world_size", 1)))
+                       world_size=int(raw.get("world_size", 1)), pid=int(raw.get("pid", 0)),
+                       host=str(raw.get("host", "")),
+                       start_token=str(raw.get("start_token", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"bad field: {e}") from None
 
@@ -84,8 +95,10 @@ def write_status(storage: Storage, directory: str, *, state: str, step: int, rea
     Raises:
         OSError: the status could not be written.
     """
+    pid = os.getpid()
     status = RunStatus(state=state, step=int(step), time_unix_s=float(clock()), reason=reason,
-                       snapshots=tuple(snapshots), world_size=world_size)
+                       snapshots=tuple(snapshots), world_size=world_size, pid=pid,
+                       host=socket.gethostname(), start_token=_start_token(pid) or "")
     storage.makedirs(storage.join(directory, MANIFEST_DIR))
     storage.write_bytes(status_path(storage, directory), status.to_bytes(), tag="status")
     return status
@@ -103,3 +116,42 @@ def read_status(storage: Storage, directory: str) -> RunStatus | None:
     except FileNotFoundError:
         return None
     return RunStatus.from_bytes(data)
+
+
+def is_alive(status: RunStatus) -> bool | None:
+    """Whether the process that wrote ``status`` still runs: checked only on the host that wrote
+    it (``socket.gethostname()``), by its pid (``os.kill(pid, 0)``) and, where ``/proc`` exists,
+    its start token (a pid reused by another process is not the run; a zombie has exited).
+    None when this cannot be told: another host (a multi-node job's rank 0 node), or no pid
+    recorded."""
+    if status.pid <= 0 or not status.host or status.host != socket.gethostname():
+        return None
+    try:
+        os.kill(status.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process with that pid: it exists
+    token = _start_token(status.pid, live_only=True)
+    if token is None and os.path.isdir("/proc"):
+        return False  # gone meanwhile, or a zombie
+    if status.start_token and token is not None and token != status.start_token:
+        return False  # the pid was reused
+    return True
+
+
+def _start_token(pid: int, *, live_only: bool = False) -> str | None:
+    """Boot id and start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat``
+    field 22); None where ``/proc`` is not there (macOS), the process is gone, or (with
+    ``live_only``) it is a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().decode(errors="replace").strip()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # the name in parentheses may hold spaces
+    if len(fields) <= 19 or live_only and fields[0] in ("Z", "X"):
+        return None
+    return f"{boot}:{fields[19]}"

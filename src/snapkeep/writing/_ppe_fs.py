@@ -16,6 +16,14 @@ guarantees where ppe's code path lets it:
   :class:`~snapkeep.SnapshotCorruptError` naming the file instead of handing ppe torn bytes (ppe
   picks one file, so there is no fallback to an older snapshot on this path: snapkeep's own
   snapshot extension falls back);
+* the misnamed check of every other reader (a manager state whose iteration differs from the one
+  its name gives: ``cp snapshot_iter_2 snapshot_iter_9``) is NOT made here, because this view
+  cannot: ppe keeps the template in its extension and calls ``fs.open(path)`` with a bare path,
+  so the view knows neither which field of the name is the iteration nor that the file is a
+  manager state; and the copy has no manifest of its own (``cp`` copies the file only), so it
+  is opened as a ppe-written file, unverified (logged). A copy made together with its manifest
+  is refused, as the manifest records the name it was saved under. Resume through
+  ``snapkeep.training.extensions.snapshot``, which knows its template and skips such a copy;
 * ``remove(path)`` deletes the snapshot's manifest with it, and an already-deleted file is not an
   error (two cleanup passes may race), so ppe's cleanup hook never fails.
 """

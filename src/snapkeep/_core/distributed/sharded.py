@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 import warnings
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from snapkeep._core import exit_drain
 from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
 from snapkeep._core.distributed.dcp_safe import (
     METADATA_NAME,
@@ -59,6 +61,7 @@ from snapkeep._core.distributed.sharded_store import (
     hash_file,
 )
 from snapkeep._core.distributed.staging import Stager
+from snapkeep._core.errors import SnapshotTimeoutError
 from snapkeep._core.manifest import now_unix_s
 from snapkeep._core.store import Entry
 
@@ -135,6 +138,10 @@ class ShardedSaver:
         groups: snapkeep's process groups (None: a single process, no collectives).
         retain: called on rank 0 on the commit thread after each commit with the new manifest
             (retention); its exceptions are logged, never fatal.
+
+    Every saver registers with the exit drain (:mod:`snapkeep._core.exit_drain`): a script that
+    ends without ``close()`` (``finalize()`` of the manager, ``close()`` of the Checkpointer) has
+    its snapshot in flight committed at interpreter exit, or named and the exit status 1.
     """
 
     def __init__(self, store: ShardedStore, groups: Groups | None,
@@ -147,9 +154,12 @@ class ShardedSaver:
         self._stager = Stager()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[ShardedManifest | None] | None = None
+        self._pending_path = ""
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
         self.last_stage_s = 0.0
+        exit_drain.register(self)  # committed at interpreter exit if still pending
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -193,6 +203,7 @@ class ShardedSaver:
                 max_workers=1, thread_name_prefix="snapkeep-sharded-commit")
         with self._lock:
             self._pending = self._executor.submit(self._commit, staged, staging_error, job)
+            self._pending_path = self.store.path_of(job.name)
             return ShardedHandle(staged=staged_future, committed=self._pending)
 
     def wait(self) -> None:
@@ -203,18 +214,56 @@ class ShardedSaver:
         if pending is not None:
             pending.result()
 
-    def close(self) -> None:
-        """Wait for the snapshot in flight (raising its error once), then stop the commit
-        thread. Idempotent."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for the snapshot in flight (raising its error once; at most ``timeout_s``
+        seconds, None: unbounded), then stop the commit thread. Idempotent.
+
+        Raises:
+            SnapshotTimeoutError: still not committed after ``timeout_s`` (the saver is closed
+                all the same; the commit thread is left to finish on its own).
+            Exception: the commit's error (once).
+        """
         if self._closed:
             return
+        with self._lock:
+            pending = self._pending
+        if pending is not None and timeout_s is not None:
+            concurrent.futures.wait([pending], timeout=timeout_s)
+            if not pending.done():
+                self._closed = True
+                exit_drain.discard(self)
+                if self._executor is not None:
+                    self._executor.shutdown(wait=False)
+                    self._executor = None
+                raise SnapshotTimeoutError(
+                    f"sharded snapshot {self._pending_path} not committed within {timeout_s} s")
         try:
             self.wait()
         finally:
             self._closed = True
+            exit_drain.discard(self)
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+
+    # -- what the exit drain asks (snapkeep._core.exit_drain.Drainable) ------------------------
+    @property
+    def pid(self) -> int:
+        """The process that created it (a forked child does not drain it)."""
+        return self._pid
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._closed
+
+    def pending_paths(self) -> list[str]:
+        """The snapshot in flight on this rank, or failed and not yet waited for, if any."""
+        with self._lock:
+            pending = self._pending
+        if pending is None or (pending.done() and pending.exception() is None):
+            return []
+        return [self._pending_path]
 
     # -- commit thread -----------------------------------------------------------------------------
     def _commit(self, staged: Any, staging_error: BaseException | None,

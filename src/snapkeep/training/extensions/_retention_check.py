@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 
 from snapkeep.retention import RetentionPolicy, SnapshotInfo, best_metrics, plan_deletions
-from snapkeep.store import SnapshotStore
+from snapkeep.store import StoreKind
 
 
 class MetricCheck:
@@ -30,11 +30,11 @@ class MetricCheck:
         self._saved: dict[str, SnapshotInfo] = {}  # this process's saves, maybe still in flight
 
     def before_save(
-        self, store: SnapshotStore, lineage: frozenset[str | None], name: str, step: int,
+        self, store: StoreKind, lineage: frozenset[str | None], name: str, step: int,
         metrics: Mapping[str, float],
     ) -> None:
         """Call in the trainer thread before saving snapshot ``name`` (iteration ``step``) with
-        ``metrics``.
+        ``metrics``; ``store`` is either kind (single files, or sharded directories on rank 0).
 
         Raises:
             ValueError: after this save, retention would delete a snapshot while a ``KeepBest``

@@ -1,7 +1,13 @@
 """Records how a run ended in its output directory (``.snapkeep/status.json``) for
 ``extensions.preemption``; see :mod:`snapkeep._core.run_status` for the file and its states.
 
-Only rank 0 writes (the states are agreed: a preemption is recorded after the outcome exchange).
+Only rank 0 writes (the states are agreed: a preemption is recorded after the outcome exchange),
+also when ``snapshot(saver_rank=k)`` writes the snapshots on another rank. Decided so because
+the status is the job's outcome, not a snapshot's: rank 0 is on the node where the job script
+runs (SLURM runs the batch script on the job's first node, where torchrun's node rank 0 is) and
+where ``snapkeep status`` can check the recorded pid of a ``running`` state; with the shared
+``out_dir`` that resuming on any rank needs anyway, it is the same file beside the snapshots.
+With node-local output directories, read the status on rank 0's node.
 The directory is the one of the manager's first snapshot extension with a snapkeep writer. A
 status that cannot be written is logged, never fatal: the snapshots are what matter.
 """

@@ -43,8 +43,8 @@ from snapkeep.distributed import (
     load_sharded,
     saved_keys,
 )
-from snapkeep.errors import SnapshotError, UnsafeSnapshotError
-from snapkeep.retention import RetentionPolicy
+from snapkeep.errors import RankFailedError, SnapshotError, UnsafeSnapshotError
+from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.store import ON_ERROR_SUFFIX, Entry
 from snapkeep.training.extensions._resume_notice import (
     INCOMPLETE_SHARDED,
@@ -225,6 +225,8 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
             name += ON_ERROR_SUFFIX
         job = ShardedJob(name=name, step=int(manager.iteration), run_id=self._run_id,
                          metrics=_metrics(manager), version=_version())
+        if not on_error:
+            self._check_metrics(job)
         if self._on_save_error == "log":
             try:  # an earlier failure (the same on every rank) is logged; this one is taken
                 saver.wait()
@@ -238,6 +240,37 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
                 raise
             logger.error("rank %d: sharded snapshot %s at iteration %s failed and "
                          "on_save_error='log': %s", self.rank, name, manager.iteration, e)
+
+    def _check_metrics(self, job: ShardedJob) -> None:
+        """The retention input check of single-file snapshots (:class:`MetricCheck`), before
+        anything is written: rank 0 (which runs retention) checks, every rank hears the outcome.
+
+        Collective while the policy has ``KeepBest`` metrics (the same on every rank).
+
+        Raises:
+            ValueError: (rank 0; :class:`~snapkeep.errors.RankFailedError` naming it on the
+                others) a ``KeepBest`` metric no manifest of this run records, once retention
+                would delete a snapshot.
+        """
+        if self._retention is None or not best_metrics(self._retention):
+            return
+        store = self._sharded_store
+        error: ValueError | None = None
+        if self.rank == 0 and store is not None:
+            try:
+                self._metric_check.before_save(store, self._lineage, job.name, job.step,
+                                               job.metrics)
+            except ValueError as e:  # exchanged: no rank starts the save
+                error = e
+        control = self._groups.control if self._groups else None
+        timeout_s = self._groups.timeout_s if self._groups else None
+        try:
+            _together(control, error, what=f"checking the retention policy before {job.name}",
+                      timeout_s=timeout_s)
+        except RankFailedError as e:
+            if error is not None:
+                raise error from e  # rank 0 keeps the ValueError
+            raise
 
     def wait(self) -> None:
         """Wait until the snapshot in flight is committed on every rank (raising its error)."""
