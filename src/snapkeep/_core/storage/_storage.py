@@ -31,6 +31,7 @@ from snapkeep._core.storage._paths import (
     local_name_max,
     truncate_utf8,
 )
+from snapkeep._core.storage._publish import publish_pair
 from snapkeep._core.storage._resolve import (
     DEFERRED_UPLOAD_PROTOCOLS,
     MIN_SPILL_BYTES,
@@ -375,6 +376,16 @@ class Storage:
             return self.strategy.write(self.fs, target, write_fn)
         finally:
             self.fs.invalidate_cache(path)
+
+    def publish_with_companion(
+        self, path: str, companion: str, write_fn: Callable[[BinaryIO], None],
+        companion_for: Callable[[WriteResult], bytes], *, tag: str = "w",
+        companion_max_bytes: int,
+    ) -> WriteResult:
+        """Publish a file and its companion (a snapshot and its manifest) as one unit: see
+        :func:`~._publish.publish_pair` for the order per storage, the arguments and errors."""
+        return publish_pair(self, path, companion, write_fn, companion_for, tag=tag,
+                            companion_max_bytes=companion_max_bytes)
 
     def write_bytes(self, path: str, data: bytes, *, tag: str = "w") -> WriteResult:
         """:meth:`write` for a small in-memory payload (manifests)."""
