@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -216,8 +215,7 @@ class ShardedStore:
             self.storage.remove(self.marker_path(path))
         except FileNotFoundError:
             return
-        if self.storage.is_local:
-            fsync_local_directory(path)
+        self.storage.sync_directory(path)
 
     # -- verification ----------------------------------------------------------------------------
     def verify_part(self, entry: Entry, rank: int, world_size: int) -> ShardedManifest:
@@ -341,17 +339,3 @@ class ShardedStore:
         :func:`~snapkeep._core.store_kinds.require_one_kind`)."""
         require_one_kind(self.storage, self._parent(), self._base, expected="directory")
 
-
-def fsync_local_directory(path: str) -> None:
-    """fsync a local directory (its entries become durable); where refused, logged and skipped."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        logger.warning("cannot open directory %s to fsync it: %s", path, e)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        logger.debug("fsync of directory %s not supported: %s", path, e)
-    finally:
-        os.close(fd)

@@ -22,7 +22,13 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from snapkeep._core.errors import SnapshotStorageError
-from snapkeep._core.storage._commit import CommitStrategy, Target, WriteResult, storage_error
+from snapkeep._core.storage._commit import (
+    CommitStrategy,
+    Target,
+    WriteResult,
+    fsync_directory,
+    storage_error,
+)
 from snapkeep._core.storage._local import makedirs_durably, open_regular
 from snapkeep._core.storage._paths import (
     DEFAULT_NAME_MAX,
@@ -258,6 +264,41 @@ class Storage:
             return []
         return sorted(posixpath.basename(str(e["name"]).rstrip("/")) for e in entries
                       if e.get("type") == "directory")
+
+    def list_entries(self, directory: str) -> list[dict[str, Any]]:
+        """fsspec's detailed entries (``name``, ``type``, ``size``, ``mtime``...) directly in
+        ``directory``, temp files included, from a fresh listing.
+
+        Raises:
+            FileNotFoundError: ``directory`` does not exist.
+            SnapshotStorageError: the store could not be reached.
+        """
+        return self._fresh_ls(directory)
+
+    def info(self, path: str) -> dict[str, Any]:
+        """fsspec's details of ``path`` (``type``: ``'file'`` or ``'directory'``, ``size`` in
+        bytes, modification time where the backend has one), fresh from the backend.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            SnapshotStorageError: the store could not be reached.
+        """
+        self.fs.invalidate_cache(path)
+        with self._backend_errors("checking", path):
+            return dict(self.fs.info(path))
+
+    def isdir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (on object stores: a key prefix), fresh."""
+        self.fs.invalidate_cache(path)
+        with self._backend_errors("checking", path):
+            return bool(self.fs.isdir(path))
+
+    def sync_directory(self, path: str) -> None:
+        """Make the entries of the directory ``path`` durable: ``fsync`` on the local
+        filesystem (logged and skipped where refused); nothing elsewhere (object stores have no
+        directories; each object is durable once its upload completed)."""
+        if self.is_local:
+            fsync_directory(path)
 
     def remove_tree(self, path: str) -> None:
         """Delete the directory ``path`` and everything in it (one snapshot directory); a
