@@ -242,28 +242,29 @@ class Storage:
         The listing always comes from the backend, never from fsspec's listing cache; uploads
         in progress (uncompleted multipart uploads, temp files) are never listed.
         """
+        return self.list_children(directory)[0]
+
+    def list_children(self, directory: str) -> tuple[list[str], list[str]]:
+        """``(files, directories)``: the basenames directly in ``directory`` from one fresh
+        listing, each sorted, as :meth:`list_names` and :meth:`list_dirs` give them (temp files
+        and special files excluded); ``([], [])`` if missing."""
         try:
             entries = self._fresh_ls(directory)
         except FileNotFoundError:
-            return []
-        names = []
+            return [], []
+        names, dirs = [], []
         for entry in entries:
-            if entry.get("type") in ("directory", "other"):  # FIFOs, sockets, devices
-                continue
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
-            if not is_temp_name(name):
+            if entry.get("type") == "directory":
+                dirs.append(name)
+            elif entry.get("type") != "other" and not is_temp_name(name):  # FIFOs, sockets
                 names.append(name)
-        return sorted(names)
+        return sorted(names), sorted(dirs)
 
     def list_dirs(self, directory: str) -> list[str]:
         """Basenames of the sub-directories directly in ``directory``; [] if missing (a fresh
         listing, as :meth:`list_names`)."""
-        try:
-            entries = self._fresh_ls(directory)
-        except FileNotFoundError:
-            return []
-        return sorted(posixpath.basename(str(e["name"]).rstrip("/")) for e in entries
-                      if e.get("type") == "directory")
+        return self.list_children(directory)[1]
 
     def list_entries(self, directory: str) -> list[dict[str, Any]]:
         """fsspec's detailed entries (``name``, ``type``, ``size``, ``mtime``...) directly in
