@@ -86,3 +86,51 @@ def test_a_violation_is_seen(tmp_path: pathlib.Path) -> None:
     path.write_text("import snapkeep\nfrom snapkeep._core.store import SnapshotStore\n"
                     "def f():\n    from snapkeep._core import saver\n")
     assert _imports(path) >= {"snapkeep", "snapkeep._core.store", "snapkeep._core"}
+
+
+#: Files outside ``_core/storage`` allowed to touch a filesystem object, with why. DCP's own
+#: StorageReader/StorageWriter subclasses: ``self.fs`` there is DCP's file-system abstraction
+#: inside DCP's reader, which snapkeep extends (its ``.metadata`` read through the allow-list).
+_PUBLISH_ALLOWED = {"_core/distributed/dcp_safe.py": {".fs.create_stream"}}
+
+
+def _publishing_calls(path: pathlib.Path) -> set[str]:
+    """``os.replace``/``os.rename``/``os.fsync``/``os.fdatasync`` calls and ``<x>.fs.<y>``
+    attribute uses in ``path`` (from the AST: docstrings and comments do not count)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        if (isinstance(node.value, ast.Name) and node.value.id == "os"
+                and node.attr in {"replace", "rename", "fsync", "fdatasync"}):
+            found.add(f"os.{node.attr}")
+        if isinstance(node.value, ast.Attribute) and node.value.attr == "fs":
+            found.add(f".fs.{node.attr}")
+    for node in ast.walk(tree):  # from os import replace, fsync
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            found.update(f"os.{a.name}" for a in node.names
+                         if a.name in {"replace", "rename", "fsync", "fdatasync"})
+    return found
+
+
+def test_only_storage_publishes() -> None:
+    """Issue 17: nothing above storage renames, fsyncs or calls fsspec; publishing is one step
+    of the storage layer (``Storage.publish_with_companion``)."""
+    offenders = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("_core/storage/"):
+            continue
+        calls = _publishing_calls(path) - _PUBLISH_ALLOWED.get(rel, set())
+        if calls:
+            offenders[rel] = sorted(calls)
+    assert offenders == {}
+
+
+def test_publishing_scan_sees_a_violation(tmp_path: pathlib.Path) -> None:
+    """The scan above is not blind: it reports each form it forbids."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom os import fsync\n\n\ndef f(storage, a, b):\n"
+                   "    os.replace(a, b)\n    storage.fs.info(a)\n")
+    assert _publishing_calls(bad) == {"os.replace", "os.fsync", ".fs.info"}

@@ -103,9 +103,8 @@ def file_kind(storage: Storage, path: str) -> str:
         if stat.S_ISREG(mode):
             return "file"
         return "directory" if stat.S_ISDIR(mode) else "special"
-    storage.fs.invalidate_cache(path)
     try:
-        info = storage.fs.info(path)
+        info = storage.info(path)
     except FileNotFoundError:
         return "missing"
     return "directory" if info.get("type") == "directory" else "file"

@@ -361,6 +361,18 @@ def test_at_most_one_listing_of_out_dir_per_snapshot_and_none_between(kind: str)
         assert total == 3, counts  # 3 snapshots (iterations 2, 4, 6): one listing each
         if kind == "file":  # committed synchronously: the listing is in its own iteration
             assert counts == [0, 1, 0, 1, 0, 1], counts
+        # a restart on those snapshots: the sharded store's start-up (kind check, uncommitted,
+        # sweep, autoload) lists out_dir once and keeps it until its next save
+        manager, model, _ = _manager(backend, kind, n_retains=2, trigger=(2, "iteration"))
+        CountingFileSystem.listings.clear()
+        manager.start_extensions()
+        assert manager.iteration == 6
+        if kind == "sharded":
+            assert CountingFileSystem.listings.get(run, 0) == 1
+        CountingFileSystem.listings.clear()
+        _train(manager, model, 8)
+        manager.finalize()
+        assert CountingFileSystem.listings.get(run, 0) == 1  # one more snapshot, one listing
     finally:
         storage, path = backend.storage()
         if storage.fs.exists(path):

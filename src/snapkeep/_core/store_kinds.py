@@ -135,18 +135,22 @@ def newest_valid(entries: Sequence[E], check: Callable[[E], R], *,
 
 
 def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
-                     expected: str) -> None:
+                     expected: str, listed: Sequence[str] | None = None) -> None:
     """Refuse to start when ``base`` (the template's last part) already names snapshots of the
     other kind in ``parent``: files when ``expected`` is ``'directory'`` (sharded), directories
     when it is ``'file'`` (a directory counts when it holds a marker, the in-progress mark or
-    DCP's ``.metadata``). One listing of ``parent``.
+    DCP's ``.metadata``). One listing of ``parent``, none when the caller gives what it
+    listed: ``listed``, the file names (``expected='directory'``) or directory names
+    (``expected='file'``) directly in ``parent``.
 
     Raises:
         ValueError: both kinds are present, naming one of each and how to fix it.
     """
     if expected not in ("file", "directory"):
         raise ValueError(f"expected must be 'file' or 'directory', got {expected!r}")
-    listed = storage.list_names(parent) if expected == "directory" else storage.list_dirs(parent)
+    if listed is None:
+        listed = storage.list_names(parent) if expected == "directory" \
+            else storage.list_dirs(parent)
     other = sorted((n for n in listed if base.parse(n) is not None),
                    key=lambda n: base.parse(n) or ())
     if expected == "file":  # a directory counts only when it is a sharded snapshot (or one begun)

@@ -121,7 +121,7 @@ class PpeFileSystem:
             FileNotFoundError: ``path`` does not exist.
         """
         storage, p = self._resolve(path)
-        info = storage.fs.info(p)
+        info = storage.info(p)
         return FileStat(filename=path, last_modified=_mtime(info), size=int(info.get("size") or 0))
 
     def open(self, path: str, mode: str = "rb", **kwargs: Any) -> IO[Any]:
@@ -159,7 +159,7 @@ class PpeFileSystem:
 
     def isdir(self, path: str) -> bool:
         storage, p = self._resolve(path)
-        return bool(storage.fs.isdir(p))
+        return storage.isdir(p)
 
     def makedirs(self, path: str, mode: int = 0o777, exist_ok: bool = False) -> None:
         """Create ``path`` and its parents (``mode`` is ignored; ``exist_ok`` as ``os``)."""
@@ -180,7 +180,7 @@ class PpeFileSystem:
 
 def _walk(storage: Storage, directory: str, prefix: str, recursive: bool) -> Iterator[str]:
     try:
-        entries = storage.fs.ls(directory or ".", detail=True, refresh=True)
+        entries = storage.list_entries(directory)
     except FileNotFoundError:
         return
     for entry in sorted(entries, key=lambda e: str(e["name"])):

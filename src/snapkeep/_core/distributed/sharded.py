@@ -57,7 +57,6 @@ from snapkeep._core.distributed.sharded_store import (
     FileRecord,
     ShardedManifest,
     ShardedStore,
-    fsync_local_directory,
     hash_file,
 )
 from snapkeep._core.distributed.staging import Stager
@@ -300,8 +299,7 @@ class ShardedSaver:
             for name in names:
                 digest, size = hash_file(store.storage, store.storage.join(path, name))
                 records[name] = FileRecord(size_bytes=size, checksum=digest, rank=self.rank)
-            if store.storage.is_local:
-                fsync_local_directory(path)
+            store.storage.sync_directory(path)
         except OSError as e:
             error = e
         outcomes = exchange_outcomes(group, error, what=f"{what}: checksumming",

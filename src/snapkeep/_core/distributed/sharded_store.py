@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -142,6 +141,8 @@ class ShardedStore:
                 "part; sharded snapshots must be listable (put the fields in the last part)")
         self._sub = sub
         self._base = FilenameTemplate(base)
+        self._holding = False
+        self._listed: tuple[list[str], list[str]] | None = None
 
     # -- names -----------------------------------------------------------------------------------
     def path_of(self, name: str) -> str:
@@ -154,10 +155,34 @@ class ShardedStore:
     def _parent(self) -> str:
         return self.storage.join(self.directory, self._sub) if self._sub else self.directory
 
+    # -- the listing ------------------------------------------------------------------------------
+    def hold_listing(self) -> None:
+        """Keep the next listing of the snapshot directory and answer from it (updated with this
+        store's own deletes) until this store starts a new save (:meth:`mark_in_progress`) or
+        :meth:`release_listing`: the start-up (kind check, uncommitted, sweep, autoload) then
+        lists out_dir once. Rank 0 only, whose store alone changes the directory there (the
+        lock); other ranks list fresh."""
+        self._holding = True
+
+    def release_listing(self) -> None:
+        """Forget the held listing; every later call lists afresh."""
+        self._holding = False
+        self._listed = None
+
+    def _children(self) -> tuple[list[str], list[str]]:
+        """``(files, directories)`` directly in the snapshot directory: one listing, or the
+        held one."""
+        if self._listed is not None:
+            return self._listed
+        listed = self.storage.list_children(self._parent())
+        if self._holding:
+            self._listed = listed
+        return listed
+
     def _candidates(self) -> list[Entry]:
         parent = self._parent()
         found = []
-        for name in self.storage.list_dirs(parent):
+        for name in self._children()[1]:
             if name.endswith(ON_ERROR_SUFFIX):
                 continue
             key = self._base.parse(name)
@@ -207,6 +232,7 @@ class ShardedStore:
     def mark_in_progress(self, path: str, *, tag: str) -> None:
         """Rank 0, before any shard is written: create ``path`` and mark it as snapkeep's own
         work in progress (durable), so that only snapkeep's own crashed saves are swept."""
+        self.release_listing()  # a save of its own: the directory changes from here on
         self.storage.makedirs(path)
         self.storage.write_bytes(self.storage.join(path, IN_PROGRESS_NAME), b"", tag=tag)
 
@@ -216,8 +242,7 @@ class ShardedStore:
             self.storage.remove(self.marker_path(path))
         except FileNotFoundError:
             return
-        if self.storage.is_local:
-            fsync_local_directory(path)
+        self.storage.sync_directory(path)
 
     # -- verification ----------------------------------------------------------------------------
     def verify_part(self, entry: Entry, rank: int, world_size: int) -> ShardedManifest:
@@ -284,6 +309,9 @@ class ShardedStore:
         except OSError as e:
             logger.warning("%s could not delete %s (step %s): %s", by, entry.path, entry.step, e)
             return False
+        if self._listed is not None and self.storage.dirname(entry.path) == self._parent():
+            gone = self.storage.basename(entry.path)
+            self._listed = (self._listed[0], [n for n in self._listed[1] if n != gone])
         logger.debug("%s deleted %s (step %s)", by, entry.path, entry.step)
         return True
 
@@ -339,19 +367,6 @@ class ShardedStore:
     def check_kind(self) -> None:
         """Refuse a template that already names single-file snapshots here (see
         :func:`~snapkeep._core.store_kinds.require_one_kind`)."""
-        require_one_kind(self.storage, self._parent(), self._base, expected="directory")
+        require_one_kind(self.storage, self._parent(), self._base, expected="directory",
+                         listed=self._children()[0])
 
-
-def fsync_local_directory(path: str) -> None:
-    """fsync a local directory (its entries become durable); where refused, logged and skipped."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        logger.warning("cannot open directory %s to fsync it: %s", path, e)
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        logger.debug("fsync of directory %s not supported: %s", path, e)
-    finally:
-        os.close(fd)

@@ -47,7 +47,7 @@ def set_publish_guard(guard: Callable[[], None] | None) -> None:
     _PUBLISH_GUARD = guard
 
 
-def _check_publish() -> None:
+def check_publish() -> None:
     guard = _PUBLISH_GUARD
     if guard is not None:
         guard()
@@ -245,7 +245,7 @@ class ReplaceCommit:
                 logger.debug("%s: %d bytes written (%s), %d of them in place (no copy)",
                              tmp, raw.size_bytes, "O_DIRECT" if raw.direct else "page cache",
                              raw.in_place_bytes)
-            _check_publish()
+            check_publish()
             os.replace(tmp, target.path)
         except BaseException as e:
             _unlink_quietly(tmp)
@@ -283,7 +283,7 @@ class RenameCommit:
                 _fsync_if_possible(f)
             finally:
                 f.close()
-            _check_publish()
+            check_publish()
             fs.replace(target.temp_path, target.path)
         except BaseException as e:
             _remove_quietly(fs, target.temp_path)

@@ -12,9 +12,9 @@ from snapkeep._core.storage._commit import (
     Target,
     WriteFn,
     WriteResult,
-    _check_publish,
     _raise_failure,
     _Sink,
+    check_publish,
 )
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class ObjectPutCommit:
             upload.discard()
             _raise_failure(e, sink.error, hashing.size_bytes, target, "uploading snapshot")
         try:
-            _check_publish()
+            check_publish()
             upload.commit()
         except BaseException as e:
             upload.discard()

@@ -22,7 +22,13 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from snapkeep._core.errors import SnapshotStorageError
-from snapkeep._core.storage._commit import CommitStrategy, Target, WriteResult, storage_error
+from snapkeep._core.storage._commit import (
+    CommitStrategy,
+    Target,
+    WriteResult,
+    fsync_directory,
+    storage_error,
+)
 from snapkeep._core.storage._local import makedirs_durably, open_regular
 from snapkeep._core.storage._paths import (
     DEFAULT_NAME_MAX,
@@ -31,6 +37,7 @@ from snapkeep._core.storage._paths import (
     local_name_max,
     truncate_utf8,
 )
+from snapkeep._core.storage._publish import publish_pair
 from snapkeep._core.storage._resolve import (
     DEFERRED_UPLOAD_PROTOCOLS,
     MIN_SPILL_BYTES,
@@ -235,28 +242,64 @@ class Storage:
         The listing always comes from the backend, never from fsspec's listing cache; uploads
         in progress (uncompleted multipart uploads, temp files) are never listed.
         """
+        return self.list_children(directory)[0]
+
+    def list_children(self, directory: str) -> tuple[list[str], list[str]]:
+        """``(files, directories)``: the basenames directly in ``directory`` from one fresh
+        listing, each sorted, as :meth:`list_names` and :meth:`list_dirs` give them (temp files
+        and special files excluded); ``([], [])`` if missing."""
         try:
             entries = self._fresh_ls(directory)
         except FileNotFoundError:
-            return []
-        names = []
+            return [], []
+        names, dirs = [], []
         for entry in entries:
-            if entry.get("type") in ("directory", "other"):  # FIFOs, sockets, devices
-                continue
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
-            if not is_temp_name(name):
+            if entry.get("type") == "directory":
+                dirs.append(name)
+            elif entry.get("type") != "other" and not is_temp_name(name):  # FIFOs, sockets
                 names.append(name)
-        return sorted(names)
+        return sorted(names), sorted(dirs)
 
     def list_dirs(self, directory: str) -> list[str]:
         """Basenames of the sub-directories directly in ``directory``; [] if missing (a fresh
         listing, as :meth:`list_names`)."""
-        try:
-            entries = self._fresh_ls(directory)
-        except FileNotFoundError:
-            return []
-        return sorted(posixpath.basename(str(e["name"]).rstrip("/")) for e in entries
-                      if e.get("type") == "directory")
+        return self.list_children(directory)[1]
+
+    def list_entries(self, directory: str) -> list[dict[str, Any]]:
+        """fsspec's detailed entries (``name``, ``type``, ``size``, ``mtime``...) directly in
+        ``directory``, temp files included, from a fresh listing.
+
+        Raises:
+            FileNotFoundError: ``directory`` does not exist.
+            SnapshotStorageError: the store could not be reached.
+        """
+        return self._fresh_ls(directory)
+
+    def info(self, path: str) -> dict[str, Any]:
+        """fsspec's details of ``path`` (``type``: ``'file'`` or ``'directory'``, ``size`` in
+        bytes, modification time where the backend has one), fresh from the backend.
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            SnapshotStorageError: the store could not be reached.
+        """
+        self.fs.invalidate_cache(path)
+        with self._backend_errors("checking", path):
+            return dict(self.fs.info(path))
+
+    def isdir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (on object stores: a key prefix), fresh."""
+        self.fs.invalidate_cache(path)
+        with self._backend_errors("checking", path):
+            return bool(self.fs.isdir(path))
+
+    def sync_directory(self, path: str) -> None:
+        """Make the entries of the directory ``path`` durable: ``fsync`` on the local
+        filesystem (logged and skipped where refused); nothing elsewhere (object stores have no
+        directories; each object is durable once its upload completed)."""
+        if self.is_local:
+            fsync_directory(path)
 
     def remove_tree(self, path: str) -> None:
         """Delete the directory ``path`` and everything in it (one snapshot directory); a
@@ -375,6 +418,16 @@ class Storage:
             return self.strategy.write(self.fs, target, write_fn)
         finally:
             self.fs.invalidate_cache(path)
+
+    def publish_with_companion(
+        self, path: str, companion: str, write_fn: Callable[[BinaryIO], None],
+        companion_for: Callable[[WriteResult], bytes], *, tag: str = "w",
+        companion_max_bytes: int,
+    ) -> WriteResult:
+        """Publish a file and its companion (a snapshot and its manifest) as one unit: see
+        :func:`~._publish.publish_pair` for the order per storage, the arguments and errors."""
+        return publish_pair(self, path, companion, write_fn, companion_for, tag=tag,
+                            companion_max_bytes=companion_max_bytes)
 
     def write_bytes(self, path: str, data: bytes, *, tag: str = "w") -> WriteResult:
         """:meth:`write` for a small in-memory payload (manifests)."""

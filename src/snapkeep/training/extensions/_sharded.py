@@ -191,6 +191,7 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         if self.rank == 0:  # the store's start-up, before anything runs (every rank hears)
             try:
                 store.storage.makedirs(store.directory)
+                store.hold_listing()  # the start-up lists out_dir once (the store keeps it)
                 store.check_kind()
                 if self._lock is None:
                     self._lock = store.lock()
