@@ -190,12 +190,10 @@ def write_owner(root: str, job: str, rank: int, *, world: int = 1) -> str:
     directory = tier_dir(root, job)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"owner-rank{rank}.json")
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-                   "rank": rank,
-                   "world": world}, f)
-    os.replace(tmp, path)
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
+                         "rank": rank, "world": world}).encode()
+    storage, _ = resolve_storage(directory)
+    storage.write_bytes(path, record, tag="owner")  # the storage layer's atomic commit
     return path
 
 
