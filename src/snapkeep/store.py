@@ -22,6 +22,7 @@ from snapkeep._core.manifest import (
 )
 from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.one_pass import one_pass_loader
 from snapkeep._core.preflight import check_writable
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.store import (
@@ -49,6 +50,6 @@ __all__ = [
     "DECODE_ERRORS", "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest",
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
-    "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
-    "misnamed_reason", "user_stacklevel", "warn_user",
+    "manifest_path", "one_pass_loader", "open_store", "read_manifest", "resolve_storage",
+    "check_writable", "misnamed_reason", "user_stacklevel", "warn_user",
 ]

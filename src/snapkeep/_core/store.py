@@ -177,6 +177,24 @@ class SnapshotStore(StoreRemoval):
                 warn_user(message, RuntimeWarning)
             return None
 
+    def expected(self, entry: Entry) -> Manifest | None:
+        """The entry's manifest (None if it has none), checked to name this file; the file's
+        bytes are not read.
+
+        Raises:
+            SnapshotCorruptError: the manifest records another file name (copied or renamed).
+        """
+        manifest = self.manifest(entry)
+        if manifest is None:
+            return None
+        name = self.storage.basename(entry.path)
+        if manifest.name != name:  # a file and its manifest copied or renamed by hand
+            raise SnapshotCorruptError(
+                f"{entry.path}: its manifest records the snapshot {manifest.name!r} (step "
+                f"{manifest.step}), not {name!r}: copied or renamed by hand? Rename it back, or "
+                "move both away")
+        return manifest
+
     def verify(self, entry: Entry, data: bytes | None = None) -> Manifest | None:
         """Check the entry against its manifest; return the manifest (None if it has none).
 
@@ -189,15 +207,9 @@ class SnapshotStore(StoreRemoval):
                 unreadable.
             SnapshotStorageError: the store could not be reached.
         """
-        manifest = self.manifest(entry)
+        manifest = self.expected(entry)
         if manifest is None:
             return None
-        name = self.storage.basename(entry.path)
-        if manifest.name != name:  # a file and its manifest copied or renamed by hand
-            raise SnapshotCorruptError(
-                f"{entry.path}: its manifest records the snapshot {manifest.name!r} (step "
-                f"{manifest.step}), not {name!r}: copied or renamed by hand? Rename it back, or "
-                "move both away")
         try:
             if data is not None:
                 digest, size = digest_stream(io.BytesIO(data))
@@ -217,6 +229,7 @@ class SnapshotStore(StoreRemoval):
     def load_newest(
         self, loader: Callable[[Entry, bytes | None], Any], *,
         candidates: list[Entry] | None = None,
+        one_pass: Callable[[Entry, Manifest | None], Any] | None = None,
     ) -> tuple[Entry, Any] | None:
         """Load the newest snapshot that verifies and loads; warn about each one skipped.
 
@@ -227,6 +240,11 @@ class SnapshotStore(StoreRemoval):
                 (any of :data:`DECODE_ERRORS` other than a refused unsafe load) marks the entry
                 invalid.
             candidates: entries to consider (default: :meth:`entries`).
+            one_pass: for local files, ``one_pass(entry, manifest) -> state`` replaces
+                :meth:`verify` + ``loader``: it verifies against ``manifest`` (from
+                :meth:`expected`; None when there is none) while it loads, and raises
+                ``SnapshotCorruptError`` on a mismatch, returning nothing of the file
+                (:mod:`snapkeep._core.one_pass`).
 
         Returns:
             ``(entry, state)``, or ``None`` when there are no snapshot files at all.
@@ -244,8 +262,12 @@ class SnapshotStore(StoreRemoval):
         for entry in reversed(entries):
             try:
                 data = None if self.storage.is_local else self.storage.read_bytes(entry.path)
-                manifest = self.verify(entry, data)
-                state = loader(entry, data)
+                if data is None and one_pass is not None:
+                    manifest = self.expected(entry)
+                    state = one_pass(entry, manifest)
+                else:
+                    manifest = self.verify(entry, data)
+                    state = loader(entry, data)
             except (UnsafeSnapshotError, SnapshotStorageError):
                 raise  # refused, or the store is unreachable: never fall back to an older one
             except DECODE_ERRORS as e:

@@ -36,6 +36,7 @@ from snapkeep.store import (
     check_writable,
     load_file,
     misnamed_reason,
+    one_pass_loader,
 )
 from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
@@ -325,15 +326,20 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             return None
         target = manager if self._target is None else self._target
 
-        def loader(entry: Entry, data: bytes | None) -> Any:
-            state = load_file(store.storage, entry.path, map_location=self._map_location,
-                              weights_only=self._weights_only, data=data)
+        def check(entry: Entry, state: Any) -> Any:
             reason = misnamed_reason(entry.name, entry.step, self._template.template, state)
             if reason is not None:  # skipped with a warning, as a corrupt file is
                 raise SnapshotCorruptError(reason)
             return state
 
-        found = store.load_newest(loader, candidates=candidates)
+        def loader(entry: Entry, data: bytes | None) -> Any:
+            return check(entry, load_file(store.storage, entry.path, data=data,
+                                          map_location=self._map_location,
+                                          weights_only=self._weights_only))
+
+        one_pass = one_pass_loader(store, loader, check, weights_only=self._weights_only,
+                                   map_location=self._map_location)  # verified while loaded
+        found = store.load_newest(loader, candidates=candidates, one_pass=one_pass)
         if found is None:
             return None
         entry, state = found
