@@ -191,7 +191,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if self._is_saver() and isinstance(self.writer, _SnapkeepWriter):  # no first-call penalty
             target = manager if self._target is None else self._target
             prefault_before_first_snapshot(self.writer._saver, lambda: self._state(manager),
-                                           optimizers_in(target))
+                                           optimizers_in(target),
+                                           after_first_step=loaded is not None)
         return loaded
 
     def _check_template(self, manager: Any) -> None:
