@@ -193,6 +193,71 @@ def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, 
     return {"time_s": elapsed, "first_step_s": step_s, "rss_before": before, "peak_rss": peak}
 
 
+#: First snapshot against later ones (``--first-snapshot``), each in a fresh process.
+FIRST_SNAPSHOT = ("first snapshot: extension after resume", "first snapshot: direct writer")
+SNAPSHOT_EVERY = 8  # iterations between the extension's snapshots
+N_SNAPSHOTS = 3
+
+
+class _TimedWriter:
+    """A ``ThreadWriter`` whose calls (the stall a snapshot puts on training) are timed."""
+
+    def __new__(cls, **kwargs: Any) -> Any:
+        from snapkeep.writing import ThreadWriter
+
+        class Timed(ThreadWriter):
+            stalls: list[float] = []
+
+            def __call__(self, *args: Any, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return super().__call__(*args, **kw)
+                finally:
+                    self.stalls.append(time.perf_counter() - t0)
+
+        return Timed(**kwargs)
+
+
+def first_snapshot_child(contender: str, path: str, state_gib: float) -> dict[str, Any]:
+    """Stall of each snapshot (seconds) after a restart: the extension resuming ``path`` and
+    snapshotting every :data:`SNAPSHOT_EVERY` iterations (overlap off: the stall is the whole
+    staging copy), or direct ``ThreadWriter`` calls on the built state."""
+    torch.set_num_threads(1)
+    model, optimizer = make_model(state_gib)
+    out = tempfile.mkdtemp(prefix="first-", dir=os.path.dirname(os.path.dirname(path)))
+    try:
+        writer = _TimedWriter(out_dir=out)
+        if contender == "first snapshot: direct writer":
+            for p in model.parameters():  # Adam's state exists, as in a trainer
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+            for i in range(N_SNAPSHOTS):
+                writer(f"direct_{i}", out, {"model": model.state_dict(),
+                                            "optimizer": optimizer.state_dict()})
+                writer.wait()
+        else:
+            # the saved snapshot, seen from a new out_dir (so the runs do not write into it)
+            os.symlink(path, os.path.join(out, os.path.basename(path)))
+            manifests = os.path.join(out, ".snapkeep")
+            os.makedirs(manifests)
+            name = os.path.basename(path) + ".json"
+            shutil.copy(os.path.join(os.path.dirname(path), ".snapkeep", name), manifests)
+            manager = ExtensionsManager({"main": model}, {"main": optimizer}, max_epochs=1,
+                                        iters_per_epoch=1000, writer=writer)
+            manager.extend(extensions.snapshot(autoload=True, overlap=False),
+                           trigger=(SNAPSHOT_EVERY, "iteration"))
+            manager.start_extensions()
+            while len(writer.stalls) < N_SNAPSHOTS:
+                with manager.run_iteration(step_optimizers=["main"]):
+                    for p in model.parameters():
+                        p.grad = torch.full_like(p, 1e-3)
+            manager.finalize()
+        writer.finalize()
+        return {"stalls_s": writer.stalls}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def run_child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
@@ -213,12 +278,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", choices=("both", "cold", "warm"), default="both")
     p.add_argument("--variants", action="store_true",
                    help="also time each way snapkeep could verify and load (VARIANTS)")
+    p.add_argument("--first-snapshot", action="store_true",
+                   help="also time the first snapshot after a restart against later ones")
     p.add_argument("--only", default=None,
                    help="comma-separated contenders to run (default: all)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child in FIRST_SNAPSHOT:
+        print(json.dumps(first_snapshot_child(args.child, args.path, args.state_gib)))
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.path, args.state_gib, args.cold)))
         return 0
@@ -234,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(c, cold) for cold in colds for c in names
                  if not (c == "read file" and not cold)]
         load_before = os.getloadavg()
+        if args.first_snapshot:
+            cases += [(c, False) for c in FIRST_SNAPSHOT]
         for rep in range(args.reps):
             order = cases if rep % 4 in (0, 3) else list(reversed(cases))  # ABBA
             for contender, cold in order:
@@ -243,11 +315,22 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out, ignore_errors=True)
     load_after = os.getloadavg()
     rows = []
-    med = {k: median([r["time_s"] for r in v]) for k, v in runs.items()}
+    med = {k: median([r["time_s"] for r in v]) for k, v in runs.items() if k[0] in CONTENDERS
+           or k[0] in VARIANTS}
 
     def ratio(t: float, key: tuple[str, bool]) -> float | None:
         return t / med[key] if key in med else None
 
+    first_rows = []
+    for contender in FIRST_SNAPSHOT:
+        results = runs.pop((contender, False), [])
+        if results:
+            firsts = [r["stalls_s"][0] for r in results]
+            laters = [median(r["stalls_s"][1:]) for r in results]
+            first_rows.append({"case": contender.split(": ")[1], "first_s": median(firsts),
+                               "later_s": median(laters),
+                               "ratio": median([f / lt for f, lt in zip(firsts, laters)]),
+                               "stalls_s": [r["stalls_s"] for r in results]})
     for (contender, cold), results in runs.items():
         t = med[(contender, cold)]
         steps = [r["first_step_s"] for r in results if r.get("first_step_s") is not None]
@@ -270,10 +353,17 @@ def main(argv: list[str] | None = None) -> int:
         ("x_mmap", "x mmap", ".2f"),
         ("x_read", "x read", ".2f"), ("peak_x", "peak RSS x state", ".2f"),
         ("extra_x", "RSS added x state", ".2f")]))
+    if first_rows:
+        print(f"\nfirst snapshot after a restart (ThreadWriter, {N_SNAPSHOTS} snapshots a run; "
+              "ratio = median over runs of first / median of the later ones)")
+        print(table(first_rows, [("case", "case", ""), ("first_s", "first stall s", ".3f"),
+                                 ("later_s", "later stall s", ".3f"),
+                                 ("ratio", "first / later", ".2f")]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"state_bytes": size, "reps": args.reps, "rows": rows,
                        "loadavg_before": load_before, "loadavg_after": load_after,
+                       "first_snapshot": first_rows,
                        "runs": {f"{c}|{'cold' if k else 'warm'}": v
                                 for (c, k), v in runs.items()}}, f, indent=1)
     return 0
