@@ -32,7 +32,11 @@ from _measure import GIB, median, table
 from snapkeep.training import ExtensionsManager, extensions
 from snapkeep.writing import SimpleWriter
 
-CONTENDERS = ("torch.load", "torch.load(mmap=True)", "snapkeep autoload", "read file")
+CONTENDERS = ("torch.load", "torch.load(mmap=True)", "DCP load", "snapkeep autoload",
+              "read file")
+#: How snapkeep could verify and load (``--variants``): the choice behind autoload's path.
+VARIANTS = ("one pass into new storages", "read+hash then mmap load",
+            "mmap+hash then mmap load")
 N_PARAMS = 8
 
 
@@ -58,7 +62,61 @@ def save(state_gib: float, out: str) -> str:
         for i, p in enumerate(model.parameters()):
             p.grad = torch.full_like(p, float(i + 1))
     manager.finalize()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "dcp"), no_dist=True)
     return os.path.join(out, "snapshot_iter_1")
+
+
+def dcp_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """DCP's documented resume: ``get_state_dict`` (which builds Adam's state), ``dcp.load``
+    into it, ``set_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=os.path.join(os.path.dirname(path), "dcp"), no_dist=True)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def variant_load(variant: str, manager: Any, path: str) -> None:
+    """One way to verify and load the snapshot into the built manager (``--variants``)."""
+    from snapkeep._core.checksum import digest_file, digest_stream, require_match
+    from snapkeep._core.loading import into_existing_state, load_file
+    from snapkeep._core.one_pass import load_verified
+    from snapkeep.store import open_store
+
+    store = open_store(os.path.dirname(path), "snapshot_iter_{.iteration}")
+    entry = store.entries()[-1]
+    manifest = store.expected(entry)
+    if variant == "one pass into new storages":
+        state = load_verified(path, checksum=manifest.checksum, size_bytes=manifest.size_bytes,
+                              algorithm=manifest.algorithm)
+    else:
+        if variant == "read+hash then mmap load":
+            with open(path, "rb", buffering=0) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                digest, size = digest_stream(f)
+        else:
+            digest, size = digest_file(path)
+        require_match(path, digest, size, recorded_checksum=manifest.checksum,
+                      recorded_size=manifest.size_bytes, algorithm=manifest.algorithm)
+        state = load_file(store.storage, path)
+    with into_existing_state(list(manager.optimizers.values())):
+        manager.load_state_dict(state)
+
+
+def make_resident(optimizer: torch.optim.Optimizer) -> None:
+    """Read one byte of every page of the optimizer's state ("ready to train": nothing of it
+    left on disk). Copy-on-write views of a mapped file stay shared with the page cache."""
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                value.reshape(-1).view(torch.uint8)[::4096].sum()
 
 
 def drop_cache(path: str) -> None:
@@ -97,13 +155,19 @@ def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, 
     before = _status_bytes("VmRSS")
     manager = manager_for(model, optimizer, os.path.dirname(path), autoload=True) \
         if contender == "snapkeep autoload" else None
+    if contender in VARIANTS:
+        manager = manager_for(model, optimizer, os.path.dirname(path), autoload=False)
     t0 = time.perf_counter()
-    if contender in ("torch.load", "torch.load(mmap=True)"):
+    if contender in VARIANTS:
+        variant_load(contender, manager, path)
+    elif contender == "DCP load":
+        dcp_load(model, optimizer, path)
+    elif contender in ("torch.load", "torch.load(mmap=True)"):
         state = torch.load(path, weights_only=True, mmap=contender != "torch.load")
         model.load_state_dict(state["models"]["main"])
         optimizer.load_state_dict(state["optimizers"]["main"])
         del state
-    elif manager is not None:  # snapkeep autoload: list, verify, map, load in place
+    elif manager is not None:  # snapkeep autoload: list, verify while loading, load in place
         manager.start_extensions()
         if manager.iteration != 1:
             raise RuntimeError(f"autoload did not resume (iteration {manager.iteration})")
@@ -111,13 +175,87 @@ def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, 
         _read_all(path)
     else:
         raise ValueError(f"unknown contender {contender!r}")
+    if contender != "read file":
+        make_resident(optimizer)
     elapsed = time.perf_counter() - t0
+    step_s = None
     if contender != "read file":  # the loaded values, not just the time
         first = next(iter(model.parameters()))
-        if float(first[0, 0]) == 0.0 or len(optimizer.state) != N_PARAMS:
+        if float(first[0, 0]) == 0.0 or len(optimizer.state) != N_PARAMS \
+                or float(optimizer.state[first]["exp_avg"][0, 0]) == 0.0:
             raise RuntimeError(f"{contender} did not load the state")
+        for p in model.parameters():  # the first step writes every optimizer page
+            p.grad = torch.zeros_like(p)
+        t1 = time.perf_counter()
+        optimizer.step()
+        step_s = time.perf_counter() - t1
     peak = _status_bytes("VmHWM")
-    return {"time_s": elapsed, "rss_before": before, "peak_rss": peak}
+    return {"time_s": elapsed, "first_step_s": step_s, "rss_before": before, "peak_rss": peak}
+
+
+#: First snapshot against later ones (``--first-snapshot``), each in a fresh process.
+FIRST_SNAPSHOT = ("first snapshot: extension after resume", "first snapshot: direct writer")
+SNAPSHOT_EVERY = 8  # iterations between the extension's snapshots
+N_SNAPSHOTS = 3
+
+
+class _TimedWriter:
+    """A ``ThreadWriter`` whose calls (the stall a snapshot puts on training) are timed."""
+
+    def __new__(cls, **kwargs: Any) -> Any:
+        from snapkeep.writing import ThreadWriter
+
+        class Timed(ThreadWriter):
+            stalls: list[float] = []
+
+            def __call__(self, *args: Any, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return super().__call__(*args, **kw)
+                finally:
+                    self.stalls.append(time.perf_counter() - t0)
+
+        return Timed(**kwargs)
+
+
+def first_snapshot_child(contender: str, path: str, state_gib: float) -> dict[str, Any]:
+    """Stall of each snapshot (seconds) after a restart: the extension resuming ``path`` and
+    snapshotting every :data:`SNAPSHOT_EVERY` iterations (overlap off: the stall is the whole
+    staging copy), or direct ``ThreadWriter`` calls on the built state."""
+    torch.set_num_threads(1)
+    model, optimizer = make_model(state_gib)
+    out = tempfile.mkdtemp(prefix="first-", dir=os.path.dirname(os.path.dirname(path)))
+    try:
+        writer = _TimedWriter(out_dir=out)
+        if contender == "first snapshot: direct writer":
+            for p in model.parameters():  # Adam's state exists, as in a trainer
+                p.grad = torch.ones_like(p)
+            optimizer.step()
+            for i in range(N_SNAPSHOTS):
+                writer(f"direct_{i}", out, {"model": model.state_dict(),
+                                            "optimizer": optimizer.state_dict()})
+                writer.wait()
+        else:
+            # the saved snapshot, seen from a new out_dir (so the runs do not write into it)
+            os.symlink(path, os.path.join(out, os.path.basename(path)))
+            manifests = os.path.join(out, ".snapkeep")
+            os.makedirs(manifests)
+            name = os.path.basename(path) + ".json"
+            shutil.copy(os.path.join(os.path.dirname(path), ".snapkeep", name), manifests)
+            manager = ExtensionsManager({"main": model}, {"main": optimizer}, max_epochs=1,
+                                        iters_per_epoch=1000, writer=writer)
+            manager.extend(extensions.snapshot(autoload=True, overlap=False),
+                           trigger=(SNAPSHOT_EVERY, "iteration"))
+            manager.start_extensions()
+            while len(writer.stalls) < N_SNAPSHOTS:
+                with manager.run_iteration(step_optimizers=["main"]):
+                    for p in model.parameters():
+                        p.grad = torch.full_like(p, 1e-3)
+            manager.finalize()
+        writer.finalize()
+        return {"stalls_s": writer.stalls}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def run_child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, Any]:
@@ -137,10 +275,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2, help="runs per contender and cache state")
     p.add_argument("--dir", default=None, help="where to save (default: a temp dir on disk)")
     p.add_argument("--json", default=None)
+    p.add_argument("--cache", choices=("both", "cold", "warm"), default="both")
+    p.add_argument("--variants", action="store_true",
+                   help="also time each way snapkeep could verify and load (VARIANTS)")
+    p.add_argument("--first-snapshot", action="store_true",
+                   help="also time the first snapshot after a restart against later ones")
+    p.add_argument("--only", default=None,
+                   help="comma-separated contenders to run (default: all)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--cold", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child in FIRST_SNAPSHOT:
+        print(json.dumps(first_snapshot_child(args.child, args.path, args.state_gib)))
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.path, args.state_gib, args.cold)))
         return 0
@@ -149,8 +297,15 @@ def main(argv: list[str] | None = None) -> int:
         path = save(args.state_gib, out)
         size = os.path.getsize(path)
         runs: dict[tuple[str, bool], list[dict[str, Any]]] = {}
-        cases = [(c, cold) for cold in (False, True) for c in CONTENDERS
+        names = list(CONTENDERS) + (list(VARIANTS) if args.variants else [])
+        if args.only:
+            names = [n for n in names if n in args.only.split(",")]
+        colds = {"both": (False, True), "cold": (True,), "warm": (False,)}[args.cache]
+        cases = [(c, cold) for cold in colds for c in names
                  if not (c == "read file" and not cold)]
+        load_before = os.getloadavg()
+        if args.first_snapshot:
+            cases += [(c, False) for c in FIRST_SNAPSHOT]
         for rep in range(args.reps):
             order = cases if rep % 4 in (0, 3) else list(reversed(cases))  # ABBA
             for contender, cold in order:
@@ -158,27 +313,57 @@ def main(argv: list[str] | None = None) -> int:
                     run_child(contender, path, args.state_gib, cold))
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    load_after = os.getloadavg()
     rows = []
-    med = {k: median([r["time_s"] for r in v]) for k, v in runs.items()}
+    med = {k: median([r["time_s"] for r in v]) for k, v in runs.items() if k[0] in CONTENDERS
+           or k[0] in VARIANTS}
+
+    def ratio(t: float, key: tuple[str, bool]) -> float | None:
+        return t / med[key] if key in med else None
+
+    first_rows = []
+    for contender in FIRST_SNAPSHOT:
+        results = runs.pop((contender, False), [])
+        if results:
+            firsts = [r["stalls_s"][0] for r in results]
+            laters = [median(r["stalls_s"][1:]) for r in results]
+            first_rows.append({"case": contender.split(": ")[1], "first_s": median(firsts),
+                               "later_s": median(laters),
+                               "ratio": median([f / lt for f, lt in zip(firsts, laters)]),
+                               "stalls_s": [r["stalls_s"] for r in results]})
     for (contender, cold), results in runs.items():
         t = med[(contender, cold)]
+        steps = [r["first_step_s"] for r in results if r.get("first_step_s") is not None]
         rows.append({
             "contender": contender, "cache": "cold" if cold else "warm", "time_s": t,
-            "x_torch_load": t / med[("torch.load", cold)],
-            "x_mmap": t / med[("torch.load(mmap=True)", cold)],
-            "x_read": t / med[("read file", True)] if cold else None,
+            "first_step_s": median(steps) if steps else None,
+            "x_torch_load": ratio(t, ("torch.load", cold)),
+            "x_dcp": ratio(t, ("DCP load", cold)),
+            "x_mmap": ratio(t, ("torch.load(mmap=True)", cold)),
+            "x_read": ratio(t, ("read file", True)) if cold else None,
             "peak_x": median([r["peak_rss"] for r in results]) / size,
             "extra_x": median([r["peak_rss"] - r["rss_before"] for r in results]) / size,
         })
-    print(f"state file {size / GIB:.3f} GiB, {args.reps} runs each (ABBA), medians")
+    print(f"state file {size / GIB:.3f} GiB, {args.reps} runs each (ABBA), medians; load "
+          f"average before {load_before[0]:.1f}, after {load_after[0]:.1f}")
     print(table(rows, [
         ("contender", "contender", ""), ("cache", "cache", ""), ("time_s", "resume s", ".3f"),
-        ("x_torch_load", "x torch.load", ".2f"), ("x_mmap", "x mmap", ".2f"),
+        ("first_step_s", "first step s", ".3f"),
+        ("x_torch_load", "x torch.load", ".2f"), ("x_dcp", "x DCP", ".2f"),
+        ("x_mmap", "x mmap", ".2f"),
         ("x_read", "x read", ".2f"), ("peak_x", "peak RSS x state", ".2f"),
         ("extra_x", "RSS added x state", ".2f")]))
+    if first_rows:
+        print(f"\nfirst snapshot after a restart (ThreadWriter, {N_SNAPSHOTS} snapshots a run; "
+              "ratio = median over runs of first / median of the later ones)")
+        print(table(first_rows, [("case", "case", ""), ("first_s", "first stall s", ".3f"),
+                                 ("later_s", "later stall s", ".3f"),
+                                 ("ratio", "first / later", ".2f")]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"state_bytes": size, "reps": args.reps, "rows": rows,
+                       "loadavg_before": load_before, "loadavg_after": load_after,
+                       "first_snapshot": first_rows,
                        "runs": {f"{c}|{'cold' if k else 'warm'}": v
                                 for (c, k), v in runs.items()}}, f, indent=1)
     return 0

@@ -38,6 +38,7 @@ from snapkeep._core.memory_store import (
 )
 from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.one_pass import one_pass_loader
 from snapkeep._core.preflight import check_writable
 from snapkeep._core.run_status import RunStatus
 from snapkeep._core.run_status import is_alive as run_is_alive
@@ -73,10 +74,10 @@ __all__ = [
     "DECODE_ERRORS", "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest",
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
-    "manifest_path", "open_store", "read_manifest", "resolve_storage", "check_writable",
-    "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus", "read_run_status",
-    "write_run_status", "run_status", "lookalike_message", "SaveHandle", "StoreKind",
-    "newest_valid", "require_one_kind", "run_is_alive",
+    "manifest_path", "one_pass_loader", "open_store", "read_manifest", "resolve_storage",
+    "check_writable", "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus",
+    "read_run_status", "write_run_status", "run_status", "lookalike_message", "SaveHandle",
+    "StoreKind", "newest_valid", "require_one_kind", "run_is_alive",
 ]
 
 

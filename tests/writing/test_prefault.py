@@ -93,3 +93,65 @@ def test_a_state_that_cannot_be_built_yet_does_not_stop_training(tmp_path, model
     fresh.step()  # the post-step hook's failure must not reach the training loop
     assert calls == [1, 1]
     writer.finalize()
+
+
+def _resumable(out, writer_name, *, autoload):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    writer = getattr(writing, writer_name)(out_dir=str(out), timeout_s=60)
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=4, writer=writer)
+    manager.extend(extensions.snapshot(autoload=autoload), trigger=(1, "iteration"))
+    return manager, model, writer
+
+
+def _iterate(manager, model, until):
+    while manager.iteration < until:
+        with manager.run_iteration(step_optimizers=["main"]):
+            for i, p in enumerate(model.parameters()):
+                p.grad = torch.full_like(p, 0.1 * (i + 1) * (manager.iteration + 1))
+
+
+@pytest.mark.parametrize("writer_name", ["ThreadWriter", "ProcessWriter"])
+def test_after_a_resume_buffers_are_prepared_once_training_runs_and_the_first_snapshot_is_exact(
+        tmp_path, writer_name):
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    manager, model, _ = _resumable(reference, writer_name, autoload=False)
+    _iterate(manager, model, 4)
+    manager.finalize()
+    manager, model, _ = _resumable(resumed, writer_name, autoload=False)
+    _iterate(manager, model, 2)
+    manager.finalize()
+
+    manager, model, writer = _resumable(resumed, writer_name, autoload=True)
+    manager.start_extensions()  # autoload: step 2
+    assert manager.iteration == 2
+    saver = writer._saver
+    # nothing prepared before training resumes (the state has its optimizer state already)
+    assert saver._slots == [] and saver._prefaulted.is_set()
+    # the first iteration's step starts the preparation; its snapshot comes right after,
+    # before that preparation may have finished, and waits for it
+    _iterate(manager, model, 3)
+    assert writer.last_handle.staged.result(timeout=60).allocated_bytes == 0
+    _iterate(manager, model, 4)
+    manager.finalize()
+    for name in ("snapshot_iter_3", "snapshot_iter_4"):
+        expected = torch.load(reference / name, weights_only=True)
+        got = torch.load(resumed / name, weights_only=True)
+        for section in ("models", "optimizers"):
+            flat_e = [t for t in _leaves(expected[section])]
+            flat_g = [t for t in _leaves(got[section])]
+            assert len(flat_e) == len(flat_g) > 0
+            for a, b in zip(flat_e, flat_g):
+                assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def _leaves(node):
+    if isinstance(node, dict):
+        for key in node:
+            yield from _leaves(node[key])
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            yield from _leaves(value)
+    else:
+        yield node

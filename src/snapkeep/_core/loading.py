@@ -9,6 +9,8 @@ Local files are memory-mapped (``torch.load(mmap=True)``, safetensors' own mappi
 tensors are copy-on-write views of the file's page-cache pages, so resuming holds no second copy
 of the state and reads it at disk speed. Callers verify the file's checksum first
 (:meth:`snapkeep._core.store.SnapshotStore.verify` hashes it through a memory map as well).
+Autoload instead verifies while it reads, in one pass (:mod:`snapkeep._core.one_pass`), and
+uses this module for the files that path does not take.
 """
 
 from __future__ import annotations

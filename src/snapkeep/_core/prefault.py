@@ -8,8 +8,12 @@ stays one staging copy.
 
 When is the layout known? Optimizers such as Adam create their state in their first ``step()``,
 so while an optimizer has no state the prefault waits for the first step of every such optimizer
-(a one-shot ``register_step_post_hook``); otherwise it starts at once. A snapshot that arrives
-while the prefault still runs waits for it (it would have done the same work itself).
+(a one-shot ``register_step_post_hook``); otherwise it starts at once. After a resume
+(``after_first_step=True``) it always waits for the first step of every optimizer: filling the
+buffers (faulting in as many fresh pages as the state has) then runs while training does
+instead of delaying its start. A snapshot that arrives while the prefault still runs (or before
+it started) waits for it, and stages exactly what it would have staged otherwise: the prefault
+only allocates and zero-fills, it never reads the state's values.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 def prefault_before_first_snapshot(
     saver: Any, state_fn: Callable[[], Any], optimizers: Iterable[torch.optim.Optimizer],
+    *, after_first_step: bool = False,
 ) -> None:
     """Prefault ``saver``'s staging buffers for the tree ``state_fn()`` returns, in a background
     thread, now or after the first step of each optimizer that has no state yet.
@@ -35,8 +40,11 @@ def prefault_before_first_snapshot(
         state_fn: returns the tree a snapshot will stage (called in the caller's thread, or in
             the training thread right after an optimizer step).
         optimizers: the optimizers whose state is part of that tree.
+        after_first_step: wait for the first step of every optimizer, also of those that have
+            state (a resumed trainer: the preparation starts once training runs again).
     """
-    lazy = [o for o in optimizers if not o.state]
+    optimizers = list(optimizers)
+    lazy = optimizers if after_first_step else [o for o in optimizers if not o.state]
     if not lazy:
         _prefault(saver, state_fn)
         return

@@ -178,6 +178,24 @@ class SnapshotStore(StoreRemoval):
                 warn_user(message, RuntimeWarning)
             return None
 
+    def expected(self, entry: Entry) -> Manifest | None:
+        """The entry's manifest (None if it has none), checked to name this file; the file's
+        bytes are not read.
+
+        Raises:
+            SnapshotCorruptError: the manifest records another file name (copied or renamed).
+        """
+        manifest = self.manifest(entry)
+        if manifest is None:
+            return None
+        name = self.storage.basename(entry.path)
+        if manifest.name != name:  # a file and its manifest copied or renamed by hand
+            raise SnapshotCorruptError(
+                f"{entry.path}: its manifest records the snapshot {manifest.name!r} (step "
+                f"{manifest.step}), not {name!r}: copied or renamed by hand? Rename it back, or "
+                "move both away")
+        return manifest
+
     def verify(self, entry: Entry, data: bytes | None = None) -> Manifest | None:
         """Check the entry against its manifest; return the manifest (None if it has none).
 
@@ -190,15 +208,9 @@ class SnapshotStore(StoreRemoval):
                 unreadable.
             SnapshotStorageError: the store could not be reached.
         """
-        manifest = self.manifest(entry)
+        manifest = self.expected(entry)
         if manifest is None:
             return None
-        name = self.storage.basename(entry.path)
-        if manifest.name != name:  # a file and its manifest copied or renamed by hand
-            raise SnapshotCorruptError(
-                f"{entry.path}: its manifest records the snapshot {manifest.name!r} (step "
-                f"{manifest.step}), not {name!r}: copied or renamed by hand? Rename it back, or "
-                "move both away")
         try:
             if data is not None:
                 digest, size = digest_stream(io.BytesIO(data))
@@ -217,13 +229,17 @@ class SnapshotStore(StoreRemoval):
 
     def validate(
         self, entry: Entry, loader: Callable[[Entry, bytes | None], Any],
-        data: bytes | None = None,
+        data: bytes | None = None, *,
+        one_pass: Callable[[Entry, Manifest | None], Any] | None = None,
     ) -> tuple[Manifest | None, Any]:
         """Everything that makes ``entry`` valid to resume from, in one place (every reader
         uses it through :meth:`load_newest`; the agreed autoload calls it on the saver rank):
         checksum and name against its manifest (:meth:`verify`), a complete decode by
         ``loader``, and the misnamed check (a manager state whose iteration is not the step in
         its name: ``cp snapshot_iter_2 snapshot_iter_9``; see :mod:`.name_check`).
+
+        With ``one_pass`` (local files, see :meth:`load_newest`), the checksum is verified
+        while the file is decoded, in one read, instead of :meth:`verify` then ``loader``.
 
         Returns:
             ``(manifest or None, state)``.
@@ -233,9 +249,13 @@ class SnapshotStore(StoreRemoval):
             UnsafeSnapshotError: a well-formed file needing objects outside the allow-list.
             SnapshotStorageError: the store could not be reached.
         """
-        manifest = self.verify(entry, data)
         try:
-            state = loader(entry, data)
+            if data is None and one_pass is not None and self.storage.is_local:
+                manifest = self.expected(entry)
+                state = one_pass(entry, manifest)  # verified while it loads
+            else:
+                manifest = self.verify(entry, data)
+                state = loader(entry, data)
         except (UnsafeSnapshotError, SnapshotStorageError, SnapshotCorruptError):
             raise
         except DECODE_ERRORS as e:
@@ -252,6 +272,7 @@ class SnapshotStore(StoreRemoval):
         self, loader: Callable[[Entry, bytes | None], Any], *,
         candidates: list[Entry] | None = None,
         on_skip: Callable[[Entry, str], None] | None = None,
+        one_pass: Callable[[Entry, Manifest | None], Any] | None = None,
     ) -> tuple[Entry, Any] | None:
         """Load the newest snapshot that is valid (:meth:`validate`); warn about each one
         skipped. THE newest-valid-with-fallback of single-file snapshots: autoload,
@@ -264,6 +285,11 @@ class SnapshotStore(StoreRemoval):
             candidates: entries to consider (default: :meth:`entries`).
             on_skip: ``on_skip(entry, reason)`` for each entry skipped, instead of a
                 ``RuntimeWarning`` (autoload prints them in its resume notice).
+            one_pass: for local files, ``one_pass(entry, manifest) -> state`` replaces
+                :meth:`verify` + ``loader``: it verifies against ``manifest`` (from
+                :meth:`expected`; None when there is none) while it loads, and raises
+                ``SnapshotCorruptError`` on a mismatch, returning nothing of the file
+                (:mod:`snapkeep._core.one_pass`).
 
         Returns:
             ``(entry, state)``, or ``None`` when there are no snapshot files at all.
@@ -278,7 +304,7 @@ class SnapshotStore(StoreRemoval):
 
         def check(entry: Entry) -> tuple[Manifest | None, Any]:
             data = None if self.storage.is_local else self.storage.read_bytes(entry.path)
-            return self.validate(entry, loader, data)
+            return self.validate(entry, loader, data, one_pass=one_pass)
 
         def skipped(entry: Entry, error: SnapshotCorruptError) -> None:
             if on_skip is not None:

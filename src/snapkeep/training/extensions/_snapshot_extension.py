@@ -37,6 +37,7 @@ from snapkeep.store import (
     StoreLock,
     check_writable,
     load_file,
+    one_pass_loader,
     warn_user,
 )
 from snapkeep.training import extension
@@ -213,7 +214,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if self._is_saver() and isinstance(self.writer, _SnapkeepWriter):  # no first-call penalty
             target = manager if self._target is None else self._target
             prefault_before_first_snapshot(self.writer._saver, lambda: self._state(manager),
-                                           optimizers_in(target))
+                                           optimizers_in(target),
+                                           after_first_step=loaded is not None)
         if restored is not None and self.autoload and restored.newer_than_storage:
             self._make_snapshot(manager)  # persist the RAM step first (memory tier)
         return loaded
@@ -384,9 +386,16 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             return load_file(store.storage, entry.path, map_location=self._map_location,
                              weights_only=self._weights_only, data=data)
 
+        def loaded_state(entry: Entry, state: Any) -> Any:
+            return state  # the store's validate() makes the misnamed check on every path
+
+        one_pass = one_pass_loader(store, loader, loaded_state, weights_only=self._weights_only,
+                                   map_location=self._map_location)  # verified while loaded
         skipped: list[Skipped] = []
-        found = store.load_newest(loader, candidates=candidates, on_skip=lambda e, why: (
-            skipped.append(Skipped(name=e.name, step=e.step, reason=why))))
+        found = store.load_newest(loader, candidates=candidates, one_pass=one_pass,
+                                  on_skip=lambda e, why: (
+                                      skipped.append(Skipped(name=e.name, step=e.step,
+                                                             reason=why))))
         if found is None:
             return None
         entry, state = found
