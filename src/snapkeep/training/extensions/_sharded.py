@@ -19,7 +19,8 @@ Layout of the DCP state (its flattened keys are what DCP's tools show)::
                                             iteration, extensions, triggers...)
     rank_state.rank<r>                      bytes: torch.save of rank r's RNG states
 
-Building that state and applying a loaded one is :mod:`._sharded_state`.
+Building that state and applying a loaded one is :class:`._sharded_state.ShardedStateLayout`,
+which the extension holds.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def sharded_snapshot(
         timeout_s=timeout_s, quiet=quiet)
 
 
-class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
+class _ShardedSnapshot(_Snapshot):
     """See :func:`sharded_snapshot`."""
 
     def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, saver_rank: int | None = None,
@@ -143,6 +144,7 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         self._sharded_store: ShardedStore | None = None
         self._saver: ShardedSaver | None = None
         self._incomplete: list[Entry] = []
+        self._layout = ShardedStateLayout(target=self._target, weights_only=self._weights_only)
 
     # -- setup ---------------------------------------------------------------------------------
     @property
@@ -232,7 +234,7 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
                 logger.error("rank %d: an earlier sharded snapshot failed and "
                              "on_save_error='log': %s", self.rank, e)
         try:
-            saver.save(self._state(manager), job)
+            saver.save(self._layout.state(manager, self.rank), job)
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
                 raise
@@ -310,15 +312,15 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         error: BaseException | None = None
         template: dict[str, Any] = {}
         try:
-            template = self._load_template(
-                manager, saved_keys(store, entry, weights_only=self._weights_only))
+            template = self._layout.load_template(
+                manager, saved_keys(store, entry, weights_only=self._weights_only), self.rank)
         except Exception as e:  # exchanged below: every rank fails together
             error = e
         _together(control, error, what=f"{what}: preparing to load {entry.path}",
                   timeout_s=timeout_s)
         try:
             load_sharded(store, entry, template, groups=groups, weights_only=self._weights_only)
-            self._apply_loaded(manager, template, entry)
+            self._layout.apply_loaded(manager, template, entry, self.rank)
         except Exception as e:  # exchanged below
             error = e
         _together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
