@@ -55,7 +55,7 @@ from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.overlap import PendingVerdict
 from snapkeep._core.staging import BufferSet, StageStats
 from snapkeep._core.store import Retain
-from snapkeep._core.ticket import SaveHandle, Ticket, _Slot
+from snapkeep._core.ticket import SaveHandle, Slot, Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class Saver:
         self.timeout_s = timeout_s
         self.warn_after_s = warn_after_s
         self._stage = runner.background if stage is None else stage
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         self._cond = threading.Condition()
         self._errors: collections.deque[SnapshotSaveError] = collections.deque()
         self._hooks: list[PostCommitHook] = []
@@ -315,7 +315,7 @@ class Saver:
             if not self._stage or self._closed or not self._prefaulted.is_set():
                 return
             if not self._slots:
-                self._slots.append(_Slot(buffers=self._new_buffers()))
+                self._slots.append(Slot(buffers=self._new_buffers()))
             slot = self._slots[0]
             if slot.handle is not None:
                 return
@@ -339,7 +339,7 @@ class Saver:
                 f"staging buffers were still being prepared after {self.timeout_s} s")
 
     # -- internals ------------------------------------------------------------------------------
-    def _acquire_slot(self, handle: SaveHandle) -> _Slot | None:
+    def _acquire_slot(self, handle: SaveHandle) -> Slot | None:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         with self._cond:
             while True:
@@ -348,7 +348,7 @@ class Saver:
                         slot.handle, slot.started = handle, False
                         return slot
                 if len(self._slots) < self.max_pending:
-                    slot = _Slot(buffers=self._new_buffers(), handle=handle)
+                    slot = Slot(buffers=self._new_buffers(), handle=handle)
                     self._slots.append(slot)
                     return slot
                 if self.on_full == "skip":
@@ -392,7 +392,7 @@ class Saver:
                            busy, what, waited)
         return deadline is None or time.monotonic() < deadline
 
-    def _release(self, slot: _Slot, handle: SaveHandle) -> None:
+    def _release(self, slot: Slot, handle: SaveHandle) -> None:
         with self._cond:
             if slot.handle is handle:
                 slot.handle = None
