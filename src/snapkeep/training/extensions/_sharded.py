@@ -55,7 +55,8 @@ from snapkeep.training.extensions._resume_notice import (
     skipped_on_ranks,
 )
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
-from snapkeep.training.extensions._snapshot import _metrics, _Snapshot
+from snapkeep.training.extensions._snapshot import _Snapshot
+from snapkeep.training.extensions._snapshot_extension import observed_metrics
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ class _ShardedSnapshot(_Snapshot):
         if on_error:  # mid-iteration state: never under a clean snapshot's name
             name += ON_ERROR_SUFFIX
         job = ShardedJob(name=name, step=int(manager.iteration), run_id=self._run_id,
-                         metrics=_metrics(manager), version=_version())
+                         metrics=observed_metrics(manager), version=_version())
         if self._on_save_error == "log":
             try:  # an earlier failure (the same on every rank) is logged; this one is taken
                 saver.wait()

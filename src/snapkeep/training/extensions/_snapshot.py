@@ -38,7 +38,6 @@ from snapkeep.training.extensions._find import (  # noqa: F401  (ppe's helpers, 
 )
 from snapkeep.training.extensions._snapshot_extension import (  # noqa: F401  (importable here)
     ON_SAVE_ERROR,
-    _metrics,
     _Snapshot,
 )
 

@@ -307,7 +307,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if on_error:
             filename += ON_ERROR_SUFFIX
         if isinstance(writer, _SnapkeepWriter):
-            extra = {"step": int(manager.iteration), "metrics": _metrics(manager),
+            extra = {"step": int(manager.iteration), "metrics": observed_metrics(manager),
                      "run_id": self._run_id}
             store = self._store_of(manager, quiet=True)
             if store is not None and not on_error:
@@ -418,7 +418,9 @@ def refuse_dtensor_models(target: Any) -> None:
             "saves through torch.distributed.checkpoint and resumes into any wrapping")
 
 
-def _metrics(manager: Any) -> dict[str, float]:
+def observed_metrics(manager: Any) -> dict[str, float]:
+    """The finite scalar values of ``manager.observation`` by key (one-element tensors as
+    floats): what a snapshot's manifest records as its metrics."""
     observation = getattr(manager, "observation", None) or {}
     out: dict[str, float] = {}
     for key, value in observation.items():
