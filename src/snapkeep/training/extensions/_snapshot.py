@@ -31,15 +31,25 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from snapkeep.retention import RetentionPolicy
-from snapkeep.training.extensions._find import (  # noqa: F401  (ppe's helpers, importable here)
-    _find_latest_snapshot,
-    _find_snapshot_files,
-    _find_stale_snapshots,
+from snapkeep.training.extensions._find import (
+    find_latest_snapshot,
+    find_snapshot_files,
+    find_stale_snapshots,
 )
 from snapkeep.training.extensions._snapshot_extension import (  # noqa: F401  (importable here)
     ON_SAVE_ERROR,
     _Snapshot,
 )
+
+# -- ppe compatibility ----------------------------------------------------------------------------
+# This module is ppe's ``training/extensions/_snapshot.py`` path, and the one snapkeep module that
+# keeps ppe's private names of it importable (code written against ppe imports them from here):
+# ``_find_snapshot_files``, ``_find_latest_snapshot``, ``_find_stale_snapshots``, ``_Snapshot`` and
+# ``_DistributedSnapshot``. Snapkeep's own code imports the public names from their homes.
+# tests/interop/test_ppe_private_paths.py checks that these paths resolve.
+_find_snapshot_files = find_snapshot_files
+_find_latest_snapshot = find_latest_snapshot
+_find_stale_snapshots = find_stale_snapshots
 
 
 class SnapshotMode(enum.Enum):
