@@ -55,8 +55,7 @@ from snapkeep.training.extensions._resume_notice import (
     skipped_on_ranks,
 )
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
-from snapkeep.training.extensions._snapshot import _Snapshot
-from snapkeep.training.extensions._snapshot_extension import observed_metrics
+from snapkeep.training.extensions._snapshot_extension import SnapshotExtension, observed_metrics
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -122,7 +121,7 @@ def sharded_snapshot(
         timeout_s=timeout_s, quiet=quiet)
 
 
-class _ShardedSnapshot(_Snapshot):
+class _ShardedSnapshot(SnapshotExtension):
     """See :func:`sharded_snapshot`."""
 
     def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, saver_rank: int | None = None,

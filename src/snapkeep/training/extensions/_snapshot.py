@@ -38,7 +38,7 @@ from snapkeep.training.extensions._find import (
 )
 from snapkeep.training.extensions._snapshot_extension import (  # noqa: F401  (importable here)
     ON_SAVE_ERROR,
-    _Snapshot,
+    SnapshotExtension,
 )
 
 # -- ppe compatibility ----------------------------------------------------------------------------
@@ -50,6 +50,7 @@ from snapkeep.training.extensions._snapshot_extension import (  # noqa: F401  (i
 _find_snapshot_files = find_snapshot_files
 _find_latest_snapshot = find_latest_snapshot
 _find_stale_snapshots = find_stale_snapshots
+_Snapshot = SnapshotExtension
 
 
 class SnapshotMode(enum.Enum):

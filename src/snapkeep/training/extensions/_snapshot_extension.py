@@ -408,6 +408,11 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         """Hook for the distributed snapshot (per-rank RNG)."""
 
 
+#: The public name of :class:`_Snapshot`. The class keeps ppe's name ``_Snapshot``: it is the
+#: extension's default name, under which its state is saved in a manager's state dict.
+SnapshotExtension = _Snapshot
+
+
 def refuse_dtensor_models(target: Any) -> None:
     """A single-file snapshot of FSDP2 models would hold one rank's shards; refuse it."""
     where = dtensor_models(target)
