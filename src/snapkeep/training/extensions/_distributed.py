@@ -95,3 +95,9 @@ class _DistributedSnapshot(SnapshotExtension):
         chosen: list[Entry] = box[0]
         return [Entry(name=e.name, path=store.storage.join(store.directory, e.name),
                       key=e.key, step=e.step) for e in chosen]
+
+
+#: The public name of :class:`_DistributedSnapshot`. The class keeps ppe's name
+#: ``_DistributedSnapshot``: it is the extension's default name, under which its state is saved
+#: in a manager's state dict.
+DistributedSnapshotExtension = _DistributedSnapshot

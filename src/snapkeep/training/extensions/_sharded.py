@@ -337,6 +337,12 @@ class _ShardedSnapshot(SnapshotExtension):
         return entry.name
 
 
+#: The public name of :class:`_ShardedSnapshot`. The class keeps ppe's name ``_ShardedSnapshot``:
+#: it is the extension's default name, under which its state is saved in a manager's state
+#: dict.
+ShardedSnapshotExtension = _ShardedSnapshot
+
+
 def _together(control: Any, error: BaseException | None, *, what: str,
               timeout_s: float | None) -> None:
     """Exchange this rank's outcome of ``what`` (every rank raises together); a single process

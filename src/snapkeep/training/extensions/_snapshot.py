@@ -174,13 +174,16 @@ def snapshot(
     if snapshot_mode in (SnapshotMode.DEFAULT, SnapshotMode.DISTRIBUTED):
         if saver_rank is None:
             raise ValueError("snapshot_mode=DISTRIBUTED requires saver_rank (an int rank)")
-        from snapkeep.training.extensions._distributed import _DistributedSnapshot
+        from snapkeep.training.extensions._distributed import DistributedSnapshotExtension
 
-        return _DistributedSnapshot(saver_rank=saver_rank, timeout_s=timeout_s, **kwargs)
+        return DistributedSnapshotExtension(saver_rank=saver_rank, timeout_s=timeout_s, **kwargs)
     if snapshot_mode == SnapshotMode.SHARDED:
-        from snapkeep.training.extensions._sharded import _ShardedSnapshot  # imports this module
+        from snapkeep.training.extensions._sharded import (  # imports this module
+            ShardedSnapshotExtension,
+        )
 
-        return _ShardedSnapshot(saver_rank=saver_rank, timeout_s=timeout_s or 600.0, **kwargs)
+        return ShardedSnapshotExtension(saver_rank=saver_rank, timeout_s=timeout_s or 600.0,
+                                        **kwargs)
     raise ValueError(f"snapshot_mode must be a SnapshotMode, got {snapshot_mode!r}")
 
 
