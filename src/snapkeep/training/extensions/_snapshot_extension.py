@@ -23,10 +23,8 @@ from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
 from snapkeep.staging import (
     StagingGuard,
     StagingRaceError,
-    arm,
     into_existing_state,
     optimizers_in,
-    prefault_before_first_snapshot,
 )
 from snapkeep.store import (
     ON_ERROR_SUFFIX,
@@ -207,8 +205,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             raise
         if self._is_saver() and isinstance(self.writer, _SnapkeepWriter):  # no first-call penalty
             target = manager if self._target is None else self._target
-            prefault_before_first_snapshot(self.writer._saver, lambda: self._state(manager),
-                                           optimizers_in(target))
+            self.writer.prefault(lambda: self._state(manager), optimizers_in(target))
         return loaded
 
     def _check_template(self, manager: Any) -> None:
@@ -318,14 +315,14 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                                          policy=None if on_error else self._retention)
         if self._on_save_error == "log" and isinstance(writer, _SnapkeepWriter):
             try:  # an earlier background failure is logged here, so this snapshot is still taken
-                writer._saver.raise_pending_error()
+                writer.raise_pending_error()
             except (SnapshotError, OSError) as e:
                 logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
         self._staging_guard.settle()  # a safe point: the previous snapshot's verdict first
         if self._overlap_on and isinstance(writer, _SnapkeepWriter):
             target = manager if self._target is None else self._target
-            arm(writer._saver, optimizers_in(target), self._staging_guard,
-                before_copy=self._overlap_before_copy, on_race=self._on_staging_race)
+            writer.arm_overlap(optimizers_in(target), self._staging_guard,
+                               before_copy=self._overlap_before_copy, on_race=self._on_staging_race)
         try:
             writer(filename, manager.out, state, savefun=self._savefun, **extra)
         except (SnapshotError, OSError) as e:
@@ -335,7 +332,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                          filename, manager.iteration, e)
         finally:
             if isinstance(writer, _SnapkeepWriter):
-                writer._saver.overlap_next(None)  # never left armed for a direct writer call
+                writer.disarm_overlap()  # never left armed for a direct writer call
 
     # -- the store and autoload -----------------------------------------------------------------
     def _store_of(self, manager: Any, *, quiet: bool = False) -> SnapshotStore | None:
