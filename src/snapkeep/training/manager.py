@@ -33,7 +33,7 @@ from typing import Any, cast
 
 import torch
 
-from snapkeep import reporting
+import snapkeep.reporting as reporting
 from snapkeep.training._manager_protocol import (
     ExtensionsManagerProtocol,
     StateObjectProtocol,
