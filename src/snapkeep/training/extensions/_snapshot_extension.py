@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+import snapkeep.training.extension as extension
+import snapkeep.training.extensions._lineage as _lineage
+import snapkeep.training.extensions._restore as _restore
 from snapkeep.errors import SnapshotError
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
 from snapkeep.staging import (
@@ -37,9 +40,7 @@ from snapkeep.store import (
     load_file,
     warn_user,
 )
-from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
-from snapkeep.training.extensions import _lineage, _restore
 from snapkeep.training.extensions._resume_notice import (
     ResumeNotice,
     Skipped,
