@@ -36,10 +36,7 @@ from snapkeep.training.extensions._find import (
     find_snapshot_files,
     find_stale_snapshots,
 )
-from snapkeep.training.extensions._snapshot_extension import (  # noqa: F401  (importable here)
-    ON_SAVE_ERROR,
-    SnapshotExtension,
-)
+from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
 
 # -- ppe compatibility ----------------------------------------------------------------------------
 # This module is ppe's ``training/extensions/_snapshot.py`` path, and the one snapkeep module that
