@@ -65,10 +65,25 @@ def test_writing_never_imports_the_package_root() -> None:
     assert offenders == []
 
 
-@pytest.mark.parametrize("where", ["training", "cli.py", "demo.py", "_demo_task.py"])
+#: Every CLI and demo file (globbed, so a new ``_cli_*.py`` or ``demo*.py`` is covered) and the
+#: checkpointer, which are written as a user of the library would.
+CLI_AND_DEMO_FILES = sorted(
+    path.name
+    for pattern in ("cli.py", "_cli_*.py", "__main__.py", "demo*.py", "_demo_*.py",
+                    "checkpointer.py")
+    for path in SRC.glob(pattern)
+)
+
+
+def test_cli_and_demo_files_are_found() -> None:
+    assert {"cli.py", "_cli_common.py", "_cli_maintain.py", "demo.py", "demo_sharded.py",
+            "_demo_task.py", "checkpointer.py"} <= set(CLI_AND_DEMO_FILES)
+
+
+@pytest.mark.parametrize("where", ["training", *CLI_AND_DEMO_FILES])
 def test_training_cli_and_demo_use_public_names_only(where: str) -> None:
-    """training, the CLI and the demo reach the core through public modules (snapkeep.store,
-    snapkeep.errors, snapkeep.retention, snapkeep.writing), as a user would."""
+    """training, the CLI, the demos and the checkpointer reach the core through public modules
+    (snapkeep.store, snapkeep.errors, snapkeep.retention, snapkeep.writing), as a user would."""
     files = _files(where) if (SRC / where).is_dir() else [SRC / where]
     offenders = [
         f"{path.relative_to(SRC)} imports {name}"

@@ -63,7 +63,7 @@ def store_for(directory: str, template: str, storage_options: tuple[str, ...]) -
         raise click.BadParameter(str(e), param_hint="'--template'") from e
 
 
-def _none_found(store: SnapshotStore, directory: str, template: str) -> str:
+def none_found(store: SnapshotStore, directory: str, template: str) -> str:
     """'no snapshots matching ...', naming the templates the directory's manifests record."""
     message = f"no snapshots matching {template!r} in {directory}"
     others = [t for t in recorded_templates(store.storage, store.directory) if t != template]
@@ -115,7 +115,7 @@ def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
         })
         return
     if not rows:
-        click.echo(_none_found(store, directory, template))
+        click.echo(none_found(store, directory, template))
         return
     click.echo(f"{'step':>10}  {'size':>12}  {'status':<12}  name")
     for entry, size, found in rows:
@@ -176,7 +176,7 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...],
         entries = store.entries()
         sharded = [] if entries else sharded_rows(store)
         if not entries and not sharded:
-            message = _none_found(store, directory, template)
+            message = none_found(store, directory, template)
             if as_json:
                 emit_json({"schema": "snapkeep.verify/1", "directory": directory,
                            "template": template, "snapshots": [], "bad": 0,

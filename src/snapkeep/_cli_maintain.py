@@ -35,7 +35,7 @@ from snapkeep._cli_files import (
     require_file,
     resolve,
 )
-from snapkeep._cli_inspect import _none_found, load_state, store_for
+from snapkeep._cli_inspect import load_state, none_found, store_for
 from snapkeep._cli_tree import TreeTooDeepError, compare, leaves, select
 from snapkeep.retention import (
     AnyOf,
@@ -145,7 +145,7 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
             "exit_code": code,
         })
     elif not entries:
-        click.echo(_none_found(store, directory, template))
+        click.echo(none_found(store, directory, template))
     else:
         verb = "deleted" if yes else "would delete"
         for entry in entries:

@@ -1,6 +1,6 @@
 """Ctrl-C (SIGINT to the whole foreground process group) right after a ProcessWriter call must not
 lose that snapshot: the worker ignores SIGINT and the trainer's finalize() waits for the save.
-Found by the breaker session: the worker ignores SIGINT only once ``_worker_main`` runs, after the
+Found by the breaker session: the worker ignores SIGINT only once ``worker_main`` runs, after the
 spawned interpreter has imported torch (seconds); a Ctrl-C in that window kills the worker
 (exit code -2). The trainer then writes the staged snapshot itself (a WARNING names the dead
 worker), as for any worker that dies before reporting its commit, so the snapshot is committed

@@ -31,7 +31,7 @@ from snapkeep._core.errors import WorkerDiedError
 from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.manifest import manifest_path
 from snapkeep._core.sendable import check_sendable
-from snapkeep._core.worker import TrainerDiedError, _worker_main
+from snapkeep._core.worker import TrainerDiedError, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ class ProcessRunner:
             reclaim_dead_arenas()  # a killed run's staging memory is freed by the next one
             parent, child = self._ctx.Pipe(duplex=True)
             process = self._ctx.Process(
-                target=_worker_main, args=(child, os.getpid()), daemon=True,
+                target=worker_main, args=(child, os.getpid()), daemon=True,
                 name="snapkeep-writer",
             )
             with _main_module_hidden():
@@ -296,7 +296,7 @@ class ProcessRunner:
             process.join(timeout=5.0)
             if process.is_alive():
                 logger.warning("snapshot worker pid=%s did not stop; killing it", process.pid)
-                process.kill()  # SIGTERM is ignored by the worker (see _worker_main)
+                process.kill()  # SIGTERM is ignored by the worker (see worker_main)
                 process.join(timeout=5.0)
         if conn is not None:
             conn.close()

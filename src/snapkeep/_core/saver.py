@@ -13,8 +13,17 @@ executes the ticket (the caller for a synchronous writer, a writer thread, a que
 forwards to the worker process) calls ``run(ticket)``. A synchronous save is the same path plus
 running the ticket at once.
 
-Back-pressure (at most ``max_pending`` snapshots staged or being written, ``on_full`` when all are
-busy) is :mod:`.backpressure`; a snapshot in flight (handle, slot, ticket) is :mod:`.ticket`.
+Back-pressure: at most ``max_pending`` snapshots are staged or being written at once, each
+holding one reusable buffer set (so memory is bounded by ``max_pending`` copies of the state). When
+all are busy, ``on_full`` decides:
+
+- ``'block'`` (default): wait for a slot; a log line every ``warn_after_s`` names the snapshot being
+  waited on; ``timeout_s`` bounds the wait with :class:`SnapshotTimeoutError`.
+- ``'skip'``: drop the new snapshot (logged) and return ``None``.
+- ``'replace'``: drop the oldest snapshot that has not started writing (logged) and take its slot;
+  when every pending snapshot is already being written, block as ``'block'``.
+
+A snapshot in flight (handle, slot, ticket) is :mod:`.ticket`.
 
 Errors: a failed background save is raised once, as :class:`SnapshotSaveError` with the original
 exception as ``__cause__``, at the next ``save()`` or at ``finalize()``; later saves still run.
@@ -27,11 +36,11 @@ import concurrent.futures
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from snapkeep._core import exit_drain
-from snapkeep._core.backpressure import ON_FULL_POLICIES, SlotPool
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
     SnapshotError,
@@ -46,14 +55,16 @@ from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.overlap import PendingVerdict
 from snapkeep._core.staging import BufferSet, StageStats
 from snapkeep._core.store import Retain
-from snapkeep._core.ticket import SaveHandle, Ticket, _Slot
+from snapkeep._core.ticket import SaveHandle, Slot, Ticket
 
 logger = logging.getLogger(__name__)
 
 PostCommitHook = Callable[[CommitRecord], None]
 
+ON_FULL_POLICIES = ("block", "skip", "replace")
 
-class Saver(SlotPool):
+
+class Saver:
     """Stages, queues and commits snapshots for one writer (see module docstring).
 
     Args:
@@ -89,7 +100,7 @@ class Saver(SlotPool):
         self.timeout_s = timeout_s
         self.warn_after_s = warn_after_s
         self._stage = runner.background if stage is None else stage
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         self._cond = threading.Condition()
         self._errors: collections.deque[SnapshotSaveError] = collections.deque()
         self._hooks: list[PostCommitHook] = []
@@ -207,14 +218,31 @@ class Saver(SlotPool):
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Settle overlapped snapshots (:meth:`settle_overlap`), then wait until nothing is
-        pending (:meth:`SlotPool.wait`).
+        pending.
 
         Raises:
             SnapshotTimeoutError: still pending after ``timeout_s`` seconds.
             StagingRaceError: as :meth:`settle_overlap`.
         """
         self.settle_overlap()
-        super().wait(timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while any(s.handle is not None for s in self._slots):
+                if not self._wait_step(deadline, "all pending snapshots"):
+                    pending = [s.handle.path for s in self._slots if s.handle is not None]
+                    raise SnapshotTimeoutError(
+                        f"snapshots {pending} still not committed after {timeout_s} s"
+                    )
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return sum(1 for s in self._slots if s.handle is not None)
+
+    def pending_paths(self) -> list[str]:
+        """Paths of the snapshots staged or being written, oldest slot first."""
+        with self._cond:
+            return [s.handle.path for s in self._slots if s.handle is not None]
 
     def save_now(self, job: SaveJob, tree: Any, *, retain: Retain | None = None) -> CommitRecord:
         """Synchronous save: ``submit`` + ``run`` in the caller's thread; raises its error."""
@@ -287,7 +315,7 @@ class Saver(SlotPool):
             if not self._stage or self._closed or not self._prefaulted.is_set():
                 return
             if not self._slots:
-                self._slots.append(_Slot(buffers=self._new_buffers()))
+                self._slots.append(Slot(buffers=self._new_buffers()))
             slot = self._slots[0]
             if slot.handle is not None:
                 return
@@ -311,6 +339,66 @@ class Saver(SlotPool):
                 f"staging buffers were still being prepared after {self.timeout_s} s")
 
     # -- internals ------------------------------------------------------------------------------
+    def _acquire_slot(self, handle: SaveHandle) -> Slot | None:
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        with self._cond:
+            while True:
+                for slot in self._slots:
+                    if slot.handle is None:
+                        slot.handle, slot.started = handle, False
+                        return slot
+                if len(self._slots) < self.max_pending:
+                    slot = Slot(buffers=self._new_buffers(), handle=handle)
+                    self._slots.append(slot)
+                    return slot
+                if self.on_full == "skip":
+                    busy = [s.handle.path for s in self._slots if s.handle is not None]
+                    logger.warning(
+                        "skipping snapshot %s (step %s): %d snapshot(s) still in flight %s "
+                        "(on_full='skip')", handle.path, handle.step, len(busy), busy)
+                    return None
+                if self.on_full == "replace":
+                    for slot in self._slots:
+                        old = slot.handle
+                        if old is not None and not slot.started and old.committed.cancel():
+                            # its queued ticket is skipped by the dispatcher (cancelled future)
+                            logger.warning(
+                                "replacing pending snapshot %s (step %s) by %s (step %s) "
+                                "(on_full='replace')", old.path, old.step, handle.path,
+                                handle.step)
+                            slot.handle = handle
+                            return slot
+                if not self._wait_step(deadline, handle.path):
+                    busy = [s.handle.path for s in self._slots if s.handle is not None]
+                    raise SnapshotTimeoutError(
+                        f"snapshot {handle.path!r} waited {self.timeout_s} s for a slot: "
+                        f"{self.max_pending} earlier snapshot(s) still writing {busy}; raise "
+                        "timeout_s or max_pending, or use on_full='skip'"
+                    )
+
+    def _wait_step(self, deadline: float | None, what: str) -> bool:
+        """One bounded wait on the condition; False when the deadline passed. Caller holds it."""
+        start = time.monotonic()
+        step = self.warn_after_s
+        if deadline is not None:
+            remaining = deadline - start
+            if remaining <= 0:
+                return False
+            step = min(step, remaining)
+        if not self._cond.wait(timeout=step):
+            waited = time.monotonic() - start
+            busy = [s.handle.path for s in self._slots if s.handle is not None]
+            logger.warning("still waiting for snapshot(s) %s to commit before %s (%.0f s)",
+                           busy, what, waited)
+        return deadline is None or time.monotonic() < deadline
+
+    def _release(self, slot: Slot, handle: SaveHandle) -> None:
+        with self._cond:
+            if slot.handle is handle:
+                slot.handle = None
+                slot.started = False
+            self._cond.notify_all()
+
     def _new_buffers(self) -> BufferSet:
         if self.runner.in_process:
             return BufferSet()

@@ -63,7 +63,7 @@ class SaveHandle:
 
 
 @dataclasses.dataclass(eq=False)
-class _Slot:
+class Slot:
     """A buffer set and the snapshot (if any) that currently owns it."""
 
     buffers: BufferSet
@@ -75,7 +75,7 @@ class _Slot:
 class Ticket:
     """One staged snapshot waiting to be written: its slot, handle, job and staged tree."""
 
-    slot: _Slot
+    slot: Slot
     handle: SaveHandle
     job: SaveJob
     staged: Any

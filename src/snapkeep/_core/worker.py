@@ -75,7 +75,7 @@ _TRAINER_SIGNALS = tuple(getattr(signal, name) for name in
                          if hasattr(signal, name))
 
 
-def _worker_main(conn: Any, parent_pid: int) -> None:
+def worker_main(conn: Any, parent_pid: int) -> None:
     """Worker process entry point: serve jobs until told to stop, then exit at once.
 
     SIGINT, SIGTERM, SIGHUP and SIGUSR1/2 are ignored (they reach the whole process group:

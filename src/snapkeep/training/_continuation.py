@@ -27,10 +27,10 @@ import torch
 
 from snapkeep.training._data_position import LoaderPosition
 from snapkeep.training._rng_state import (
-    _to_bytes,
-    _to_tensor,
     capture_rng_state,
     restore_rng_state,
+    to_bytes,
+    to_tensor,
 )
 
 __all__ = ["FORMAT", "ContinuationMixin", "RngState", "capture", "check_generators", "restore"]
@@ -91,7 +91,7 @@ def _plain(value: Any) -> Any:
 def _capture_one(obj: Any) -> Any:
     kind = _kind(obj)
     if kind == "torch":
-        return _to_bytes(obj.get_state())
+        return to_bytes(obj.get_state())
     if kind == "python":
         version, internal, gauss = obj.getstate()
         return (int(version), tuple(int(v) for v in internal), gauss)
@@ -107,7 +107,7 @@ def _capture_one(obj: Any) -> Any:
 def _restore_one(obj: Any, state: Any) -> None:
     kind = _kind(obj)
     if kind == "torch":
-        obj.set_state(_to_tensor(state))
+        obj.set_state(to_tensor(state))
     elif kind == "python":
         version, internal, gauss = state
         obj.setstate((int(version), tuple(int(v) for v in internal), gauss))

@@ -46,7 +46,7 @@ def capture_rng_state() -> dict[str, Any]:
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "python": (int(version), tuple(int(v) for v in internal), gauss_next),
-        "torch": _to_bytes(torch.get_rng_state()),
+        "torch": to_bytes(torch.get_rng_state()),
     }
     np = _numpy()
     if np is not None:
@@ -59,7 +59,7 @@ def capture_rng_state() -> dict[str, Any]:
             float(cached),
         )
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_to_bytes(t) for t in torch.cuda.get_rng_state_all()]
+        state["cuda"] = [to_bytes(t) for t in torch.cuda.get_rng_state_all()]
     return state
 
 
@@ -77,7 +77,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         version, internal, gauss_next = state["python"]
         random.setstate((int(version), tuple(int(v) for v in internal), gauss_next))
     if "torch" in state:
-        torch.set_rng_state(_to_tensor(state["torch"]))
+        torch.set_rng_state(to_tensor(state["torch"]))
     if "numpy" in state:
         np = _numpy()
         if np is None:
@@ -105,15 +105,15 @@ def _restore_cuda(saved: list[Any]) -> None:
             len(saved), count, min(count, len(saved)),
         )
     for index in range(min(count, len(saved))):
-        torch.cuda.set_rng_state(_to_tensor(saved[index]), index)
+        torch.cuda.set_rng_state(to_tensor(saved[index]), index)
 
 
-def _to_bytes(state: torch.Tensor) -> bytes:
+def to_bytes(state: torch.Tensor) -> bytes:
     return bytes(state.cpu().contiguous().numpy().tobytes()) if _numpy() is not None \
         else bytes(state.cpu().tolist())
 
 
-def _to_tensor(state: Any) -> torch.Tensor:
+def to_tensor(state: Any) -> torch.Tensor:
     """A saved generator state (bytes, or a uint8 tensor from older snapshots) as a tensor."""
     if isinstance(state, (bytes, bytearray)):
         return torch.tensor(list(state), dtype=torch.uint8)

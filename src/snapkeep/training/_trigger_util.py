@@ -73,7 +73,7 @@ class _CallableTrigger(Trigger):
         return bool(self.func(manager))
 
 
-def _never_fire_trigger(manager: ExtensionsManagerProtocol) -> bool:
+def never_fire_trigger(manager: ExtensionsManagerProtocol) -> bool:
     return False
 
 
@@ -130,7 +130,7 @@ def get_trigger(trigger: TriggerLike) -> Trigger:
     if callable(trigger):
         return _CallableTrigger(trigger)
     if trigger is None:
-        return _CallableTrigger(_never_fire_trigger)
+        return _CallableTrigger(never_fire_trigger)
     if isinstance(trigger, (tuple, list)) and len(trigger) == 2:
         period, unit = trigger
         return IntervalTrigger(period, unit)

@@ -17,7 +17,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from snapkeep.training import _trigger_util
+import snapkeep.training._trigger_util as _trigger_util
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
 from snapkeep.training._trigger_util import TriggerLike
 

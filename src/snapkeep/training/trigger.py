@@ -8,10 +8,13 @@ from snapkeep.training._trigger_util import (
     Trigger,
     TriggerFunc,
     TriggerLike,
-    _never_fire_trigger,
     get_trigger,
+    never_fire_trigger,
 )
 from snapkeep.training.triggers.interval_trigger import IntervalTrigger
+
+#: ppe's private name (``ppe.training.trigger._never_fire_trigger``), kept on this ppe path.
+_never_fire_trigger = never_fire_trigger
 
 __all__ = [
     "IntervalTrigger",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -20,6 +20,8 @@ from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.executors import InlineRunner, Runner
 from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.manifest import MANIFEST_SUFFIX
+from snapkeep._core.overlap import OnRace, StagingGuard, arm
+from snapkeep._core.prefault import prefault_before_first_snapshot
 from snapkeep._core.saver import SaveHandle, Saver, Ticket
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.store import Retain
@@ -220,6 +222,60 @@ class Writer:
     def pending(self) -> int:
         """Snapshots staged or being written."""
         return self._saver.pending
+
+    def raise_pending_error(self) -> None:
+        """Raise the oldest background save failure not reported yet, once (others are logged);
+        return when there is none. Does not wait (see :meth:`wait`).
+
+        Raises:
+            SnapshotSaveError: a background save failed (the original error as ``__cause__``).
+        """
+        self._saver.raise_pending_error()
+
+    def arm_overlap(
+        self, optimizers: Iterable[torch.optim.Optimizer], guard: StagingGuard, *,
+        before_copy: Callable[[], None] | None = None, on_race: OnRace | None = None,
+    ) -> bool:
+        """Let the next save stage ``optimizers``' parameters and state in the background while
+        training continues; their ``step()`` waits for the copy and ``guard`` validates it (see
+        :func:`snapkeep._core.overlap.arm`, the snapshot extension's ``overlap``). Call it right
+        before the save, on the training thread; :meth:`disarm_overlap` after it.
+
+        Args:
+            optimizers: the optimizers whose tensors are in the saved tree.
+            guard: validates the background copy (one per extension).
+            before_copy: called in the background thread before it copies.
+            on_race: called with the :class:`StagingRaceError` of a modified tensor (default:
+                raise it at the next safe point).
+
+        Returns:
+            False when nothing was armed: this writer does not stage (``SimpleWriter``), or
+            ``optimizers`` is empty.
+        """
+        return arm(self._saver, optimizers, guard, before_copy=before_copy, on_race=on_race)
+
+    def disarm_overlap(self) -> None:
+        """Undo :meth:`arm_overlap` if the next save has not used it (a save consumes it)."""
+        self._saver.overlap_next(None)
+
+    def prefault(
+        self, state_fn: Callable[[], Any], optimizers: Iterable[torch.optim.Optimizer], *,
+        after_first_step: bool = False,
+    ) -> None:
+        """Prepare this writer's staging buffers for the tree ``state_fn()`` returns, in a
+        background thread, so the first save does not pay for them: now, or after the first
+        ``step()`` of each optimizer without state yet (see
+        :func:`snapkeep._core.prefault.prefault_before_first_snapshot`).
+
+        Args:
+            state_fn: returns the tree a save will stage (called on the caller's thread or right
+                after an optimizer step).
+            optimizers: the optimizers whose state is part of that tree.
+            after_first_step: start only after the first ``step()`` of every optimizer (after
+                a resume: training goes on before the buffers are prepared).
+        """
+        prefault_before_first_snapshot(self._saver, state_fn, optimizers,
+                                       after_first_step=after_first_step)
 
     # -- internals -------------------------------------------------------------------------------
     def _directory(self, out_dir: str) -> str:

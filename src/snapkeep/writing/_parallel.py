@@ -96,7 +96,7 @@ class WorkerProcessMixin:
     def __call__(self, filename: str, out_dir: str, target: Any, *,
                  savefun: SaveFun | None = None, append: bool = False, **extra: Any) -> Any:
         if savefun is not None:
-            _check_picklable(savefun)
+            check_picklable(savefun)
         return super().__call__(  # type: ignore[misc]
             filename, out_dir, target, savefun=savefun, append=append, **extra)
 
@@ -125,7 +125,7 @@ class ProcessWriter(WorkerProcessMixin, StandardWriter):
         start_method: str = "spawn", **kwargs: Any,
     ) -> None:
         self._start_method = start_method
-        _check_picklable(savefun)
+        check_picklable(savefun)
         super().__init__(savefun=savefun, fs=fs, out_dir=out_dir, **kwargs)
 
     def create_worker(
@@ -147,7 +147,7 @@ class ProcessWriter(WorkerProcessMixin, StandardWriter):
         return self._saver.run(ticket)
 
 
-def _check_picklable(savefun: Any) -> None:
+def check_picklable(savefun: Any) -> None:
     if savefun is None:
         return
     if getattr(savefun, "__module__", None) == "__main__":

@@ -15,7 +15,7 @@ from snapkeep._core.errors import SnapshotSaveError, SnapshotTimeoutError, Stagi
 from snapkeep._core.executors import ThreadRunner
 from snapkeep._core.saver import SaveHandle, Ticket
 from snapkeep.writing._base import SaveFun, SimpleWriter, Writer
-from snapkeep.writing._parallel import WorkerProcessMixin, _check_picklable
+from snapkeep.writing._parallel import WorkerProcessMixin, check_picklable
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class ProcessQueueWriter(WorkerProcessMixin, QueueWriter):
         self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "",
         task: Any = None, *, start_method: str = "spawn", **kwargs: Any,
     ) -> None:
-        _check_picklable(savefun)
+        check_picklable(savefun)
         self._start_method = start_method
         super().__init__(savefun=savefun, fs=fs, out_dir=out_dir, task=task, **kwargs)
 

@@ -150,7 +150,7 @@ def _looks_unreachable(exc: BaseException) -> bool:
                          "ConnectionClosedError", "ServerDisconnectedError"})
 
 
-def _raise_failure(
+def raise_failure(
     exc: BaseException, backend_error: BaseException | None, size_bytes: int, target: Target,
     action: str,
 ) -> NoReturn:
@@ -165,7 +165,7 @@ def _raise_failure(
     raise exc
 
 
-class _Sink:
+class Sink:
     """Passes writes through and remembers the first error the backend raised.
 
     ``torch.save`` replaces an exception raised by the file's ``write`` with an opaque
@@ -234,7 +234,7 @@ class ReplaceCommit:
                 raise storage_error(e, target.url, 0, "creating a temporary file for",
                                     target.endpoint) from e
             raise
-        sink = _Sink(raw)
+        sink = Sink(raw)
         hashing = HashingWriter(sink, hashed_by=hasher)  # type: ignore[arg-type]
         try:
             with raw:
@@ -249,7 +249,7 @@ class ReplaceCommit:
             os.replace(tmp, target.path)
         except BaseException as e:
             _unlink_quietly(tmp)
-            _raise_failure(e, sink.error, hashing.size_bytes, target, "writing snapshot")
+            raise_failure(e, sink.error, hashing.size_bytes, target, "writing snapshot")
         fsync_directory(os.path.dirname(target.path) or ".")
         return WriteResult(path=target.path, size_bytes=hashing.size_bytes,
                            checksum=hashing.hexdigest())
@@ -274,7 +274,7 @@ class RenameCommit:
         except Exception as e:
             raise storage_error(e, target.url, 0, "creating a temporary file for",
                                 target.endpoint) from e
-        sink = _Sink(f)
+        sink = Sink(f)
         hashing = HashingWriter(sink)  # type: ignore[arg-type]
         try:
             try:
@@ -287,7 +287,7 @@ class RenameCommit:
             fs.replace(target.temp_path, target.path)
         except BaseException as e:
             _remove_quietly(fs, target.temp_path)
-            _raise_failure(e, sink.error, hashing.size_bytes, target, "writing snapshot")
+            raise_failure(e, sink.error, hashing.size_bytes, target, "writing snapshot")
         return WriteResult(path=target.path, size_bytes=hashing.size_bytes,
                            checksum=hashing.hexdigest())
 

@@ -37,11 +37,11 @@ import numpy as np
 from snapkeep._core.storage._direct_resources import (
     CHUNK_BYTES,
     SUPPORTED,
-    _acquire_buffer,
-    _release_buffer,
-    _set_direct,
-    _write_pool,
+    acquire_buffer,
     open_for_write,
+    release_buffer,
+    set_direct,
+    write_pool,
 )
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class DirectFile:
         self._offset = 0  # file offset of the gathered chunk once writes are positioned
         self._positioned = False  # pwrite(2) at explicit offsets was used
         self._direct_chunks = 0  # direct writes known to be accepted
-        self._buf: mmap.mmap | None = _acquire_buffer()
+        self._buf: mmap.mmap | None = acquire_buffer()
         self._view: memoryview | None = memoryview(self._buf)
         self._fill = 0  # bytes gathered in the buffer
         self.size_bytes = 0  # bytes accepted by write()
@@ -198,7 +198,7 @@ class DirectFile:
                 concurrent.futures.wait([future])
             for _, buf in self._in_flight:
                 if buf is not None:
-                    _release_buffer(buf)
+                    release_buffer(buf)
             self._in_flight.clear()
             if self._view is not None:
                 try:
@@ -207,7 +207,7 @@ class DirectFile:
                     pass
             self._view = None
             if self._buf is not None:
-                _release_buffer(self._buf)
+                release_buffer(self._buf)
             self._buf = None
             os.close(self._fd)
 
@@ -270,7 +270,7 @@ class DirectFile:
                 self._pwrite_now(piece, offset)
             else:
                 self._wait_in_flight(self._streams - 1)
-                self._in_flight.append((_write_pool().submit(_pwrite_chunk, self, piece, offset),
+                self._in_flight.append((write_pool().submit(_pwrite_chunk, self, piece, offset),
                                         None))
             self.in_place_bytes += len(piece)
         self._wait_in_flight(0)  # the caller's memory is its own again when write() returns
@@ -334,13 +334,13 @@ class DirectFile:
         if self._streams == 1 or not self._direct_chunks:
             self._pwrite_now(view, offset)
         else:
-            self._in_flight.append((_write_pool().submit(_pwrite_chunk, self, view, offset),
+            self._in_flight.append((write_pool().submit(_pwrite_chunk, self, view, offset),
                                     buf))
             self._buf, self._view = None, None
         self._offset += length
         self._fill = 0
         self._wait_in_flight(self._streams - 1)
-        self._buf = _acquire_buffer() if self._buf is None else self._buf
+        self._buf = acquire_buffer() if self._buf is None else self._buf
         self._view = memoryview(self._buf) if self._view is None else self._view
 
     def _wait_in_flight(self, keep: int) -> None:
@@ -352,14 +352,14 @@ class DirectFile:
                 future.result()
             except BaseException:
                 if buf is not None:
-                    _release_buffer(buf)
+                    release_buffer(buf)
                 raise
             if buf is None:
                 continue
             if self._buf is None:
                 self._buf, self._view = buf, None
             else:
-                _release_buffer(buf)
+                release_buffer(buf)
 
     def _write_tail_at_offset(self) -> None:
         """The gathered tail once writes are positioned: padded direct, else buffered."""
@@ -385,7 +385,7 @@ class DirectFile:
     def _fall_back(self) -> None:
         """Clear ``O_DIRECT`` on the descriptor; later writes go through the page cache."""
         logger.debug("O_DIRECT write refused; continuing through the page cache")
-        _set_direct(self._fd, False)
+        set_direct(self._fd, False)
         self._direct = False
 
 

@@ -34,14 +34,14 @@ def _new_buffer() -> mmap.mmap:
     return mmap.mmap(-1, CHUNK_BYTES)
 
 
-def _acquire_buffer() -> mmap.mmap:
+def acquire_buffer() -> mmap.mmap:
     with _POOL_LOCK:
         if _POOL:
             return _POOL.pop()
     return _new_buffer()
 
 
-def _release_buffer(buf: mmap.mmap) -> None:
+def release_buffer(buf: mmap.mmap) -> None:
     with _POOL_LOCK:
         if len(_POOL) < _POOL_MAX:
             _POOL.append(buf)
@@ -59,7 +59,7 @@ def _forget_pool_in_child() -> None:
     _WRITE_POOL = None  # its threads did not survive the fork
 
 
-def _write_pool() -> concurrent.futures.ThreadPoolExecutor:
+def write_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _WRITE_POOL
     with _POOL_LOCK:
         if _WRITE_POOL is None:
@@ -72,7 +72,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
-def _set_direct(fd: int, on: bool) -> bool:
+def set_direct(fd: int, on: bool) -> bool:
     """Set or clear ``O_DIRECT`` on ``fd``; False when the filesystem refuses it."""
     import fcntl  # POSIX only; never reached where O_DIRECT does not exist
 
@@ -100,7 +100,7 @@ def open_for_write(path: str, *, direct: bool = True) -> tuple[int, bool]:
     if not (direct and SUPPORTED):
         return fd, False
     try:
-        on = _set_direct(fd, True)
+        on = set_direct(fd, True)
     except BaseException:
         os.close(fd)
         raise

@@ -9,12 +9,12 @@ from typing import Any
 
 from snapkeep._core.checksum import HashingWriter
 from snapkeep._core.storage._commit import (
+    Sink,
     Target,
     WriteFn,
     WriteResult,
-    _raise_failure,
-    _Sink,
     check_publish,
+    raise_failure,
 )
 
 logger = logging.getLogger(__name__)
@@ -41,19 +41,19 @@ class ObjectPutCommit:
 
     def write(self, fs: Any, target: Target, write_fn: WriteFn) -> WriteResult:
         upload = _Upload(fs, target.path, self.spill_bytes)
-        sink = _Sink(upload)
+        sink = Sink(upload)
         hashing = HashingWriter(sink)  # type: ignore[arg-type]
         try:
             write_fn(hashing)  # type: ignore[arg-type]
         except BaseException as e:
             upload.discard()
-            _raise_failure(e, sink.error, hashing.size_bytes, target, "uploading snapshot")
+            raise_failure(e, sink.error, hashing.size_bytes, target, "uploading snapshot")
         try:
             check_publish()
             upload.commit()
         except BaseException as e:
             upload.discard()
-            _raise_failure(e, e if isinstance(e, Exception) else None, hashing.size_bytes,
+            raise_failure(e, e if isinstance(e, Exception) else None, hashing.size_bytes,
                            target, "uploading snapshot")
         return WriteResult(path=target.path, size_bytes=hashing.size_bytes,
                            checksum=hashing.hexdigest())

@@ -13,7 +13,7 @@ import torch.distributed
 
 from snapkeep.store import Entry, SnapshotStore
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
-from snapkeep.training.extensions._snapshot import _Snapshot
+from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ RANK_RNG_KEY = "_rng_state_by_rank"
 """Key of the per-rank RNG states in a distributed manager snapshot (list indexed by rank)."""
 
 
-class _DistributedSnapshot(_Snapshot):
+class _DistributedSnapshot(SnapshotExtension):
     """Snapshot under ``torch.distributed``: only ``saver_rank`` writes; all ranks load the
     snapshot the saver rank chose (as ppe's ``_DistributedSnapshot``)."""
 
@@ -95,3 +95,9 @@ class _DistributedSnapshot(_Snapshot):
         chosen: list[Entry] = box[0]
         return [Entry(name=e.name, path=store.storage.join(store.directory, e.name),
                       key=e.key, step=e.step) for e in chosen]
+
+
+#: The public name of :class:`_DistributedSnapshot`. The class keeps ppe's name
+#: ``_DistributedSnapshot``: it is the extension's default name, under which its state is saved
+#: in a manager's state dict.
+DistributedSnapshotExtension = _DistributedSnapshot

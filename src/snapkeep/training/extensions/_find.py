@@ -15,7 +15,7 @@ def _store_for(fmt: str, path: str, fs: Any) -> SnapshotStore:
     return open_store(path, fmt, fs=fs, storage_options=options or None)
 
 
-def _find_snapshot_files(
+def find_snapshot_files(
     fmt: str, path: str, fs: Any = None,
 ) -> list[tuple[tuple[float, ...], str]]:
     """Snapshot files of template ``fmt`` directly under ``path``, as ppe's helper of that name.
@@ -33,20 +33,20 @@ def _find_snapshot_files(
     return [(entry.key, entry.name) for entry in _store_for(fmt, path, fs).entries()]
 
 
-def _find_latest_snapshot(fmt: str, path: str, fs: Any = None) -> str | None:
+def find_latest_snapshot(fmt: str, path: str, fs: Any = None) -> str | None:
     """Name of the snapshot with the highest step in ``path`` (None when there is none), as
     ppe's helper of that name but by step instead of mtime. The file is not verified here;
     ``autoload`` verifies and falls back to older snapshots."""
-    files = _find_snapshot_files(fmt, path, fs)
+    files = find_snapshot_files(fmt, path, fs)
     return files[-1][1] if files else None
 
 
-def _find_stale_snapshots(
+def find_stale_snapshots(
     fmt: str, path: str, n_retains: int, fs: Any = None
 ) -> Iterator[str]:
     """Names of the snapshots beyond the newest ``n_retains`` by step, oldest first (as ppe's
     helper of that name, which used mtime). Yields nothing when ``n_retains`` <= 0."""
-    files = _find_snapshot_files(fmt, path, fs)
+    files = find_snapshot_files(fmt, path, fs)
     if n_retains <= 0:
         return
     for _, name in files[: max(len(files) - n_retains, 0)]:

@@ -140,11 +140,11 @@ class Preemption(extension.Extension):
 
     # -- the snapshot extensions -------------------------------------------------------------------
     def _snapshot_extensions(self, manager: Any) -> list[Any]:
-        from snapkeep.training.extensions._snapshot import _Snapshot
+        from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
 
         entries = getattr(manager, "_extensions", {})
         return [e.extension for e in entries.values()
-                if isinstance(getattr(e, "extension", None), _Snapshot)]
+                if isinstance(getattr(e, "extension", None), SnapshotExtension)]
 
     def _watch_snapshots(self, manager: Any) -> None:
         """Remember the iteration of each snapshot extension's last snapshot, so a preemption at

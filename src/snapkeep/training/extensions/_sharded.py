@@ -19,7 +19,8 @@ Layout of the DCP state (its flattened keys are what DCP's tools show)::
                                             iteration, extensions, triggers...)
     rank_state.rank<r>                      bytes: torch.save of rank r's RNG states
 
-Building that state and applying a loaded one is :mod:`._sharded_state`.
+Building that state and applying a loaded one is :class:`._sharded_state.ShardedStateLayout`,
+which the extension holds.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from snapkeep.training.extensions._resume_notice import (
     skipped_on_ranks,
 )
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
-from snapkeep.training.extensions._snapshot import _metrics, _Snapshot
+from snapkeep.training.extensions._snapshot_extension import SnapshotExtension, observed_metrics
 from snapkeep.writing import Writer as _SnapkeepWriter
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def sharded_snapshot(
         timeout_s=timeout_s, quiet=quiet)
 
 
-class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
+class _ShardedSnapshot(SnapshotExtension):
     """See :func:`sharded_snapshot`."""
 
     def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, saver_rank: int | None = None,
@@ -143,6 +144,7 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         self._sharded_store: ShardedStore | None = None
         self._saver: ShardedSaver | None = None
         self._incomplete: list[Entry] = []
+        self._layout = ShardedStateLayout(target=self._target, weights_only=self._weights_only)
 
     # -- setup ---------------------------------------------------------------------------------
     @property
@@ -225,7 +227,7 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         if on_error:  # mid-iteration state: never under a clean snapshot's name
             name += ON_ERROR_SUFFIX
         job = ShardedJob(name=name, step=int(manager.iteration), run_id=self._run_id,
-                         metrics=_metrics(manager), version=_version())
+                         metrics=observed_metrics(manager), version=_version())
         if not on_error:
             self._check_metrics(job)
         if self._on_save_error == "log":
@@ -235,7 +237,7 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
                 logger.error("rank %d: an earlier sharded snapshot failed and "
                              "on_save_error='log': %s", self.rank, e)
         try:
-            saver.save(self._state(manager), job)
+            saver.save(self._layout.state(manager, self.rank), job)
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
                 raise
@@ -344,15 +346,15 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         error: BaseException | None = None
         template: dict[str, Any] = {}
         try:
-            template = self._load_template(
-                manager, saved_keys(store, entry, weights_only=self._weights_only))
+            template = self._layout.load_template(
+                manager, saved_keys(store, entry, weights_only=self._weights_only), self.rank)
         except Exception as e:  # exchanged below: every rank fails together
             error = e
         _together(control, error, what=f"{what}: preparing to load {entry.path}",
                   timeout_s=timeout_s)
         try:
             load_sharded(store, entry, template, groups=groups, weights_only=self._weights_only)
-            self._apply_loaded(manager, template, entry)
+            self._layout.apply_loaded(manager, template, entry, self.rank)
         except Exception as e:  # exchanged below
             error = e
         _together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
@@ -367,6 +369,12 @@ class _ShardedSnapshot(ShardedStateLayout, _Snapshot):
         announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
                  quiet=self._quiet, rank=self.rank)
         return entry.name
+
+
+#: The public name of :class:`_ShardedSnapshot`. The class keeps ppe's name ``_ShardedSnapshot``:
+#: it is the extension's default name, under which its state is saved in a manager's state
+#: dict.
+ShardedSnapshotExtension = _ShardedSnapshot
 
 
 def _together(control: Any, error: BaseException | None, *, what: str,

@@ -1,18 +1,19 @@
 """The DCP state of a sharded snapshot: how :class:`~._sharded._ShardedSnapshot` maps its target
 to the layout in :mod:`._sharded`'s docstring and back.
 
-:class:`ShardedStateLayout` is a base of the extension; the extension's ``__init__`` sets the
-attributes it declares (``_target``, ``_weights_only``) and the extension defines ``rank``.
-Models and optimizers go through ``torch.distributed.checkpoint.state_dict``; other objects are
-``torch.save`` bytes (loaded with ``weights_only`` as the extension was told).
+:class:`ShardedStateLayout` is held by the extension (built from its target and ``weights_only``);
+the extension passes its rank to each call. Models and optimizers go through
+``torch.distributed.checkpoint.state_dict``; other objects are ``torch.save`` bytes (loaded with
+``weights_only`` as the extension was told).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,27 +25,22 @@ logger = logging.getLogger(__name__)
 _MANAGER_OBJECT = "manager"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardedStateLayout:
     """Builds the state a sharded snapshot saves, the template it loads into, and applies it.
 
-    Attributes (set by the extension's ``__init__``):
-        _target: what to snapshot (None: the manager).
-        _weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
+    Attributes:
+        target: what to snapshot (None: the manager).
+        weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
     """
 
-    _target: Any
-    _weights_only: bool
-
-    if TYPE_CHECKING:
-        @property
-        def rank(self) -> int:
-            """This process's rank in snapkeep's groups (0 without a process group)."""
-            ...
+    target: Any
+    weights_only: bool
 
     def _parts(self, manager: Any) -> tuple[dict[str, torch.nn.Module],
                                             dict[str, torch.optim.Optimizer], dict[str, Any]]:
         """``(models, optimizers, other objects)`` of the target."""
-        target = manager if self._target is None else self._target
+        target = manager if self.target is None else self.target
         if target is manager:
             return dict(manager.models), dict(manager.optimizers), {_MANAGER_OBJECT: manager}
         objects = dict(target) if type(target) is dict else {"target": target}
@@ -64,14 +60,15 @@ class ShardedStateLayout:
                          f"{sorted(models)}; SHARDED saves optimizers with their model")
 
     def _other_state(self, name: str, obj: Any) -> Any:
-        if name == _MANAGER_OBJECT and self._target is None:
+        if name == _MANAGER_OBJECT and self.target is None:
             state = dict(obj.state_dict())
             for key in ("models", "optimizers", "_rng_state"):
                 state.pop(key, None)
             return state
         return obj.state_dict()
 
-    def _state(self, manager: Any) -> dict[str, Any]:
+    def state(self, manager: Any, rank: int) -> dict[str, Any]:
+        """The DCP state to save of ``manager``'s target; ``rank``: this process's rank."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -83,11 +80,16 @@ class ShardedStateLayout:
                            for n, o in optimizers.items()},
             "objects": {n: _to_bytes(self._other_state(n, o)) for n, o in others.items()},
         }
-        if self._target is None and getattr(manager, "_save_rng_state", False):
-            state["rank_state"] = {f"rank{self.rank}": _to_bytes(capture_rng_state())}
+        if self.target is None and getattr(manager, "_save_rng_state", False):
+            state["rank_state"] = {f"rank{rank}": _to_bytes(capture_rng_state())}
         return state
 
-    def _load_template(self, manager: Any, keys: set[str]) -> dict[str, Any]:
+    def load_template(self, manager: Any, keys: set[str], rank: int) -> dict[str, Any]:
+        """What to load a snapshot holding the flattened ``keys`` into, on ``rank``.
+
+        Raises:
+            KeyError: the snapshot lacks an object of the target (saved from another target).
+        """
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -102,20 +104,22 @@ class ShardedStateLayout:
         missing = [f"objects.{n}" for n in others if f"objects.{n}" not in keys]
         if missing:
             raise KeyError(f"the snapshot lacks {missing}; it was saved from another target")
-        own = f"rank{self.rank}"
-        if self._target is None and f"rank_state.{own}" in keys:
+        own = f"rank{rank}"
+        if self.target is None and f"rank_state.{own}" in keys:
             template["rank_state"] = {own: b""}
         return template
 
-    def _apply_loaded(self, manager: Any, loaded: dict[str, Any], entry: Entry) -> None:
+    def apply_loaded(self, manager: Any, loaded: dict[str, Any], entry: Entry, rank: int) -> None:
+        """Set ``manager``'s target from ``loaded`` (a filled :meth:`load_template`) of
+        ``entry``."""
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
             set_optimizer_state_dict,
         )
         models, optimizers, others = self._parts(manager)
         for name, obj in others.items():
-            state = _from_bytes(loaded["objects"][name], self._weights_only)
-            if name == _MANAGER_OBJECT and self._target is None:
+            state = _from_bytes(loaded["objects"][name], self.weights_only)
+            if name == _MANAGER_OBJECT and self.target is None:
                 # the manager's own loader restores iteration, extensions and triggers; models
                 # and optimizers are set from the sharded state just below
                 state = {**state,
@@ -127,12 +131,12 @@ class ShardedStateLayout:
         for name, optimizer in optimizers.items():
             set_optimizer_state_dict(self._model_of(optimizer, models, name), optimizer,
                                      loaded["optimizers"][name])
-        rank_state = loaded.get("rank_state", {}).get(f"rank{self.rank}")
+        rank_state = loaded.get("rank_state", {}).get(f"rank{rank}")
         if rank_state is not None and getattr(manager, "_save_rng_state", False):
-            restore_rng_state(_from_bytes(rank_state, self._weights_only))
-        elif self._target is None and getattr(manager, "_save_rng_state", False):
+            restore_rng_state(_from_bytes(rank_state, self.weights_only))
+        elif self.target is None and getattr(manager, "_save_rng_state", False):
             logger.warning("rank %d: %s holds no RNG state of this rank (saved on fewer ranks); "
-                           "its random streams start from the current state", self.rank,
+                           "its random streams start from the current state", rank,
                            entry.path)
 
 

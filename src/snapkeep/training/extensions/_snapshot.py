@@ -31,16 +31,23 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from snapkeep.retention import RetentionPolicy
-from snapkeep.training.extensions._find import (  # noqa: F401  (ppe's helpers, importable here)
-    _find_latest_snapshot,
-    _find_snapshot_files,
-    _find_stale_snapshots,
+from snapkeep.training.extensions._find import (
+    find_latest_snapshot,
+    find_snapshot_files,
+    find_stale_snapshots,
 )
-from snapkeep.training.extensions._snapshot_extension import (  # noqa: F401  (importable here)
-    ON_SAVE_ERROR,
-    _metrics,
-    _Snapshot,
-)
+from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
+
+# -- ppe compatibility ----------------------------------------------------------------------------
+# This module is ppe's ``training/extensions/_snapshot.py`` path, and the one snapkeep module that
+# keeps ppe's private names of it importable (code written against ppe imports them from here):
+# ``_find_snapshot_files``, ``_find_latest_snapshot``, ``_find_stale_snapshots``, ``_Snapshot`` and
+# ``_DistributedSnapshot``. Snapkeep's own code imports the public names from their homes.
+# tests/interop/test_ppe_private_paths.py checks that these paths resolve.
+_find_snapshot_files = find_snapshot_files
+_find_latest_snapshot = find_latest_snapshot
+_find_stale_snapshots = find_stale_snapshots
+_Snapshot = SnapshotExtension
 
 
 class SnapshotMode(enum.Enum):
@@ -175,13 +182,16 @@ def snapshot(
     if snapshot_mode in (SnapshotMode.DEFAULT, SnapshotMode.DISTRIBUTED):
         if saver_rank is None:
             raise ValueError("snapshot_mode=DISTRIBUTED requires saver_rank (an int rank)")
-        from snapkeep.training.extensions._distributed import _DistributedSnapshot
+        from snapkeep.training.extensions._distributed import DistributedSnapshotExtension
 
-        return _DistributedSnapshot(saver_rank=saver_rank, timeout_s=timeout_s, **kwargs)
+        return DistributedSnapshotExtension(saver_rank=saver_rank, timeout_s=timeout_s, **kwargs)
     if snapshot_mode == SnapshotMode.SHARDED:
-        from snapkeep.training.extensions._sharded import _ShardedSnapshot  # imports this module
+        from snapkeep.training.extensions._sharded import (  # imports this module
+            ShardedSnapshotExtension,
+        )
 
-        return _ShardedSnapshot(saver_rank=saver_rank, timeout_s=timeout_s or 600.0, **kwargs)
+        return ShardedSnapshotExtension(saver_rank=saver_rank, timeout_s=timeout_s or 600.0,
+                                        **kwargs)
     raise ValueError(f"snapshot_mode must be a SnapshotMode, got {snapshot_mode!r}")
 
 

@@ -18,15 +18,16 @@ from typing import Any
 
 import torch
 
+import snapkeep.training.extension as extension
+import snapkeep.training.extensions._lineage as _lineage
+import snapkeep.training.extensions._restore as _restore
 from snapkeep.errors import SnapshotError
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
 from snapkeep.staging import (
     StagingGuard,
     StagingRaceError,
-    arm,
     into_existing_state,
     optimizers_in,
-    prefault_before_first_snapshot,
 )
 from snapkeep.store import (
     ON_ERROR_SUFFIX,
@@ -40,10 +41,8 @@ from snapkeep.store import (
     one_pass_loader,
     warn_user,
 )
-from snapkeep.training import extension
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training._data_position import check_loaders
-from snapkeep.training.extensions import _lineage, _restore
 from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE
 from snapkeep.training.extensions._resume_notice import (
     ResumeNotice,
@@ -213,9 +212,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             raise
         if self._is_saver() and isinstance(self.writer, _SnapkeepWriter):  # no first-call penalty
             target = manager if self._target is None else self._target
-            prefault_before_first_snapshot(self.writer._saver, lambda: self._state(manager),
-                                           optimizers_in(target),
-                                           after_first_step=loaded is not None)
+            self.writer.prefault(lambda: self._state(manager), optimizers_in(target),
+                                 after_first_step=loaded is not None)
         if restored is not None and self.autoload and restored.newer_than_storage:
             self._make_snapshot(manager)  # persist the RAM step first (memory tier)
         return loaded
@@ -316,7 +314,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if on_error:
             filename += ON_ERROR_SUFFIX
         if isinstance(writer, _SnapkeepWriter):
-            extra = {"step": int(manager.iteration), "metrics": _metrics(manager),
+            extra = {"step": int(manager.iteration), "metrics": observed_metrics(manager),
                      "run_id": self._run_id}
             store = self._store_of(manager, quiet=True)
             if store is not None and not on_error:
@@ -327,14 +325,14 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                                          policy=None if on_error else self._retention)
         if self._on_save_error == "log" and isinstance(writer, _SnapkeepWriter):
             try:  # an earlier background failure is logged here, so this snapshot is still taken
-                writer._saver.raise_pending_error()
+                writer.raise_pending_error()
             except (SnapshotError, OSError) as e:
                 logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
         self._staging_guard.settle()  # a safe point: the previous snapshot's verdict first
         if self._overlap_on and isinstance(writer, _SnapkeepWriter):
             target = manager if self._target is None else self._target
-            arm(writer._saver, optimizers_in(target), self._staging_guard,
-                before_copy=self._overlap_before_copy, on_race=self._on_staging_race)
+            writer.arm_overlap(optimizers_in(target), self._staging_guard,
+                               before_copy=self._overlap_before_copy, on_race=self._on_staging_race)
         try:
             writer(filename, manager.out, state, savefun=self._savefun, **extra)
         except (SnapshotError, OSError) as e:
@@ -344,7 +342,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                          filename, manager.iteration, e)
         finally:
             if isinstance(writer, _SnapkeepWriter):
-                writer._saver.overlap_next(None)  # never left armed for a direct writer call
+                writer.disarm_overlap()  # never left armed for a direct writer call
 
     # -- the store and autoload -----------------------------------------------------------------
     def _store_of(self, manager: Any, *, quiet: bool = False) -> SnapshotStore | None:
@@ -424,6 +422,11 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         """Hook for the distributed snapshot (per-rank RNG)."""
 
 
+#: The public name of :class:`_Snapshot`. The class keeps ppe's name ``_Snapshot``: it is the
+#: extension's default name, under which its state is saved in a manager's state dict.
+SnapshotExtension = _Snapshot
+
+
 def refuse_dtensor_models(target: Any) -> None:
     """A single-file snapshot of FSDP2 models would hold one rank's shards; refuse it."""
     where = dtensor_models(target)
@@ -434,7 +437,9 @@ def refuse_dtensor_models(target: Any) -> None:
             "saves through torch.distributed.checkpoint and resumes into any wrapping")
 
 
-def _metrics(manager: Any) -> dict[str, float]:
+def observed_metrics(manager: Any) -> dict[str, float]:
+    """The finite scalar values of ``manager.observation`` by key (one-element tensors as
+    floats): what a snapshot's manifest records as its metrics."""
     observation = getattr(manager, "observation", None) or {}
     out: dict[str, float] = {}
     for key, value in observation.items():

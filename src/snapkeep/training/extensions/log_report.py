@@ -87,11 +87,11 @@ class _LogBuffer:
         """Entries held (not yet cleared by every looker)."""
         return len(self._log)
 
-    def emit_new_looker(self) -> _LogLooker:
+    def emit_new_looker(self) -> LogLooker:
         """A new reader that starts after the entries held now."""
         looker_id = len(self.lookers)
         self.lookers[looker_id] = self._offset + len(self._log)
-        return _LogLooker(self, looker_id)
+        return LogLooker(self, looker_id)
 
     def replace(self, entries: list[dict[str, Any]]) -> None:
         """Holds ``entries`` instead, unread by every looker (used when a snapshot is loaded)."""
@@ -111,7 +111,7 @@ class _LogBuffer:
             self._offset = oldest
 
 
-class _LogLooker:
+class LogLooker:
     """One reader's view of a :class:`_LogBuffer`."""
 
     def __init__(self, buffer: _LogBuffer, looker_id: int) -> None:

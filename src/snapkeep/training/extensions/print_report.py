@@ -17,7 +17,7 @@ import tqdm
 
 from snapkeep.training import extension
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
-from snapkeep.training.extensions.log_report import LogReport, _LogLooker
+from snapkeep.training.extensions.log_report import LogLooker, LogReport
 
 __all__ = ["PrintReport", "create_header_and_templates", "filter_and_sort_entries"]
 
@@ -84,7 +84,7 @@ class PrintReport(extension.Extension):
         self._entries: list[str] = [] if entries is None else list(entries)
         self._log_report = log_report
         self._out = out
-        self._looker: _LogLooker | None = None
+        self._looker: LogLooker | None = None
         header, self._templates = create_header_and_templates(self._entries)
         self._header: str | None = header  # printed at the first call
         self._all_entries: list[str] = []

@@ -8,7 +8,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from snapkeep import reporting
+import snapkeep.reporting as reporting
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
 from snapkeep.training._trigger_util import Trigger, TriggerLike, UnitLiteral, get_trigger
 from snapkeep.training.triggers.interval_trigger import IntervalTrigger

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from snapkeep import reporting
+import snapkeep.reporting as reporting
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
 from snapkeep.training._trigger_util import Trigger, TriggerLike, get_trigger
 
