@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -151,7 +152,7 @@ def test_safetensors_custom_separator():
     assert list(loaded) == ["a/b"] and torch.equal(loaded["a/b"]["c"], torch.ones(1))
 
 
-def test_safetensors_snapshot_autoloads_and_is_verified(tmp_path):
+def test_safetensors_snapshot_autoloads_and_is_verified(tmp_path, capfd):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     writer = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))
@@ -194,6 +195,8 @@ def test_safetensors_snapshot_autoloads_and_is_verified(tmp_path):
                                 writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
     ext = extensions.snapshot_object(again, "model_{.iteration}.safetensors", autoload=True)
     manager.extend(ext)
-    with pytest.warns(RuntimeWarning, match="model_2.safetensors .*checksum"):
-        manager.start_extensions()
+    capfd.readouterr()
+    manager.start_extensions()
+    notice = capfd.readouterr().err  # autoload's resume notice names what it skipped and why
+    assert re.search(r"snapkeep: skipped model_2\.safetensors \(step 2\): .*checksum", notice)
     assert ext.loaded_entry.name == "model_1.safetensors"
