@@ -226,6 +226,26 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> DemoRes
         torch.use_deterministic_algorithms(saved_deterministic)
 
 
+class RunSettings:
+    """The settings that decide the data order (seed, batch size), kept in the snapshot: a rerun
+    with other settings is refused before anything is loaded, instead of mixing two runs."""
+
+    def __init__(self, *, seed: int, batch_size: int) -> None:
+        self.settings = {"seed": seed, "batch_size": batch_size}
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.settings)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raises:
+            ValueError: the snapshot was taken with other settings (names both values)."""
+        for key, value in self.settings.items():
+            if key in state and int(state[key]) != value:
+                raise ValueError(
+                    f"the snapshot was taken with {key}={int(state[key])}, this run {value}: "
+                    "rerun with the same settings to resume, or use another --out")
+
+
 def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
     train_x, train_y, test_x, test_y = load_digits_split()
     # The demo only draws from torch's generator; seeding the others too makes the whole
@@ -247,7 +267,8 @@ def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
     manager = ExtensionsManager(
         model, optimizer, max_epochs=1, iters_per_epoch=len(loader),
         out_dir=config.out_dir, writer=writer, stop_trigger=ReachedIteration(config.iterations),
-        state_objects={"last_loss": last_loss},
+        state_objects={"last_loss": last_loss,
+                       "settings": RunSettings(seed=config.seed, batch_size=config.batch_size)},
     )
     snap = TimedSnapshot(extensions.snapshot(
         filename=TEMPLATE, writer=writer, n_retains=config.n_retains, autoload=True,
