@@ -74,7 +74,8 @@ def test_fsdp2_plain_loop_killed_at_a_random_step_ends_bit_identical(tmp_path: P
     listing = sorted(os.listdir(killed / "ckpt"))
     assert listing == [".snapkeep", f"ckpt_{ITERS - 2}", f"ckpt_{ITERS}"], listing
     assert sorted(os.listdir(killed / "ckpt" / f"ckpt_{ITERS}")) == [
-        ".metadata", ".snapkeep-commit.json", "__0_0.distcp", "__1_0.distcp"]
+        ".metadata", ".snapkeep-commit.json", ".snapkeep-in-progress", "__0_0.distcp",
+        "__1_0.distcp"]  # the in-progress mark stays: the sweep's proof that snapkeep wrote it
 
 
 @pytest.mark.timeout(2 * BOUND_S)
