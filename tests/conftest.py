@@ -12,9 +12,9 @@ import psutil
 import pytest
 import torch
 
-from leak_check import LONG_LIVED_PIDS
 from snapkeep._core.shm import ARENA_PREFIX
 from snapkeep._core.storage import TEMP_MARKER
+from support.leak_check import LONG_LIVED_PIDS
 
 #: How long a test's child processes may take to exit after it returns (a worker finishing its
 #: shutdown), in seconds; polled, never slept through.

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from snapkeep.cli import cli
-from subprocess_util import default_sigint
+from support.subprocess_util import default_sigint
 
 pytest.importorskip("sklearn")
 

@@ -16,8 +16,8 @@ import re
 import pytest
 
 import snapkeep.errors
-from doc_examples import python_blocks, run_example_twice
 from snapkeep._core.manifest import Manifest
+from support.doc_examples import python_blocks, run_example_twice
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 BLOCKS = [(page.name, i, block)

@@ -1,5 +1,5 @@
 """The README's runnable examples run as written (in a fresh directory, twice: the second run
-resumes from the first one's snapshots); see tests/doc_examples.py."""
+resumes from the first one's snapshots); see tests/support/doc_examples.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from doc_examples import python_blocks, run_example_twice
+from support.doc_examples import python_blocks, run_example_twice
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = [b for b in python_blocks(README.read_text()) if "manager.finalize()" in b]

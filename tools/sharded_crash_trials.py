@@ -40,12 +40,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed" / "sharded_worker.py"
 sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(WORKER.parent))
-
-from ranks import finish, rank_env, start  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests"))  # support.ranks
 
 from snapkeep._core.distributed.sharded_store import ShardedStore  # noqa: E402
 from snapkeep._core.storage import resolve_storage  # noqa: E402
+from support.ranks import finish, rank_env, start  # noqa: E402
 
 ITERS = 150
 KILL_WITHIN_S = 6.0

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed
-from ranks import finish, rank_env, run
+
+from support.ranks import finish, rank_env, run
 
 WORKER = Path(__file__).with_name("agreement_worker.py")
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ranks
 import torch
+
+from support import ranks
 
 WORKER = Path(__file__).with_name("checkpointer_worker.py")
 ITERS = 14

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 import torch.distributed
-from ranks import rank_env
+
+from support.ranks import rank_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

@@ -27,7 +27,8 @@ from typing import Any
 import pytest
 import torch.distributed
 from memory_tier_worker import reference
-from ranks import finish, run, start
+
+from support.ranks import finish, run, start
 
 WORKER = Path(__file__).with_name("memory_tier_worker.py")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch.distributed
-from ranks import finish, reports, run, start
 
 from snapkeep.training.extensions import EXIT_CODE_PREEMPTED
+from support.ranks import finish, reports, run, start
 
 WORKER = Path(__file__).with_name("preemption_worker.py")
 TIMEOUT_S = 120

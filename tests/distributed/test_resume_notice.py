@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed
-from ranks import rank_env
 
 from snapkeep.distributed import MARKER_NAME
 from snapkeep.training import extensions as ext
+from support.ranks import rank_env
 
 WORKER = Path(__file__).with_name("notice_worker.py")
 TIMEOUT_S = 120

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed
 from click.testing import CliRunner
-from ranks import rank_env
 
 from snapkeep import writing
 from snapkeep.cli import cli
 from snapkeep.store import resolve_storage, run_status, write_run_status
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
+from support.ranks import rank_env
 
 WORKER = Path(__file__).with_name("status_worker.py")
 TIMEOUT_S = 120

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed
-from ranks import finish, reports, run, start
+
+from support.ranks import finish, reports, run, start
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TIMEOUT_S = 150

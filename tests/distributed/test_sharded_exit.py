@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 import torch.distributed
-from ranks import rank_env
+
+from support.ranks import rank_env
 
 EXIT_BOUND_S = 90  # generous for a loaded CI machine; a healthy run takes a few seconds
 MARKER = ".snapkeep-commit.json"

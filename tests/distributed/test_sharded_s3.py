@@ -5,7 +5,6 @@ ranks (FSDP2), each rank uploads its shard and the job resumes resharded on 1 ra
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,8 @@ import torch
 from snapkeep import writing
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))
-from ranks import reports, run  # noqa: E402
-from storage_backends import s3_options, start_moto_server  # noqa: E402
+from support.ranks import reports, run
+from support.storage_backends import s3_options, start_moto_server
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
 TIMEOUT_S = 150

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed
-from ranks import finish, start
+
+from support.ranks import finish, start
 
 WORKER = Path(__file__).with_name("wrapping_worker.py")
 TIMEOUT_S = 120

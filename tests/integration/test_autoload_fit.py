@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from integration_support import TEMPLATE, listing, param_value, train
 
 import snapkeep
 from snapkeep.training import ExtensionsManager, extensions
+from support.integration import TEMPLATE, listing, param_value, train
 
 
 class Counter:
@@ -124,7 +124,7 @@ def test_a_fitting_snapshot_still_loads(tmp_path):
 
 def test_integration_helpers_still_fit(tmp_path):
     """The plain manager snapshot of the integration runs fits (no false mismatch)."""
-    from integration_support import make_run
+    from support.integration import make_run
 
     manager, _, model = make_run(tmp_path)
     train(manager, model, 2)

@@ -8,10 +8,10 @@ import json
 import logging
 
 import pytest
-from integration_support import assert_params, listing, make_run, train
 
 from snapkeep._core.manifest import ManifestError, read_manifest
 from snapkeep._core.storage import resolve_storage
+from support.integration import assert_params, listing, make_run, train
 
 BAD_FIELDS = [
     pytest.param({"metrics": [1, 2]}, id="metrics-list"),

@@ -16,12 +16,12 @@ import subprocess
 
 import pytest
 import torch
-from integration_support import listing, make_model, make_run, train
 
 import snapkeep
 from snapkeep._core.commit import commit_job
 from snapkeep._core.job import SaveJob
 from snapkeep._core.storage import RenameCommit, ReplaceCommit, Storage, resolve_storage
+from support.integration import listing, make_model, make_run, train
 
 WIDTH = 300  # a snapshot of ~0.35 MiB
 

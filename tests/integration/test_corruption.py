@@ -10,7 +10,10 @@ import shutil
 
 import pytest
 import torch
-from integration_support import (
+
+import snapkeep
+from snapkeep.training import extensions
+from support.integration import (
     assert_params,
     listing,
     make_model,
@@ -18,9 +21,6 @@ from integration_support import (
     snapshots,
     train,
 )
-
-import snapkeep
-from snapkeep.training import extensions
 
 
 def _three_snapshots(out) -> list[str]:

@@ -15,11 +15,11 @@ import subprocess
 
 import pytest
 import torch
-from integration_support import assert_params, listing, make_model, make_run, train
 
 import snapkeep
 from snapkeep._core.storage import TEMP_MARKER, resolve_storage
 from snapkeep._core.store import SnapshotStore
+from support.integration import assert_params, listing, make_model, make_run, train
 
 TMPFS_BYTES = 2 << 20
 #: Parameters of a model whose snapshot is ~0.8 MiB: two fit into the tmpfs, the third does not.

@@ -9,7 +9,8 @@ import warnings
 
 import pytest
 import torch
-from integration_support import listing, make_run, manifests_of, snapshots, train
+
+from support.integration import listing, make_run, manifests_of, snapshots, train
 
 
 def _run_ids(directory) -> dict[str, str | None]:

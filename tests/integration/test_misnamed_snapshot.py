@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import shutil
 
-from integration_support import make_run, train
-
 import snapkeep
+from support.integration import make_run, train
 
 
 def test_a_snapshot_copied_under_a_newer_steps_name_is_not_resumed(tmp_path):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from doc_examples import python_blocks
+from support.doc_examples import python_blocks
 
 PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "plain-loop.md"
 TOTAL_STEPS = 120

@@ -11,7 +11,12 @@ import os
 import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
-from integration_support import (
+
+import snapkeep
+from snapkeep._core.store import SnapshotStore
+from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest
+from snapkeep.training.extensions._snapshot import _Snapshot
+from support.integration import (
     assert_params,
     listing,
     make_model,
@@ -20,11 +25,6 @@ from integration_support import (
     snapshots,
     train,
 )
-
-import snapkeep
-from snapkeep._core.store import SnapshotStore
-from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest
-from snapkeep.training.extensions._snapshot import _Snapshot
 
 
 def _expect(*steps: int) -> list[str]:

@@ -12,16 +12,16 @@ import sys
 import textwrap
 
 import pytest
-from integration_support import assert_params, listing, make_run, train
 
 import snapkeep
+from support.integration import assert_params, listing, make_run, train
 
 WAIT_S = 60
 
 CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[2])
-    from integration_support import make_run, train
+    from support.integration import make_run, train
     import snapkeep
     manager, _, model = make_run(sys.argv[1])
     try:
@@ -39,8 +39,8 @@ CHILD = textwrap.dedent("""
 
 def _child(out) -> subprocess.Popen[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    here = os.path.dirname(os.path.abspath(__file__))
-    return subprocess.Popen([sys.executable, "-c", CHILD, str(out), here], env=env,
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # support.integration
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(out), tests], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -171,7 +171,7 @@ FORKING_CHILD = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, sys.argv[2])
     import torch
-    from integration_support import make_run, train
+    from support.integration import make_run, train
     manager, _, model = make_run(sys.argv[1])
     train(manager, model, 2)  # the lock is held from here on
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=1, num_workers=2,
@@ -193,8 +193,8 @@ def test_forked_children_of_a_sigkilled_trainer_do_not_hold_the_lock(tmp_path):
     """kill -9 of only the trainer's pid: its DataLoader workers and an os.fork child live on
     (in their own process group), yet a restart gets the lock at once."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.Popen([sys.executable, "-c", FORKING_CHILD, str(tmp_path), here], env=env,
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # support.integration
+    proc = subprocess.Popen([sys.executable, "-c", FORKING_CHILD, str(tmp_path), tests], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

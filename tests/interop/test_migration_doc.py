@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from doc_examples import python_blocks
+from support.doc_examples import python_blocks
 
 pytest.importorskip("pytorch_pfn_extras")
 

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from storage_backends import BUCKET, Backend, MotoServer, s3_options, start_moto_server
 
-from leak_check import LONG_LIVED_PIDS
+from support.leak_check import LONG_LIVED_PIDS
+from support.storage_backends import BUCKET, Backend, MotoServer, s3_options, start_moto_server
 
 
 @pytest.fixture(scope="session")

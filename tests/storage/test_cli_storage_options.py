@@ -8,10 +8,10 @@ import uuid
 import pytest
 import torch
 from click.testing import CliRunner
-from storage_backends import BUCKET, MotoServer, s3_options
 
 from snapkeep import writing
 from snapkeep.cli import cli
+from support.storage_backends import BUCKET, MotoServer, s3_options
 
 pytestmark = pytest.mark.s3
 

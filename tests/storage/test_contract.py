@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from storage_backends import PART_BYTES, Backend
 
 import snapkeep
 from snapkeep import writing
 from snapkeep._core.storage import TEMP_MARKER
 from snapkeep._core.store import SnapshotStore
 from snapkeep.training import ExtensionsManager, extensions
+from support.storage_backends import PART_BYTES, Backend
 
 TEMPLATE = "snap_iter_{.iteration}"
 WAIT_S = 30.0

@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from storage_backends import (
+
+import snapkeep
+from snapkeep import writing
+from snapkeep._core.storage import resolve_storage
+from snapkeep._core.store import SnapshotStore
+from support.storage_backends import (
     BUCKET,
     PART_BYTES,
     Backend,
@@ -21,11 +26,6 @@ from storage_backends import (
     free_port,
     s3_options,
 )
-
-import snapkeep
-from snapkeep import writing
-from snapkeep._core.storage import resolve_storage
-from snapkeep._core.store import SnapshotStore
 
 WAIT_S = 30.0
 SECRET = "never-print-this-secret-0x5eed"

@@ -34,13 +34,13 @@ import fsspec
 import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
-from storage_backends import Backend
 
 import snapkeep
 from snapkeep import writing
 from snapkeep.errors import SnapshotError, StoreLockedError, UnsafeSnapshotError
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
+from support.storage_backends import Backend
 
 TEMPLATE = "snapshot_iter_{.iteration}"
 KINDS = ["file", "sharded"]

@@ -12,11 +12,11 @@ import jsonschema
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from storage_backends import Backend
 
 import snapkeep
 from snapkeep import writing
 from snapkeep.cli import cli
+from support.storage_backends import Backend
 
 SCHEMAS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "schemas"
 

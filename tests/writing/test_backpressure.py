@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from writer_gates import EventGate, SocketGate, fast_start_method
 
 from snapkeep import writing
+from support.writer_gates import EventGate, SocketGate, fast_start_method
 
 START_METHOD = fast_start_method()
 PROCESS_WRITERS = (writing.ProcessWriter, writing.ProcessQueueWriter)

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from writer_gates import EventGate, SocketGate
 
 from snapkeep import writing
+from support.writer_gates import EventGate, SocketGate
 
 SNAPSHOTS = 3
 

@@ -16,7 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from writer_gates import (
+
+import snapkeep
+from snapkeep import writing
+from snapkeep.store import open_store
+from support.writer_gates import (
     EventGate,
     InjectedError,
     KillAfterCommitFileSystem,
@@ -25,10 +29,6 @@ from writer_gates import (
     fast_start_method,
     worker_killing_save,
 )
-
-import snapkeep
-from snapkeep import writing
-from snapkeep.store import open_store
 
 ASYNC_WRITERS = [
     pytest.param(writing.ThreadWriter, id="ThreadWriter"),

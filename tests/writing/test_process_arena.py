@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-from writer_gates import fast_start_method
 
 from snapkeep import writing
 from snapkeep._core.shm import ARENA_PREFIX
+from support.writer_gates import fast_start_method
 
 
 def _worker_arenas(pid: int) -> set[str]:

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
-from writer_gates import EventGate
 
 from snapkeep import writing
+from support.writer_gates import EventGate
 
 
 def test_save_after_finalize_is_refused_and_writes_nothing(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 import snapkeep
 from snapkeep._core.shm import ARENA_PREFIX, reclaim_dead_arenas
-from subprocess_util import default_sigint
+from support.subprocess_util import default_sigint
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")
 

@@ -15,14 +15,14 @@ from typing import Any
 import psutil
 import pytest
 import torch
-from writer_gates import GATE_TIMEOUT_S, SocketGate
 
 import snapkeep
 from snapkeep._core.shm import reclaim_dead_arenas
 from snapkeep._core.storage import resolve_storage, set_publish_guard
-from subprocess_util import default_sigint
+from support.subprocess_util import default_sigint
+from support.writer_gates import GATE_TIMEOUT_S, SocketGate
 
-TESTS_WRITING = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # support.writer_gates
 
 
 class LocalHolder:
@@ -65,7 +65,7 @@ def test_unsendable_leaves_are_refused_before_acceptance_and_the_worker_survives
 
 
 def _run_script(body: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_WRITING, *sys.path]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, *sys.path]),
            "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(body), *args], env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -111,7 +111,7 @@ def _wait_for(predicate, what: str, timeout_s: float = GATE_TIMEOUT_S) -> None:
 
 TRAINER = """
     import functools, os, sys, time, torch, snapkeep
-    from writer_gates import gated_save
+    from support.writer_gates import gated_save
     out, gate = sys.argv[1], sys.argv[2]
     w = snapkeep.writing.ProcessWriter(savefun=functools.partial(gated_save, gate_address=gate))
     w("snap", out, {"x": torch.arange(1000.0)})
@@ -128,7 +128,7 @@ TRAINER = """
 
 
 def _start_trainer(tmp_path, gate: SocketGate) -> tuple[subprocess.Popen, int]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_WRITING, *sys.path]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, *sys.path]),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(TRAINER), str(tmp_path), gate.address],
@@ -160,7 +160,7 @@ def test_ctrl_c_does_not_lose_the_in_flight_save(tmp_path):
 
 KILLED_TRAINER = """
     import functools, sys, time, torch, snapkeep
-    from writer_gates import file_gated_save
+    from support.writer_gates import file_gated_save
     out, gate_dir = sys.argv[1], sys.argv[2]
     save = functools.partial(file_gated_save, gate_dir=gate_dir)
     w = snapkeep.writing.ProcessWriter(savefun=save)
@@ -177,7 +177,7 @@ def test_a_killed_trainers_save_never_becomes_visible(tmp_path):
     out, gate_dir = tmp_path / "out", tmp_path / "gate"
     out.mkdir()
     gate_dir.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_WRITING, *sys.path]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, *sys.path]),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(KILLED_TRAINER), str(out), str(gate_dir)],
