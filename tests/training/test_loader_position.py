@@ -111,3 +111,39 @@ def test_the_hooked_loader_keeps_its_class_name_and_isinstance():
     extensions.snapshot(loaders={"train": loader})
     assert isinstance(loader, DataLoader) and type(loader).__name__ == "DataLoader"
     assert len(loader) == 4 and [b[0].tolist() for b in loader][0] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kind", ["global", "generator", "sampler-generator", "batch-sampler",
+                                  "no-batching", "sequential"])
+def test_a_resumed_run_snapshots_a_position_that_resumes_again(kind):
+    """Resume mid-epoch, take a snapshot later in the same epoch, resume from that one: the
+    second resume continues the uninterrupted run too (a resumed epoch keeps the generator
+    states of the epoch's start in its own snapshots)."""
+    torch.manual_seed(0)
+    loader = _loader(kind)
+    position = check_loaders({"train": loader})["train"]
+    saved: list[tuple[dict, torch.Tensor]] = []
+    straight = _run(loader, position, epochs_left=EPOCHS,
+                    on_batch=lambda: saved.append((position.state_dict(), torch.get_rng_state())))
+    per_epoch = len(loader)
+    for first in range(1, per_epoch - 1):  # mid-epoch, with a later batch left in the epoch
+        state, rng = saved[first - 1]
+        torch.manual_seed(1234)
+        second_loader = _loader(kind)
+        second = check_loaders({"train": second_loader})["train"]
+        second.load_state_dict(state, "train")
+        torch.set_rng_state(rng)
+        again: list[tuple[dict, torch.Tensor]] = []
+        for (batch,) in second_loader:  # the rest of the first epoch, snapshotting each batch
+            float(torch.rand(()))
+            again.append((second.state_dict(), torch.get_rng_state()))
+        assert len(again) == per_epoch - first
+        for later, (state2, rng2) in enumerate(again[:-1], start=first + 1):
+            assert "torch_rng" in state2, "a resumed epoch's snapshot lost its generator states"
+            torch.manual_seed(99)
+            third_loader = _loader(kind)
+            third = check_loaders({"train": third_loader})["train"]
+            third.load_state_dict(state2, "train")
+            torch.set_rng_state(rng2)
+            tail = _run(third_loader, third, epochs_left=EPOCHS)
+            assert tail == straight[later:], f"resumed after {first}, then after {later}"

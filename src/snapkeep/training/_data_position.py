@@ -235,7 +235,11 @@ class _SamplerPosition:
             raise ValueError(f"loaders[{name!r}]: the snapshot's loader had "
                              f"{int(state['length'])} batches per epoch, this one has {length}; "
                              f"use the same data, batch size and sampler")
-        if int(state["batches"]) > 0 and "torch_rng" in state:
+        if int(state["batches"]) > 0 and "torch_rng" not in state:
+            raise ValueError(f"loaders[{name!r}]: the snapshot records {int(state['batches'])} "
+                             "batches of an epoch but not the generator states its order "
+                             "came from, so the position cannot be restored exactly")
+        if int(state["batches"]) > 0:
             self._pending = state
 
     # -- hooks called by the hooked loader -----------------------------------------------------
@@ -270,6 +274,7 @@ class _SamplerPosition:
                 rng: tuple[torch.Tensor, list[torch.Tensor]], batches: int) -> Iterator[Any]:
         epoch = self._current = _Epoch()
         epoch.batches = batches
+        epoch.rng = rng  # the epoch's start: what a later snapshot of this epoch must record
         self._skip, self._resume_rng = batches, rng
         try:
             iterator = make()
