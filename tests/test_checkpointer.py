@@ -307,3 +307,13 @@ def test_sharded_in_one_process_writes_dcp_directories(tmp_path: Any) -> None:
     assert fresh["scaler"].state_dict() == state["scaler"].state_dict()
     assert fresh["epoch"] == 1
     assert torch.equal(next(iter(fresh["data"])), expected_batch)
+
+
+def test_a_resume_says_so_on_stderr(tmp_path, capfd):
+    model = torch.nn.Linear(2, 2)
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, {"model": model})
+    capfd.readouterr()
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.load(into={"model": torch.nn.Linear(2, 2)}) == 3
+    assert f"snapkeep: resumed from {tmp_path / 'ckpt_3'} (step 3)" in capfd.readouterr().err

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import string
+import sys
 import types
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -127,6 +128,17 @@ def step_template(template: str) -> FilenameTemplate:
         raise ValueError(f"template {template!r} must have exactly one {{step}} field (e.g. "
                          f"'ckpt_{{step}}', '{{step:08d}}.pt'), it has {fields}")
     return FilenameTemplate("".join(parts))
+
+
+def _say(line: str) -> None:
+    """One line on stderr on rank 0 (the whole job's), logged at INFO on every rank: a resume
+    is never silent (as the snapshot extension's resume notice)."""
+    logger.info("%s", line)
+    rank = torch.distributed.get_rank() if is_distributed() else int(os.environ.get("RANK", "0")
+                                                                      or 0)
+    if rank == 0:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def stateful(key: str, obj: Any) -> Any:
@@ -496,14 +508,14 @@ class Checkpointer:
             loaded = self._sharded.load(into, objects, entries, before_rng=_start_iterators)
             if loaded is None:
                 return None
-            logger.info("resumed from %s (step %s)", loaded.path, loaded.step)
+            _say(f"snapkeep: resumed from {loaded.path} (step {loaded.step})")
             return loaded.step
         found = self._store.load_newest(self._load_file, candidates=entries)
         if found is None:  # unreachable: entries is not empty
             return None
         entry, payload = found
         self._apply(objects, into, payload, entry)
-        logger.info("resumed from %s (step %s)", entry.path, entry.step)
+        _say(f"snapkeep: resumed from {entry.path} (step {entry.step})")
         return entry.step
 
     def _nothing_to_resume(self) -> None:
