@@ -134,7 +134,7 @@ def test_a_resumed_run_snapshots_a_position_that_resumes_again(kind):
         second.load_state_dict(state, "train")
         torch.set_rng_state(rng)
         again: list[tuple[dict, torch.Tensor]] = []
-        for (batch,) in second_loader:  # the rest of the first epoch, snapshotting each batch
+        for (_batch,) in second_loader:  # the rest of the first epoch, snapshotting each batch
             float(torch.rand(()))
             again.append((second.state_dict(), torch.get_rng_state()))
         assert len(again) == per_epoch - first
@@ -147,3 +147,18 @@ def test_a_resumed_run_snapshots_a_position_that_resumes_again(kind):
             torch.set_rng_state(rng2)
             tail = _run(third_loader, third, epochs_left=EPOCHS)
             assert tail == straight[later:], f"resumed after {first}, then after {later}"
+
+
+def test_a_stateful_loader_shuffled_on_the_global_rng_is_warned_about_at_registration():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    with pytest.warns(RuntimeWarning, match=r"loaders\['train'\]: a StatefulDataLoader without "
+                                            r"generator="):
+        check_loaders({"train": StatefulDataLoader(DATA, batch_size=3, shuffle=True)})
+    seeded = StatefulDataLoader(DATA, batch_size=3, shuffle=True,
+                                generator=torch.Generator().manual_seed(0))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        check_loaders({"train": seeded})  # exact: no warning

@@ -58,6 +58,7 @@ The saved values load under ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -135,6 +136,13 @@ def loader_position(name: str, loader: Any) -> LoaderPosition:
                         f"{LOADER_KINDS}")
     position: _SamplerPosition | _StatefulPosition
     if _is_stateful(loader):
+        if loader.generator is None and type(loader.sampler).__name__ == "RandomSampler":
+            warnings.warn(
+                f"loaders[{name!r}]: a StatefulDataLoader without generator= resumes the same "
+                "batches, but the global RNG stream after a resume differs from the "
+                "uninterrupted run's (dropout draws differ): pass generator=torch.Generator()"
+                ".manual_seed(seed) to it, or use a plain DataLoader (docs/continuation.md)",
+                RuntimeWarning, stacklevel=3)
         position = _StatefulPosition(loader)
     elif isinstance(loader.dataset, IterableDataset):
         raise TypeError(f"loaders[{name!r}] is a DataLoader over an IterableDataset, whose "
