@@ -17,7 +17,8 @@ SHIPPED = {"Evaluator", "FailOnNonNumber", "LRScheduler", "LogReport", "PrintRep
            "PrintReportCLI", "ProgressBar", "ProgressBarCLI", "SnapshotMode", "observe_lr",
            "observe_value", "snapshot", "snapshot_object"}
 # snapkeep's own additions (distributed and preemption), beside ppe's names
-SNAPKEEP_ONLY = {"EXIT_CODE_PREEMPTED", "Preemption", "preemption", "sharded_snapshot"}
+SNAPKEEP_ONLY = {"EXIT_CODE_PREEMPTED", "Preemption", "preemption", "sharded_snapshot",
+                 "MemoryTier", "memory_tier"}
 
 
 @pytest.mark.parametrize("name", sorted(NOT_SHIPPED))
