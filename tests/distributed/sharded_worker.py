@@ -140,6 +140,7 @@ def main() -> None:
                     optimizer.step()
                     optimizer.zero_grad()
                     if fail_rank is not None and i == 1 and rank == int(fail_rank):
+                        snapshot.wait()  # snapshot_iter_1 is written: only later ones fail
                         inject_write_fault()
                     if i == iters - 1 and rank == int(os.environ.get("SNAPKEEP_TEST_DIE_RANK",
                                                                      "-1")):
