@@ -22,7 +22,6 @@ Layout of the DCP state (keys of ``state`` as given to :meth:`Checkpointer.save`
 from __future__ import annotations
 
 import concurrent.futures
-import io
 import logging
 import os
 from collections.abc import Callable, Mapping, MutableMapping
@@ -42,6 +41,8 @@ from snapkeep.distributed import (
     exchange_outcomes,
     is_distributed,
     load_sharded,
+    object_from_bytes,
+    object_to_bytes,
     saved_keys,
 )
 from snapkeep.errors import SnapshotTimeoutError
@@ -148,13 +149,13 @@ class ShardedCheckpoint:
             elif _is_rank_local(value):
                 own[key] = value.state_dict()
             elif callable(getattr(value, "state_dict", None)):
-                tree["objects"][key] = _to_bytes(value.state_dict())
+                tree["objects"][key] = object_to_bytes(value.state_dict())
             else:
-                tree["objects"][key] = _to_bytes(value)
+                tree["objects"][key] = object_to_bytes(value)
         rank_state: dict[str, Any] = {"state": own}
         if self._rng:
             rank_state["rng"] = RngState().state_dict()
-        tree["rank_state"] = {f"rank{self.rank}": _to_bytes(rank_state)}
+        tree["rank_state"] = {f"rank{self.rank}": object_to_bytes(rank_state)}
         job = ShardedJob(name=name, step=step, run_id=None, metrics={}, version=version)
         handle = self.saver.save(tree, job)
         self._last = (self.store.path_of(name), handle)
@@ -253,14 +254,14 @@ class ShardedCheckpoint:
                 set_optimizer_state_dict(_model_of(optim, models, key), optim,
                                          template["optimizers"][key])
         for key, data in template["objects"].items():
-            value = _from_bytes(data, self._weights_only)
+            value = object_from_bytes(data, self._weights_only)
             obj = objects[key]
             if callable(getattr(obj, "load_state_dict", None)):
                 obj.load_state_dict(value)
             else:
                 into[key] = value
         rank_bytes = template.get("rank_state", {}).get(f"rank{self.rank}")
-        rank_state = _from_bytes(rank_bytes, self._weights_only) if rank_bytes else None
+        rank_state = object_from_bytes(rank_bytes, self._weights_only) if rank_bytes else None
         if rank_state is None:
             logger.warning("rank %d: %s holds no state of this rank (saved on fewer ranks); its "
                            "data loaders and random streams start from their current state",
@@ -336,15 +337,6 @@ def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Mo
                      f"{sorted(models)}; sharded snapshots save an optimizer with its module: "
                      "put the module into state too")
 
-
-def _to_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(data: bytes, weights_only: bool) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
 
 
 __all__ = ["ShardedCheckpoint"]

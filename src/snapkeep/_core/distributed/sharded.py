@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import io
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
@@ -384,4 +386,20 @@ def _single_process_quiet(group: dist.ProcessGroup | None) -> Iterator[None]:
         yield
 
 
-__all__ = ["ShardedHandle", "ShardedJob", "ShardedSaver", "load_sharded", "saved_keys"]
+
+def object_to_bytes(obj: Any) -> bytes:
+    """A non-tensor value (a state object's ``state_dict()``, RNG states) as ``torch.save``
+    bytes, held as one entry of the DCP state (DCP saves bytes as a plain object)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def object_from_bytes(data: bytes, weights_only: bool) -> Any:
+    """The value :func:`object_to_bytes` encoded, loaded on the CPU (``weights_only`` as
+    ``torch.load``'s: True refuses arbitrary pickled objects)."""
+    return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
+
+
+__all__ = ["ShardedHandle", "ShardedJob", "ShardedSaver", "load_sharded", "object_from_bytes",
+           "object_to_bytes", "saved_keys"]

@@ -10,13 +10,13 @@ the extension passes its rank to each call. Models and optimizers go through
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from snapkeep.distributed import object_from_bytes, object_to_bytes
 from snapkeep.store import Entry
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 
@@ -78,10 +78,10 @@ class ShardedStateLayout:
             "models": {n: get_model_state_dict(m) for n, m in models.items()},
             "optimizers": {n: get_optimizer_state_dict(self._model_of(o, models, n), o)
                            for n, o in optimizers.items()},
-            "objects": {n: _to_bytes(self._other_state(n, o)) for n, o in others.items()},
+            "objects": {n: object_to_bytes(self._other_state(n, o)) for n, o in others.items()},
         }
         if self.target is None and getattr(manager, "_save_rng_state", False):
-            state["rank_state"] = {f"rank{rank}": _to_bytes(capture_rng_state())}
+            state["rank_state"] = {f"rank{rank}": object_to_bytes(capture_rng_state())}
         return state
 
     def load_template(self, manager: Any, keys: set[str], rank: int) -> dict[str, Any]:
@@ -118,7 +118,7 @@ class ShardedStateLayout:
         )
         models, optimizers, others = self._parts(manager)
         for name, obj in others.items():
-            state = _from_bytes(loaded["objects"][name], self.weights_only)
+            state = object_from_bytes(loaded["objects"][name], self.weights_only)
             if name == _MANAGER_OBJECT and self.target is None:
                 # the manager's own loader restores iteration, extensions and triggers; models
                 # and optimizers are set from the sharded state just below
@@ -133,18 +133,9 @@ class ShardedStateLayout:
                                      loaded["optimizers"][name])
         rank_state = loaded.get("rank_state", {}).get(f"rank{rank}")
         if rank_state is not None and getattr(manager, "_save_rng_state", False):
-            restore_rng_state(_from_bytes(rank_state, self.weights_only))
+            restore_rng_state(object_from_bytes(rank_state, self.weights_only))
         elif self.target is None and getattr(manager, "_save_rng_state", False):
             logger.warning("rank %d: %s holds no RNG state of this rank (saved on fewer ranks); "
                            "its random streams start from the current state", rank,
                            entry.path)
 
-
-def _to_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(data: bytes, weights_only: bool) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
