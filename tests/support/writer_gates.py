@@ -167,6 +167,24 @@ def worker_killing_save(obj: Any, f: Any, *, trainer_pid: int, manifest_dir: str
     raise OSError(errno.ENOSPC, "No space left on device (injected in the trainer)")
 
 
+class CopyGate:
+    """Holds an overlapped snapshot's background copy (the snapshot extension's
+    ``_overlap_before_copy`` seam) until :meth:`open`, for at most ``timeout_s``."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        self._timeout_s = timeout_s
+
+    def __call__(self) -> None:
+        self.entered.set()
+        if not self.released.wait(self._timeout_s):
+            raise TimeoutError("gate never opened")
+
+    def open(self) -> None:
+        self.released.set()
+
+
 class KillAfterCommitFileSystem(LocalFileSystem):
     """The local filesystem, except that a process other than ``trainer_pid`` SIGKILLs itself
     once a manifest is in place (snapshot and manifest both committed, before the worker could

@@ -20,6 +20,7 @@ import snapkeep
 from snapkeep import writing
 from snapkeep._core.overlap import OverlapPlan, owned_storages
 from snapkeep.training import ExtensionsManager, extensions
+from support.writer_gates import CopyGate
 
 WRITERS = ["ThreadWriter", "ThreadQueueWriter", "ProcessWriter", "ProcessQueueWriter"]
 WAIT_S = 60
@@ -34,21 +35,6 @@ class Net(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn(self.fc(x))  # type: ignore[no-any-return]
 
-
-class Gate:
-    """Holds the background copy until :meth:`open` (bounded)."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.released = threading.Event()
-
-    def __call__(self) -> None:
-        self.entered.set()
-        if not self.released.wait(WAIT_S):
-            raise TimeoutError("gate never opened")
-
-    def open(self) -> None:
-        self.released.set()
 
 
 class Ema:
@@ -91,7 +77,7 @@ def _step(manager, model):
 @pytest.mark.parametrize("writer_name", WRITERS)
 def test_every_file_holds_the_state_of_the_call(tmp_path, writer_name):
     model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name)
-    gate = Gate()
+    gate = CopyGate(WAIT_S)
     ext._overlap_before_copy = gate
     _step(manager, model)  # iteration 1: snapshot at its end; the deferred copy waits
     assert gate.entered.wait(WAIT_S)
@@ -140,7 +126,7 @@ def _differs(a, b) -> bool:
 @pytest.mark.parametrize("writer_name", WRITERS)
 def test_a_manual_edit_before_the_step_drops_that_snapshot(tmp_path, writer_name):
     model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name)
-    gate = Gate()
+    gate = CopyGate(WAIT_S)
     ext._overlap_before_copy = gate
     _step(manager, model)
     assert gate.entered.wait(WAIT_S)
@@ -170,7 +156,7 @@ def test_a_manual_edit_before_the_step_drops_that_snapshot(tmp_path, writer_name
 @pytest.mark.parametrize("writer_name", ["ThreadWriter", "ProcessQueueWriter"])
 def test_strict_overlap_raises_the_race(tmp_path, writer_name):
     model, optimizer, ema, writer, manager, ext = _setup(tmp_path, writer_name, overlap="strict")
-    gate = Gate()
+    gate = CopyGate(WAIT_S)
     ext._overlap_before_copy = gate
     _step(manager, model)
     assert gate.entered.wait(WAIT_S)

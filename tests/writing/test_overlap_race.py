@@ -27,7 +27,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import warnings
 
 import pytest
@@ -36,6 +35,7 @@ import torch
 from snapkeep import writing
 from snapkeep._core.shm import reclaim_dead_arenas
 from snapkeep.training import ExtensionsManager, extensions
+from support.writer_gates import CopyGate
 
 WAIT_S = 60
 #: Iteration k edits per MODES[k % 7]; each racing mode follows an overlapped snapshot (the one
@@ -52,21 +52,6 @@ class Net(torch.nn.Module):
         self.b = torch.nn.Parameter(torch.zeros(256, 1024))
         self.scale = torch.nn.Parameter(torch.zeros(8))  # small: copied in the call
 
-
-class Gate:
-    """Holds the background copy until :meth:`open` (bounded)."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.released = threading.Event()
-
-    def __call__(self) -> None:
-        self.entered.set()
-        if not self.released.wait(WAIT_S):
-            raise TimeoutError("gate never opened")
-
-    def open(self) -> None:
-        self.released.set()
 
 
 @pytest.fixture
@@ -133,8 +118,8 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_tor
     tensors = _tensors(model, optimizer)
     _fill(tensors, 0)
     expected_drops: list[int] = []
-    gate: Gate | None = None
-    previous_gate: Gate | None = None
+    gate: CopyGate | None = None
+    previous_gate: CopyGate | None = None
     overlapped = False  # the previous snapshot's deferred part is copied in the background
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
@@ -142,7 +127,7 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_tor
             mode = MODES[k % len(MODES)]
             # the next iteration races a gated copy: hold this iteration's snapshot copy
             next_mode = MODES[(k + 1) % len(MODES)]
-            gate = Gate() if next_mode in ("held", "during") else None
+            gate = CopyGate(WAIT_S) if next_mode in ("held", "during") else None
             with manager.run_iteration():
                 if overlapped and mode not in ("after", "idle"):
                     expected_drops.append(k - 1)
