@@ -29,6 +29,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from snapkeep._core.distributed.launcher import watch_launcher
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -119,6 +121,7 @@ def background_groups(timeout_s: float) -> Groups:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     require_initialized("snapkeep's distributed snapshots")
+    watch_launcher()  # a worker orphaned by a killed torchrun ends instead of holding the lock
     with _lock:
         found = _cache.get(float(timeout_s))
         if found is not None:

@@ -1,0 +1,78 @@
+"""Workers end with their torchrun launcher.
+
+torchrun's agent starts each rank as its child and, on SIGTERM, forwards the signal. When the
+agent itself is killed (``kill -9`` of the job's visible process, an OOM kill of the agent), its
+workers are re-parented and train on: measured here with ``torchrun --nproc-per-node 2 -m
+snapkeep.demo_sharded``, both workers were still training 10 s after the agent's SIGKILL and kept
+the out_dir's lock, so the rerun of the same command stopped at start (``StoreLockedError``:
+"in use by another trainer") instead of resuming. Under SLURM or Kubernetes the whole job is
+killed at once; a bare torchrun has no such guarantee.
+
+:func:`watch_launcher` makes a torchrun worker follow its agent: a daemon thread notices within
+``interval_s`` that the parent process changed and ends the worker with SIGKILL, as if the job
+had been killed whole. That is a crash snapkeep is built to survive: the rerun resumes from the
+newest committed snapshot. ``PR_SET_PDEATHSIG`` is not used: it fires when the *thread* that
+started the child ends, which a launcher may do while it lives on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_S = 1.0
+"""Default seconds between two checks of the parent process."""
+
+_started = False
+_lock = threading.Lock()
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a torchrun (torch.distributed.elastic) worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def watch_launcher(interval_s: float = INTERVAL_S) -> bool:
+    """Under torchrun, start (once per process) the thread that ends this worker when its agent
+    is gone. Returns whether a watch runs. Nothing happens outside torchrun, on platforms without
+    ``os.getppid`` semantics (Windows), or when the parent is already init (pid 1).
+
+    Raises:
+        ValueError: ``interval_s`` is not a positive number of seconds.
+    """
+    global _started
+    if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) \
+            or interval_s <= 0:
+        raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
+    if not under_torchrun() or sys.platform == "win32":
+        return False
+    parent = os.getppid()
+    if parent <= 1:
+        return False
+    with _lock:
+        if _started:
+            return True
+        _started = True
+    thread = threading.Thread(target=_watch, args=(parent, float(interval_s)), daemon=True,
+                              name="snapkeep-launcher-watch")
+    thread.start()
+    return True
+
+
+def _watch(parent: int, interval_s: float) -> None:
+    stop = threading.Event()
+    while not stop.wait(interval_s):
+        if os.getppid() != parent:
+            try:
+                sys.stderr.write(f"snapkeep: torchrun's agent (pid {parent}) is gone; ending this "
+                                 f"worker (pid {os.getpid()}) as the job was killed. Rerun the "
+                                 "same command to resume from the newest committed snapshot.\n")
+                sys.stderr.flush()
+            except Exception:  # noqa: BLE001 -- a closed stderr must not keep the worker alive
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)

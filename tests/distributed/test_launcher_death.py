@@ -1,0 +1,83 @@
+"""Workers end with their torchrun launcher: ``kill -9`` of torchrun's agent (the job's visible
+process) leaves no rank training on with the out_dir's lock, so rerunning the same command
+resumes. Real torchrun, 2 gloo ranks, real SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed
+
+from snapkeep.store import run_status
+from support.ranks import rank_env
+
+WORKER = Path(__file__).with_name("status_worker.py")
+TIMEOUT_S = 120
+
+
+def _torchrun(out: Path, ready: Path, iterations: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(WORKER), str(out), str(ready), str(iterations)],
+        env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+
+
+def _workers(agent: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by init) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or not torch.distributed.is_available()
+                    or not torch.distributed.is_gloo_available(), reason="needs Linux and gloo")
+def test_kill_9_of_torchrun_ends_its_workers_and_the_rerun_resumes(tmp_path):
+    out, ready = tmp_path / "out", tmp_path / "ready"
+    job = _torchrun(out, ready, 1_000_000)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ready.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the job never reached iteration 3"
+        workers = _workers(job.pid)
+        assert len(workers) == 2, workers
+        job.send_signal(signal.SIGKILL)  # the agent only: its workers are not signalled
+        job.wait(timeout=TIMEOUT_S)  # not communicate(): a worker left alive holds the pipe
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), "a worker outlived its torchrun agent"
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    rerun = _torchrun(out, tmp_path / "ready2", 8)
+    output = rerun.communicate(timeout=TIMEOUT_S)[0]
+    assert rerun.returncode == 0, output  # not refused by the lock of a worker left behind
+    recorded = run_status(str(out))
+    assert recorded is not None and recorded.state == "finished", output
+    assert (out / "snapshot_iter_8").is_file()
