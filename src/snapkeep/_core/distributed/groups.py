@@ -182,8 +182,9 @@ def exit_cleanly_at_exit(code: int) -> None:
     torch.distributed's gloo backend loaded sometimes aborts the process in C++ (SIGABRT,
     "terminate called without an active exception", exit -6 instead of ``code``): 1 exit in 24
     here with the process groups left alive, and still about 1 in 15 after destroying them at
-    exit (PyTorch's own open issue: scripts must call ``destroy_process_group``, and even then
-    objects holding the groups are torn down with the interpreter). So the hook registered here,
+    exit: a gloo worker thread alive into finalization needs the GIL to drop a collective's
+    tensors (see :func:`release_groups`, which now removes that cause for every exit). The
+    preemption exit keeps this second guard: the hook registered here,
     which runs at exit after the script's ``finally`` blocks, destroys the process groups if the
     script has not, runs every other ``atexit`` handler (newest first, as the interpreter would:
     logging's flush, wandb's finish, ...), flushes stdout and stderr, and ends the process with
