@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import pytest
+
 from support.ranks import rank_env
 
 SCRIPT = textwrap.dedent("""

@@ -15,18 +15,14 @@ import pytest
 import torch.distributed
 
 from snapkeep.store import run_status
-from support.ranks import rank_env
+from support.ranks import torchrun
 
 WORKER = Path(__file__).with_name("status_worker.py")
 TIMEOUT_S = 120
 
 
 def _torchrun(out: Path, ready: Path, iterations: int) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKER), str(out), str(ready), str(iterations)],
-        env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    return torchrun(WORKER, [str(out), str(ready), str(iterations)])
 
 
 def _workers(agent: int) -> list[int]:

@@ -24,18 +24,14 @@ from snapkeep.cli import cli
 from snapkeep.store import resolve_storage, run_status, write_run_status
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
-from support.ranks import rank_env
+from support.ranks import rank_env, torchrun
 
 WORKER = Path(__file__).with_name("status_worker.py")
 TIMEOUT_S = 120
 
 
 def _torchrun(out: Path, ready: Path, iterations: int) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKER), str(out), str(ready), str(iterations)],
-        env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+    return torchrun(WORKER, [str(out), str(ready), str(iterations)])
 
 
 def _status(out: Path, *args: str) -> tuple[int, str]:

@@ -61,3 +61,14 @@ def run(script: Path, world_size: int, args: Sequence[str], *, timeout_s: float,
 def reports(report_dir: Path, prefix: str, world_size: int) -> list[dict[str, Any]]:
     return [json.loads((report_dir / f"{prefix}_rank{r}.json").read_text())
             for r in range(world_size)]
+
+
+def torchrun(script: Path, args: Sequence[str], *, nproc: int = 2,
+             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``torchrun --standalone --nproc-per-node=NPROC script *args`` in its own session,
+    stdout and stderr together in ``.stdout``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={nproc}", str(script), *args],
+        env=rank_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
