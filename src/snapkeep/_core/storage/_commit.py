@@ -29,7 +29,8 @@ from typing import Any, BinaryIO, NoReturn, Protocol
 
 from snapkeep._core.checksum import HashingWriter, new_hasher
 from snapkeep._core.errors import SnapshotStorageError
-from snapkeep._core.storage._direct import DirectFile, open_for_write
+from snapkeep._core.storage._direct import DirectFile
+from snapkeep._core.storage._direct_resources import open_for_write
 
 logger = logging.getLogger(__name__)
 

@@ -36,9 +36,7 @@ import numpy as np
 
 from snapkeep._core.storage._direct_resources import (
     CHUNK_BYTES,
-    SUPPORTED,
     acquire_buffer,
-    open_for_write,
     release_buffer,
     set_direct,
     write_pool,
@@ -403,5 +401,5 @@ def _pwrite_chunk(f: DirectFile, view: memoryview, offset: int, real: int | None
             f._fall_back()
 
 
-__all__ = ["ALIGN_BYTES", "CHUNK_BYTES", "IN_PLACE", "IN_PLACE_ENV", "IN_PLACE_MIN_BYTES",
-           "SUPPORTED", "WRITE_STREAMS", "DirectFile", "open_for_write"]
+__all__ = ["ALIGN_BYTES", "IN_PLACE", "IN_PLACE_ENV", "IN_PLACE_MIN_BYTES", "WRITE_STREAMS",
+           "DirectFile"]
