@@ -21,15 +21,12 @@ Layout of the DCP state (keys of ``state`` as given to :meth:`Checkpointer.save`
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import os
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 
-from snapkeep._core import exit_drain
 from snapkeep.distributed import (
     Groups,
     ShardedJob,
@@ -45,7 +42,6 @@ from snapkeep.distributed import (
     object_to_bytes,
     saved_keys,
 )
-from snapkeep.errors import SnapshotTimeoutError
 from snapkeep.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep.store import Entry, FilenameTemplate, Storage
 from snapkeep.training import RngState
@@ -98,11 +94,8 @@ class ShardedCheckpoint:
                 except OSError as e:
                     logger.warning("could not remove uncommitted %s: %s", entry.path, e)
         retain = self._retain if self.rank == 0 and policy is not None else None
+        # the saver is drained at interpreter exit (snapkeep._core.exit_drain) if not closed
         self.saver = ShardedSaver(self.store, self.groups, retain=retain)
-        self._pid = os.getpid()
-        self._closed = False
-        self._last: tuple[str, Any] | None = None  # (path, handle) of the newest save
-        exit_drain.register(self)  # committed at interpreter exit if still pending
 
     def _open(self, open_on_rank0: Callable[[], None], where: str) -> None:
         """Run ``open_on_rank0`` (the directory lock) on rank 0 and tell every rank how it went:
@@ -157,9 +150,7 @@ class ShardedCheckpoint:
             rank_state["rng"] = RngState().state_dict()
         tree["rank_state"] = {f"rank{self.rank}": object_to_bytes(rank_state)}
         job = ShardedJob(name=name, step=step, run_id=None, metrics={}, version=version)
-        handle = self.saver.save(tree, job)
-        self._last = (self.store.path_of(name), handle)
-        return handle
+        return self.saver.save(tree, job)
 
     def _retain(self, manifest: ShardedManifest) -> None:
         """Retention on rank 0 after a commit (whole directories)."""
@@ -291,40 +282,7 @@ class ShardedCheckpoint:
             SnapshotTimeoutError: still not committed after ``timeout_s``.
             Exception: the commit's error (once).
         """
-        if self._closed:
-            return
-        try:
-            if self._last is not None and timeout_s is not None:
-                path, handle = self._last
-                try:
-                    concurrent.futures.wait([handle.committed], timeout=timeout_s)
-                finally:
-                    if not handle.committed.done():
-                        self._closed = True
-                        exit_drain.discard(self)
-                        raise SnapshotTimeoutError(
-                            f"sharded snapshot {path} not committed within {timeout_s} s")
-            self.saver.close()
-        finally:
-            self._closed = True
-            exit_drain.discard(self)
-
-    # -- what the exit drain asks (snapkeep._core.exit_drain.Drainable) ------------------------
-    @property
-    def pid(self) -> int:
-        """The process that created it (a forked child does not drain it)."""
-        return self._pid
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran."""
-        return self._closed
-
-    def pending_paths(self) -> list[str]:
-        """The snapshot in flight, if any."""
-        if self._last is None or self._last[1].committed.done():
-            return []
-        return [self._last[0]]
+        self.saver.close(timeout_s)
 
 
 def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module],
