@@ -42,7 +42,7 @@ from snapkeep.distributed import (
     object_to_bytes,
     saved_keys,
 )
-from snapkeep.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep.retention import RetentionPolicy
 from snapkeep.store import Entry, FilenameTemplate, Storage
 from snapkeep.training import RngState
 
@@ -63,6 +63,9 @@ class ShardedCheckpoint:
         storage, directory: where the snapshot directories go.
         template: the Checkpointer's template (its names are directories here).
         policy: retention, or None.
+        lineage: run ids whose snapshots retention may delete, as the single-file store's
+            (the Checkpointer's: ``{None}``, its own snapshots, saved without a run id; never a
+            manager's).
         rng: save and restore each rank's global generators.
         open_on_rank0: run on rank 0 once the process groups exist (the Checkpointer's lock);
             its failure is raised on every rank.
@@ -72,8 +75,9 @@ class ShardedCheckpoint:
     """
 
     def __init__(self, storage: Storage, directory: str, template: FilenameTemplate, *,
-                 policy: RetentionPolicy | None, rng: bool, weights_only: bool,
-                 timeout_s: float, storage_options: Mapping[str, Any] | None = None,
+                 policy: RetentionPolicy | None, lineage: frozenset[str | None], rng: bool,
+                 weights_only: bool, timeout_s: float,
+                 storage_options: Mapping[str, Any] | None = None,
                  open_on_rank0: Callable[[], None] | None = None) -> None:
         self.groups: Groups | None = background_groups(timeout_s) if is_distributed() else None
         self.rank = self.groups.rank if self.groups else 0
@@ -82,17 +86,12 @@ class ShardedCheckpoint:
         self.store = ShardedStore(storage, directory, template,
                                   storage_options=dict(storage_options or {}))
         self._policy = policy
+        self._lineage = lineage
         self._rng = rng
         self._weights_only = weights_only
         if self.rank == 0:
             storage.makedirs(directory)
-            for entry in self.store.uncommitted():
-                logger.info("removing uncommitted sharded snapshot directory %s (no marker; left "
-                            "by a crash)", entry.path)
-                try:
-                    self.store.delete(entry)
-                except OSError as e:
-                    logger.warning("could not remove uncommitted %s: %s", entry.path, e)
+            self.store.sweep(lineage)  # snapkeep's own crashed saves only
         retain = self._retain if self.rank == 0 and policy is not None else None
         # the saver is drained at interpreter exit (snapkeep._core.exit_drain) if not closed
         self.saver = ShardedSaver(self.store, self.groups, retain=retain)
@@ -153,18 +152,13 @@ class ShardedCheckpoint:
         return self.saver.save(tree, job)
 
     def _retain(self, manifest: ShardedManifest) -> None:
-        """Retention on rank 0 after a commit (whole directories)."""
-        if self._policy is None:
-            return
-        entries = self.store.entries()
-        infos = [SnapshotInfo(name=e.name, key=e.key, step=e.step, metrics={}) for e in entries]
-        by_name = {e.name: e for e in entries}
-        for name in plan_deletions(self._policy, infos, protect=[manifest.name]):
-            try:
-                self.store.delete(by_name[name])
-            except OSError as e:
-                logger.warning("retention could not delete %s (step %s): %s",
-                               by_name[name].path, by_name[name].step, e)
+        """Retention on rank 0 after a commit (whole directories), through the store as the
+        single-file Checkpointer's: among this lineage's snapshots only, and a ``KeepBest``
+        metric no manifest of them records is a ValueError naming the metrics they record
+        (nothing deleted; logged by the saver, never fatal)."""
+        if self._policy is not None:
+            self.store.retain(self._policy, self._lineage,
+                              protect=[self.store.path_of(manifest.name)])
 
     # -- loading ---------------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
