@@ -40,6 +40,7 @@ from snapkeep.distributed import (
     load_sharded,
     object_from_bytes,
     object_to_bytes,
+    optimizer_module,
     saved_keys,
 )
 from snapkeep.retention import RetentionPolicy
@@ -281,10 +282,9 @@ class ShardedCheckpoint:
 
 def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module],
               key: str) -> torch.nn.Module:
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for model in models.values():
-        if any(id(p) in params for p in model.parameters()):
-            return model
+    model = optimizer_module(optimizer, models)
+    if model is not None:
+        return model
     raise ValueError(f"state[{key!r}] optimizes no parameter of the modules in state "
                      f"{sorted(models)}; sharded snapshots save an optimizer with its module: "
                      "put the module into state too")

@@ -8,31 +8,16 @@ import os
 import random
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from support import ranks
+from support.killing import assert_identical
 
 WORKER = Path(__file__).with_name("checkpointer_worker.py")
 ITERS = 14
 BOUND_S = 240.0
-
-
-def _compare(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for key in a:
-            _compare(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _compare(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def _kill_after(tmp: Path, out: Path, report: Path, step: int) -> None:
@@ -70,7 +55,7 @@ def test_fsdp2_plain_loop_killed_at_a_random_step_ends_bit_identical(tmp_path: P
     resumed = [int(line.split()[-1]) for o in outputs for line in o.splitlines()
                if line.startswith("resumed at")]
     assert len(resumed) == 2 and resumed[0] == resumed[1] >= 2, outputs  # a resume, not a restart
-    _compare(torch.load(reference / "final.pt", weights_only=True),
+    assert_identical(torch.load(reference / "final.pt", weights_only=True),
              torch.load(killed / "final.pt", weights_only=True), f"seed {seed}, kill at {step}")
     listing = sorted(os.listdir(killed / "ckpt"))
     assert listing == [".snapkeep", f"ckpt_{ITERS - 2}", f"ckpt_{ITERS}"], listing

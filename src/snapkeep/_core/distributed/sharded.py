@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -386,5 +386,17 @@ def object_from_bytes(data: bytes, weights_only: bool) -> Any:
     return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
 
 
+def optimizer_module(optimizer: torch.optim.Optimizer,
+                     models: Mapping[str, torch.nn.Module]) -> torch.nn.Module | None:
+    """The module of ``models`` whose parameters ``optimizer`` steps (DCP's
+    ``get_optimizer_state_dict``/``set_optimizer_state_dict`` take an optimizer with its
+    module), or None when it steps none of theirs."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models.values():
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    return None
+
+
 __all__ = ["ShardedHandle", "ShardedJob", "ShardedSaver", "load_sharded", "object_from_bytes",
-           "object_to_bytes", "saved_keys"]
+           "object_to_bytes", "optimizer_module", "saved_keys"]
