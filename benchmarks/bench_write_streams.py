@@ -35,7 +35,8 @@ from snapkeep._core.checksum import HashingWriter, new_hasher
 from snapkeep._core.codec import torch_save
 from snapkeep._core.host_memory import _host_buffer
 from snapkeep._core.storage import _direct
-from snapkeep._core.storage._direct import DirectFile, open_for_write
+from snapkeep._core.storage._direct import DirectFile
+from snapkeep._core.storage._direct_resources import open_for_write
 
 STREAMS = (1, 2, 4)
 MODES = ("in place", "copy", "copy+hash")

@@ -149,3 +149,37 @@ def test_publishing_scan_sees_a_violation(tmp_path: pathlib.Path) -> None:
     bad.write_text("import os\nfrom os import fsync\n\n\ndef f(storage, a, b):\n"
                    "    os.replace(a, b)\n    storage.fs.info(a)\n")
     assert _publishing_calls(bad) == {"os.replace", "os.fsync", ".fs.info"}
+
+
+def _structure_report():
+    """tools/structure_report.py, whose figures tests/test_structure_report.py checks on a known
+    package (so a violation is seen there)."""
+    import importlib.util
+
+    tool = SRC.parents[1] / "tools" / "structure_report.py"
+    spec = importlib.util.spec_from_file_location("structure_report_tool", tool)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_no_private_module_re_exports_a_name() -> None:
+    """Issue 17: every import comes from the name's home. Only public facades (snapkeep.store,
+    snapkeep.errors, ...) and package ``__init__`` files re-export; ppe's private paths live in
+    training/extensions/_snapshot.py as assignments, not re-exports."""
+    tool = _structure_report()
+    report = tool.re_exports(tool.load_modules(SRC.parent))
+    offenders = {r["module"]: r["examples"] for r in report["modules"] if r["kind"] == "private"}
+    assert offenders == {}
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    tool = _structure_report()
+    assert tool.private_imports(tool.load_modules(SRC.parent))["names"] == []
+
+
+def test_no_import_cycles() -> None:
+    tool = _structure_report()
+    strict = tool.cycles(tool.load_modules(SRC.parent))["strict"]
+    assert strict["component_members"] == []

@@ -77,6 +77,17 @@ FILES = {
         def remove_marker(storage, path):
             storage.remove(marker_path(path))
         """,
+    "_objs.py": """
+        class Box:
+            def __init__(self):
+                self._v = 1
+
+            def merge(self, other):
+                return self._v + other._v
+
+        def peek(box):
+            return box._v
+        """,
     "sub/__init__.py": "from snapkeep.sub._impl import thing\n",
     "sub/_impl.py": "thing = 1\n",
 }
@@ -105,6 +116,11 @@ def test_each_figure_on_a_known_package(package, capsys):
     assert sorted(report["private_imports"]["names"]) == [
         "snapkeep._mixed: from snapkeep._home import _helper",
         "snapkeep.pub: from snapkeep._home import _helper"]
+    reaches = report["private_imports"]
+    assert reaches["reaches"] == ["snapkeep._objs:7 ._v", "snapkeep._objs:10 ._v"]
+    assert reaches["reaches_other_class"] == ["snapkeep._objs:10 ._v"]  # merge's is Box's own
+    assert (reaches["private_attribute_reaches"],
+            reaches["private_attribute_reaches_other_class"]) == (2, 1)
     strict = report["cycles"]["strict"]
     # _c <-> _d at module level; _d -> _e only inside a function or under TYPE_CHECKING
     assert strict["component_members"] == [["snapkeep._c", "snapkeep._d"]]

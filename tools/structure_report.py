@@ -14,7 +14,10 @@ b. **Cross-module private imports.** ``from M import _x`` in a module other than
    in the file, function bodies included), split into private *names* (functions, classes,
    values: the headline) and private *submodules* (``from pkg import _mod``). Also the reaches
    into another object's private attribute (``writer._saver``: an attribute ``_x`` that some
-   snapkeep class assigns as ``self._x``, read on anything but ``self``/``cls``).
+   snapkeep class assigns as ``self._x``, read on anything but ``self``/``cls``), and how many
+   of them are outside a class that assigns that attribute itself (``other._x`` in a method of
+   ``other``'s own class, such as a ``merge(other)``, is the class's own business; each of
+   those outside it is listed).
 c. **Import cycles** among snapkeep modules, on module-level imports only: imports inside
    functions and under ``if TYPE_CHECKING:`` are excluded (they do not run at import time), and
    so are the implicit imports of parent packages. Counted as strongly connected components and
@@ -178,23 +181,49 @@ def private_imports(modules: dict[str, Module]) -> dict[str, Any]:
                 (submodules if f"{source}.{alias.name}" in modules else names).append(row)
     # reaches into another object's private attribute
     own: set[str] = set()
+    owners: dict[str, set[str]] = {}  # "module.Class" -> the _attrs its methods assign on self
     for module in modules.values():
-        for node in ast.walk(module.tree):
+        for cls, node in _in_classes(module.tree):
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
                     and isinstance(node.value, ast.Name) and node.value.id == "self" \
                     and node.attr.startswith("_") and not node.attr.startswith("__"):
                 own.add(node.attr)
-    reaches = []
+                if cls is not None:
+                    owners.setdefault(f"{module.name}.{cls}", set()).add(node.attr)
+    reaches, other_class = [], []
     for module in modules.values():
-        for node in ast.walk(module.tree):
+        for cls, node in _in_classes(module.tree):
             if isinstance(node, ast.Attribute) and node.attr in own and not (
                     isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
-                reaches.append(f"{module.name}:{node.lineno} .{node.attr}")
+                row = f"{module.name}:{node.lineno} .{node.attr}"
+                reaches.append(row)
+                if cls is None or node.attr not in owners.get(f"{module.name}.{cls}", set()):
+                    other_class.append(row)  # not another instance of the reaching class
+    def order(row: str) -> tuple[str, int, str]:
+        where, attr = row.split(" ", 1)
+        module, line = where.rsplit(":", 1)
+        return module, int(line), attr
+
+    reaches.sort(key=order)
+    other_class.sort(key=order)
     saver = [r for r in reaches if r.endswith("._saver")
              and (r.startswith("snapkeep.training") or r.startswith("snapkeep._cli"))]
     return {"private_names": len(names), "private_submodules": len(submodules),
-            "private_attribute_reaches": len(reaches), "training_reaches_saver": len(saver),
-            "names": names, "submodules": submodules, "saver_reaches": saver}
+            "private_attribute_reaches": len(reaches),
+            "private_attribute_reaches_other_class": len(other_class),
+            "training_reaches_saver": len(saver),
+            "names": names, "submodules": submodules, "saver_reaches": saver,
+            "reaches": reaches, "reaches_other_class": other_class}
+
+
+def _in_classes(tree: ast.AST) -> Iterator[tuple[str | None, ast.AST]]:
+    """Every node of ``tree`` with the name of the innermost class around it (None: none)."""
+    stack: list[tuple[str | None, ast.AST]] = [(None, tree)]
+    while stack:
+        cls, node = stack.pop()
+        yield cls, node
+        inner = node.name if isinstance(node, ast.ClassDef) else cls
+        stack.extend((inner, child) for child in ast.iter_child_nodes(node))
 
 
 # -- c. cycles --------------------------------------------------------------------------------
@@ -450,10 +479,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{' [pure shim]' if row['pure_shim'] else ''}, e.g. {', '.join(row['examples'])}")
     print(f"b. cross-module private imports: {p['private_names']} names, "
           f"{p['private_submodules']} private submodules; reaches into another object's "
-          f"private attribute: {p['private_attribute_reaches']} (training/CLI -> ._saver: "
-          f"{p['training_reaches_saver']})")
+          f"private attribute: {p['private_attribute_reaches']}, of which outside the class "
+          f"that owns it: {p['private_attribute_reaches_other_class']} (training/CLI -> "
+          f"._saver: {p['training_reaches_saver']})")
     for row in p["names"]:
         print(f"     {row}")
+    for row in p["reaches_other_class"]:
+        print(f"     reach: {row}")
     print(f"c. import cycles ({c['excluded']} excluded)")
     for variant in ("strict", "with_package_edges"):
         v = c[variant]

@@ -323,7 +323,7 @@ class Checkpointer:
                 from snapkeep.sharded_checkpoint import ShardedCheckpoint
 
                 self._sharded = ShardedCheckpoint(
-                    storage, path, self._template, policy=self._policy, rng=rng,
+                    storage, path, self._template, policy=self._policy, lineage=_LINEAGE, rng=rng,
                     weights_only=weights_only, timeout_s=timeout_s,
                     storage_options=storage_options, open_on_rank0=open_directory)
         except BaseException:

@@ -21,15 +21,12 @@ Layout of the DCP state (keys of ``state`` as given to :meth:`Checkpointer.save`
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import os
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
 
-from snapkeep._core import exit_drain
 from snapkeep.distributed import (
     Groups,
     ShardedJob,
@@ -43,10 +40,10 @@ from snapkeep.distributed import (
     load_sharded,
     object_from_bytes,
     object_to_bytes,
+    optimizer_module,
     saved_keys,
 )
-from snapkeep.errors import SnapshotTimeoutError
-from snapkeep.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep.retention import RetentionPolicy
 from snapkeep.store import Entry, FilenameTemplate, Storage
 from snapkeep.training import RngState
 
@@ -67,6 +64,9 @@ class ShardedCheckpoint:
         storage, directory: where the snapshot directories go.
         template: the Checkpointer's template (its names are directories here).
         policy: retention, or None.
+        lineage: run ids whose snapshots retention may delete, as the single-file store's
+            (the Checkpointer's: ``{None}``, its own snapshots, saved without a run id; never a
+            manager's).
         rng: save and restore each rank's global generators.
         open_on_rank0: run on rank 0 once the process groups exist (the Checkpointer's lock);
             its failure is raised on every rank.
@@ -76,8 +76,9 @@ class ShardedCheckpoint:
     """
 
     def __init__(self, storage: Storage, directory: str, template: FilenameTemplate, *,
-                 policy: RetentionPolicy | None, rng: bool, weights_only: bool,
-                 timeout_s: float, storage_options: Mapping[str, Any] | None = None,
+                 policy: RetentionPolicy | None, lineage: frozenset[str | None], rng: bool,
+                 weights_only: bool, timeout_s: float,
+                 storage_options: Mapping[str, Any] | None = None,
                  open_on_rank0: Callable[[], None] | None = None) -> None:
         self.groups: Groups | None = background_groups(timeout_s) if is_distributed() else None
         self.rank = self.groups.rank if self.groups else 0
@@ -86,23 +87,15 @@ class ShardedCheckpoint:
         self.store = ShardedStore(storage, directory, template,
                                   storage_options=dict(storage_options or {}))
         self._policy = policy
+        self._lineage = lineage
         self._rng = rng
         self._weights_only = weights_only
         if self.rank == 0:
             storage.makedirs(directory)
-            for entry in self.store.uncommitted():
-                logger.info("removing uncommitted sharded snapshot directory %s (no marker; left "
-                            "by a crash)", entry.path)
-                try:
-                    self.store.delete(entry)
-                except OSError as e:
-                    logger.warning("could not remove uncommitted %s: %s", entry.path, e)
+            self.store.sweep(lineage)  # snapkeep's own crashed saves only
         retain = self._retain if self.rank == 0 and policy is not None else None
+        # the saver is drained at interpreter exit (snapkeep._core.exit_drain) if not closed
         self.saver = ShardedSaver(self.store, self.groups, retain=retain)
-        self._pid = os.getpid()
-        self._closed = False
-        self._last: tuple[str, Any] | None = None  # (path, handle) of the newest save
-        exit_drain.register(self)  # committed at interpreter exit if still pending
 
     def _open(self, open_on_rank0: Callable[[], None], where: str) -> None:
         """Run ``open_on_rank0`` (the directory lock) on rank 0 and tell every rank how it went:
@@ -157,23 +150,16 @@ class ShardedCheckpoint:
             rank_state["rng"] = RngState().state_dict()
         tree["rank_state"] = {f"rank{self.rank}": object_to_bytes(rank_state)}
         job = ShardedJob(name=name, step=step, run_id=None, metrics={}, version=version)
-        handle = self.saver.save(tree, job)
-        self._last = (self.store.path_of(name), handle)
-        return handle
+        return self.saver.save(tree, job)
 
     def _retain(self, manifest: ShardedManifest) -> None:
-        """Retention on rank 0 after a commit (whole directories)."""
-        if self._policy is None:
-            return
-        entries = self.store.entries()
-        infos = [SnapshotInfo(name=e.name, key=e.key, step=e.step, metrics={}) for e in entries]
-        by_name = {e.name: e for e in entries}
-        for name in plan_deletions(self._policy, infos, protect=[manifest.name]):
-            try:
-                self.store.delete(by_name[name])
-            except OSError as e:
-                logger.warning("retention could not delete %s (step %s): %s",
-                               by_name[name].path, by_name[name].step, e)
+        """Retention on rank 0 after a commit (whole directories), through the store as the
+        single-file Checkpointer's: among this lineage's snapshots only, and a ``KeepBest``
+        metric no manifest of them records is a ValueError naming the metrics they record
+        (nothing deleted; logged by the saver, never fatal)."""
+        if self._policy is not None:
+            self.store.retain(self._policy, self._lineage,
+                              protect=[self.store.path_of(manifest.name)])
 
     # -- loading ---------------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
@@ -291,48 +277,14 @@ class ShardedCheckpoint:
             SnapshotTimeoutError: still not committed after ``timeout_s``.
             Exception: the commit's error (once).
         """
-        if self._closed:
-            return
-        try:
-            if self._last is not None and timeout_s is not None:
-                path, handle = self._last
-                try:
-                    concurrent.futures.wait([handle.committed], timeout=timeout_s)
-                finally:
-                    if not handle.committed.done():
-                        self._closed = True
-                        exit_drain.discard(self)
-                        raise SnapshotTimeoutError(
-                            f"sharded snapshot {path} not committed within {timeout_s} s")
-            self.saver.close()
-        finally:
-            self._closed = True
-            exit_drain.discard(self)
-
-    # -- what the exit drain asks (snapkeep._core.exit_drain.Drainable) ------------------------
-    @property
-    def pid(self) -> int:
-        """The process that created it (a forked child does not drain it)."""
-        return self._pid
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran."""
-        return self._closed
-
-    def pending_paths(self) -> list[str]:
-        """The snapshot in flight, if any."""
-        if self._last is None or self._last[1].committed.done():
-            return []
-        return [self._last[0]]
+        self.saver.close(timeout_s)
 
 
 def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module],
               key: str) -> torch.nn.Module:
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for model in models.values():
-        if any(id(p) in params for p in model.parameters()):
-            return model
+    model = optimizer_module(optimizer, models)
+    if model is not None:
+        return model
     raise ValueError(f"state[{key!r}] optimizes no parameter of the modules in state "
                      f"{sorted(models)}; sharded snapshots save an optimizer with its module: "
                      "put the module into state too")

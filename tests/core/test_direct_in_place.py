@@ -24,13 +24,8 @@ from snapkeep._core.host_memory import PAGE_ALIGNED_FROM_BYTES, HeapAllocator, _
 from snapkeep._core.shm import SharedArena
 from snapkeep._core.staging import BufferSet
 from snapkeep._core.storage import _direct
-from snapkeep._core.storage._direct import (
-    ALIGN_BYTES,
-    CHUNK_BYTES,
-    IN_PLACE_MIN_BYTES,
-    DirectFile,
-    open_for_write,
-)
+from snapkeep._core.storage._direct import ALIGN_BYTES, IN_PLACE_MIN_BYTES, DirectFile
+from snapkeep._core.storage._direct_resources import CHUNK_BYTES, open_for_write
 
 PAGE = 4096
 

@@ -8,31 +8,16 @@ import os
 import random
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from support import ranks
+from support.killing import assert_identical
 
 WORKER = Path(__file__).with_name("checkpointer_worker.py")
 ITERS = 14
 BOUND_S = 240.0
-
-
-def _compare(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for key in a:
-            _compare(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _compare(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
 
 
 def _kill_after(tmp: Path, out: Path, report: Path, step: int) -> None:
@@ -70,7 +55,7 @@ def test_fsdp2_plain_loop_killed_at_a_random_step_ends_bit_identical(tmp_path: P
     resumed = [int(line.split()[-1]) for o in outputs for line in o.splitlines()
                if line.startswith("resumed at")]
     assert len(resumed) == 2 and resumed[0] == resumed[1] >= 2, outputs  # a resume, not a restart
-    _compare(torch.load(reference / "final.pt", weights_only=True),
+    assert_identical(torch.load(reference / "final.pt", weights_only=True),
              torch.load(killed / "final.pt", weights_only=True), f"seed {seed}, kill at {step}")
     listing = sorted(os.listdir(killed / "ckpt"))
     assert listing == [".snapkeep", f"ckpt_{ITERS - 2}", f"ckpt_{ITERS}"], listing
@@ -91,3 +76,60 @@ def test_a_held_directory_is_refused_on_every_rank(tmp_path: Path) -> None:
     outputs = ranks.run(WORKER, 2, [str(tmp_path / "init2"), str(tmp_path / "ckpt"),
                                     str(tmp_path), "0"], timeout_s=BOUND_S)
     assert all("opened" in o for o in outputs), outputs  # released: free again
+
+
+RETENTION_WORKER = Path(__file__).with_name("checkpointer_retention_worker.py")
+MARKER = ".snapkeep-commit.json"
+
+
+def _other_runs_snapshots(out: Path, steps: list[int]) -> None:
+    """Committed sharded snapshots of another run under the Checkpointer's template (as a
+    manager's SHARDED extension writes them: a run id, and a ``val_loss`` metric)."""
+    from snapkeep.checkpointer import step_template
+    from snapkeep.distributed import ShardedJob, ShardedSaver, ShardedStore
+    from snapkeep.store import resolve_storage
+
+    storage, path = resolve_storage(str(out))
+    storage.makedirs(path)
+    saver = ShardedSaver(ShardedStore(storage, path, step_template("ckpt_{step}")), None)
+    try:
+        for step in steps:
+            saver.save({"w": torch.ones(3)}, ShardedJob(
+                name=f"ckpt_{step}", step=step, run_id="a-manager-run",
+                metrics={"val_loss": 0.5}, version="test"))
+            saver.wait()
+    finally:
+        saver.close()
+
+
+def _committed(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if (p / MARKER).is_file())
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_retention_deletes_only_the_checkpointers_own_snapshots(tmp_path: Path) -> None:
+    """As the single-file Checkpointer's (store.retain with its lineage): another run's
+    snapshots under the same template are never deleted, nor counted."""
+    out = tmp_path / "ckpt"
+    _other_runs_snapshots(out, [1, 2])
+    outputs = ranks.run(RETENTION_WORKER, 2, [str(tmp_path / "init"), str(out), "latest",
+                                              "3,4,5"], timeout_s=BOUND_S)
+    assert all("done" in o for o in outputs), outputs
+    assert _committed(out) == ["ckpt_1", "ckpt_2", "ckpt_5"], outputs
+
+
+@pytest.mark.timeout(2 * BOUND_S)
+def test_a_keep_best_metric_no_manifest_records_deletes_nothing_and_is_named(
+        tmp_path: Path) -> None:
+    """KeepBest by a metric none of the Checkpointer's manifests records: at the first retention
+    that would delete, the ValueError names the metrics its manifests do record (another run's
+    do not count), on rank 0, and nothing is deleted; training goes on."""
+    out = tmp_path / "ckpt"
+    _other_runs_snapshots(out, [1, 2])
+    outputs = ranks.run(RETENTION_WORKER, 2, [str(tmp_path / "init"), str(out),
+                                              "best:val_loss", "3,4,5"], timeout_s=BOUND_S)
+    assert all("done" in o for o in outputs), outputs
+    assert "KeepBest metric 'val_loss' is recorded by none of the 2 snapshot manifest(s); the " \
+           "metrics they record: none. Nothing was deleted." in outputs[0], outputs
+    assert "KeepBest" not in outputs[1]  # retention runs on rank 0 only
+    assert _committed(out) == ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4", "ckpt_5"], outputs

@@ -150,3 +150,19 @@ def test_keep_best_with_a_metric_never_recorded_stops_the_run_before_deleting(tm
         "metrics they record: 'loss'. Nothing was deleted.")
     assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snapshot_iter_1"]
     assert (tmp_path / "snapshot_iter_1" / MARKER).is_file()
+
+
+def test_an_optimizer_is_saved_with_the_module_it_steps(tmp_path) -> None:
+    """DCP saves an optimizer with its module: the one whose parameters it steps (one function,
+    snapkeep.distributed.optimizer_module, for the SHARDED extension and the Checkpointer)."""
+    import snapkeep
+    from snapkeep.distributed import optimizer_module
+
+    first, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(second.parameters(), lr=0.1)
+    assert optimizer_module(optimizer, {"a": first, "b": second}) is second
+    assert optimizer_module(optimizer, {"a": first}) is None
+    with snapkeep.Checkpointer(tmp_path / "ckpt", sharded=True) as ckpt:
+        with pytest.raises(ValueError, match=r"state\['opt'\] optimizes no parameter of the "
+                                             r"modules in state \['model'\]"):
+            ckpt.save(1, {"model": first, "opt": optimizer})

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from snapkeep._core.storage import _direct
-from snapkeep._core.storage._direct import ALIGN_BYTES, CHUNK_BYTES, DirectFile, open_for_write
+from snapkeep._core.storage import _direct, _direct_resources
+from snapkeep._core.storage._direct import ALIGN_BYTES, DirectFile
+from snapkeep._core.storage._direct_resources import CHUNK_BYTES, open_for_write
 
 SIZES = [0, 1, ALIGN_BYTES - 1, ALIGN_BYTES, ALIGN_BYTES + 1, CHUNK_BYTES - 1, CHUNK_BYTES,
          CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 12345]
@@ -55,7 +56,7 @@ def test_direct_is_used_where_the_filesystem_accepts_it(tmp_path) -> None:
 
 
 def _require_direct(tmp_path) -> None:
-    if not _direct.SUPPORTED or not _direct_supported(tmp_path):
+    if not _direct_resources.SUPPORTED or not _direct_supported(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
 
 
@@ -184,7 +185,8 @@ def test_buffers_are_reused_across_threads(tmp_path) -> None:
 def test_a_forked_child_does_not_share_the_buffers(tmp_path) -> None:
     code = f"""
 import os, sys
-from snapkeep._core.storage._direct import DirectFile, open_for_write
+from snapkeep._core.storage._direct import DirectFile
+from snapkeep._core.storage._direct_resources import open_for_write
 def write(name, byte):
     fd, direct = open_for_write(os.path.join({str(tmp_path)!r}, name))
     with DirectFile(fd, direct) as f:

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from snapkeep._core.storage import _direct
-from snapkeep._core.storage._direct import CHUNK_BYTES, DirectFile, open_for_write
+from snapkeep._core.storage._direct import DirectFile
+from snapkeep._core.storage._direct_resources import CHUNK_BYTES, open_for_write
 
 
 def _payload(n: int) -> bytes:

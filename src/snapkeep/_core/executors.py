@@ -31,7 +31,7 @@ from snapkeep._core.errors import WorkerDiedError
 from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.manifest import manifest_path
 from snapkeep._core.sendable import check_sendable
-from snapkeep._core.worker import TrainerDiedError, worker_main
+from snapkeep._core.worker import worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -307,5 +307,5 @@ class ProcessRunner:
 
 
 __all__ = [
-    "InlineRunner", "ProcessRunner", "Runner", "ThreadRunner", "TrainerDiedError", "check_sendable",
+    "InlineRunner", "ProcessRunner", "Runner", "ThreadRunner",
 ]

@@ -62,6 +62,39 @@ _drained = False
 _lost: list[str] = []
 
 
+class DrainedAtExit:
+    """The ``pid``/``closed`` half of :class:`Drainable`, and the registration with the drain,
+    for a class that holds snapshots in flight (:class:`~snapkeep._core.saver.Saver`, the
+    sharded saver and the sharded checkpoint); the class supplies ``pending_paths`` and
+    ``close``.
+
+    The class calls :meth:`_drain_at_exit_unless_closed` once, when it is ready to save, and
+    :meth:`_mark_closed` when it closes (also when a close gives up after its wait ran out).
+    """
+
+    _pid: int
+    _closed: bool
+
+    def _drain_at_exit_unless_closed(self) -> None:
+        self._pid = os.getpid()
+        self._closed = False
+        _LIVE.add(self)  # what register() does; the class supplies the rest of Drainable
+
+    def _mark_closed(self) -> None:
+        self._closed = True
+        _LIVE.discard(self)
+
+    @property
+    def pid(self) -> int:
+        """The process that created it (a forked child does not drain it at exit)."""
+        return self._pid
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran (or gave up after its wait ran out)."""
+        return self._closed
+
+
 def register(saver: Drainable) -> None:
     """Drain ``saver`` at exit unless it was closed by then."""
     _LIVE.add(saver)
@@ -141,4 +174,5 @@ def install() -> None:
 
 install()
 
-__all__ = ["EXIT_STATUS_LOST", "EXIT_WAIT_S", "discard", "drain", "register"]
+__all__ = ["EXIT_STATUS_LOST", "EXIT_WAIT_S", "Drainable", "DrainedAtExit", "discard", "drain",
+           "register"]

@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from snapkeep._core import exit_drain
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
     SnapshotError,
@@ -51,6 +50,7 @@ from snapkeep._core.errors import (
     WorkerDiedError,
 )
 from snapkeep._core.executors import Runner
+from snapkeep._core.exit_drain import DrainedAtExit
 from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.overlap import PendingVerdict
 from snapkeep._core.staging import BufferSet, StageStats
@@ -64,7 +64,7 @@ PostCommitHook = Callable[[CommitRecord], None]
 ON_FULL_POLICIES = ("block", "skip", "replace")
 
 
-class Saver:
+class Saver(DrainedAtExit):
     """Stages, queues and commits snapshots for one writer (see module docstring).
 
     Args:
@@ -104,26 +104,14 @@ class Saver:
         self._cond = threading.Condition()
         self._errors: collections.deque[SnapshotSaveError] = collections.deque()
         self._hooks: list[PostCommitHook] = []
-        self._closed = False
         self.last_stage_stats: StageStats | None = None
-        self._pid = os.getpid()
         self._prefaulted = threading.Event()  # clear while a prefault thread fills a slot
         self._prefaulted.set()
         self._next_overlap: Any = None  # an OverlapPlan for the next submit (overlap.py)
         self._verdicts: list[PendingVerdict] = []  # overlapped snapshots not validated yet
-        exit_drain.register(self)  # committed at interpreter exit if still pending
+        self._drain_at_exit_unless_closed()  # committed at interpreter exit if still pending
 
     # -- public ----------------------------------------------------------------------------------
-    @property
-    def pid(self) -> int:
-        """The process that created this saver (a forked child does not drain it at exit)."""
-        return self._pid
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran."""
-        return self._closed
-
     def add_post_commit_hook(self, hook: PostCommitHook) -> None:
         """Run ``hook(record)`` after each commit, in the trainer process, on the dispatch thread
         (caller's thread for inline runners). A failing hook is logged, never fatal."""
@@ -282,7 +270,7 @@ class Saver:
             if wait:
                 self.wait(timeout_s if timeout_s is not None else self.timeout_s)
         finally:
-            self._closed = True
+            self._mark_closed()
             self._prefaulted.wait()  # a bounded memset; its buffers are closed next
             with self._cond:  # a background staging copy (bounded) as well
                 copies = [v.copied for v in self._verdicts]
@@ -300,7 +288,6 @@ class Saver:
                     close()
             with self._cond:  # a closed saver keeps no staging copies of the state
                 self._slots = [s for s in self._slots if s.handle is not None]
-            exit_drain.discard(self)
         self.raise_pending_error()
 
     def prefault_async(self, tree: Any) -> None:

@@ -42,7 +42,7 @@ from snapkeep._core.errors import SnapshotCorruptError
 from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.storage import Storage, resolve_storage
-from snapkeep._core.storage._storage import is_temp_name
+from snapkeep._core.storage._temps import is_temp_name
 from snapkeep._core.store import Entry, SnapshotStore
 
 logger = logging.getLogger(__name__)

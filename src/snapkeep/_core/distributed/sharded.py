@@ -30,11 +30,10 @@ import contextlib
 import dataclasses
 import io
 import logging
-import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,7 +43,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from snapkeep._core import exit_drain
 from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
 from snapkeep._core.distributed.dcp_safe import (
     METADATA_NAME,
@@ -63,6 +61,7 @@ from snapkeep._core.distributed.sharded_store import (
 )
 from snapkeep._core.distributed.staging import Stager
 from snapkeep._core.errors import SnapshotTimeoutError
+from snapkeep._core.exit_drain import DrainedAtExit
 from snapkeep._core.manifest import now_unix_s
 from snapkeep._core.store import Entry
 
@@ -131,7 +130,7 @@ def _writer_for(store: ShardedStore, path: str) -> _RecordingWriter | _Recording
     return _RecordingFsspecWriter(store.storage.url(path), store.storage_options)
 
 
-class ShardedSaver:
+class ShardedSaver(DrainedAtExit):
     """Saves state trees of DTensors/tensors as sharded snapshots (see the module docstring).
 
     Args:
@@ -157,10 +156,8 @@ class ShardedSaver:
         self._pending: concurrent.futures.Future[ShardedManifest | None] | None = None
         self._pending_path = ""
         self._lock = threading.Lock()
-        self._closed = False
-        self._pid = os.getpid()
         self.last_stage_s = 0.0
-        exit_drain.register(self)  # committed at interpreter exit if still pending
+        self._drain_at_exit_unless_closed()  # committed at interpreter exit if still pending
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -231,8 +228,7 @@ class ShardedSaver:
         if pending is not None and timeout_s is not None:
             concurrent.futures.wait([pending], timeout=timeout_s)
             if not pending.done():
-                self._closed = True
-                exit_drain.discard(self)
+                self._mark_closed()
                 if self._executor is not None:
                     self._executor.shutdown(wait=False)
                     self._executor = None
@@ -241,25 +237,14 @@ class ShardedSaver:
         try:
             self.wait()
         finally:
-            self._closed = True
-            exit_drain.discard(self)
+            self._mark_closed()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
 
-    # -- what the exit drain asks (snapkeep._core.exit_drain.Drainable) ------------------------
-    @property
-    def pid(self) -> int:
-        """The process that created it (a forked child does not drain it)."""
-        return self._pid
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran."""
-        return self._closed
-
     def pending_paths(self) -> list[str]:
-        """The snapshot in flight on this rank, or failed and not yet waited for, if any."""
+        """The snapshot in flight on this rank, or failed and not yet waited for, if any (what
+        the exit drain asks besides ``pid`` and ``closed``)."""
         with self._lock:
             pending = self._pending
         if pending is None or (pending.done() and pending.exception() is None):
@@ -401,5 +386,17 @@ def object_from_bytes(data: bytes, weights_only: bool) -> Any:
     return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
 
 
+def optimizer_module(optimizer: torch.optim.Optimizer,
+                     models: Mapping[str, torch.nn.Module]) -> torch.nn.Module | None:
+    """The module of ``models`` whose parameters ``optimizer`` steps (DCP's
+    ``get_optimizer_state_dict``/``set_optimizer_state_dict`` take an optimizer with its
+    module), or None when it steps none of theirs."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models.values():
+        if any(id(p) in params for p in model.parameters()):
+            return model
+    return None
+
+
 __all__ = ["ShardedHandle", "ShardedJob", "ShardedSaver", "load_sharded", "object_from_bytes",
-           "object_to_bytes", "saved_keys"]
+           "object_to_bytes", "optimizer_module", "saved_keys"]

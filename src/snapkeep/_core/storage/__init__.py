@@ -16,13 +16,9 @@ from snapkeep._core.storage._commit import (
 )
 from snapkeep._core.storage._pfio import PfioFileSystem
 from snapkeep._core.storage._put import ObjectPutCommit
-from snapkeep._core.storage._storage import (
-    TEMP_MARKER,
-    Storage,
-    commit_strategy_for,
-    is_temp_name,
-    resolve_storage,
-)
+from snapkeep._core.storage._resolve import commit_strategy_for, resolve_storage
+from snapkeep._core.storage._storage import Storage
+from snapkeep._core.storage._temps import TEMP_MARKER, is_temp_name
 
 __all__ = [
     "TEMP_MARKER", "CommitStrategy", "ObjectPutCommit", "PfioFileSystem", "RenameCommit",

@@ -29,7 +29,8 @@ from typing import Any, BinaryIO, NoReturn, Protocol
 
 from snapkeep._core.checksum import HashingWriter, new_hasher
 from snapkeep._core.errors import SnapshotStorageError
-from snapkeep._core.storage._direct import DirectFile, open_for_write
+from snapkeep._core.storage._direct import DirectFile
+from snapkeep._core.storage._direct_resources import open_for_write
 
 logger = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ class ReplaceCommit:
             raw = DirectFile(fd, direct, hasher=hasher)
         except BaseException as e:
             os.close(fd)
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             if isinstance(e, OSError):
                 raise storage_error(e, target.url, 0, "creating a temporary file for",
                                     target.endpoint) from e
@@ -248,7 +249,7 @@ class ReplaceCommit:
             check_publish()
             os.replace(tmp, target.path)
         except BaseException as e:
-            _unlink_quietly(tmp)
+            unlink_quietly(tmp)
             raise_failure(e, sink.error, hashing.size_bytes, target, "writing snapshot")
         fsync_directory(os.path.dirname(target.path) or ".")
         return WriteResult(path=target.path, size_bytes=hashing.size_bytes,
@@ -302,7 +303,9 @@ def _fsync_if_possible(f: Any) -> None:
         os.fsync(fileno)
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
+    """Remove the local temporary file ``path``; already gone is fine, any other failure is
+    logged (a leftover temp is swept later), never raised."""
     try:
         os.unlink(path)
     except FileNotFoundError:

@@ -36,9 +36,7 @@ import numpy as np
 
 from snapkeep._core.storage._direct_resources import (
     CHUNK_BYTES,
-    SUPPORTED,
     acquire_buffer,
-    open_for_write,
     release_buffer,
     set_direct,
     write_pool,
@@ -265,12 +263,12 @@ class DirectFile:
             offset = self._offset
             self._offset += len(piece)
             if not self._direct:  # the filesystem refused a direct write on the way
-                _pwrite_chunk(self, piece, offset)
+                self._pwrite_chunk(piece, offset)
             elif not self._direct_chunks or self._streams == 1:
                 self._pwrite_now(piece, offset)
             else:
                 self._wait_in_flight(self._streams - 1)
-                self._in_flight.append((write_pool().submit(_pwrite_chunk, self, piece, offset),
+                self._in_flight.append((write_pool().submit(self._pwrite_chunk, piece, offset),
                                         None))
             self.in_place_bytes += len(piece)
         self._wait_in_flight(0)  # the caller's memory is its own again when write() returns
@@ -279,12 +277,12 @@ class DirectFile:
         """A direct ``pwrite`` in this thread; the first one tells whether the filesystem accepts
         ``O_DIRECT`` writes at all (``EINVAL``: continue buffered)."""
         try:
-            _pwrite_chunk(self, view, offset)
+            self._pwrite_chunk(view, offset)
         except OSError as e:
             if e.errno != errno.EINVAL or self._direct_chunks:
                 raise
             self._fall_back()
-            _pwrite_chunk(self, view, offset)
+            self._pwrite_chunk(view, offset)
             return
         self._direct_chunks += 1
 
@@ -334,7 +332,7 @@ class DirectFile:
         if self._streams == 1 or not self._direct_chunks:
             self._pwrite_now(view, offset)
         else:
-            self._in_flight.append((write_pool().submit(_pwrite_chunk, self, view, offset),
+            self._in_flight.append((write_pool().submit(self._pwrite_chunk, view, offset),
                                     buf))
             self._buf, self._view = None, None
         self._offset += length
@@ -368,9 +366,9 @@ class DirectFile:
         if self._direct:
             padded = -(-tail // ALIGN_BYTES) * ALIGN_BYTES
             self._view[tail:padded] = bytes(padded - tail)
-            _pwrite_chunk(self, self._view[:padded], self._offset, real=tail)
+            self._pwrite_chunk(self._view[:padded], self._offset, real=tail)
         else:
-            _pwrite_chunk(self, self._view[:tail], self._offset)
+            self._pwrite_chunk(self._view[:tail], self._offset)
         self._offset += tail
         self._fill = 0
 
@@ -388,20 +386,21 @@ class DirectFile:
         set_direct(self._fd, False)
         self._direct = False
 
+    def _pwrite_chunk(self, view: memoryview, offset: int, real: int | None = None) -> None:
+        """Write ``view`` at ``offset`` (``real`` bytes of it data, the rest padding), on this
+        thread or a pool thread; a short unaligned direct write (the disk filled up) continues
+        buffered."""
+        real = len(view) if real is None else real
+        done = 0
+        while done < real:
+            written = os.pwrite(self._fd, view[done:] if self._direct else view[done:real],
+                                offset + done)
+            if written <= 0:
+                raise OSError(errno.EIO, "pwrite(2) wrote 0 bytes")
+            done += written
+            if done < real and self._direct and done % ALIGN_BYTES:
+                self._fall_back()
 
-def _pwrite_chunk(f: DirectFile, view: memoryview, offset: int, real: int | None = None) -> None:
-    """Write ``view`` at ``offset`` (``real`` bytes of it data, the rest padding); a short
-    unaligned direct write (the disk filled up) continues buffered, as :class:`DirectFile`."""
-    real = len(view) if real is None else real
-    done = 0
-    while done < real:
-        written = os.pwrite(f._fd, view[done:] if f._direct else view[done:real], offset + done)
-        if written <= 0:
-            raise OSError(errno.EIO, "pwrite(2) wrote 0 bytes")
-        done += written
-        if done < real and f._direct and done % ALIGN_BYTES:
-            f._fall_back()
 
-
-__all__ = ["ALIGN_BYTES", "CHUNK_BYTES", "IN_PLACE", "IN_PLACE_ENV", "IN_PLACE_MIN_BYTES",
-           "SUPPORTED", "WRITE_STREAMS", "DirectFile", "open_for_write"]
+__all__ = ["ALIGN_BYTES", "IN_PLACE", "IN_PLACE_ENV", "IN_PLACE_MIN_BYTES", "WRITE_STREAMS",
+           "DirectFile"]

@@ -33,6 +33,7 @@ from snapkeep._core.storage._commit import (
     check_publish,
     fsync_directory,
     storage_error,
+    unlink_quietly,
 )
 
 if TYPE_CHECKING:
@@ -112,12 +113,7 @@ def _publish_replace(
         if published:  # the companion could not follow its file: take the file back
             _roll_back(storage, path, e)
         for tmp in (data_tmp, companion_tmp):
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            except OSError as err:
-                logger.warning("could not remove the temporary file %s: %s", tmp, err)
+            unlink_quietly(tmp)
         if isinstance(e, OSError) and not isinstance(e, SnapshotStorageError):
             raise storage_error(e, storage.url(path), None, "publishing snapshot") from e
         raise

@@ -38,18 +38,8 @@ from snapkeep._core.storage._paths import (
     truncate_utf8,
 )
 from snapkeep._core.storage._publish import publish_pair
-from snapkeep._core.storage._resolve import (
-    DEFERRED_UPLOAD_PROTOCOLS,
-    MIN_SPILL_BYTES,
-    commit_strategy_for,
-    resolve_storage,
-)
+from snapkeep._core.storage._resolve import commit_strategy_for
 from snapkeep._core.storage._temps import (
-    STALE_TEMP_AGE_S,
-    TEMP_MARKER,
-    TEMP_NAME_MAX_BYTES,
-    TEMP_PREFIX_BYTES,
-    base36,
     is_temp_name,
     temp_basename,
     temp_is_abandoned,
@@ -471,8 +461,4 @@ class Storage:
         return removed
 
 
-__all__ = [
-    "DEFAULT_NAME_MAX", "DEFERRED_UPLOAD_PROTOCOLS", "MIN_SPILL_BYTES", "STALE_TEMP_AGE_S",
-    "TEMP_MARKER", "TEMP_NAME_MAX_BYTES", "TEMP_PREFIX_BYTES", "Storage", "base36", "check_path",
-    "commit_strategy_for", "is_temp_name", "open_regular", "resolve_storage",
-]
+__all__ = ["Storage"]

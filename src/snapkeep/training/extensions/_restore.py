@@ -95,7 +95,7 @@ def manager_problems(manager: Any, state: Any, where: str = "") -> list[str]:
                 f"{keys}{'...' if len(state) > 8 else ''}; a plain model state_dict?)"]
     problems: list[str] = []
     sections: list[tuple[str, Mapping[str, Any]]] = [
-        ("models", manager.models), ("optimizers", manager._optimizers)]
+        ("models", manager.models), ("optimizers", manager.optimizers)]
     if "state_objects" in state:
         sections.append(("state_objects", getattr(manager, "_state_objects", {}) or {}))
     for section, objects in sections:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from snapkeep.distributed import object_from_bytes, object_to_bytes
+from snapkeep.distributed import object_from_bytes, object_to_bytes, optimizer_module
 from snapkeep.store import Entry
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 
@@ -52,10 +52,9 @@ class ShardedStateLayout:
     @staticmethod
     def _model_of(optimizer: torch.optim.Optimizer, models: Mapping[str, torch.nn.Module],
                   name: str) -> torch.nn.Module:
-        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for model in models.values():
-            if any(id(p) in params for p in model.parameters()):
-                return model
+        model = optimizer_module(optimizer, models)
+        if model is not None:
+            return model
         raise ValueError(f"optimizer {name!r} holds no parameter of the snapshot's models "
                          f"{sorted(models)}; SHARDED saves optimizers with their model")
 
