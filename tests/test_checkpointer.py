@@ -16,7 +16,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import snapkeep
 from snapkeep.errors import NoValidSnapshotError, StateMismatchError, StoreLockedError
-from snapkeep.retention import KeepEvery
+from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -95,6 +95,37 @@ def test_keep_retains_the_newest_and_every_skips_other_steps(tmp_path: Any) -> N
         ckpt.save(41, state)
     assert sorted(os.listdir(tmp_path)) == [".snapkeep", "00000030.pt", "00000040.pt",
                                             "00000041.pt"]
+
+
+LOSSES = {1: 0.9, 2: 0.4, 3: 0.7, 4: 0.2, 5: 0.8, 6: 0.6}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_keep_best_ranks_by_the_metrics_given_to_save(tmp_path: Any, sharded: bool) -> None:
+    state = {"model": torch.nn.Linear(2, 2)}
+    keep = AnyOf(KeepLatest(1), KeepBest(2, "val_loss"))
+    with snapkeep.Checkpointer(tmp_path, keep=keep, sharded=sharded) as ckpt:
+        for step, loss in LOSSES.items():
+            ckpt.save(step, state, metrics={"val_loss": torch.tensor(loss), "epoch": step})
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 4, 6]  # the two lowest losses and the newest
+
+
+@pytest.mark.parametrize(("metrics", "error", "words"), [
+    ([("loss", 1.0)], TypeError, "metrics must be a mapping"),
+    ({1: 1.0}, TypeError, "metrics keys must be str"),
+    ({"loss": "low"}, TypeError, "metrics['loss'] must be an int, float"),
+    ({"loss": torch.ones(2)}, TypeError, "metrics['loss'] must be an int, float"),
+    ({"loss": float("nan")}, ValueError, "metrics['loss'] must be finite"),
+])
+def test_bad_metrics_are_named_and_nothing_is_saved(tmp_path: Any, metrics: Any, error: Any,
+                                                    words: str) -> None:
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)})
+        with pytest.raises(error, match=words.replace("[", r"\[").replace("(", r"\(")):
+            ckpt.save(2, {"w": torch.ones(2)}, metrics=metrics)
+        ckpt.wait()
+        assert ckpt.all_steps() == [1]
 
 
 def test_two_checkpointers_on_one_directory_are_refused(tmp_path: Any) -> None:

@@ -28,6 +28,7 @@ it)::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import string
 import sys
@@ -354,7 +355,7 @@ class Checkpointer:
 
     def save(
         self, step: int, state: Mapping[str, Any], *, force: bool = False,
-        on_error: bool = False,
+        on_error: bool = False, metrics: Mapping[str, Any] | None = None,
     ) -> Any:
         """Snapshot ``state`` at ``step``; returns once it is staged (a consistent copy), while
         the writer commits it in the background.
@@ -374,6 +375,10 @@ class Checkpointer:
                 loaded by :meth:`load` nor deleted by retention (it holds mid-step state; kept
                 for inspection), and waited for before returning. Use it in an ``except``
                 block: ``ckpt.save(step, state, on_error=True); raise``.
+            metrics: str keys to finite numbers (int, float, or one-element tensors, read as
+                float) recorded in the snapshot's manifest, as the snapshot extension records
+                ``manager.observation``; ``keep=KeepBest("val_loss", ...)`` ranks snapshots by
+                them (``snapkeep ls`` shows them). ``None``: none recorded.
 
         Returns:
             The save handle (:class:`snapkeep.store.SaveHandle`: ``handle.staged``,
@@ -388,11 +393,14 @@ class Checkpointer:
             SnapshotSaveError: an earlier background save failed (raised once, its cause
                 chained); this snapshot was not taken.
             TypeError: ``state`` is not a mapping with str keys, or holds a plain DataLoader
-                over an ``IterableDataset`` (or any plain DataLoader with ``sharded=True``).
+                over an ``IterableDataset`` (or any plain DataLoader with ``sharded=True``);
+                ``metrics`` is not a mapping of str keys to numbers.
+            ValueError: a value of ``metrics`` is not finite.
             RuntimeError: the Checkpointer is closed.
         """
         self._require_open()
         step = _check_step(step)
+        recorded = _check_metrics(metrics)
         if not (force or on_error or self.should_save(step)):
             return None
         name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
@@ -400,7 +408,8 @@ class Checkpointer:
             _refuse_plain_loaders(_check_state(state))
             for key, value in _check_state(state).items():
                 stateful(key, value)
-            sharded_handle = self._sharded.save(name, step, state, __version__)
+            sharded_handle = self._sharded.save(name, step, state, __version__,
+                                                metrics=recorded)
             if on_error:
                 sharded_handle.committed.result()
             return sharded_handle
@@ -408,7 +417,8 @@ class Checkpointer:
         tree = self._payload(step, state)
         retain = Retain(store=self._store, lineage=_LINEAGE,
                         policy=None if on_error else self._policy)
-        extra: dict[str, Any] = {"step": step, "retain": retain}  # snapkeep's writer extras
+        extra: dict[str, Any] = {"step": step, "retain": retain,  # snapkeep's writer extras
+                                 "metrics": recorded}
         handle = writer(name, self._location, tree, **extra)
         if on_error and handle is not None:
             handle.wait()
@@ -641,6 +651,29 @@ def _check_step(step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     return int(step)
+
+
+def _check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """``Checkpointer.save``'s ``metrics`` as str -> float (see there); raises TypeError or
+    ValueError naming the argument."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a mapping of str keys to numbers, got "
+                        f"{type(metrics).__name__}")
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str):
+            raise TypeError(f"metrics keys must be str, got {key!r}")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"metrics[{key!r}] must be an int, float or one-element tensor, "
+                            f"got {type(value).__name__}")
+        if not math.isfinite(float(value)):
+            raise ValueError(f"metrics[{key!r}] must be finite, got {value!r}")
+        out[key] = float(value)
+    return out
 
 
 def _check_state(state: Any) -> Mapping[str, Any]:

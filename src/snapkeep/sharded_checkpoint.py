@@ -120,9 +120,11 @@ class ShardedCheckpoint:
             raise
 
     # -- saving --------------------------------------------------------------------------------
-    def save(self, name: str, step: int, state: Mapping[str, Any], version: str) -> Any:
+    def save(self, name: str, step: int, state: Mapping[str, Any], version: str, *,
+             metrics: Mapping[str, float] | None = None) -> Any:
         """Stage this rank's part of ``state`` and commit it in the background; returns the
-        handle (``staged`` done, ``committed`` when the marker is durable)."""
+        handle (``staged`` done, ``committed`` when the marker is durable). ``metrics``:
+        recorded in the marker's manifest (KeepBest ranks by them)."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -149,7 +151,8 @@ class ShardedCheckpoint:
         if self._rng:
             rank_state["rng"] = RngState().state_dict()
         tree["rank_state"] = {f"rank{self.rank}": object_to_bytes(rank_state)}
-        job = ShardedJob(name=name, step=step, run_id=None, metrics={}, version=version)
+        job = ShardedJob(name=name, step=step, run_id=None, metrics=dict(metrics or {}),
+                         version=version)
         return self.saver.save(tree, job)
 
     def _retain(self, manifest: ShardedManifest) -> None:

@@ -159,7 +159,8 @@ def check_metrics(policy: RetentionPolicy, snapshots: Sequence[SnapshotInfo]) ->
     raise ValueError(
         f"KeepBest metric {', '.join(repr(m) for m in missing)} is recorded by none of the "
         f"{len(snapshots)} snapshot manifest(s); the metrics they record: {listed}. Nothing "
-        "was deleted. Metrics come from manager.observation at save time (finite numbers only)")
+        "was deleted. Metrics come from manager.observation at save time (finite numbers only), "
+        "or Checkpointer.save(..., metrics={...})")
 
 
 def plan_deletions(
