@@ -128,6 +128,22 @@ def test_bad_metrics_are_named_and_nothing_is_saved(tmp_path: Any, metrics: Any,
         assert ckpt.all_steps() == [1]
 
 
+@pytest.mark.parametrize("first_sharded", [False, True])
+def test_mixed_kinds_under_one_template_are_refused_at_start(tmp_path: Any,
+                                                             first_sharded: bool) -> None:
+    state = {"model": torch.nn.Linear(2, 2)}
+    with snapkeep.Checkpointer(tmp_path, sharded=first_sharded) as ckpt:
+        ckpt.save(1, state)
+    before = sorted(os.listdir(tmp_path))
+    other = "sharded snapshot directories" if first_sharded else "single-file snapshots"
+    with pytest.raises(ValueError, match=f"template 'ckpt_{{step}}' in .* already names 1 "
+                                         f"{other} \\(e.g. 'ckpt_1'\\)"):
+        snapkeep.Checkpointer(tmp_path, sharded=not first_sharded)
+    assert sorted(os.listdir(tmp_path)) == before
+    with snapkeep.Checkpointer(tmp_path, sharded=not first_sharded, template="other_{step}"):
+        pass  # another template in the same directory is fine
+
+
 def test_two_checkpointers_on_one_directory_are_refused(tmp_path: Any) -> None:
     with snapkeep.Checkpointer(tmp_path) as first:
         with pytest.raises(StoreLockedError, match="another open Checkpointer"):

@@ -319,6 +319,11 @@ class Checkpointer:
 
             if self._writer is not None:
                 open_directory()
+                try:  # sharded directories under this template: refused at start
+                    self._store.check_kind()
+                except ValueError as e:  # named with the user's template, not its translation
+                    raise ValueError(str(e).replace(repr(self._template.template),
+                                                    repr(self.template))) from None
                 self._store.sweep(_LINEAGE)
             else:
                 from snapkeep.sharded_checkpoint import ShardedCheckpoint
@@ -326,7 +331,8 @@ class Checkpointer:
                 self._sharded = ShardedCheckpoint(
                     storage, path, self._template, policy=self._policy, lineage=_LINEAGE, rng=rng,
                     weights_only=weights_only, timeout_s=timeout_s,
-                    storage_options=storage_options, open_on_rank0=open_directory)
+                    storage_options=storage_options, open_on_rank0=open_directory,
+                    shown_template=self.template)
         except BaseException:
             self.close()
             raise

@@ -70,6 +70,8 @@ class ShardedCheckpoint:
         rng: save and restore each rank's global generators.
         open_on_rank0: run on rank 0 once the process groups exist (the Checkpointer's lock);
             its failure is raised on every rank.
+        shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages;
+            run on rank 0 with ``open_on_rank0``: single files under the template are refused.
         weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
         timeout_s: bound of every collective, seconds.
         storage_options: fsspec options (object stores).
@@ -79,13 +81,22 @@ class ShardedCheckpoint:
                  policy: RetentionPolicy | None, lineage: frozenset[str | None], rng: bool,
                  weights_only: bool, timeout_s: float,
                  storage_options: Mapping[str, Any] | None = None,
-                 open_on_rank0: Callable[[], None] | None = None) -> None:
+                 open_on_rank0: Callable[[], None] | None = None,
+                 shown_template: str | None = None) -> None:
         self.groups: Groups | None = background_groups(timeout_s) if is_distributed() else None
         self.rank = self.groups.rank if self.groups else 0
-        if open_on_rank0 is not None:
-            self._open(open_on_rank0, storage.url(directory))
         self.store = ShardedStore(storage, directory, template,
                                   storage_options=dict(storage_options or {}))
+        if open_on_rank0 is not None:
+            def open_here() -> None:
+                open_on_rank0()
+                try:  # single files under this template: refused at start
+                    self.store.check_kind()
+                except ValueError as e:  # named with the user's template, not its translation
+                    shown = repr(shown_template or template.template)
+                    raise ValueError(str(e).replace(repr(template.template), shown)) from None
+
+            self._open(open_here, storage.url(directory))
         self._policy = policy
         self._lineage = lineage
         self._rng = rng
