@@ -31,6 +31,17 @@ snapshot extension's normal autoload). A different world size than the tier's fa
 storage. When the RAM step is newer than storage, the snapshot extension writes it to storage
 first ("persist at breakpoint"), then training goes on.
 
+With SHARDED snapshots (``snapshot_mode=SnapshotMode.SHARDED``, e.g. FSDP2), each rank's RAM
+snapshot is its own part of what the SHARDED extension saves
+(:meth:`~._sharded._ShardedSnapshot.memory_state`): the local shard of every DTensor
+(``to_local()``), plain tensors, and its non-tensor and RNG state as bytes; manifest, checksum
+and peer copies as above. At restore every rank checks its snapshot against its live state
+(same keys; each tensor the shape and dtype of the live local shard: same world size and
+sharding); when any rank's differs, every rank logs why and resumes from storage (which
+reshards). Otherwise the bytes are copied into the live local shards in place and the rest is
+applied as a storage resume applies it. A RAM step newer than storage is committed to storage as
+a SHARDED snapshot (the extension's own save, waited for) before training goes on.
+
 Cleanup: ``finalize`` after the stop trigger fired (a run that finished) removes the rank's tier;
 a crashed or killed run leaves it for its restart. At start, tiers of other jobs whose owners are
 dead and older than ``stale_after_s`` are reclaimed.
