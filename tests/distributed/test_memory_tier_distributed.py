@@ -11,6 +11,7 @@ replicated model) and with SHARDED ones (FSDP2: each rank's RAM snapshot holds i
 - two neighbours lost (4 ranks, 2 replicas): RAM still covers every rank; with 2 ranks (every
   node lost): storage;
 - storage lost: RAM resumes and persists step 4 to storage first;
+- another world size (SHARDED, 2 ranks -> 1): storage, resharded;
 - a rank missing at the agreement: the others raise CollectiveTimeoutError (no hang).
 
 Each resumed run trains to iteration 8 and must be bit-identical to an uninterrupted run; every
@@ -133,6 +134,16 @@ def test_two_ranks_sharded(killed2_sharded: Path, tmp_path: Path, name: str, dam
         assert "snapshot_iter_4" in reports[0]["persisted"]
         assert os.path.exists(tmp_path / name / "storage" / "snapshot_iter_4" /
                               ".snapkeep-commit.json")  # a committed sharded snapshot
+
+
+def test_sharded_on_another_world_size_resumes_from_storage_resharded(
+        killed2_sharded: Path, tmp_path: Path) -> None:
+    """RAM holds each rank's shards for 2 ranks; a restart on 1 rank uses storage, which DCP
+    reshards (the tier is not consulted: its world size differs)."""
+    [report] = _resume(killed2_sharded, tmp_path, "one_rank", 1, 0, lambda b: None, "sharded")
+    assert report["start"] == 3 and report["source"] is None
+    assert report["storage_reads"]  # the sharded snapshot's files
+    assert report["weights"] == reference("sharded")
 
 
 @pytest.fixture(scope="module")
