@@ -363,17 +363,16 @@ class _MemoryTierExtension(extension.Extension):
             if checked is None:
                 return None
             template = checked
-        try:
-            if error_load is not None:
-                pass
-            elif self._sharded is not None:
-                _copy_into(template, state)  # the live local shards, in place
-                self._sharded.apply_memory_state(manager, template, path, step, self._rank)
-            else:
-                with into_existing_state(optimizers_in(manager)):  # in place where shapes match
-                    manager.load_state_dict(live_tree(manager, state))
-        except Exception as e:  # every rank raises together below
-            error_load = e
+        if error_load is None:
+            try:
+                if self._sharded is not None:
+                    _copy_into(template, state)  # the live local shards, in place
+                    self._sharded.apply_memory_state(manager, template, path, step, self._rank)
+                else:
+                    with into_existing_state(optimizers_in(manager)):  # in place where shapes
+                        manager.load_state_dict(live_tree(manager, state))  # match
+            except Exception as e:  # every rank raises together below
+                error_load = e
         exchange_outcomes(control, error_load, what=f"{what}: loading step {step}",
                           timeout_s=self.tier.timeout_s)
         source = _source_name(self._rank, sources[self._rank])
