@@ -73,14 +73,16 @@ def _train(manager: ExtensionsManager, model: torch.nn.Module, until: int) -> No
 
 
 class _StorageReads:
-    """Snapshot data files under ``out`` opened for reading (an audit hook on ``open``; hooks
-    cannot be removed, so it records only while ``active``). Manifests are not counted: the
-    persist-at-breakpoint write of the RAM step reads its own new manifest back (retention)."""
+    """Snapshot data files that were under ``out`` when it was made, opened for reading (an
+    audit hook on ``open``; hooks cannot be removed, so it records only while ``active``).
+    Manifests and markers are not counted, nor what the persist-at-breakpoint write of the RAM
+    step creates (it reads its own new manifest back for retention)."""
 
     hooks: list[_StorageReads] = []
 
     def __init__(self, out: Path) -> None:
         self.out = str(out)
+        self.saved = {os.path.join(d, n) for d, _, names in os.walk(out) for n in names}
         self.reads: list[str] = []
         self.active = True
         if not _StorageReads.hooks:
@@ -98,9 +100,9 @@ class _StorageReads:
         writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (
             mode is None and flags & (os.O_WRONLY | os.O_RDWR))
         for recorder in _StorageReads.hooks:
-            if recorder.active and path.startswith(recorder.out) and not writes \
-                    and "snapshot_iter_" in path \
-                    and "/.snapkeep/" not in path:
+            if recorder.active and path in recorder.saved and not writes \
+                    and "snapshot_iter_" in path and "/.snapkeep/" not in path \
+                    and not path.endswith(".snapkeep-commit.json"):
                 recorder.reads.append(path)
 
 
@@ -277,3 +279,77 @@ def test_defaults_name_the_tier_by_job_under_dev_shm(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
     assert job_id("/runs/a", TEMPLATE) == "job_42"
     assert tier_dir("/dev/shm", "job_42") == "/dev/shm/snapkeep-job_42"
+
+
+# -- SHARDED snapshots (one process: plain DCP files; FSDP2 on gloo in tests/distributed) ------
+
+
+def _sharded(out: Path, root: Path, *, dtype: torch.dtype = torch.float32,
+             ) -> tuple[ExtensionsManager, torch.nn.Module, Any, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(dtype)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    manager = ExtensionsManager(model, optimizer, 1, iters_per_epoch=8, out_dir=str(out),
+                                writer=writing.SimpleWriter(out_dir=str(out)))
+    snapshot = ext.snapshot(filename=TEMPLATE, snapshot_mode=ext.SnapshotMode.SHARDED,
+                            autoload=True)
+    manager.extend(snapshot, trigger=(3, "iteration"))
+    tier = ext.memory_tier(ext.MemoryTier(every=2, replicas=0, root=str(root)))
+    manager.extend(tier)
+    return manager, model, tier, snapshot
+
+
+def _sharded_step(manager: ExtensionsManager, model: torch.nn.Module) -> None:
+    optimizer = manager.optimizers["main"]
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(manager.iteration))
+    with manager.run_iteration():
+        optimizer.zero_grad()
+        model(x.to(model.weight.dtype)).pow(2).sum().backward()
+        optimizer.step()
+
+
+def _sharded_killed_at_5(out: Path, root: Path) -> None:
+    manager, model, _, snapshot = _sharded(out, root)
+    manager.start_extensions()
+    while manager.iteration < 5:  # RAM at 2, 4; storage at 3; then the process "dies"
+        _sharded_step(manager, model)
+    snapshot.wait()
+
+
+def test_sharded_restart_resumes_from_ram_reads_no_storage_and_persists_first(
+        tmp_path: Path) -> None:
+    out, root = tmp_path / "out", tmp_path / "shm"
+    _sharded_killed_at_5(out, root)
+    reads = _StorageReads(out)
+    resumed, model, tier, _ = _sharded(out, root)
+    resumed.start_extensions()
+    reads.active = False
+    assert resumed.iteration == 4 and tier.restored.source == "own"
+    assert reads.reads == []
+    assert (out / "snapshot_iter_4" / ".snapkeep-commit.json").exists()  # a sharded snapshot
+    while resumed.iteration < 8:
+        _sharded_step(resumed, model)
+    resumed.finalize()
+    ref, ref_model, _, _ = _sharded(tmp_path / "ref", tmp_path / "ref_shm")
+    ref.start_extensions()
+    while ref.iteration < 8:
+        _sharded_step(ref, ref_model)
+    ref.finalize()
+    for key, value in ref_model.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key  # Adam's state restored too
+    assert os.listdir(root) == []
+
+
+def test_a_sharded_ram_snapshot_unlike_the_live_state_falls_back_to_storage(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out, root = tmp_path / "out", tmp_path / "shm"
+    _sharded_killed_at_5(out, root)
+    resumed, model, tier, snapshot = _sharded(out, root, dtype=torch.float64)
+    with caplog.at_level("WARNING"):
+        resumed.start_extensions()
+    assert tier.restored is None
+    assert resumed.iteration == 3 and snapshot.loaded_entry.name == "snapshot_iter_3"
+    assert "does not match its live state" in caplog.text
+    assert "models.main.weight: saved torch.float32 [3, 4], live torch.float64 [3, 4]" \
+        in caplog.text
+    resumed.finalize()

@@ -17,12 +17,18 @@ rank's files are durable.
   committed and exit with code 143 (:data:`snapkeep.training.extensions.EXIT_CODE_PREEMPTED`);
   run the command again to continue.
 - Another ``--nproc-per-node`` on the rerun reshards the snapshot (saved on 2, resumed on 1 or 3).
+- ``--memory-every K --replicas R`` turns the memory tier on: every K iterations each rank
+  commits its local shards to node RAM (``--memory-root``, default ``/dev/shm``) and copies
+  them to R peer ranks; a rerun after a kill resumes from RAM (its own, else a peer's) without
+  reading storage when RAM is at least as new, and writes that step to storage first. A rerun
+  on another number of ranks resumes from storage (resharded).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import logging
 import os
 import random
@@ -68,6 +74,11 @@ class ShardedDemoConfig:
         batch_size: global batch size (split between the ranks; a multiple of the world size).
         timeout_s: bound of snapkeep's collectives (seconds).
         lr: Adam learning rate.
+        memory_every: commit each rank's shards to node RAM every this many iterations (the
+            memory tier); 0: off.
+        replicas: peer ranks holding a copy of each rank's RAM snapshot (less than the world
+            size; with ``memory_every``).
+        memory_root: the tmpfs directory of the memory tier.
     """
 
     out_dir: str = "result/demo-sharded"
@@ -79,6 +90,9 @@ class ShardedDemoConfig:
     batch_size: int = 60
     timeout_s: float = 120.0
     lr: float = 1e-3
+    memory_every: int = 0
+    replicas: int = 1
+    memory_root: str = "/dev/shm"
 
 
 def _shard(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
@@ -141,13 +155,27 @@ def run_sharded_demo(config: ShardedDemoConfig, echo: Callable[[str], None] = pr
     manager.extend(snapshot, trigger=SnapshotSchedule(config.snapshot_interval,
                                                       config.iterations))
     manager.extend(extensions.preemption(timeout_s=config.timeout_s))
+    tier = None
+    if config.memory_every > 0:
+        # named by out_dir: torchrun --standalone draws a new run id at every launch
+        job = "demo-sharded-" + hashlib.sha256(
+            os.path.abspath(config.out_dir).encode()).hexdigest()[:12]
+        tier = extensions.memory_tier(extensions.MemoryTier(
+            every=config.memory_every, replicas=config.replicas if world_size > 1 else 0,
+            root=config.memory_root, job=job, timeout_s=config.timeout_s))
+        manager.extend(tier)
     say(f"snapkeep sharded demo: digits MLP hidden={config.hidden_size} on {world_size} "
         f"rank(s) (FSDP2 on gloo), out={config.out_dir}")
     start = time.perf_counter()
     manager.start_extensions()  # every rank agrees on the snapshot to resume, then loads it
     loaded = snapshot.loaded_entry
     first = manager.iteration
-    if loaded is None:
+    restored = tier.restored if tier is not None else None
+    if restored is not None:
+        say(f"resumed from RAM (step {first}, rank 0's copy: {restored.source}; storage's "
+            f"newest: {restored.storage_step}) on {world_size} rank(s) in "
+            f"{time.perf_counter() - start:.2f} s")
+    elif loaded is None:
         say(f"starting fresh; training {config.iterations} iterations")
     else:
         say(f"resumed from {loaded.name} (iteration {first}) on {world_size} rank(s) in "
@@ -174,7 +202,9 @@ def run_sharded_demo(config: ShardedDemoConfig, echo: Callable[[str], None] = pr
     accuracy, _ = evaluate(model, test_x, test_y)
     summary = {"iteration": manager.iteration, "loss": last_loss.value, "accuracy": accuracy,
                "resumed_from": loaded.name if loaded else None,
-               "resumed_iteration": first if loaded else None, "world_size": world_size}
+               "resumed_iteration": first if loaded or restored else None,
+               "resumed_from_ram": restored.source if restored else None,
+               "world_size": world_size}
     say(f"done: iteration {manager.iteration}, loss {last_loss.value:.4f}, accuracy "
         f"{accuracy:.4f}")
     return summary
@@ -193,11 +223,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s)
+    parser.add_argument("--memory-every", type=int, default=defaults.memory_every,
+                        help="memory tier: commit each rank's shards to node RAM every K "
+                             "iterations (0: off)")
+    parser.add_argument("--replicas", type=int, default=defaults.replicas,
+                        help="memory tier: peer ranks holding a copy of each rank's RAM snapshot")
+    parser.add_argument("--memory-root", default=defaults.memory_root,
+                        help="memory tier: the tmpfs directory (default /dev/shm)")
     args = parser.parse_args(argv)
     config = ShardedDemoConfig(
         out_dir=args.out, iterations=args.iterations, snapshot_interval=args.snapshot_interval,
         n_retains=args.n_retains, hidden_size=MODEL_SIZES[args.model_size], seed=args.seed,
-        batch_size=args.batch_size, timeout_s=args.timeout_s)
+        batch_size=args.batch_size, timeout_s=args.timeout_s, memory_every=args.memory_every,
+        replicas=args.replicas, memory_root=args.memory_root)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     torch.set_num_threads(1)
     distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -1,7 +1,11 @@
-"""One rank of test_memory_tier_distributed.py: DISTRIBUTED snapshots (saver rank 0) to a shared
-storage directory every 3 iterations, and the memory tier every 2 iterations with peer copies.
+"""One rank of test_memory_tier_distributed.py: snapshots to a shared storage directory every 3
+iterations, and the memory tier every 2 iterations with peer copies.
 
-Usage: ``python memory_tier_worker.py RANK WORLD_SIZE INIT_FILE BASE PHASE REPLICAS``.
+Usage: ``python memory_tier_worker.py RANK WORLD_SIZE INIT_FILE BASE PHASE REPLICAS [KIND]``.
+
+KIND ``distributed`` (default): a replicated ``Linear`` with SGD, DISTRIBUTED snapshots (saver
+rank 0). KIND ``sharded``: an MLP sharded with FSDP2 ``fully_shard`` with Adam, SHARDED snapshots
+(every rank its shards; the RAM snapshots hold each rank's local shards).
 
 Each rank's node RAM is ``BASE/node<RANK>`` (a directory per simulated node); storage is
 ``BASE/storage``. Phases:
@@ -9,8 +13,9 @@ Each rank's node RAM is ``BASE/node<RANK>`` (a directory per simulated node); st
 - ``train``: train to iteration 5 (RAM at 2 and 4, storage at 3), wait for the peer copies,
   then every rank SIGKILLs itself (no finalize: the tiers stay).
 - ``resume``: start again (an audit hook records every snapshot data file of storage opened for
-  reading during the start: single-file snapshots, so every byte of saved state), train to 8,
-  finalize; write ``BASE/report_rank<RANK>.json``.
+  reading during the start: single-file snapshots, or a sharded directory's ``.distcp`` and
+  ``.metadata`` files, so every byte of saved state), train to 8, finalize; write
+  ``BASE/report_rank<RANK>.json`` (with the full weights, gathered under FSDP2).
 - ``missing``: rank 1 exits before the recovery agreement; rank 0 reports how its start ended.
 """
 
@@ -34,20 +39,46 @@ TEMPLATE = "snapshot_iter_{.iteration}"
 UNTIL = 8
 
 
-def build(base: str, rank: int, replicas: int) -> tuple[ExtensionsManager, torch.nn.Module, Any]:
-    torch.manual_seed(0)  # replicated state, as under DDP
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def _model(kind: str, world: int) -> torch.nn.Module:
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    if kind == "distributed":
+        return torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 3))
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "distributed":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def build(base: str, rank: int, replicas: int, kind: str = "distributed", world: int = 1
+          ) -> tuple[ExtensionsManager, torch.nn.Module, Any, Any]:
+    model = _model(kind, world)
+    optimizer = _optimizer(kind, model)
     out = os.path.join(base, "storage")
     manager = ExtensionsManager(model, optimizer, 1, iters_per_epoch=UNTIL, out_dir=out,
                                 writer=writing.SimpleWriter(out_dir=out))
-    manager.extend(ext.snapshot(filename=TEMPLATE, saver_rank=0, autoload=True, timeout_s=60),
-                   trigger=(3, "iteration"))
+    if kind == "distributed":
+        snapshot = ext.snapshot(filename=TEMPLATE, saver_rank=0, autoload=True, timeout_s=60)
+    else:
+        snapshot = ext.snapshot(filename=TEMPLATE, snapshot_mode=ext.SnapshotMode.SHARDED,
+                                autoload=True, timeout_s=60)
+    manager.extend(snapshot, trigger=(3, "iteration"))
     tier = ext.memory_tier(ext.MemoryTier(every=2, replicas=replicas, stride=1, job="test",
                                           root=os.path.join(base, f"node{rank}"),
                                           timeout_s=60))
     manager.extend(tier)
-    return manager, model, tier
+    return manager, model, tier, snapshot
 
 
 def step(manager: ExtensionsManager, model: torch.nn.Module) -> None:
@@ -59,27 +90,37 @@ def step(manager: ExtensionsManager, model: torch.nn.Module) -> None:
         optimizer.step()
 
 
-def reference() -> list[float]:
-    """The weights of an uninterrupted run (no snapshots), for comparison."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def full_weights(model: torch.nn.Module) -> list[float]:
+    """Every parameter, whole (a DTensor's shards gathered: collective under FSDP2)."""
+    values: list[float] = []
+    for param in model.parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        values += full.detach().flatten().tolist()
+    return values
+
+
+def reference(kind: str = "distributed") -> list[float]:
+    """The weights of an uninterrupted run (no snapshots, one process), for comparison."""
+    model = _model(kind, 1)
+    optimizer = _optimizer(kind, model)
     for iteration in range(UNTIL):
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(iteration))
         optimizer.zero_grad()
         model(x).pow(2).sum().backward()
         optimizer.step()
-    return model.weight.detach().flatten().tolist()
+    return full_weights(model)
 
 
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     init_file, base, phase, replicas = sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])
+    kind = sys.argv[7] if len(sys.argv) > 7 else "distributed"
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     storage = os.path.join(base, "storage")
     reads: list[str] = []
     recording = [phase == "resume"]
+    saved = {os.path.join(d, n) for d, _, names in os.walk(storage) for n in names}  # before
 
     def hook(event: str, args: tuple[Any, ...]) -> None:
         if event != "open" or not recording[0] or not isinstance(args[0], str):
@@ -87,9 +128,11 @@ def main() -> None:
         path, mode, flags = args
         writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (
             mode is None and flags & (os.O_WRONLY | os.O_RDWR))
-        if path.startswith(storage) and os.path.basename(path).startswith("snapshot_iter_") \
-                and "/.snapkeep/" not in path and not writes:  # data, not manifest/lock/dir
-            reads.append(path)
+        name = os.path.basename(path)
+        data = name.startswith("snapshot_iter_") or name.endswith(".distcp") \
+            or name == ".metadata"  # a snapshot file, a sharded directory's DCP files
+        if path in saved and data and "/.snapkeep/" not in path and not writes:
+            reads.append(path)  # saved state, not a manifest/marker/lock, nor what we write
 
     sys.addaudithook(hook)
     if phase == "missing":  # rank 1 dies before the recovery agreement; rank 0 must not hang
@@ -98,7 +141,7 @@ def main() -> None:
         background_groups(60)  # the tier's groups (a collective: every rank creates them)
         if rank == 1:
             os._exit(0)
-        manager, model, tier = build(base, rank, replicas)
+        manager, model, tier, snapshot = build(base, rank, replicas, kind, world)
         began = time.monotonic()
         try:
             manager.start_extensions()
@@ -108,14 +151,27 @@ def main() -> None:
         with open(os.path.join(base, f"report_rank{rank}.json"), "w") as f:
             json.dump({"outcome": outcome, "elapsed_s": time.monotonic() - began}, f)
         os._exit(0)
-    manager, model, tier = build(base, rank, replicas)
+    manager, model, tier, snapshot = build(base, rank, replicas, kind, world)
+    timed = tier.initialize  # the tier's recovery alone (without persisting to storage)
+    tier_s = [0.0]
+
+    def initialize(manager: ExtensionsManager) -> None:
+        began = time.perf_counter()
+        timed(manager)
+        tier_s[0] = time.perf_counter() - began
+
+    tier.initialize = initialize
+    began = time.perf_counter()
     manager.start_extensions()
+    resume_s = time.perf_counter() - began
     recording[0] = False
     start = manager.iteration
     if phase == "train":
         while manager.iteration < 5:
             step(manager, model)
         tier.wait()
+        if kind == "sharded":
+            snapshot.wait()  # storage's step 3 committed (a background commit)
         dist.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
     persisted = sorted(n for n in os.listdir(storage) if n.startswith("snapshot_"))
@@ -123,9 +179,10 @@ def main() -> None:
         step(manager, model)
     manager.finalize()
     restored = tier.restored
-    report = {"start": start, "storage_reads": reads, "persisted": persisted,
+    report = {"start": start, "storage_reads": reads, "persisted": persisted, "resume_s": resume_s,
+              "tier_s": tier_s[0],
               "source": restored.source if restored else None,
-              "weights": model.weight.detach().flatten().tolist(),
+              "weights": full_weights(model),
               "tier_left": os.listdir(os.path.join(base, f"node{rank}"))}
     with open(os.path.join(base, f"report_rank{rank}.json"), "w") as f:
         json.dump(report, f)

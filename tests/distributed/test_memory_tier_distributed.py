@@ -1,15 +1,17 @@
 """The memory tier's failure matrix with real gloo ranks: one training run is SIGKILLed after
 iteration 5 (RAM at step 4 with peer copies, storage at step 3); copies of what it left are
-damaged in one way each, and the ranks restart on each copy.
+damaged in one way each, and the ranks restart on each copy. With DISTRIBUTED snapshots (a
+replicated model) and with SHARDED ones (FSDP2: each rank's RAM snapshot holds its local shards).
 
 - process lost (tiers intact): every rank resumes step 4 from its own RAM;
 - node lost (one rank's tmpfs wiped): that rank takes its copy from a peer's RAM; no storage
   snapshot file is opened;
 - node lost and the peer copy corrupt: detected, the next source is used (another peer with 4
   ranks, storage with 2);
-- two neighbours lost (4 ranks, 2 replicas): RAM still covers every rank;
+- two neighbours lost (4 ranks, 2 replicas): RAM still covers every rank; with 2 ranks (every
+  node lost): storage;
 - storage lost: RAM resumes and persists step 4 to storage first;
-- every node lost: storage;
+- another world size (SHARDED, 2 ranks -> 1): storage, resharded;
 - a rank missing at the agreement: the others raise CollectiveTimeoutError (no hang).
 
 Each resumed run trains to iteration 8 and must be bit-identical to an uninterrupted run; every
@@ -19,6 +21,7 @@ finished run removes its tiers.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -37,8 +40,8 @@ pytestmark = [pytest.mark.skipif(
     reason="torch.distributed with gloo is not available")]
 
 
-def _killed_run(base: Path, world: int, replicas: int) -> None:
-    procs = start(WORKER, world, [str(base / "init"), str(base), "train", str(replicas)])
+def _killed_run(base: Path, world: int, replicas: int, kind: str = "distributed") -> None:
+    procs = start(WORKER, world, [str(base / "init"), str(base), "train", str(replicas), kind])
     outputs = finish(procs, 180)
     for proc, output in zip(procs, outputs):
         assert proc.returncode == -signal.SIGKILL, output
@@ -54,11 +57,12 @@ def _corrupt_copy(base: Path, holder: int, source: int) -> None:
 
 
 def _resume(killed: Path, tmp: Path, name: str, world: int, replicas: int,
-            damage: Any) -> list[dict[str, Any]]:
+            damage: Any, kind: str = "distributed") -> list[dict[str, Any]]:
     base = tmp / name
     shutil.copytree(killed, base)
     damage(base)
-    run(WORKER, world, [str(base / "init"), str(base), "resume", str(replicas)], timeout_s=180)
+    run(WORKER, world, [str(base / "init"), str(base), "resume", str(replicas), kind],
+        timeout_s=180)
     return [json.loads((base / f"report_rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -70,8 +74,8 @@ def _wipe(*nodes: int) -> Any:
 
 
 def _check(reports: list[dict[str, Any]], *, start: int, sources: list[str | None],
-           storage_read: bool) -> None:
-    expected = reference()
+           storage_read: bool, kind: str = "distributed") -> None:
+    expected = reference(kind)
     assert [r["start"] for r in reports] == [start] * len(reports)
     assert [r["source"] for r in reports] == sources
     for r in reports:
@@ -90,20 +94,56 @@ def killed2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base
 
 
-@pytest.mark.parametrize(("name", "damage", "start", "sources", "storage_read"), [
+@pytest.fixture(scope="module")
+def killed2_sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("killed2_sharded")
+    _killed_run(base, 2, 1, "sharded")
+    return base
+
+
+_TWO_RANKS = [
     ("process_lost", lambda b: None, 4, ["own", "own"], False),
     ("node_lost", _wipe(1), 4, ["own", "peer0"], False),
     ("node_lost_peer_copy_corrupt", lambda b: (_wipe(1)(b), _corrupt_copy(b, 0, 1)), 3,
      [None, None], True),
     ("storage_lost", lambda b: shutil.rmtree(b / "storage"), 4, ["own", "own"], False),
     ("every_node_lost", _wipe(0, 1), 3, [None, None], True),
-])
+]
+
+
+@pytest.mark.parametrize(("name", "damage", "start", "sources", "storage_read"), _TWO_RANKS)
 def test_two_ranks(killed2: Path, tmp_path: Path, name: str, damage: Any, start: int,
                    sources: list[str | None], storage_read: bool) -> None:
     reports = _resume(killed2, tmp_path, name, 2, 1, damage)
     _check(reports, start=start, sources=sources, storage_read=storage_read)
     if start == 4:  # the RAM step was written to storage before training went on
         assert "snapshot_iter_4" in reports[0]["persisted"]
+
+
+@pytest.mark.parametrize(("name", "damage", "start", "sources", "storage_read"), [
+    pytest.param(*case, marks=[] if case[0] in ("node_lost", "node_lost_peer_copy_corrupt")
+                 else [pytest.mark.slow]) for case in _TWO_RANKS])
+def test_two_ranks_sharded(killed2_sharded: Path, tmp_path: Path, name: str, damage: Any,
+                           start: int, sources: list[str | None], storage_read: bool) -> None:
+    """SHARDED snapshots under FSDP2: each rank restores its own local shards from RAM (own or a
+    peer's copy) in place; storage is the fallback; a RAM step newer than storage is committed
+    to storage as a sharded snapshot before training goes on."""
+    reports = _resume(killed2_sharded, tmp_path, name, 2, 1, damage, "sharded")
+    _check(reports, start=start, sources=sources, storage_read=storage_read, kind="sharded")
+    if start == 4:
+        assert "snapshot_iter_4" in reports[0]["persisted"]
+        assert os.path.exists(tmp_path / name / "storage" / "snapshot_iter_4" /
+                              ".snapkeep-commit.json")  # a committed sharded snapshot
+
+
+def test_sharded_on_another_world_size_resumes_from_storage_resharded(
+        killed2_sharded: Path, tmp_path: Path) -> None:
+    """RAM holds each rank's shards for 2 ranks; a restart on 1 rank uses storage, which DCP
+    reshards (the tier is not consulted: its world size differs)."""
+    [report] = _resume(killed2_sharded, tmp_path, "one_rank", 1, 0, lambda b: None, "sharded")
+    assert report["start"] == 3 and report["source"] is None
+    assert report["storage_reads"]  # the sharded snapshot's files
+    assert report["weights"] == reference("sharded")
 
 
 @pytest.fixture(scope="module")

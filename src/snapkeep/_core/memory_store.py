@@ -33,10 +33,15 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from snapkeep._core.checksum import digest_stream
-from snapkeep._core.errors import MemoryTierTooSmallError, SnapshotCorruptError
+from snapkeep._core.errors import (
+    MemoryTierTooSmallError,
+    NoValidSnapshotError,
+    SnapshotCorruptError,
+)
 from snapkeep._core.job import SaveJob
 from snapkeep._core.storage import resolve_storage
 from snapkeep._core.store import Entry, SnapshotStore
+from snapkeep._core.store_kinds import newest_valid
 
 logger = logging.getLogger(__name__)
 
@@ -107,19 +112,25 @@ class MemoryStore(SnapshotStore):
 
     def newest_verified(self) -> Held | None:
         """The newest snapshot whose bytes match its manifest (older ones are tried when the
-        newest fails, each failure logged); None when none verifies."""
-        for entry in reversed(self.entries()):
-            try:
-                manifest = self.verify(entry)
-            except SnapshotCorruptError as e:
-                logger.warning("memory tier: %s does not verify: %s", entry.path, e)
-                continue
+        newest fails, each failure logged: the stores' one newest-valid-with-fallback,
+        :func:`~snapkeep._core.store_kinds.newest_valid`); None when none verifies."""
+
+        def check(entry: Entry) -> Held:
+            manifest = self.verify(entry)
             if manifest is None or entry.step is None:
-                logger.warning("memory tier: %s has no manifest; not used", entry.path)
-                continue
+                raise SnapshotCorruptError(f"{entry.path}: no manifest")
             return Held(step=entry.step, path=entry.path, checksum=manifest.checksum,
                         size_bytes=manifest.size_bytes)
-        return None
+
+        def skipped(entry: Entry, error: SnapshotCorruptError) -> None:
+            logger.warning("memory tier: %s not used: %s", entry.path, error)
+
+        try:
+            found = newest_valid(self.entries(), check, skipped=skipped,
+                                 what=f"{TEMPLATE!r} in {self.directory!r}")
+        except NoValidSnapshotError:
+            return None
+        return None if found is None else found[1]
 
     def commit_state(self, step: int, state: Any, savefun: Callable[..., Any]) -> Held:
         """Commit ``state`` as step ``step`` (atomically, with its manifest), then keep it alone.

@@ -31,6 +31,17 @@ snapshot extension's normal autoload). A different world size than the tier's fa
 storage. When the RAM step is newer than storage, the snapshot extension writes it to storage
 first ("persist at breakpoint"), then training goes on.
 
+With SHARDED snapshots (``snapshot_mode=SnapshotMode.SHARDED``, e.g. FSDP2), each rank's RAM
+snapshot is its own part of what the SHARDED extension saves
+(:meth:`~._sharded._ShardedSnapshot.memory_state`): the local shard of every DTensor
+(``to_local()``), plain tensors, and its non-tensor and RNG state as bytes; manifest, checksum
+and peer copies as above. At restore every rank checks its snapshot against its live state
+(same keys; each tensor the shape and dtype of the live local shard: same world size and
+sharding); when any rank's differs, every rank logs why and resumes from storage (which
+reshards). Otherwise the bytes are copied into the live local shards in place and the rest is
+applied as a storage resume applies it. A RAM step newer than storage is committed to storage as
+a SHARDED snapshot (the extension's own save, waited for) before training goes on.
+
 Cleanup: ``finalize`` after the stop trigger fired (a run that finished) removes the rank's tier;
 a crashed or killed run leaves it for its restart. At start, tiers of other jobs whose owners are
 dead and older than ``stale_after_s`` are reclaimed.
@@ -174,7 +185,8 @@ def _state_bytes(state: Any) -> int:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            total += item.numel() * item.element_size()
+            local = item.to_local() if hasattr(item, "to_local") else item  # a DTensor's shard
+            total += local.numel() * local.element_size()
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
@@ -203,6 +215,7 @@ class _MemoryTierExtension(extension.Extension):
         self._job = ""
         self._stride = 1
         self._replicas = 0
+        self._sharded: Any = None
 
     # -- start ------------------------------------------------------------------------------
     def initialize(self, manager: Any) -> None:  # type: ignore[override]
@@ -229,9 +242,9 @@ class _MemoryTierExtension(extension.Extension):
                                   for i in range(1, self._replicas + 1)):
             raise ValueError(f"MemoryTier stride {self._stride} makes a rank its own peer with "
                              f"world size {self._world} and {self._replicas} replica(s)")
-        if any(hasattr(s, "_sharded_store_of") for s in snapshots):
-            raise ValueError("the memory tier does not work with SnapshotMode.SHARDED snapshots "
-                             "yet; use it with single-file or DISTRIBUTED snapshots")
+        # SHARDED snapshots: each rank's RAM snapshot is its part of what they save
+        self._sharded = next((s for s in snapshots if callable(getattr(s, "memory_state", None))),
+                             None)
         template = str(getattr(snapshots[0], "filename", "")) if snapshots else ""
         self._job = tier.job or job_id(str(manager.out), template)
         reclaim_stale(tier.root, keep=self._job, stale_after_s=tier.stale_after_s)
@@ -271,9 +284,14 @@ class _MemoryTierExtension(extension.Extension):
                 continue
             try:
                 storage, directory = storage_for(manager.out)
-                store = SnapshotStore(storage, directory, template)
-                steps = [e.step for e in store.entries() if e.step is not None]
-                steps += [s for s in _directory_steps(store) if s is not None]
+                if callable(getattr(snap, "memory_state", None)):  # committed directories
+                    from snapkeep.distributed import ShardedStore
+                    entries = ShardedStore(storage, directory, template).entries()
+                    steps = [e.step for e in entries if e.step is not None]
+                else:
+                    store = SnapshotStore(storage, directory, template)
+                    steps = [e.step for e in store.entries() if e.step is not None]
+                    steps += [s for s in _directory_steps(store) if s is not None]
             except Exception as e:  # an unreachable store: RAM can still be used
                 logger.warning("memory tier: could not list %s: %s", template, e)
                 continue
@@ -328,18 +346,33 @@ class _MemoryTierExtension(extension.Extension):
                 logger.warning("memory tier: rank %d could not use its copy of step %d from "
                                "%s: %s", r, step, _source_name(r, sources[r]), message)
                 excluded.add((r, sources[r]))
+        own = MemoryStore(self.tier.root, self._job, self._rank)
+        path = own.storage.join(own.directory, f"ram_iter_{step}")
         error_load: BaseException | None = None
+        state: Any = None
+        template: dict[str, Any] = {}
         try:
             if data is None:  # the own copy, verified in the inventory: loaded mapped, no copy
-                own = MemoryStore(self.tier.root, self._job, self._rank)
-                state = load_file(own.storage, own.storage.join(
-                    own.directory, f"ram_iter_{step}"), map_location="cpu", weights_only=True)
+                state = load_file(own.storage, path, map_location="cpu", weights_only=True)
             else:
                 state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            with into_existing_state(optimizers_in(manager)):  # in place where shapes match
-                manager.load_state_dict(live_tree(manager, state))
         except Exception as e:  # every rank raises together below
             error_load = e
+        if self._sharded is not None and error_load is None:
+            checked = self._sharded_template(manager, state, step, control)
+            if checked is None:
+                return None
+            template = checked
+        if error_load is None:
+            try:
+                if self._sharded is not None:
+                    _copy_into(template, state)  # the live local shards, in place
+                    self._sharded.apply_memory_state(manager, template, path, step, self._rank)
+                else:
+                    with into_existing_state(optimizers_in(manager)):  # in place where shapes
+                        manager.load_state_dict(live_tree(manager, state))  # match
+            except Exception as e:  # every rank raises together below
+                error_load = e
         exchange_outcomes(control, error_load, what=f"{what}: loading step {step}",
                           timeout_s=self.tier.timeout_s)
         source = _source_name(self._rank, sources[self._rank])
@@ -354,6 +387,33 @@ class _MemoryTierExtension(extension.Extension):
         logger.info("memory tier: rank %d resumed step %d from %s RAM (storage: %s)",
                     self._rank, step, source, storage_step)
         return Restored(step=step, source=source, storage_step=storage_step)
+
+    def _sharded_template(self, manager: Any, state: Any, step: int,
+                          control: Any) -> dict[str, Any] | None:
+        """The live state to copy ``state`` (this rank's RAM snapshot of ``step``) into, after
+        checking on every rank that it has the same keys, and each tensor the shape and dtype of
+        the live local shard (same world size and sharding); None on every rank when some rank's
+        does not match (logged: storage is used, which reshards)."""
+        problem: str | None = None
+        template: dict[str, Any] = {}
+        try:
+            template = self._sharded.memory_template(manager, set(_flatten(state)), self._rank)
+            problems = _mismatches(template, state)
+            if problems:
+                problem = "; ".join(problems[:5]) + (
+                    f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        except Exception as e:  # not loadable here: storage reshards
+            problem = f"{type(e).__name__}: {e}"
+        problems_all = all_gather(control, problem, what=f"memory tier: checking step {step}",
+                                  timeout_s=self.tier.timeout_s)
+        failed = {r: p for r, p in enumerate(problems_all) if p is not None}
+        if failed:
+            for r, p in failed.items():
+                logger.warning("memory tier: rank %d's RAM snapshot of step %d does not match "
+                               "its live state (different sharding or model?): %s; every rank "
+                               "resumes from storage", r, step, p)
+            return None
+        return template
 
     def _fetch(self, step: int, sources: list[int], everyone: list[dict[str, Any]],
                control: Any) -> tuple[bytes | None, str | None]:
@@ -400,7 +460,10 @@ class _MemoryTierExtension(extension.Extension):
         step = int(manager.iteration)
         self._own_tier()
         buf = io.BytesIO()
-        torch.save(canonical_tree(manager, manager.state_dict()), buf)
+        if self._sharded is not None:  # this rank's local shards and its non-tensor state
+            torch.save(self._sharded.memory_state(manager, self._rank), buf)
+        else:
+            torch.save(canonical_tree(manager, manager.state_dict()), buf)
         data = buf.getvalue()
         held = MemoryStore(self.tier.root, self._job, self._rank).commit_state(
             step, data, _write)
@@ -465,6 +528,59 @@ def _directory_steps(store: SnapshotStore) -> list[int | None]:
     """Steps of the template's directories (sharded snapshots), from one listing."""
     parsed = [store.template.parse(n) for n in store.storage.list_dirs(store.directory)]
     return [int(k[0]) for k in parsed if k]
+
+
+def _flatten(state: Any, prefix: str = "") -> dict[str, Any]:
+    """The leaves of nested dicts by dotted key path (lists and tuples are leaves), as DCP
+    flattens the keys of a sharded snapshot."""
+    if not isinstance(state, dict):
+        return {prefix: state}
+    flat: dict[str, Any] = {}
+    for key, value in state.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)  # a DTensor: its local shard
+    return tensor if to_local is None else to_local()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {list(value.shape)}"
+    return type(value).__name__
+
+
+def _mismatches(template: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    """How ``state`` (a RAM snapshot) differs from ``template`` (the live state): keys on one
+    side only, tensors of another shape or dtype than the live local shard."""
+    live, saved = _flatten(template), _flatten(state)
+    problems = []
+    for key in sorted(live.keys() | saved.keys()):
+        if key not in saved:
+            problems.append(f"{key}: not in the RAM snapshot")
+        elif key not in live:
+            problems.append(f"{key}: not in the live state")
+        elif isinstance(live[key], torch.Tensor):
+            mine, theirs = _local(live[key]), saved[key]
+            if not isinstance(theirs, torch.Tensor) or theirs.shape != mine.shape \
+                    or theirs.dtype != mine.dtype:
+                problems.append(f"{key}: saved {_describe(theirs)}, live {_describe(mine)}")
+    return problems
+
+
+def _copy_into(template: dict[str, Any], state: dict[str, Any]) -> None:
+    """Copy ``state``'s tensors into ``template``'s (their local shards: the live memory) in
+    place, and set its other leaves to ``state``'s (checked by :func:`_mismatches` first)."""
+    with torch.no_grad():
+        for key, value in state.items():
+            if isinstance(template[key], dict):
+                _copy_into(template[key], value)
+            elif isinstance(template[key], torch.Tensor):
+                _local(template[key]).copy_(value)
+            else:
+                template[key] = value
 
 
 def _source_name(rank: int, holder: int) -> str:

@@ -47,6 +47,7 @@ from snapkeep.distributed import (
 from snapkeep.errors import RankFailedError, SnapshotError, UnsafeSnapshotError
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.store import ON_ERROR_SUFFIX, Entry
+from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE
 from snapkeep.training.extensions._resume_notice import (
     INCOMPLETE_SHARDED,
     ResumeNotice,
@@ -212,13 +213,44 @@ class _ShardedSnapshot(SnapshotExtension):
             if error is not None:
                 raise error from e  # rank 0 keeps the store's error type; the others name it
             raise
+        restored = getattr(manager, RESTORED_ATTRIBUTE, None)  # the memory tier resumed it
         try:
-            loaded = self._autoload(manager) if self.autoload else None
+            loaded = self._autoload(manager) if self.autoload and restored is None else None
         except BaseException:
             self._release_lock()
             raise
         self._engine(manager)
+        if restored is not None and self.autoload and restored.newer_than_storage:
+            self._make_snapshot(manager)  # persist the RAM step first (memory tier)
+            self.wait()  # committed on every rank before training goes on
         return loaded
+
+    # -- the memory tier (training/extensions/_memory_tier.py) --------------------------------
+    def memory_state(self, manager: Any, rank: int) -> dict[str, Any]:
+        """Rank ``rank``'s part of what a snapshot saves, for the memory tier's RAM snapshot:
+        the DCP state of the layout (module docstring) with every DTensor replaced by its local
+        shard (``to_local()``: a view of the live shard, no copy); plain tensors and the bytes
+        of non-tensor state as they are. Collective-free."""
+        return _local_shards(self._layout.state(manager, rank))
+
+    def memory_template(self, manager: Any, keys: set[str], rank: int) -> dict[str, Any]:
+        """What a RAM snapshot holding the flattened ``keys`` loads into on ``rank``: the live
+        state (models' and optimizers' DTensors and tensors, which share memory with the live
+        ones), as a storage resume builds it.
+
+        Raises:
+            KeyError: the RAM snapshot lacks an object of the target.
+        """
+        return self._layout.load_template(manager, keys, rank)
+
+    def apply_memory_state(self, manager: Any, template: dict[str, Any], path: str,
+                           step: int, rank: int) -> None:
+        """Set the target from a filled :meth:`memory_template` (the RAM snapshot at ``path``
+        of ``step``), as a storage resume applies a loaded snapshot."""
+        name = path.rsplit("/", 1)[-1]
+        self._layout.apply_loaded(manager, template,
+                                  Entry(name=name, path=path, key=(float(step),), step=step),
+                                  rank)
 
     # -- saving --------------------------------------------------------------------------------
     def _make_snapshot(self, manager: Any, *, on_error: bool = False) -> None:
@@ -385,6 +417,19 @@ def _together(control: Any, error: BaseException | None, *, what: str,
     if control is None and error is not None:
         raise error
     exchange_outcomes(control, error, what=what, timeout_s=timeout_s)
+
+
+def _local_shards(state: Any) -> Any:
+    """``state`` (dicts, lists, tuples) with every DTensor replaced by its local tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local()
+    if isinstance(state, dict):
+        return {k: _local_shards(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_local_shards(v) for v in state)
+    return state
 
 
 def _version() -> str:
