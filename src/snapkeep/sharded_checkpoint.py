@@ -265,8 +265,10 @@ class ShardedCheckpoint:
         saved = {k: object_from_bytes(data, self._weights_only)
                  for k, data in plan.loaded(template).items()}
         saved.update({k: v for k, v in rank_state.get("state", {}).items() if k in objects})
-        for key, value in saved.items():
-            obj = objects[key]
+        for key, obj in objects.items():  # in the order of ``into``, as a single-file load
+            if key not in saved:
+                continue
+            value = saved[key]
             if isinstance(obj, torch.Generator):
                 obj.set_state(value)
             elif callable(getattr(obj, "load_state_dict", None)):
