@@ -13,7 +13,11 @@ algorithms, a run killed at any moment and started again with the same command e
 bit-identical metrics to an uninterrupted run.
 
 A snapshot is also taken at the last iteration, so running a finished command again reports the
-final metrics without training.
+final metrics without training. SIGTERM or SIGUSR1 (a scheduler's preemption) makes the run
+snapshot the current iteration, wait for the commit and exit with code 143
+(``extensions.preemption``); the same command resumes from that snapshot.
+
+``python -m snapkeep.demo [options]`` is ``snapkeep demo [options]``.
 
 The task itself (data, model, evaluation) is :mod:`snapkeep._demo_task`; its names are
 re-exported here.
@@ -41,7 +45,7 @@ from snapkeep._demo_task import (
     load_digits_split,
 )
 from snapkeep.store import SnapshotStore
-from snapkeep.training import PRIORITY_SNAPSHOT, Extension, ExtensionsManager, extensions
+from snapkeep.training import PRIORITY_SNAPSHOT, ExtensionsManager, extensions
 from snapkeep.training.triggers import Trigger
 
 logger = logging.getLogger(__name__)
@@ -135,39 +139,37 @@ class ReachedIteration(Trigger):
         return bool(manager.iteration >= self.last)
 
 
-class TimedSnapshot(Extension):
-    """Runs a snapshot extension and records how long training stalled in it (seconds)."""
+class StallClock:
+    """How long training stalled in the snapshot extension at each of its iterations (seconds).
 
-    priority = PRIORITY_SNAPSHOT
-    needs_model_state = True
+    Two extensions with the snapshot's trigger and priority run around it: the manager runs the
+    extensions at ``PRIORITY_SNAPSHOT`` last, in registration order, so the one registered just
+    before the snapshot (:meth:`extend_before`) starts the clock and the one registered just after
+    (:meth:`extend_after`) stops it. The snapshot extension itself is registered as is, so
+    ``extensions.preemption`` finds it.
+    """
 
-    def __init__(self, inner: Extension) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
         self.stall_s: list[float] = []
+        self._start: float | None = None
 
-    @property
-    def default_name(self) -> str:
-        return self.inner.default_name
+    def extend_before(self, manager: ExtensionsManager, trigger: Trigger) -> None:
+        """Register the clock's start; call just before registering the snapshot."""
+        def start(manager: Any) -> None:
+            self._start = time.perf_counter()
 
-    def initialize(self, manager: Any) -> None:
-        self.inner.initialize(manager)
+        manager.extend(start, name="snapshot_clock_start", trigger=trigger,
+                       priority=PRIORITY_SNAPSHOT)
 
-    def __call__(self, manager: Any) -> None:
-        start = time.perf_counter()
-        self.inner(manager)
-        self.stall_s.append(time.perf_counter() - start)
+    def extend_after(self, manager: ExtensionsManager, trigger: Trigger) -> None:
+        """Register the clock's stop; call just after registering the snapshot."""
+        def stop(manager: Any) -> None:
+            if self._start is not None:
+                self.stall_s.append(time.perf_counter() - self._start)
+                self._start = None
 
-    def on_error(self, manager: Any, exc: Exception, tb: Any) -> None:
-        self.inner.on_error(manager, exc, tb)
-
-    def finalize(self, manager: Any) -> None:
-        self.inner.finalize(manager)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, to_load: dict[str, Any]) -> None:
-        self.inner.load_state_dict(to_load)
+        manager.extend(stop, name="snapshot_clock_stop", trigger=trigger,
+                       priority=PRIORITY_SNAPSHOT)
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -208,6 +210,7 @@ def run_demo(config: DemoConfig, echo: Callable[[str], None] = print) -> DemoRes
     """Train (or resume) the digits classifier; print progress lines through ``echo``.
 
     Raises:
+        SystemExit: 143 after a preemption snapshot (SIGTERM or SIGUSR1; committed first).
         snapkeep.NoValidSnapshotError: snapshot files exist in ``out_dir`` but none verifies.
         snapkeep.StateMismatchError: the newest snapshot was made with another ``hidden_size``.
         ValueError: the snapshot's loader had another number of batches per epoch
@@ -270,10 +273,16 @@ def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
         state_objects={"last_loss": last_loss,
                        "settings": RunSettings(seed=config.seed, batch_size=config.batch_size)},
     )
-    snap = TimedSnapshot(extensions.snapshot(
+    # quiet: the demo says itself where it resumed from (one line, not the notice too)
+    snapshot = extensions.snapshot(
         filename=TEMPLATE, writer=writer, n_retains=config.n_retains, autoload=True,
-        loaders={"train": loader}))
-    manager.extend(snap, trigger=SnapshotSchedule(config.snapshot_interval, config.iterations))
+        loaders={"train": loader}, quiet=True)
+    schedule = SnapshotSchedule(config.snapshot_interval, config.iterations)
+    snap = StallClock()
+    snap.extend_before(manager, schedule)
+    manager.extend(snapshot, trigger=schedule)
+    snap.extend_after(manager, schedule)
+    manager.extend(extensions.preemption())  # SIGTERM/SIGUSR1: snapshot, then exit 143
     log_interval = config.log_interval or config.snapshot_interval
 
     echo(f"snapkeep demo: digits MLP hidden={config.hidden_size} ({n_params:,} parameters, "
@@ -282,7 +291,7 @@ def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
     try:
         start = time.perf_counter()
         manager.start_extensions()  # autoload happens here
-        entry = getattr(snap.inner, "loaded_entry", None)
+        entry = snapshot.loaded_entry
         resumed_from = entry.name if entry is not None else None
         first = manager.iteration
         if resumed_from is None:
@@ -337,3 +346,18 @@ def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
         it_per_s=iterations_run / elapsed_s if iterations_run and elapsed_s > 0 else None,
         writer=config.writer, hidden_size=config.hidden_size, parameters=n_params,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m snapkeep.demo [options]``: the ``snapkeep demo`` command (same options, output
+    and exit status: 143 after a preemption snapshot)."""
+    import sys
+
+    from snapkeep.cli import cli
+
+    cli.main(["demo", *(sys.argv[1:] if argv is None else argv)],
+             prog_name="python -m snapkeep")
+
+
+if __name__ == "__main__":
+    main()

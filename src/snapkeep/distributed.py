@@ -24,7 +24,7 @@ from snapkeep._core.distributed.groups import (
 _SHARDED = {
     "ShardedHandle": "sharded", "ShardedJob": "sharded", "ShardedSaver": "sharded",
     "load_sharded": "sharded", "saved_keys": "sharded", "object_to_bytes": "sharded",
-    "object_from_bytes": "sharded", "optimizer_module": "sharded",
+    "object_from_bytes": "sharded", "optimizer_module": "sharded", "RankObjects": "sharded",
     "MARKER_NAME": "sharded_store", "ShardedManifest": "sharded_store",
     "ShardedStore": "sharded_store", "gather_dcp": "dcp_safe", "metadata_of": "dcp_safe",
 }

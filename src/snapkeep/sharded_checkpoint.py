@@ -9,14 +9,20 @@ on rank 0 after the commit. Resuming, all ranks agree on the newest snapshot eve
 
 Layout of the DCP state (keys of ``state`` as given to :meth:`Checkpointer.save`)::
 
-    models.<key>.<fqn>          modules: get_model_state_dict (DTensor shards under FSDP2)
-    optimizers.<key>....        optimizers: get_optimizer_state_dict with the module owning
-                                their parameters
-    objects.<key>               bytes: torch.save of other state_dicts and plain values, as on
-                                rank 0 (LR schedulers, GradScaler, numbers)
-    rank_state.rank<r>          bytes: rank r's own state -- data loaders, generators and the
-                                global RNG states -- restored on rank r (a rank added since has
-                                none: it starts its streams from their current state, warned)
+    models.<key>.<fqn>            modules: get_model_state_dict (DTensor shards under FSDP2)
+    optimizers.<key>....          optimizers: get_optimizer_state_dict with the module owning
+                                  their parameters
+    rank_objects.rank<r>.<key>    bytes: torch.save of rank r's value of every other key --
+                                  its state_dict (LR schedulers, GradScaler, data loaders, your
+                                  objects), a generator's state, or the plain value (numbers,
+                                  metric dicts) -- restored on rank r
+    rank_state.rank<r>            bytes: {"rng": rank r's global RNG states} (with rng=True)
+
+Every non-tensor value is per rank: each rank saves its own and loads it back. A rank added
+since the save (the world grew) has none: it takes rank 0's values and starts its global random
+streams from their current state, with one warning. Snapshots written before values were per
+rank hold ``objects.<key>`` (one copy, loaded on every rank) and ``rank_state.rank<r>`` as
+``{"state": {data loaders, generators}, "rng": ...}``; they still load.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 
 from snapkeep.distributed import (
     Groups,
+    RankObjects,
     ShardedJob,
     ShardedManifest,
     ShardedSaver,
@@ -48,12 +55,6 @@ from snapkeep.store import Entry, FilenameTemplate, Storage
 from snapkeep.training import RngState
 
 logger = logging.getLogger(__name__)
-
-
-def _is_rank_local(obj: Any) -> bool:
-    """Values that differ per rank: data loaders (each rank reads its own part) and
-    generators."""
-    return isinstance(obj, (torch.utils.data.DataLoader, torch.Generator))
 
 
 class ShardedCheckpoint:
@@ -142,8 +143,8 @@ class ShardedCheckpoint:
         )
 
         models = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
-        tree: dict[str, Any] = {"models": {}, "optimizers": {}, "objects": {}}
-        own: dict[str, Any] = {}
+        tree: dict[str, Any] = {"models": {}, "optimizers": {}}
+        own: dict[str, bytes] = {}
         for key, value in state.items():
             if isinstance(value, torch.nn.Module):
                 tree["models"][key] = get_model_state_dict(value)
@@ -151,20 +152,20 @@ class ShardedCheckpoint:
                 tree["optimizers"][key] = get_optimizer_state_dict(
                     _model_of(value, models, key), value)
             elif isinstance(value, torch.Generator):
-                own[key] = value.get_state()
-            elif _is_rank_local(value):
-                own[key] = value.state_dict()
+                own[key] = object_to_bytes(value.get_state())
             elif callable(getattr(value, "state_dict", None)):
-                tree["objects"][key] = object_to_bytes(value.state_dict())
+                own[key] = object_to_bytes(value.state_dict())
             else:
-                tree["objects"][key] = object_to_bytes(value)
-        rank_state: dict[str, Any] = {"state": own}
+                own[key] = object_to_bytes(value)
+        tree.update(RankObjects.tree(self.rank, own))
         if self._rng:
-            rank_state["rng"] = RngState().state_dict()
-        tree["rank_state"] = {f"rank{self.rank}": object_to_bytes(rank_state)}
+            tree["rank_state"] = {f"rank{self.rank}": object_to_bytes(
+                {"rng": RngState().state_dict()})}
         job = ShardedJob(name=name, step=step, run_id=None, metrics=dict(metrics or {}),
                          version=version)
-        return self.saver.save(tree, job)
+        handle = self.saver.save(tree, job)
+        self._last = (self.store.path_of(name), handle)
+        return handle
 
     def _retain(self, manifest: ShardedManifest) -> None:
         """Retention on rank 0 after a commit (whole directories), through the store as the
@@ -217,7 +218,10 @@ class ShardedCheckpoint:
             return None
         entry = self.store.entry(chosen)
         models = {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
+        values = [k for k, v in objects.items()
+                  if not isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
         template: dict[str, Any] = {}
+        plan = RankObjects.of(set(), [], self.rank)
         error: BaseException | None = None
         try:
             keys = saved_keys(self.store, entry)
@@ -226,16 +230,21 @@ class ShardedCheckpoint:
                 "optimizers": {k: get_optimizer_state_dict(_model_of(o, models, k), o)
                                for k, o in objects.items()
                                if isinstance(o, torch.optim.Optimizer)},
-                "objects": {k: b"" for k, v in objects.items()
-                            if not isinstance(v, (torch.nn.Module, torch.optim.Optimizer))
-                            and not _is_rank_local(v)},
             }
-            missing = [f"objects.{k}" for k in template["objects"] if f"objects.{k}" not in keys]
-            if missing:
-                raise KeyError(f"snapshot {entry.path} lacks {missing}; nothing was loaded")
             own = f"rank{self.rank}"
             if f"rank_state.{own}" in keys:
                 template["rank_state"] = {own: b""}
+            plan = RankObjects.of(keys, values, self.rank)
+            # a snapshot from before values were per rank keeps data loaders and generators
+            # in rank_state.rank<r>: those are found there (or warned about) once it is loaded
+            before = not any(k.startswith("rank_objects.") for k in keys)
+            missing = [k for k in plan.missing
+                       if not (before and isinstance(objects[k], (torch.utils.data.DataLoader,
+                                                                  torch.Generator)))]
+            if missing:
+                raise KeyError(f"snapshot {entry.path} holds no {missing} of rank {self.rank}; "
+                               "nothing was loaded")
+            template.update(plan.template())
         except Exception as e:  # exchanged below: every rank fails together
             error = e
         exchange_outcomes(control, error, what=f"{what}: preparing to load {entry.path}",
@@ -253,30 +262,36 @@ class ShardedCheckpoint:
             if isinstance(optim, torch.optim.Optimizer):
                 set_optimizer_state_dict(_model_of(optim, models, key), optim,
                                          template["optimizers"][key])
-        for key, data in template["objects"].items():
-            value = object_from_bytes(data, self._weights_only)
-            obj = objects[key]
-            if callable(getattr(obj, "load_state_dict", None)):
+        rank_bytes = template.get("rank_state", {}).get(f"rank{self.rank}")
+        rank_state = object_from_bytes(rank_bytes, self._weights_only) if rank_bytes else {}
+        saved = {k: object_from_bytes(data, self._weights_only)
+                 for k, data in plan.loaded(template).items()}
+        saved.update({k: v for k, v in rank_state.get("state", {}).items() if k in objects})
+        for key, obj in objects.items():  # in the order of ``into``, as a single-file load
+            if key not in saved:
+                continue
+            value = saved[key]
+            if isinstance(obj, torch.Generator):
+                obj.set_state(value)
+            elif callable(getattr(obj, "load_state_dict", None)):
                 obj.load_state_dict(value)
             else:
                 into[key] = value
-        rank_bytes = template.get("rank_state", {}).get(f"rank{self.rank}")
-        rank_state = object_from_bytes(rank_bytes, self._weights_only) if rank_bytes else None
-        if rank_state is None:
-            logger.warning("rank %d: %s holds no state of this rank (saved on fewer ranks); its "
-                           "data loaders and random streams start from their current state",
-                           self.rank, entry.path)
-            before_rng(objects)
-            return entry
-        for key, saved in rank_state["state"].items():
-            obj = objects.get(key)
-            if isinstance(obj, torch.Generator):
-                obj.set_state(saved)
-            elif obj is not None:
-                obj.load_state_dict(saved)
         before_rng(objects)
         if self._rng and "rng" in rank_state:
             RngState().load_state_dict(rank_state["rng"])
+        not_restored = [k for k in values if k not in saved]  # older layout, rank added since
+        no_rng = self._rng and "rng" not in rank_state
+        if plan.from_rank0 or (not plan.own and not rank_bytes and (not_restored or no_rng)):
+            said = [f"its values {list(plan.from_rank0)} are rank 0's" if plan.from_rank0 else "",
+                    f"{not_restored} start from their current state" if not_restored else "",
+                    "its global random streams start from their current state"
+                    if no_rng else ""]  # one warning for all of it
+            logger.warning("rank %d: %s holds no state of this rank (saved on fewer ranks); %s",
+                           self.rank, entry.path, "; ".join(p for p in said if p))
+        elif no_rng:
+            logger.warning("rank %d: %s holds no RNG state (saved with rng=False); the global "
+                           "generators were not restored", self.rank, entry.path)
         return entry
 
     def wait(self) -> None:

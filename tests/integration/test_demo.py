@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import signal
 import subprocess
 import sys
@@ -49,9 +50,11 @@ def run_to_end(command: list[str]) -> tuple[dict[str, Any], str]:
     return json.loads(lines[-1]), proc.stdout
 
 
-def run_and_kill(command: list[str], kill_at_iteration: int) -> list[str]:
+def run_and_kill(command: list[str], kill_at_iteration: int,
+                 sig: signal.Signals = signal.SIGKILL) -> list[str]:
     """Start ``command``, SIGKILL its whole process group as soon as it prints the progress line
-    for ``kill_at_iteration``; return the lines it printed."""
+    for ``kill_at_iteration`` (another ``sig``: sent to the trainer only, which must then exit
+    with 143 after its preemption snapshot); return the lines it printed."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: queue.Queue[str | None] = queue.Queue()
@@ -75,14 +78,19 @@ def run_and_kill(command: list[str], kill_at_iteration: int) -> list[str]:
                 pytest.fail("the demo exited before it could be killed:\n" + "\n".join(seen))
             seen.append(line)
             if line.startswith(marker):
-                os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its writer worker
+                if sig == signal.SIGKILL:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its writer worker
+                else:
+                    os.kill(proc.pid, sig)  # as a scheduler preempting the job
                 killed = True
     finally:
         if not killed and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         reader.join(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    if sig != signal.SIGKILL:  # the rest of its output: the preemption's
+        seen += [line for line in iter(lines.get, None)]
+    assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 143), seen
     return seen
 
 
@@ -127,3 +135,24 @@ def test_sigkill_then_rerun_matches_uninterrupted_run(
     assert resumed["retained"] == [f"snapshot_iter_{ITERATIONS - SNAPSHOT_INTERVAL}",
                                    f"snapshot_iter_{ITERATIONS}"]
 
+
+def test_sigterm_at_a_random_iteration_snapshots_it_and_the_rerun_matches(
+    tmp_path: Path, straight_run: dict[str, Any],
+) -> None:
+    """``python -m snapkeep.demo`` preempted (SIGTERM) at a random iteration snapshots the next
+    iteration boundary, exits 143, and the same command resumes from that snapshot."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "snapkeep.demo", *demo_command(out, "thread-queue")[4:]]
+    at = random.randrange(10, ITERATIONS - 100, 10)  # a progress line; room to stop before the end
+    printed = run_and_kill(command, at, sig=signal.SIGTERM)
+    on_disk = sorted(int(p.name.rsplit("_", 1)[1]) for p in out.iterdir()
+                     if p.name.startswith("snapshot_iter_"))
+    preempted_at = on_disk[-1]  # the first iteration boundary after the signal
+    assert at < preempted_at < ITERATIONS, (at, on_disk, printed)
+    assert any(f"preemption snapshot of iteration {preempted_at} committed" in line
+               for line in printed), (at, printed)
+
+    resumed, _ = run_to_end(command)
+    assert resumed["resumed_from"] == f"snapshot_iter_{preempted_at}", (at, resumed)
+    assert resumed["iterations_run"] == ITERATIONS - preempted_at
+    assert {k: resumed[k] for k in METRICS} == {k: straight_run[k] for k in METRICS}, at

@@ -108,8 +108,9 @@ def _latest_step(backend: Backend) -> int:
                                  storage_options=backend.storage_options or None)
     if "_start_iteration" in state:
         return int(state["_start_iteration"])
-    # sharded: the manager's state, saved once as torch.save bytes
-    manager_state = torch.load(io.BytesIO(state["objects"]["manager"]), weights_only=True)
+    # sharded: the manager's state, saved by each rank as torch.save bytes
+    manager_state = torch.load(io.BytesIO(state["rank_objects"]["rank0"]["manager"]),
+                               weights_only=True)
     return int(manager_state["_start_iteration"])
 
 

@@ -11,7 +11,9 @@ write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. St
   lost). On the same host :func:`is_alive` tells which (see there);
 - ``preempted``: written after the preemption snapshot is committed on every rank;
 - ``finished``: the manager was finalized without an error or a preemption;
-- ``failed``: the training loop raised (the exception's type and first line in ``reason``).
+- ``failed``: the training loop raised (the exception's type and first line in ``reason``); on
+  another rank too, reported to rank 0 through the preemption extension's per-iteration
+  agreement: ``reason`` is then ``rank <r>: <type>: <first line>`` for each failing rank.
 """
 
 from __future__ import annotations

@@ -398,5 +398,84 @@ def optimizer_module(optimizer: torch.optim.Optimizer,
     return None
 
 
-__all__ = ["ShardedHandle", "ShardedJob", "ShardedSaver", "load_sharded", "object_from_bytes",
-           "object_to_bytes", "optimizer_module", "saved_keys"]
+#: Top-level key of the per-rank non-tensor values in the DCP state:
+#: ``rank_objects.rank<r>.<name>``.
+RANK_OBJECTS = "rank_objects"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankObjects:
+    """Where ``rank`` loads each non-tensor value (``torch.save`` bytes in the DCP state) from.
+
+    Each rank saves its own values under ``rank_objects.rank<r>.<name>`` (:meth:`tree`); DCP
+    would keep a single copy of a value saved under the same key by every rank. Loading
+    (:meth:`of` the snapshot's flattened keys), each name comes from, in order: this rank's own
+    key; ``objects.<name>`` (snapshots written before values were per rank: one copy for all
+    ranks); rank 0's key when this rank saved nothing (it did not exist: the world grew).
+
+    Attributes:
+        rank: the loading rank.
+        own, shared, from_rank0: the names loaded from each source.
+        missing: names the snapshot holds for no source (saved from other state).
+    """
+
+    rank: int
+    own: tuple[str, ...]
+    shared: tuple[str, ...]
+    from_rank0: tuple[str, ...]
+    missing: tuple[str, ...]
+
+    @staticmethod
+    def tree(rank: int, values: dict[str, bytes]) -> dict[str, Any]:
+        """The DCP state entry saving ``rank``'s ``values`` (name -> bytes)."""
+        return {RANK_OBJECTS: {f"rank{rank}": values}}
+
+    @classmethod
+    def of(cls, keys: set[str], names: list[str], rank: int) -> RankObjects:
+        """The plan for ``names`` on ``rank`` in a snapshot holding the flattened ``keys``."""
+        own_prefix = f"{RANK_OBJECTS}.rank{rank}."
+        saved_here = any(k.startswith(own_prefix) for k in keys)
+        sources: dict[str, list[str]] = {"own": [], "shared": [], "from_rank0": [],
+                                         "missing": []}
+        for name in names:
+            if own_prefix + name in keys:
+                sources["own"].append(name)
+            elif f"objects.{name}" in keys:
+                sources["shared"].append(name)
+            elif not saved_here and f"{RANK_OBJECTS}.rank0.{name}" in keys:
+                sources["from_rank0"].append(name)
+            else:
+                sources["missing"].append(name)
+        return cls(rank=rank, **{k: tuple(v) for k, v in sources.items()})
+
+    @classmethod
+    def of_loaded(cls, state: dict[str, Any], names: list[str], rank: int) -> RankObjects:
+        """The plan :meth:`of` made for ``state``, a load template holding its entries."""
+        keys = {f"objects.{n}" for n in state.get("objects", {})}
+        keys |= {f"{RANK_OBJECTS}.{r}.{n}" for r, values in state.get(RANK_OBJECTS, {}).items()
+                 for n in values}
+        return cls.of(keys, names, rank)
+
+    def template(self) -> dict[str, Any]:
+        """Entries to add to the load template (``bytes`` placeholders DCP fills)."""
+        template: dict[str, Any] = {}
+        if self.own:
+            template[RANK_OBJECTS] = {f"rank{self.rank}": {n: b"" for n in self.own}}
+        if self.from_rank0:  # never with own: only a rank that saved nothing falls back
+            template[RANK_OBJECTS] = {"rank0": {n: b"" for n in self.from_rank0}}
+        if self.shared:
+            template["objects"] = {n: b"" for n in self.shared}
+        return template
+
+    def loaded(self, state: dict[str, Any]) -> dict[str, bytes]:
+        """Each name's bytes from ``state`` (the filled :meth:`template` entries)."""
+        per_rank = state.get(RANK_OBJECTS, {})
+        values = {n: per_rank[f"rank{self.rank}"][n] for n in self.own}
+        values.update({n: state["objects"][n] for n in self.shared})
+        values.update({n: per_rank["rank0"][n] for n in self.from_rank0})
+        return values
+
+
+__all__ = ["RANK_OBJECTS", "RankObjects", "ShardedHandle", "ShardedJob", "ShardedSaver",
+           "load_sharded", "object_from_bytes", "object_to_bytes", "optimizer_module",
+           "saved_keys"]

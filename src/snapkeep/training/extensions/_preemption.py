@@ -40,6 +40,10 @@ SIGTERM reports; torchrun and schedulers read it as 'terminated')."""
 PRIORITY_PREEMPTION = extension.PRIORITY_SNAPSHOT - 100
 """Runs after the snapshot extensions of the same iteration."""
 
+_FAILED = 2
+"""The per-iteration agreement's value from a rank whose iteration raised (its ``on_error``):
+the other ranks then gather its error and raise :class:`~snapkeep.errors.RankFailedError`."""
+
 
 def preemption(
     signals: Sequence[signal.Signals | int] = (signal.SIGTERM, signal.SIGUSR1),
@@ -101,6 +105,8 @@ class Preemption(extension.Extension):
         self._previous: dict[signal.Signals, Any] = {}
         self._groups: Any = None
         self._snapshotted: dict[int, int] = {}
+        self._agreeing = False  # inside the agreement's collective
+        self._told = False  # a failure was exchanged (once per run)
         self._status = StatusRecorder()  # .snapkeep/status.json, for the job script
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -122,7 +128,29 @@ class Preemption(extension.Extension):
                            world_size=self._groups.world_size if self._groups else 1)
 
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
-        """Record the run as ``failed`` in its status file (rank 0)."""
+        """Tell the other ranks that this rank's iteration raised, and record the run as
+        ``failed`` in its status file (rank 0).
+
+        Under torch.distributed the other ranks are at (or on their way to) this iteration's
+        agreement: this rank takes part in it with its failure and then in an exchange of
+        outcomes, so they raise :class:`~snapkeep.errors.RankFailedError` naming this rank and
+        its error (rank 0 records that in the status) instead of failing later on a lost rank.
+        Not when the error came from a collective (the group may be broken)."""
+        from snapkeep.distributed import exchange_outcomes
+        from snapkeep.errors import CollectiveTimeoutError, RankFailedError
+
+        if self._groups is not None and not self._told and not self._agreeing \
+                and not isinstance(exc, CollectiveTimeoutError):
+            self._told = True
+            try:
+                self._all_reduce(_FAILED)
+                exchange_outcomes(self._groups.control, exc, what=_failed_at(manager),
+                                  timeout_s=self.timeout_s)
+            except RankFailedError:
+                pass  # expected: it names this rank (and any other that failed)
+            except CollectiveTimeoutError as e:
+                logger.warning("rank %d: could not tell the other ranks about the error: %s",
+                               self._groups.rank, e)
         self._status.failed(manager, exc)
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
@@ -163,20 +191,34 @@ class Preemption(extension.Extension):
 
     # -- each iteration --------------------------------------------------------------------------
     def __call__(self, manager: Any) -> None:
-        requested = self._agree(len(self.received) > 0)
+        requested = self._agree(len(self.received) > 0, manager)
         if not requested:
             return
         self._preempt(manager)
 
-    def _agree(self, local: bool) -> bool:
+    def _agree(self, local: bool, manager: Any) -> bool:
+        """Whether any rank was signalled. Raises :class:`~snapkeep.errors.RankFailedError`
+        when a rank reports its failure instead (see :meth:`on_error`)."""
         if self._groups is None:
             return local
+        value = self._all_reduce(1 if local else 0)
+        if value == _FAILED:
+            from snapkeep.distributed import exchange_outcomes
+
+            self._told = True
+            exchange_outcomes(self._groups.control, None, what=_failed_at(manager),
+                              timeout_s=self.timeout_s)
+        return value > 0
+
+    def _all_reduce(self, value: int) -> int:
+        """The maximum of ``value`` over the ranks (one collective on the control group)."""
         import torch
         import torch.distributed as dist
 
         from snapkeep.errors import CollectiveTimeoutError
 
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        flag = torch.tensor([value], dtype=torch.int32)
+        self._agreeing = True
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._groups.control)
         except RuntimeError as e:
@@ -184,7 +226,9 @@ class Preemption(extension.Extension):
                 f"preemption check: rank {self._groups.rank} lost the other ranks (one died, "
                 f"hung for more than {self.timeout_s:g} s or failed outside snapkeep): {e}"
             ) from e
-        return bool(flag.item())
+        finally:
+            self._agreeing = False
+        return int(flag.item())
 
     def _preempt(self, manager: Any) -> None:
         from snapkeep.distributed import exchange_outcomes
@@ -231,6 +275,10 @@ class Preemption(extension.Extension):
                        "(run the same command again to resume from it)", rank, iteration,
                        self.exit_code)
         raise SystemExit(self.exit_code)
+
+
+def _failed_at(manager: Any) -> str:
+    return f"training (iteration {int(manager.iteration)})"
 
 
 def _requeue() -> None:

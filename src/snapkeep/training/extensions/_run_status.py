@@ -8,6 +8,9 @@ runs (SLURM runs the batch script on the job's first node, where torchrun's node
 where ``snapkeep status`` can check the recorded pid of a ``running`` state; with the shared
 ``out_dir`` that resuming on any rank needs anyway, it is the same file beside the snapshots.
 With node-local output directories, read the status on rank 0's node.
+An error raised on another rank reaches rank 0 through ``extensions.preemption``'s per-iteration
+agreement (its ``on_error`` reports it there), as a
+:class:`~snapkeep.errors.RankFailedError`: ``failed`` then names that rank and its error.
 The directory is the one of the manager's first snapshot extension with a snapkeep writer. A
 status that cannot be written is logged, never fatal: the snapshots are what matter.
 """
@@ -19,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from snapkeep.errors import RankFailedError
 from snapkeep.store import Storage, write_run_status
 
 logger = logging.getLogger(__name__)
@@ -53,11 +57,16 @@ class StatusRecorder:
         self._write(manager, "preempted", reason=reason, snapshots=tuple(snapshots))
 
     def failed(self, manager: Any, error: BaseException) -> None:
+        """``failed`` with ``error``'s type and first line; a :class:`RankFailedError` (an error
+        on another rank, or on several) gives each failing rank's error instead."""
         if self._final:
             return
         self._final = True
-        first = str(error).splitlines()[0] if str(error) else ""
-        self._write(manager, "failed", reason=f"{type(error).__name__}: {first}"[:500])
+        if isinstance(error, RankFailedError):
+            reason = "; ".join(f"rank {r}: {m}" for r, m in sorted(error.failed.items()))
+        else:
+            reason = f"{type(error).__name__}: {str(error)}"
+        self._write(manager, "failed", reason=reason.splitlines()[0][:500] if reason else "")
 
     def finalize(self, manager: Any) -> None:
         """``finished``, unless an error is being raised (a ``with manager:`` block left by

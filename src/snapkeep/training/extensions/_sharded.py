@@ -7,17 +7,23 @@ by rank 0 after every rank's files are durable makes it a snapshot (see
 :mod:`snapkeep._core.distributed.sharded`). Models and optimizers go through
 ``torch.distributed.checkpoint.state_dict.get_state_dict``/``set_state_dict`` (so Adam's lazily
 created state loads into a fresh optimizer); everything else of the manager (iteration,
-extensions, triggers) is saved once, and each rank's RNG state under its rank. Loading reshards
-to the current world size (saved on 2 ranks, resumed on 1 or 3).
+extensions, triggers, state objects) and each rank's RNG state are saved by every rank under its
+rank and restored on the same rank. Loading reshards to the current world size (saved on 2
+ranks, resumed on 1 or 3); a rank added since takes rank 0's non-tensor state (its random
+streams start from their current state), with one warning.
 
 Layout of the DCP state (its flattened keys are what DCP's tools show)::
 
     models.<name>.<fqn>                     model state (DTensor shards or tensors)
     optimizers.<name>.state.<fqn>.<key>     optimizer state, keyed by parameter FQN
     optimizers.<name>.param_groups          ...
-    objects.<name>                          bytes: torch.save of other state (the manager's
-                                            iteration, extensions, triggers...)
+    rank_objects.rank<r>.<name>             bytes: torch.save of rank r's other state (the
+                                            manager's iteration, extensions, triggers, state
+                                            objects...)
     rank_state.rank<r>                      bytes: torch.save of rank r's RNG states
+
+Snapshots written before non-tensor state was per rank hold ``objects.<name>`` instead (one copy
+for all ranks); they still load, that copy on every rank.
 
 Building that state and applying a loaded one is :class:`._sharded_state.ShardedStateLayout`,
 which the extension holds.

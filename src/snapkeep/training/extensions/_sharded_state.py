@@ -3,8 +3,10 @@ to the layout in :mod:`._sharded`'s docstring and back.
 
 :class:`ShardedStateLayout` is held by the extension (built from its target and ``weights_only``);
 the extension passes its rank to each call. Models and optimizers go through
-``torch.distributed.checkpoint.state_dict``; other objects are ``torch.save`` bytes (loaded with
-``weights_only`` as the extension was told).
+``torch.distributed.checkpoint.state_dict``; other objects (the manager's own state, its state
+objects) are ``torch.save`` bytes (loaded with ``weights_only`` as the extension was told), saved
+by every rank under its rank and restored on the same rank (:class:`~snapkeep.distributed.
+RankObjects`: a rank added since takes rank 0's, warned once).
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import Any
 
 import torch
 
-from snapkeep.distributed import object_from_bytes, object_to_bytes, optimizer_module
+from snapkeep.distributed import (
+    RankObjects,
+    object_from_bytes,
+    object_to_bytes,
+    optimizer_module,
+)
 from snapkeep.store import Entry
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 
@@ -77,7 +84,8 @@ class ShardedStateLayout:
             "models": {n: get_model_state_dict(m) for n, m in models.items()},
             "optimizers": {n: get_optimizer_state_dict(self._model_of(o, models, n), o)
                            for n, o in optimizers.items()},
-            "objects": {n: object_to_bytes(self._other_state(n, o)) for n, o in others.items()},
+            **RankObjects.tree(rank, {n: object_to_bytes(self._other_state(n, o))
+                                      for n, o in others.items()}),
         }
         if self.target is None and getattr(manager, "_save_rng_state", False):
             state["rank_state"] = {f"rank{rank}": object_to_bytes(capture_rng_state())}
@@ -98,11 +106,12 @@ class ShardedStateLayout:
             "models": {n: get_model_state_dict(m) for n, m in models.items()},
             "optimizers": {n: get_optimizer_state_dict(self._model_of(o, models, n), o)
                            for n, o in optimizers.items()},
-            "objects": {n: b"" for n in others},
         }
-        missing = [f"objects.{n}" for n in others if f"objects.{n}" not in keys]
-        if missing:
-            raise KeyError(f"the snapshot lacks {missing}; it was saved from another target")
+        plan = RankObjects.of(keys, list(others), rank)
+        if plan.missing:
+            raise KeyError(f"the snapshot lacks {list(plan.missing)} of rank {rank}; it was "
+                           "saved from another target")
+        template.update(plan.template())
         own = f"rank{rank}"
         if self.target is None and f"rank_state.{own}" in keys:
             template["rank_state"] = {own: b""}
@@ -116,8 +125,10 @@ class ShardedStateLayout:
             set_optimizer_state_dict,
         )
         models, optimizers, others = self._parts(manager)
+        plan = RankObjects.of_loaded(loaded, list(others), rank)
+        values = plan.loaded(loaded)
         for name, obj in others.items():
-            state = object_from_bytes(loaded["objects"][name], self.weights_only)
+            state = object_from_bytes(values[name], self.weights_only)
             if name == _MANAGER_OBJECT and self.target is None:
                 # the manager's own loader restores iteration, extensions and triggers; models
                 # and optimizers are set from the sharded state just below
@@ -131,10 +142,15 @@ class ShardedStateLayout:
             set_optimizer_state_dict(self._model_of(optimizer, models, name), optimizer,
                                      loaded["optimizers"][name])
         rank_state = loaded.get("rank_state", {}).get(f"rank{rank}")
+        no_rng = False
         if rank_state is not None and getattr(manager, "_save_rng_state", False):
             restore_rng_state(object_from_bytes(rank_state, self.weights_only))
         elif self.target is None and getattr(manager, "_save_rng_state", False):
-            logger.warning("rank %d: %s holds no RNG state of this rank (saved on fewer ranks); "
-                           "its random streams start from the current state", rank,
-                           entry.path)
+            no_rng = True
+        if plan.from_rank0 or no_rng:  # one warning: this rank did not exist at save time
+            taken = (f"its state {list(plan.from_rank0)} is rank 0's"
+                     if plan.from_rank0 else "")
+            streams = "its random streams start from the current state" if no_rng else ""
+            logger.warning("rank %d: %s holds no state of this rank (saved on fewer ranks); %s",
+                           rank, entry.path, "; ".join(p for p in (taken, streams) if p))
 
