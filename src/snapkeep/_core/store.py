@@ -56,7 +56,7 @@ from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import Storage
-from snapkeep._core.store_kinds import newest_valid, require_one_kind
+from snapkeep._core.store_kinds import HeldListing, newest_valid, require_one_kind
 from snapkeep._core.user_warnings import warn_user
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,13 @@ class SnapshotStore:
         # their manifest is missing (e.g. removed after a failed manifest write)
         self._committed: set[str] = set()
         self._warned: set[str] = set()  # invalid manifests already warned about
+        # its directory and manifest directory: listed afresh by each call, or, once held
+        # (hold_listing: the trainer's store), listed once and kept up to date
+        template = str(self.template.template) if self.template.parsable else ""
+        sub = template.rpartition("/")[0]
+        listed = self._subdir(sub) if "{" not in sub else directory
+        self._listing = HeldListing(storage, listed)
+        self._manifests = HeldListing(storage, storage.join(listed, MANIFEST_DIR))
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.storage.url(self.directory)!r}, {self.template.template!r})"
@@ -124,6 +131,8 @@ class SnapshotStore:
         Temporary files, manifests, on-error snapshots and files that do not match the template
         are never listed. Only templates whose directory part is literal
         (``'snap/iter_{.iteration}'``) are listable; others yield [].
+
+        Listed afresh, unless the store holds its listing (:meth:`hold_listing`).
         """
         split = self._split()
         if split is None:
@@ -132,7 +141,7 @@ class SnapshotStore:
         base_template = FilenameTemplate(base)
         directory = self._subdir(sub)
         found = []
-        for name in self.storage.list_names(directory):
+        for name in self._listing.files():
             if name.endswith(ON_ERROR_SUFFIX):
                 continue
             key = base_template.parse(name)
@@ -143,6 +152,24 @@ class SnapshotStore:
                                step=int(key[0]) if key else None))
         found.sort(key=lambda e: (e.key, e.name))
         return found
+
+    def hold_listing(self) -> None:
+        """Keep what the store knows of its directory: the first listing of it and of its
+        manifest directory (by :meth:`check_kind`, :meth:`sweep`, :meth:`entries` or
+        :meth:`orphan_manifests`, whichever comes first) is kept and updated by this store's
+        commits (:meth:`note_committed`) and deletes, never listed again; so a trainer's
+        start-up lists out_dir once and its snapshots (with retention) none. Call it on the
+        store that alone writes this template here (the trainer's, on the saver rank: the
+        lock); what anything else writes is seen after :meth:`release_listing`. Thread-safe.
+        """
+        self._listing.hold()
+        self._manifests.hold()
+
+    def release_listing(self) -> None:
+        """Forget the held listing; every later call lists afresh (as before
+        :meth:`hold_listing`)."""
+        self._listing.release()
+        self._manifests.release()
 
     def _subdir(self, sub: str) -> str:
         return self.storage.join(self.directory, sub) if sub else self.directory
@@ -349,6 +376,8 @@ class SnapshotStore:
         """Record that this process committed ``path`` (called by the saver after each commit):
         retention treats it as this run's snapshot even if its manifest goes missing."""
         self._committed.add(path)
+        self._listing.added(path)
+        self._manifests.added(manifest_path(self.storage, path))
 
     # -- kind ------------------------------------------------------------------------------
     def check_kind(self) -> None:
@@ -362,7 +391,7 @@ class SnapshotStore:
         if split is None:
             return
         require_one_kind(self.storage, self._subdir(split[0]), FilenameTemplate(split[1]),
-                         expected="file")
+                         expected="file", listed=self._listing.dirs())
 
     # -- lock ------------------------------------------------------------------------------
     def lock(self) -> StoreLock | None:
@@ -416,8 +445,11 @@ class SnapshotStore:
                     raise
                 gone = gone and path != entry.path
                 logger.warning("%s could not delete %s (step %s): %s", by, path, entry.step, e)
+                continue
             else:
                 logger.debug("deleted %s (step %s)", path, entry.step)
+            self._listing.removed(path)
+            self._manifests.removed(path)
         self._committed.discard(entry.path)
         return gone
 
@@ -477,9 +509,10 @@ class SnapshotStore:
         split = self._split()
         if split is None:
             return []
-        directory = self._subdir(split[0])
-        removed = self.storage.remove_stale_temps(directory)
-        removed += self.storage.remove_stale_temps(self.storage.join(directory, MANIFEST_DIR))
+        directory = self._subdir(split[0])  # from the store's one listing of each (at start)
+        removed = self.storage.remove_stale_temps(directory, self._listing.take_entries())
+        removed += self.storage.remove_stale_temps(self.storage.join(directory, MANIFEST_DIR),
+                                                   self._manifests.take_entries())
         removed += self._remove_orphan_manifests(None, lineage)
         return removed
 
@@ -495,7 +528,7 @@ class SnapshotStore:
         base_template = FilenameTemplate(base)
         manifest_dir = self.storage.join(self._subdir(sub), MANIFEST_DIR)
         orphans = []
-        for name in self.storage.list_names(manifest_dir):
+        for name in self._manifests.files():
             snapshot, dot, ext = name.rpartition(".")
             if not dot or ext != "json" or base_template.parse(snapshot) is None:
                 continue
@@ -531,10 +564,12 @@ class SnapshotStore:
             try:
                 storage.remove(path)
             except FileNotFoundError:
+                self._manifests.removed(path)
                 continue
             except OSError as e:
                 logger.warning("could not delete the orphan manifest %s: %s", path, e)
                 continue
+            self._manifests.removed(path)
             removed.append(path)
             logger.info("removed manifest %s, whose snapshot was already deleted", path)
         return removed
