@@ -341,7 +341,7 @@ class CountingFileSystem(MemoryFileSystem):
         return super().ls(path, detail=detail, **kwargs)
 
 
-def test_at_most_one_listing_of_out_dir_per_snapshot_and_none_between(kind: str) -> None:
+def test_a_start_up_lists_out_dir_once_and_no_snapshot_lists_it(kind: str) -> None:
     fsspec.register_implementation(CountingFileSystem.protocol, CountingFileSystem,
                                    clobber=True)
     run = f"/counting-{kind}-{os.getpid()}"
@@ -358,22 +358,20 @@ def test_at_most_one_listing_of_out_dir_per_snapshot_and_none_between(kind: str)
         CountingFileSystem.listings.clear()
         manager.finalize()  # the sharded kind commits (and retains) on a background thread
         total += CountingFileSystem.listings.get(run, 0)
-        if kind == "file":  # the store keeps its listing up to date: none per snapshot
-            assert total == 0, counts
-        else:  # 3 snapshots (iterations 2, 4, 6): one listing each
-            assert total == 3, counts
-        # a restart on those snapshots: the sharded store's start-up (kind check, uncommitted,
-        # sweep, autoload) lists out_dir once and keeps it until its next save
+        assert total == 0, counts  # 3 snapshots (iterations 2, 4, 6) with retention: none
+        # a restart on those snapshots: the store's start-up (kind check, sweep, autoload)
+        # lists out_dir once and keeps it up to date through its saves and deletes
         manager, model, _ = _manager(backend, kind, n_retains=2, trigger=(2, "iteration"))
         CountingFileSystem.listings.clear()
         manager.start_extensions()
         assert manager.iteration == 6
-        if kind == "sharded":
-            assert CountingFileSystem.listings.get(run, 0) == 1
+        assert CountingFileSystem.listings.get(run, 0) == 1
         CountingFileSystem.listings.clear()
-        _train(manager, model, 8)
+        _train(manager, model, 10)
         manager.finalize()
-        assert CountingFileSystem.listings.get(run, 0) == (1 if kind == "sharded" else 0)
+        assert CountingFileSystem.listings.get(run, 0) == 0  # two more snapshots, no listing
+        assert [n for n in _names(backend) if n.startswith("snapshot_")] == [
+            "snapshot_iter_10", "snapshot_iter_8"]  # retention kept the newest two
     finally:
         storage, path = backend.storage()
         if storage.fs.exists(path):

@@ -32,6 +32,7 @@ import io
 import logging
 import pickle
 import struct
+import threading
 import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,7 +57,7 @@ from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import Storage
-from snapkeep._core.store_kinds import HeldListing, newest_valid, require_one_kind
+from snapkeep._core.store_kinds import newest_valid, require_one_kind
 from snapkeep._core.user_warnings import warn_user
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,92 @@ class Entry:
     path: str
     key: tuple[float, ...]
     step: int | None
+
+
+class HeldListing:
+    """What a store knows of one directory (either kind: files for single-file snapshots,
+    directories for sharded ones). Not held (the default, a reader), every call lists afresh.
+    Held (:meth:`hold`: the trainer's store on the rank that writes, the only writer of its
+    template there -- the lock), the first listing is kept and updated by the store's own
+    commits (:meth:`added`) and deletes (:meth:`removed`) instead of listed again (object
+    stores bill and throttle LISTs; shared filesystems are slow to list); what anything else
+    writes is seen after :meth:`release`. Thread-safe: a commit noted while the listing runs
+    waits for it.
+
+    Args:
+        storage: where the directory is.
+        directory: the directory listed.
+    """
+
+    def __init__(self, storage: Storage, directory: str) -> None:
+        self.storage = storage
+        self.directory = directory
+        self._guard = threading.Lock()
+        self._held = False
+        self._known: tuple[set[str], set[str]] | None = None  # (files, directories)
+        self._raw: list[dict[str, Any]] | None = None
+
+    def hold(self) -> None:
+        """Keep the next listing (see the class docstring) until :meth:`release`."""
+        with self._guard:
+            self._held = True
+
+    def release(self) -> None:
+        """Stop holding: forget the listing; every later call lists afresh."""
+        with self._guard:
+            self._held = False
+            self._known, self._raw = None, None
+
+    def _listed(self) -> tuple[set[str], set[str]]:
+        if self._known is None or not self._held:  # under self._guard
+            try:
+                raw = self.storage.list_entries(self.directory)
+            except FileNotFoundError:
+                raw = []
+            files, dirs = self.storage.children_of(raw)
+            self._known, self._raw = (set(files), set(dirs)), raw
+        return self._known
+
+    def children(self) -> tuple[list[str], list[str]]:
+        """``(files, directories)`` directly in the directory (temp files excluded), each
+        sorted, from one listing (as ``Storage.list_children``)."""
+        with self._guard:
+            files, dirs = self._listed()
+            return sorted(files), sorted(dirs)
+
+    def files(self) -> list[str]:
+        """Names of the files directly in the directory (temp files excluded), sorted."""
+        return self.children()[0]
+
+    def dirs(self) -> list[str]:
+        """Names of the sub-directories directly in the directory, sorted."""
+        return self.children()[1]
+
+    def take_entries(self) -> list[dict[str, Any]] | None:
+        """The listing's detailed entries (temp files included), for the start-up sweep of temp
+        files; held, None after the first call (a later sweep lists afresh)."""
+        with self._guard:
+            self._listed()
+            raw, self._raw = self._raw, None
+            return raw
+
+    def added(self, path: str, *, directory: bool = False) -> None:
+        """``path`` (a file, or a ``directory``, directly in the directory; other paths are
+        ignored) was committed by the store."""
+        if self.storage.dirname(path) != self.directory:
+            return
+        with self._guard:
+            if self._known is not None:
+                self._known[1 if directory else 0].add(self.storage.basename(path))
+
+    def removed(self, path: str) -> None:
+        """``path`` was deleted by the store (or found missing)."""
+        if self.storage.dirname(path) != self.directory:
+            return
+        with self._guard:
+            if self._known is not None:
+                for names in self._known:
+                    names.discard(self.storage.basename(path))
 
 
 class SnapshotStore:

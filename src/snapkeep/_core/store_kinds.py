@@ -9,10 +9,9 @@ shards plus a marker). A later kind (node memory with peer copies) implements th
 Call order (per trainer, one store per out_dir and template), after DCP's ``StorageWriter`` docs:
 
 0. ``hold_listing()`` -- at start, on the one rank that writes: the start-up (kind check, sweep,
-   autoload's candidates) lists out_dir once and the store keeps what it knows
-   (:class:`HeldListing`) instead of listing again (single files: never again, its commits and
-   deletes update it; sharded directories: once per snapshot). Other ranks and readers list
-   afresh.
+   autoload's candidates) lists out_dir once, and the store keeps what it knows
+   (:class:`~snapkeep._core.store.HeldListing`), updated by its own commits and deletes,
+   instead of listing again between snapshots. Other ranks and readers list afresh.
 1. ``check_kind()`` -- at start, before anything runs (every kind): a template that already names
    snapshots of another kind in the directory is refused (:func:`require_one_kind`).
 2. ``lock()`` -- at start, on the one rank that writes commit records (the saver rank, or rank 0
@@ -40,7 +39,6 @@ unreachable store is :class:`~snapkeep.errors.SnapshotStorageError` (no fallback
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -229,91 +227,6 @@ def newest_valid(
     raise error(nothing_valid_message(what, refused))
 
 
-class HeldListing:
-    """What a store knows of one directory. Not held (the default, a reader), every call lists
-    afresh. Held (:meth:`hold`: the trainer's store on the rank that writes, the only writer of
-    its template there -- the lock), the first listing is kept and updated by the store's own
-    commits (:meth:`added`) and deletes (:meth:`removed`) instead of listed again (object
-    stores bill and throttle LISTs; shared filesystems are slow to list); what anything else
-    writes is seen after :meth:`forget`. Thread-safe: a commit noted while the listing runs
-    waits for it.
-
-    Args:
-        storage: where the directory is.
-        directory: the directory listed.
-    """
-
-    def __init__(self, storage: Storage, directory: str) -> None:
-        self.storage = storage
-        self.directory = directory
-        self._guard = threading.Lock()
-        self._held = False
-        self._files: set[str] | None = None
-        self._dirs: list[str] = []
-        self._raw: list[dict[str, Any]] | None = None
-
-    def hold(self) -> None:
-        """Keep the next listing (see the class docstring) until :meth:`release`."""
-        with self._guard:
-            self._held = True
-
-    def release(self) -> None:
-        """Stop holding: forget the listing; every later call lists afresh."""
-        with self._guard:
-            self._held = False
-            self._files, self._dirs, self._raw = None, [], None
-
-    def _listed(self) -> set[str]:
-        if self._files is None or not self._held:  # under self._guard
-            try:
-                raw = self.storage.list_entries(self.directory)
-            except FileNotFoundError:
-                raw = []
-            files, self._dirs = self.storage.children_of(raw)
-            self._files, self._raw = set(files), raw
-        return self._files
-
-    def files(self) -> list[str]:
-        """Names of the files directly in the directory (temp files excluded), sorted."""
-        with self._guard:
-            return sorted(self._listed())
-
-    def dirs(self) -> list[str]:
-        """Names of the sub-directories directly in the directory (as first listed), sorted."""
-        with self._guard:
-            self._listed()
-            return list(self._dirs)
-
-    def take_entries(self) -> list[dict[str, Any]] | None:
-        """The listing's detailed entries (temp files included), for the start-up sweep of temp
-        files; held, None after the first call (a later sweep lists afresh)."""
-        with self._guard:
-            self._listed()
-            raw, self._raw = self._raw, None
-            return raw
-
-    def added(self, path: str) -> None:
-        """``path`` was committed (a file directly in the directory; other paths are ignored)."""
-        if self.storage.dirname(path) != self.directory:
-            return
-        with self._guard:
-            if self._files is not None:
-                self._files.add(self.storage.basename(path))
-
-    def removed(self, path: str) -> None:
-        """``path`` was deleted (or found missing)."""
-        if self.storage.dirname(path) != self.directory:
-            return
-        with self._guard:
-            if self._files is not None:
-                self._files.discard(self.storage.basename(path))
-
-    def forget(self) -> None:
-        """Drop what is known: the next call lists afresh (and is held, if held)."""
-        with self._guard:
-            self._files, self._dirs, self._raw = None, [], None
-
-
 def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
                      expected: str, listed: Sequence[str] | None = None) -> None:
     """Refuse to start when ``base`` (the template's last part) already names snapshots of the
@@ -348,6 +261,6 @@ def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
 
 
 __all__ = [
-    "IN_PROGRESS_NAME", "MARKER_NAME", "Candidate", "CandidateRefused", "HeldListing", "Listed",
-    "StoreKind", "newest_valid", "nothing_valid_message", "require_one_kind", "skip_message",
+    "IN_PROGRESS_NAME", "MARKER_NAME", "Candidate", "CandidateRefused", "Listed", "StoreKind",
+    "newest_valid", "nothing_valid_message", "require_one_kind", "skip_message",
 ]
