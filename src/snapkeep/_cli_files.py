@@ -231,7 +231,8 @@ def autoload_choice(entries: Sequence[Entry],
         return found
 
     try:
-        chosen = newest_valid(entries, check, what="the CLI's listing")
+        chosen = newest_valid(entries, check, what="the CLI's listing",
+                              skipped=lambda entry, error: None)  # each status is shown
     except UnsafeSnapshotError:
         return AutoloadChoice(resume_from=None, refused=last[0], checked=checked)
     except NoValidSnapshotError:

@@ -13,11 +13,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from snapkeep._core.store_kinds import skip_message
 from snapkeep.store import (
     Entry,
     SnapshotStore,
     load_file,
     lookalike_message,
+    newest_valid,
     resolve_storage,
     warn_user,
 )
@@ -150,7 +152,6 @@ def _load_newest_sharded(storage: Any, directory: str, template: str, *, map_loc
     import torch
 
     from snapkeep.distributed import ShardedStore, gather_dcp
-    from snapkeep.store import newest_valid, warn_user
 
     sharded = ShardedStore(storage, directory, template, storage_options=storage_options)
 
@@ -160,8 +161,7 @@ def _load_newest_sharded(storage: Any, directory: str, template: str, *, map_loc
                           storage_options=storage_options)
 
     def skipped(entry: Entry, error: Exception) -> None:
-        warn_user(f"skipping sharded snapshot {entry.name} (step {entry.step}): {error}",
-                  RuntimeWarning)
+        warn_user(skip_message(entry, error, kind="sharded snapshot"), RuntimeWarning)
 
     found = newest_valid(sharded.entries(), check, skipped=skipped,
                          what=f"{template!r} in {directory!r} (sharded)")

@@ -179,3 +179,37 @@ def test_on_error_snapshots_are_never_entries(tmp_path):
     store = _store_with(tmp_path, [1])
     (tmp_path / f"s_2{ON_ERROR_SUFFIX}").write_bytes(b"x")
     assert [e.name for e in store.entries()] == ["s_1"]
+
+
+def test_a_held_listing_is_listed_once_and_kept_up_to_date(tmp_path, monkeypatch):
+    """Held (the trainer's store), kind check, sweep, orphan check and entries share one
+    listing of the directory and one of its manifest directory; the store's own commits and
+    deletes update them; released, it lists afresh (what something else wrote is seen)."""
+    from snapkeep._core.job import SaveJob
+
+    store = _writer_files(tmp_path, "snap_{}", [1, 2])
+    store.hold_listing()
+    listed: list[str] = []
+    ls = store.storage.fs.ls
+    monkeypatch.setattr(store.storage.fs, "ls",
+                        lambda path, *a, **kw: listed.append(path) or ls(path, *a, **kw))
+    store.check_kind()
+    assert store.sweep() == []
+    assert store.orphan_manifests() == []
+    assert [e.step for e in store.entries()] == [1, 2]
+    assert sorted(listed) == sorted([str(tmp_path), str(tmp_path / ".snapkeep")])
+    listed.clear()
+    path = os.path.join(str(tmp_path), "snap_3")
+    store.commit(SaveJob(storage=store.storage, path=path, savefun=torch.save, step=3),
+                 {"step": torch.tensor(3)})
+    assert store.delete(store.entries()[0])
+    assert [e.step for e in store.entries()] == [2, 3]
+    assert store.orphan_manifests() == []
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "snap_2", "snap_3"]
+    assert listed == []
+    (tmp_path / "snap_4").write_bytes(b"written behind the store's back")
+    assert [e.step for e in store.entries()] == [2, 3]
+    store.release_listing()
+    assert [e.step for e in store.entries()] == [2, 3, 4] and listed == [str(tmp_path)]
+    (tmp_path / "snap_5").write_bytes(b"not held: seen at once")
+    assert [e.step for e in store.entries()] == [2, 3, 4, 5]

@@ -342,7 +342,7 @@ class CountingFileSystem(MemoryFileSystem):
         return super().ls(path, detail=detail, **kwargs)
 
 
-def test_at_most_one_listing_of_out_dir_per_snapshot_and_none_between(kind: str) -> None:
+def test_a_start_up_lists_out_dir_once_and_no_snapshot_lists_it(kind: str) -> None:
     fsspec.register_implementation(CountingFileSystem.protocol, CountingFileSystem,
                                    clobber=True)
     run = f"/counting-{kind}-{os.getpid()}"
@@ -359,25 +359,69 @@ def test_at_most_one_listing_of_out_dir_per_snapshot_and_none_between(kind: str)
         CountingFileSystem.listings.clear()
         manager.finalize()  # the sharded kind commits (and retains) on a background thread
         total += CountingFileSystem.listings.get(run, 0)
-        assert total == 3, counts  # 3 snapshots (iterations 2, 4, 6): one listing each
-        if kind == "file":  # committed synchronously: the listing is in its own iteration
-            assert counts == [0, 1, 0, 1, 0, 1], counts
-        # a restart on those snapshots: the sharded store's start-up (kind check, uncommitted,
-        # sweep, autoload) lists out_dir once and keeps it until its next save
+        assert total == 0, counts  # 3 snapshots (iterations 2, 4, 6) with retention: none
+        # a restart on those snapshots: the store's start-up (kind check, sweep, autoload)
+        # lists out_dir once and keeps it up to date through its saves and deletes
         manager, model, _ = _manager(backend, kind, n_retains=2, trigger=(2, "iteration"))
         CountingFileSystem.listings.clear()
         manager.start_extensions()
         assert manager.iteration == 6
-        if kind == "sharded":
-            assert CountingFileSystem.listings.get(run, 0) == 1
+        assert CountingFileSystem.listings.get(run, 0) == 1
         CountingFileSystem.listings.clear()
-        _train(manager, model, 8)
+        _train(manager, model, 10)
         manager.finalize()
-        assert CountingFileSystem.listings.get(run, 0) == 1  # one more snapshot, one listing
+        assert CountingFileSystem.listings.get(run, 0) == 0  # two more snapshots, no listing
+        assert [n for n in _names(backend) if n.startswith("snapshot_")] == [
+            "snapshot_iter_10", "snapshot_iter_8"]  # retention kept the newest two
     finally:
         storage, path = backend.storage()
         if storage.fs.exists(path):
             storage.fs.rm(path, recursive=True)
+
+
+@pytest.mark.parametrize("storage", ["local", "memory"])
+def test_a_single_file_start_up_lists_out_dir_once_and_never_between_snapshots(
+        storage: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kind check, temp sweep, orphan sweep and autoload share one listing of out_dir (and one
+    of its manifest directory); commits and retention's deletes keep it up to date, so no
+    snapshot lists again. Counted at fsspec's ``ls``, through which every listing goes."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    listings: dict[str, int] = {}
+    for cls in (LocalFileSystem, MemoryFileSystem):
+        def ls(self: Any, path: str, detail: bool = True, _ls: Any = cls.ls, **kw: Any) -> Any:
+            key = "/" + str(path).split("://", 1)[-1].strip("/")
+            listings[key] = listings.get(key, 0) + 1
+            return _ls(self, path, detail=detail, **kw)
+        monkeypatch.setattr(cls, "ls", ls)
+    run = f"listings-{os.getpid()}-{storage}"
+    backend = Backend("local", str(tmp_path / run), {}) if storage == "local" \
+        else Backend("memory", f"memory://snapkeep-tests/{run}", {})
+    out = "/" + backend.out_dir.split("://", 1)[-1].strip("/")
+    manifests = out + "/.snapkeep"
+    try:
+        for start in (0, 6):  # a fresh run, then a restart that autoloads and keeps going
+            manager, model, _ = _manager(backend, "file", n_retains=2)
+            listings.clear()
+            manager.start_extensions()
+            assert manager.iteration == start
+            assert (listings.get(out, 0), listings.get(manifests, 0)) == (1, 1), listings
+            per_snapshot = []
+            for _ in range(6):
+                listings.clear()
+                _train(manager, model, manager.iteration + 1)
+                per_snapshot.append(listings.get(out, 0) + listings.get(manifests, 0))
+            listings.clear()
+            manager.finalize()
+            assert per_snapshot == [0] * 6 and listings.get(out, 0) == 0, per_snapshot
+            names = [n for n in _names(backend) if n.startswith("snapshot_")]
+            assert names == [f"snapshot_iter_{start + 5}", f"snapshot_iter_{start + 6}"]
+            assert sorted(n for n in backend.raw_names(".snapkeep") if n.endswith(".json")) \
+                == [f"{n}.json" for n in names]  # retention deleted the manifests with them
+    finally:
+        storage_, path = backend.storage()
+        if storage_.fs.exists(path):
+            storage_.fs.rm(path, recursive=True)
 
 
 def test_convert_reads_a_sharded_directory_safely(tmp_path: Any,

@@ -32,6 +32,7 @@ import io
 import logging
 import pickle
 import struct
+import threading
 import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,6 +91,92 @@ class Entry:
     step: int | None
 
 
+class HeldListing:
+    """What a store knows of one directory (either kind: files for single-file snapshots,
+    directories for sharded ones). Not held (the default, a reader), every call lists afresh.
+    Held (:meth:`hold`: the trainer's store on the rank that writes, the only writer of its
+    template there -- the lock), the first listing is kept and updated by the store's own
+    commits (:meth:`added`) and deletes (:meth:`removed`) instead of listed again (object
+    stores bill and throttle LISTs; shared filesystems are slow to list); what anything else
+    writes is seen after :meth:`release`. Thread-safe: a commit noted while the listing runs
+    waits for it.
+
+    Args:
+        storage: where the directory is.
+        directory: the directory listed.
+    """
+
+    def __init__(self, storage: Storage, directory: str) -> None:
+        self.storage = storage
+        self.directory = directory
+        self._guard = threading.Lock()
+        self._held = False
+        self._known: tuple[set[str], set[str]] | None = None  # (files, directories)
+        self._raw: list[dict[str, Any]] | None = None
+
+    def hold(self) -> None:
+        """Keep the next listing (see the class docstring) until :meth:`release`."""
+        with self._guard:
+            self._held = True
+
+    def release(self) -> None:
+        """Stop holding: forget the listing; every later call lists afresh."""
+        with self._guard:
+            self._held = False
+            self._known, self._raw = None, None
+
+    def _listed(self) -> tuple[set[str], set[str]]:
+        if self._known is None or not self._held:  # under self._guard
+            try:
+                raw = self.storage.list_entries(self.directory)
+            except FileNotFoundError:
+                raw = []
+            files, dirs = self.storage.children_of(raw)
+            self._known, self._raw = (set(files), set(dirs)), raw
+        return self._known
+
+    def children(self) -> tuple[list[str], list[str]]:
+        """``(files, directories)`` directly in the directory (temp files excluded), each
+        sorted, from one listing (as ``Storage.list_children``)."""
+        with self._guard:
+            files, dirs = self._listed()
+            return sorted(files), sorted(dirs)
+
+    def files(self) -> list[str]:
+        """Names of the files directly in the directory (temp files excluded), sorted."""
+        return self.children()[0]
+
+    def dirs(self) -> list[str]:
+        """Names of the sub-directories directly in the directory, sorted."""
+        return self.children()[1]
+
+    def take_entries(self) -> list[dict[str, Any]] | None:
+        """The listing's detailed entries (temp files included), for the start-up sweep of temp
+        files; held, None after the first call (a later sweep lists afresh)."""
+        with self._guard:
+            self._listed()
+            raw, self._raw = self._raw, None
+            return raw
+
+    def added(self, path: str, *, directory: bool = False) -> None:
+        """``path`` (a file, or a ``directory``, directly in the directory; other paths are
+        ignored) was committed by the store."""
+        if self.storage.dirname(path) != self.directory:
+            return
+        with self._guard:
+            if self._known is not None:
+                self._known[1 if directory else 0].add(self.storage.basename(path))
+
+    def removed(self, path: str) -> None:
+        """``path`` was deleted by the store (or found missing)."""
+        if self.storage.dirname(path) != self.directory:
+            return
+        with self._guard:
+            if self._known is not None:
+                for names in self._known:
+                    names.discard(self.storage.basename(path))
+
+
 class SnapshotStore:
     """The snapshots of one template in one directory (see the module docstring).
 
@@ -113,6 +200,13 @@ class SnapshotStore:
         # their manifest is missing (e.g. removed after a failed manifest write)
         self._committed: set[str] = set()
         self._warned: set[str] = set()  # invalid manifests already warned about
+        # its directory and manifest directory: listed afresh by each call, or, once held
+        # (hold_listing: the trainer's store), listed once and kept up to date
+        template = str(self.template.template) if self.template.parsable else ""
+        sub = template.rpartition("/")[0]
+        listed = self._subdir(sub) if "{" not in sub else directory
+        self._listing = HeldListing(storage, listed)
+        self._manifests = HeldListing(storage, storage.join(listed, MANIFEST_DIR))
 
     def __repr__(self) -> str:
         return f"SnapshotStore({self.storage.url(self.directory)!r}, {self.template.template!r})"
@@ -124,6 +218,8 @@ class SnapshotStore:
         Temporary files, manifests, on-error snapshots and files that do not match the template
         are never listed. Only templates whose directory part is literal
         (``'snap/iter_{.iteration}'``) are listable; others yield [].
+
+        Listed afresh, unless the store holds its listing (:meth:`hold_listing`).
         """
         split = self._split()
         if split is None:
@@ -132,7 +228,7 @@ class SnapshotStore:
         base_template = FilenameTemplate(base)
         directory = self._subdir(sub)
         found = []
-        for name in self.storage.list_names(directory):
+        for name in self._listing.files():
             if name.endswith(ON_ERROR_SUFFIX):
                 continue
             key = base_template.parse(name)
@@ -143,6 +239,24 @@ class SnapshotStore:
                                step=int(key[0]) if key else None))
         found.sort(key=lambda e: (e.key, e.name))
         return found
+
+    def hold_listing(self) -> None:
+        """Keep what the store knows of its directory: the first listing of it and of its
+        manifest directory (by :meth:`check_kind`, :meth:`sweep`, :meth:`entries` or
+        :meth:`orphan_manifests`, whichever comes first) is kept and updated by this store's
+        commits (:meth:`note_committed`) and deletes, never listed again; so a trainer's
+        start-up lists out_dir once and its snapshots (with retention) none. Call it on the
+        store that alone writes this template here (the trainer's, on the saver rank: the
+        lock); what anything else writes is seen after :meth:`release_listing`. Thread-safe.
+        """
+        self._listing.hold()
+        self._manifests.hold()
+
+    def release_listing(self) -> None:
+        """Forget the held listing; every later call lists afresh (as before
+        :meth:`hold_listing`)."""
+        self._listing.release()
+        self._manifests.release()
 
     def _subdir(self, sub: str) -> str:
         return self.storage.join(self.directory, sub) if sub else self.directory
@@ -349,6 +463,8 @@ class SnapshotStore:
         """Record that this process committed ``path`` (called by the saver after each commit):
         retention treats it as this run's snapshot even if its manifest goes missing."""
         self._committed.add(path)
+        self._listing.added(path)
+        self._manifests.added(manifest_path(self.storage, path))
 
     # -- kind ------------------------------------------------------------------------------
     def check_kind(self) -> None:
@@ -362,7 +478,7 @@ class SnapshotStore:
         if split is None:
             return
         require_one_kind(self.storage, self._subdir(split[0]), FilenameTemplate(split[1]),
-                         expected="file")
+                         expected="file", listed=self._listing.dirs())
 
     # -- lock ------------------------------------------------------------------------------
     def lock(self) -> StoreLock | None:
@@ -416,8 +532,11 @@ class SnapshotStore:
                     raise
                 gone = gone and path != entry.path
                 logger.warning("%s could not delete %s (step %s): %s", by, path, entry.step, e)
+                continue
             else:
                 logger.debug("deleted %s (step %s)", path, entry.step)
+            self._listing.removed(path)
+            self._manifests.removed(path)
         self._committed.discard(entry.path)
         return gone
 
@@ -477,9 +596,10 @@ class SnapshotStore:
         split = self._split()
         if split is None:
             return []
-        directory = self._subdir(split[0])
-        removed = self.storage.remove_stale_temps(directory)
-        removed += self.storage.remove_stale_temps(self.storage.join(directory, MANIFEST_DIR))
+        directory = self._subdir(split[0])  # from the store's one listing of each (at start)
+        removed = self.storage.remove_stale_temps(directory, self._listing.take_entries())
+        removed += self.storage.remove_stale_temps(self.storage.join(directory, MANIFEST_DIR),
+                                                   self._manifests.take_entries())
         removed += self._remove_orphan_manifests(None, lineage)
         return removed
 
@@ -495,7 +615,7 @@ class SnapshotStore:
         base_template = FilenameTemplate(base)
         manifest_dir = self.storage.join(self._subdir(sub), MANIFEST_DIR)
         orphans = []
-        for name in self.storage.list_names(manifest_dir):
+        for name in self._manifests.files():
             snapshot, dot, ext = name.rpartition(".")
             if not dot or ext != "json" or base_template.parse(snapshot) is None:
                 continue
@@ -531,10 +651,12 @@ class SnapshotStore:
             try:
                 storage.remove(path)
             except FileNotFoundError:
+                self._manifests.removed(path)
                 continue
             except OSError as e:
                 logger.warning("could not delete the orphan manifest %s: %s", path, e)
                 continue
+            self._manifests.removed(path)
             removed.append(path)
             logger.info("removed manifest %s, whose snapshot was already deleted", path)
         return removed

@@ -8,6 +8,10 @@ shards plus a marker). A later kind (node memory with peer copies) implements th
 
 Call order (per trainer, one store per out_dir and template), after DCP's ``StorageWriter`` docs:
 
+0. ``hold_listing()`` -- at start, on the one rank that writes: the start-up (kind check, sweep,
+   autoload's candidates) lists out_dir once, and the store keeps what it knows
+   (:class:`~snapkeep._core.store.HeldListing`), updated by its own commits and deletes,
+   instead of listing again between snapshots. Other ranks and readers list afresh.
 1. ``check_kind()`` -- at start, before anything runs (every kind): a template that already names
    snapshots of another kind in the directory is refused (:func:`require_one_kind`).
 2. ``lock()`` -- at start, on the one rank that writes commit records (the saver rank, or rank 0
@@ -34,7 +38,8 @@ unreachable store is :class:`~snapkeep.errors.SnapshotStorageError` (no fallback
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from snapkeep._core.errors import (
@@ -46,6 +51,7 @@ from snapkeep._core.errors import (
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.storage import Storage
+from snapkeep._core.user_warnings import warn_user
 
 MARKER_NAME = ".snapkeep-commit.json"
 """File name of the marker inside a committed sharded snapshot directory."""
@@ -63,6 +69,9 @@ class StoreKind(Protocol):
     storage: Storage
     directory: str
     template: FilenameTemplate
+
+    def hold_listing(self) -> None:
+        """Keep the listing of out_dir (the writing rank's store; see the call order)."""
 
     def check_kind(self) -> None:
         """Refuse a template already naming snapshots of another kind here (ValueError)."""
@@ -87,51 +96,135 @@ class StoreKind(Protocol):
         """Apply a retention policy to this run's snapshots; return those deleted."""
 
 
-E = TypeVar("E")
+class Candidate(Protocol):
+    """What :func:`newest_valid` needs of a candidate: its name and step (an ``Entry`` of either
+    kind, or :class:`Listed`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def step(self) -> int | None: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Listed:
+    """A candidate known only by name and key (the union of every rank's listing; a step of the
+    memory tier).
+
+    Attributes:
+        name: the snapshot's name (relative to the output directory).
+        key: its sort key, parsed from the name (step first).
+        step: the first number of ``key`` (None when the key is empty).
+    """
+
+    name: str
+    key: tuple[float, ...] = ()
+    step: int | None = None
+
+    @classmethod
+    def of(cls, key: Sequence[float], name: str) -> Listed:
+        """The candidate ``name`` with sort key ``key`` (its step: ``key[0]``)."""
+        key = tuple(key)
+        return cls(name=name, key=key, step=int(key[0]) if key else None)
+
+
+class CandidateRefused(SnapshotCorruptError):
+    """Raised by a collective ``check`` of :func:`newest_valid`: one or more ranks cannot use the
+    candidate (missing there, corrupt, unreadable); every rank skips it together.
+
+    Attributes:
+        reasons: ``{rank: reason}`` of the ranks that refused it.
+    """
+
+    def __init__(self, reasons: Mapping[int, str]) -> None:
+        self.reasons = dict(sorted(reasons.items()))
+        super().__init__(f"not readable on rank(s) {sorted(self.reasons)}: "
+                         + "; ".join(f"rank {r}: {m}" for r, m in self.reasons.items()))
+
+
+def skip_message(candidate: Candidate, error: Exception, *, kind: str = "snapshot") -> str:
+    """The one text of a fallback: ``skipping snapshot NAME (step N): REASON``."""
+    return f"skipping {kind} {candidate.name} (step {candidate.step}): {error}"
+
+
+def nothing_valid_message(what: str, refused: Sequence[tuple[Candidate, Exception]]) -> str:
+    """The one text of "snapshots exist, none valid": each refused candidate with its reason,
+    per rank where ranks voted (:class:`CandidateRefused`), newest first."""
+    by_rank = [(c, e) for c, e in refused if isinstance(e, CandidateRefused)]
+    if refused and len(by_rank) == len(refused):
+        described = ", ".join(
+            f"{c.name} (" + "; ".join(f"rank {r}: {m}" for r, m in list(e.reasons.items())[:8])
+            + ")" for c, e in by_rank[:10])
+        return (f"{what}: {len(refused)} snapshot(s) found, none readable and verified on "
+                "every rank; refusing to resume ranks from different steps or to start over "
+                f"silently. {described}. Restore the missing or corrupt parts, or move the "
+                "snapshots away to start fresh.")
+    reasons = "; ".join(str(e) for _, e in refused[:10])
+    return (f"{len(refused)} snapshot file(s) of {what}, none valid; refusing to start over "
+            f"silently. Reasons: {reasons}. Move them away to start fresh, or restore a good "
+            "copy.")
+
+
+C = TypeVar("C", bound=Candidate)
 R = TypeVar("R")
 
 
-def newest_valid(entries: Sequence[E], check: Callable[[E], R], *,
-                 skipped: Callable[[E, SnapshotCorruptError], None] | None = None,
-                 what: str) -> tuple[E, R] | None:
-    """THE newest-valid-with-fallback of every kind and reader: try ``entries`` newest (last)
-    first; ``check(entry)`` returns the loaded result or raises. A
-    :class:`SnapshotCorruptError` (failed verification, junk, misnamed) skips to the next older
-    one (``skipped`` is told, e.g. to warn); an :class:`UnsafeSnapshotError` or a
-    :class:`SnapshotStorageError` stops at once (never a fallback past a refusal or an outage).
-    The collective variant (every rank agreeing on one) is
-    :func:`~snapkeep._core.distributed.agreement.agree_on_resume`, with the same per-entry check.
+def newest_valid(
+    candidates: Sequence[C], check: Callable[[C], R], *, what: str,
+    skipped: Callable[[C, SnapshotCorruptError], None] | None = None,
+    required: bool = True, error: type[NoValidSnapshotError] = NoValidSnapshotError,
+) -> tuple[C, R] | None:
+    """THE newest-valid-with-fallback of every kind and reader (autoload single-process,
+    DISTRIBUTED and SHARDED, ``load_latest``, ``verify``/``ls``'s "autoload would resume from",
+    the ppe file view): the ordering, the skip, the fallback warning and the "nothing valid"
+    error live here; what differs is ``check``.
+
+    Candidates are tried newest (last) first; ``check(candidate)`` returns the loaded result or
+    raises. A :class:`SnapshotCorruptError` (failed verification, junk, misnamed; a collective
+    check raises :class:`CandidateRefused` on every rank alike) skips to the next older one; an
+    :class:`UnsafeSnapshotError` or a :class:`SnapshotStorageError` stops at once (never a
+    fallback past a refusal or an outage). The collective variant is
+    :func:`~snapkeep._core.distributed.agreement.agree_on_resume`, whose ``check`` is every
+    rank's vote on one candidate.
 
     Args:
-        entries: oldest first (as ``entries()`` lists them).
-        check: validates and loads one entry (the kind's ``validate``).
-        skipped: called for each entry skipped as corrupt.
+        candidates: oldest first (as ``entries()`` lists them); anything with ``name`` and
+            ``step`` (:class:`Candidate`).
+        check: validates and loads one candidate (the kind's ``validate``), or votes on it.
         what: the template and directory, for the error.
+        skipped: called for each candidate skipped, instead of a ``RuntimeWarning`` with
+            :func:`skip_message` (e.g. autoload's resume notice collects them).
+        required: raise when candidates exist but none is valid (False: return None, as the
+            memory tier does before it falls back to storage).
+        error: the error class raised then (:class:`NoValidSnapshotError` or a subclass).
 
     Returns:
-        ``(entry, check's result)``, or None when ``entries`` is empty.
+        ``(candidate, check's result)``, or None when ``candidates`` is empty (or none is valid
+        and not ``required``).
 
     Raises:
-        NoValidSnapshotError: entries exist but none is valid (each reason listed).
+        NoValidSnapshotError: (``error``) candidates exist but none is valid, each reason
+            listed (:func:`nothing_valid_message`).
         UnsafeSnapshotError, SnapshotStorageError: as raised by ``check``.
     """
-    if not entries:
+    if not candidates:
         return None
-    reasons = []
-    for entry in reversed(entries):
+    refused: list[tuple[C, SnapshotCorruptError]] = []
+    for candidate in reversed(candidates):
         try:
-            return entry, check(entry)
+            return candidate, check(candidate)
         except (UnsafeSnapshotError, SnapshotStorageError):
             raise
         except SnapshotCorruptError as e:
+            refused.append((candidate, e))
             if skipped is not None:
-                skipped(entry, e)
-            reasons.append(str(e))
-    raise NoValidSnapshotError(
-        f"{len(entries)} snapshot file(s) of {what}, none valid; refusing to start over "
-        "silently. "
-        f"Reasons: {'; '.join(reasons[:10])}. Move them away to start fresh, or restore a good "
-        "copy.")
+                skipped(candidate, e)
+            else:
+                warn_user(skip_message(candidate, e), RuntimeWarning)
+    if not required:
+        return None
+    raise error(nothing_valid_message(what, refused))
 
 
 def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
@@ -167,4 +260,7 @@ def require_one_kind(storage: Storage, parent: str, base: FilenameTemplate, *,
         "holds one kind: use another filename template or out_dir, or move those away")
 
 
-__all__ = ["IN_PROGRESS_NAME", "MARKER_NAME", "StoreKind", "newest_valid", "require_one_kind"]
+__all__ = [
+    "IN_PROGRESS_NAME", "MARKER_NAME", "Candidate", "CandidateRefused", "Listed", "StoreKind",
+    "newest_valid", "nothing_valid_message", "require_one_kind", "skip_message",
+]

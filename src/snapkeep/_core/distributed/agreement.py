@@ -9,7 +9,6 @@ hang in the next collective. A rank that died or hangs makes the exchange time o
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,8 +19,7 @@ from snapkeep._core.distributed.errors import (
     NoCommonSnapshotError,
     RankFailedError,
 )
-
-logger = logging.getLogger(__name__)
+from snapkeep._core.store_kinds import CandidateRefused, Listed, newest_valid
 
 
 def all_gather(group: dist.ProcessGroup | None, value: Any, *, what: str,
@@ -90,9 +88,12 @@ def agree_on_resume(
     """Choose the snapshot every rank resumes from, once, together.
 
     The candidates are the union of every rank's ``listing`` (so a snapshot one rank lacks is
-    noticed, not silently skipped by that rank alone). From the newest (highest key) down, every
-    rank runs ``check(name)`` on its part and all ranks exchange the results: the first snapshot
-    no rank objects to is chosen on every rank. A rank lacking a listed snapshot objects to it.
+    noticed, not silently skipped by that rank alone). The store's one newest-valid-with-fallback
+    (:func:`~snapkeep._core.store_kinds.newest_valid`: order, skip, warning, error) walks them
+    from the newest (highest key) down with a collective check: every rank runs ``check(name)``
+    on its part and all ranks exchange the results; a snapshot any rank objects to is refused
+    on every rank (:class:`~snapkeep._core.store_kinds.CandidateRefused`), and the first one no
+    rank objects to is chosen on every rank. A rank lacking a listed snapshot objects to it.
 
     Args:
         group: snapkeep's control group (None: single process).
@@ -105,7 +106,8 @@ def agree_on_resume(
             (False: ``check`` is asked about every candidate, e.g. a rank that receives the
             snapshot's bytes from the saver rank instead of reading its node-local disk).
         on_skip: ``on_skip(name, {rank: reason})`` for each snapshot skipped (the same calls on
-            every rank), instead of a log warning on every rank; the caller reports them once.
+            every rank), instead of the store's fallback warning on every rank; the caller
+            reports them once.
 
     Returns:
         The chosen name (the same on every rank), or None when no rank has any snapshot.
@@ -117,44 +119,28 @@ def agree_on_resume(
     """
     gathered = all_gather(group, [(tuple(k), n) for k, n in listing],
                           what=f"{what}: listing snapshots", timeout_s=timeout_s)
-    union = sorted({(tuple(k), n) for per_rank in gathered for k, n in per_rank}, reverse=True)
-    if not union:
-        return None
+    union = sorted({(tuple(k), n) for per_rank in gathered for k, n in per_rank})
     own = {n for _, n in listing}
-    refused: dict[str, dict[int, str]] = {}
-    for _, name in union:
+
+    def vote(candidate: Listed) -> str:
+        """This rank's verdict, exchanged: every rank skips or takes ``candidate`` together."""
         reason: str | None
-        if required and name not in own:
+        if required and candidate.name not in own:
             reason = "not found on this rank"
         else:
             try:
-                reason = check(name)
-            except Exception as e:  # any failure to read is this rank's reason; reported below
+                reason = check(candidate.name)
+            except Exception as e:  # any failure to read is this rank's reason, exchanged
                 reason = f"{type(e).__name__}: {e}"
-        reasons = all_gather(group, reason, what=f"{what}: checking {name}",
+        reasons = all_gather(group, reason, what=f"{what}: checking {candidate.name}",
                              timeout_s=timeout_s)
         failed = {r: m for r, m in enumerate(reasons) if m is not None}
-        if not failed:
-            if refused and on_skip is None:
-                logger.warning("%s: every rank resumes from %s; newer snapshot(s) skipped: %s",
-                               what, name, _describe(refused))
-            return name
-        refused[name] = failed
-        if on_skip is not None:
-            on_skip(name, failed)
-            continue
-        logger.warning("%s: snapshot %s is not readable on rank(s) %s: %s", what, name,
-                       sorted(failed), "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
-    raise NoCommonSnapshotError(
-        f"{what}: {len(union)} snapshot(s) found, none readable and verified on every rank; "
-        f"refusing to resume ranks from different steps or to start over silently. "
-        f"{_describe(refused)}. Restore the missing or corrupt parts, or move the snapshots "
-        "away to start fresh.")
+        if failed:
+            raise CandidateRefused(failed)
+        return candidate.name
 
-
-def _describe(refused: dict[str, dict[int, str]]) -> str:
-    parts = []
-    for name, failed in list(refused.items())[:10]:
-        ranks = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items())[:8])
-        parts.append(f"{name} ({ranks})")
-    return ", ".join(parts)
+    skipped = None if on_skip is None else (lambda candidate, e: on_skip(
+        candidate.name, e.reasons if isinstance(e, CandidateRefused) else {}))
+    found = newest_valid([Listed.of(k, n) for k, n in union], vote, what=what, skipped=skipped,
+                         error=NoCommonSnapshotError)
+    return None if found is None else found[1]

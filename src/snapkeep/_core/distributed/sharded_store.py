@@ -37,7 +37,7 @@ from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 from snapkeep._core.storage import Storage
-from snapkeep._core.store import ON_ERROR_SUFFIX, Entry
+from snapkeep._core.store import ON_ERROR_SUFFIX, Entry, HeldListing
 from snapkeep._core.store_kinds import IN_PROGRESS_NAME, MARKER_NAME, require_one_kind
 
 logger = logging.getLogger(__name__)
@@ -141,8 +141,7 @@ class ShardedStore:
                 "part; sharded snapshots must be listable (put the fields in the last part)")
         self._sub = sub
         self._base = FilenameTemplate(base)
-        self._holding = False
-        self._listed: tuple[list[str], list[str]] | None = None
+        self._listing = HeldListing(storage, self._parent())
 
     # -- names -----------------------------------------------------------------------------------
     def path_of(self, name: str) -> str:
@@ -157,32 +156,21 @@ class ShardedStore:
 
     # -- the listing ------------------------------------------------------------------------------
     def hold_listing(self) -> None:
-        """Keep the next listing of the snapshot directory and answer from it (updated with this
-        store's own deletes) until this store starts a new save (:meth:`mark_in_progress`) or
-        :meth:`release_listing`: the start-up (kind check, uncommitted, sweep, autoload) then
-        lists out_dir once. Rank 0 only, whose store alone changes the directory there (the
-        lock); other ranks list fresh."""
-        self._holding = True
+        """Keep the first listing of the snapshot directory and answer from it, updated by this
+        store's own saves (:meth:`mark_in_progress`) and deletes (see
+        :class:`~snapkeep._core.store.HeldListing`): the start-up (kind check, uncommitted,
+        sweep, autoload) lists out_dir once and snapshots (with retention) never. Rank 0 only,
+        whose store alone changes the directory there (the lock); other ranks list fresh."""
+        self._listing.hold()
 
     def release_listing(self) -> None:
         """Forget the held listing; every later call lists afresh."""
-        self._holding = False
-        self._listed = None
-
-    def _children(self) -> tuple[list[str], list[str]]:
-        """``(files, directories)`` directly in the snapshot directory: one listing, or the
-        held one."""
-        if self._listed is not None:
-            return self._listed
-        listed = self.storage.list_children(self._parent())
-        if self._holding:
-            self._listed = listed
-        return listed
+        self._listing.release()
 
     def _candidates(self) -> list[Entry]:
         parent = self._parent()
         found = []
-        for name in self._children()[1]:
+        for name in self._listing.dirs():
             if name.endswith(ON_ERROR_SUFFIX):
                 continue
             key = self._base.parse(name)
@@ -232,8 +220,8 @@ class ShardedStore:
     def mark_in_progress(self, path: str, *, tag: str) -> None:
         """Rank 0, before any shard is written: create ``path`` and mark it as snapkeep's own
         work in progress (durable), so that only snapkeep's own crashed saves are swept."""
-        self.release_listing()  # a save of its own: the directory changes from here on
         self.storage.makedirs(path)
+        self._listing.added(path, directory=True)  # a held listing knows its own saves
         self.storage.write_bytes(self.storage.join(path, IN_PROGRESS_NAME), b"", tag=tag)
 
     def remove_marker(self, path: str) -> None:
@@ -309,9 +297,7 @@ class ShardedStore:
         except OSError as e:
             logger.warning("%s could not delete %s (step %s): %s", by, entry.path, entry.step, e)
             return False
-        if self._listed is not None and self.storage.dirname(entry.path) == self._parent():
-            gone = self.storage.basename(entry.path)
-            self._listed = (self._listed[0], [n for n in self._listed[1] if n != gone])
+        self._listing.removed(entry.path)
         logger.debug("%s deleted %s (step %s)", by, entry.path, entry.step)
         return True
 
@@ -368,5 +354,5 @@ class ShardedStore:
         """Refuse a template that already names single-file snapshots here (see
         :func:`~snapkeep._core.store_kinds.require_one_kind`)."""
         require_one_kind(self.storage, self._parent(), self._base, expected="directory",
-                         listed=self._children()[0])
+                         listed=self._listing.files())
 

@@ -242,6 +242,12 @@ class Storage:
             entries = self._fresh_ls(directory)
         except FileNotFoundError:
             return [], []
+        return self.children_of(entries)
+
+    @staticmethod
+    def children_of(entries: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+        """``(files, directories)`` of a listing :meth:`list_entries` returned, as
+        :meth:`list_children` gives them (for a caller that keeps one listing for several uses)."""
         names, dirs = [], []
         for entry in entries:
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
@@ -431,18 +437,21 @@ class Storage:
             if self.is_local:
                 os.fsync(f.fileno())
 
-    def remove_stale_temps(self, directory: str) -> list[str]:
+    def remove_stale_temps(self, directory: str,
+                           entries: list[dict[str, Any]] | None = None) -> list[str]:
         """Remove temporary files left by crashed writers; return the removed paths.
 
         Only files that can no longer be in use are removed: those of a process on this host that
         is no longer alive (or of an earlier process that had this process's pid, as a restarted
-        container's pid 1 does), and any older than :data:`STALE_TEMP_AGE_S`.
+        container's pid 1 does), and any older than :data:`STALE_TEMP_AGE_S`. ``entries``: what
+        :meth:`list_entries` returned for ``directory`` just before (default: listed here).
         """
         removed: list[str] = []
-        try:
-            entries = self._fresh_ls(directory)
-        except FileNotFoundError:
-            return removed
+        if entries is None:
+            try:
+                entries = self._fresh_ls(directory)
+            except FileNotFoundError:
+                return removed
         for entry in entries:
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
             if not is_temp_name(name) or entry.get("type") == "directory":

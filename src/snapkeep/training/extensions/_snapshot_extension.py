@@ -195,6 +195,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                     check_writable(*writer.storage_for(manager.out))  # not at the first snapshot
                 store = self._store_of(manager, quiet=True)
                 if store is not None:
+                    store.hold_listing()  # start-up lists out_dir once, snapshots never
                     store.check_kind()  # sharded directories of this template: refused now
                     if self._lock is None:
                         self._lock = store.lock()
