@@ -319,6 +319,7 @@ class Checkpointer:
 
             if self._writer is not None:
                 open_directory()
+                self._store.hold_listing()  # the lock holder alone writes here: list once
                 try:  # sharded directories under this template: refused at start
                     self._store.check_kind()
                 except ValueError as e:  # named with the user's template, not its translation
