@@ -36,7 +36,7 @@ a writer called directly, a writer called directly after ``writer.prefault``), w
 copy into fresh pages against warm pages of the same bytes (the floor any first snapshot pays).
 
 A peer-RAM restart needs two or more ranks (the copy comes from another rank's tmpfs over
-gloo) and is not timed by this single-process benchmark.
+gloo): ``bench_peer_restart.py`` times it.
 """
 
 from __future__ import annotations
