@@ -194,9 +194,11 @@ def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, 
 
 
 #: First snapshot against later ones (``--first-snapshot``), each in a fresh process.
-FIRST_SNAPSHOT = ("first snapshot: extension after resume", "first snapshot: direct writer")
+FIRST_SNAPSHOT = ("first snapshot: extension after resume", "first snapshot: direct writer",
+                  "first snapshot: direct writer, prefault")
 SNAPSHOT_EVERY = 8  # iterations between the extension's snapshots
 N_SNAPSHOTS = 3
+STEPS_BETWEEN = 2  # optimizer steps between two direct writer calls (training in between)
 
 
 class _TimedWriter:
@@ -218,23 +220,59 @@ class _TimedWriter:
         return Timed(**kwargs)
 
 
+def first_touch_floor(nbytes: int) -> dict[str, float]:
+    """Seconds to copy ``nbytes`` into fresh anonymous pages (each page faulted in and zeroed by
+    the kernel on its first write: what a first snapshot's staging copy cannot avoid) and into
+    the same pages once warm (what a later snapshot's copy costs)."""
+    import ctypes
+    import mmap
+
+    src = torch.ones(nbytes // 4)
+    fresh = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = (ctypes.c_char * nbytes).from_buffer(fresh)
+    dst = ctypes.addressof(view)
+    try:
+        t0 = time.perf_counter()
+        ctypes.memmove(dst, src.data_ptr(), nbytes)
+        t1 = time.perf_counter()
+        ctypes.memmove(dst, src.data_ptr(), nbytes)
+        t2 = time.perf_counter()
+    finally:
+        del view
+        fresh.close()
+    return {"fresh_copy_s": t1 - t0, "warm_copy_s": t2 - t1}
+
+
 def first_snapshot_child(contender: str, path: str, state_gib: float) -> dict[str, Any]:
     """Stall of each snapshot (seconds) after a restart: the extension resuming ``path`` and
     snapshotting every :data:`SNAPSHOT_EVERY` iterations (overlap off: the stall is the whole
-    staging copy), or direct ``ThreadWriter`` calls on the built state."""
+    staging copy), or direct ``ThreadWriter`` calls on the built state with
+    :data:`STEPS_BETWEEN` optimizer steps before each (``, prefault``: the script calls
+    ``writer.prefault(...)`` once the state exists, before those steps). Direct runs also
+    report :func:`first_touch_floor` for the state's bytes."""
     torch.set_num_threads(1)
     model, optimizer = make_model(state_gib)
     out = tempfile.mkdtemp(prefix="first-", dir=os.path.dirname(os.path.dirname(path)))
     try:
         writer = _TimedWriter(out_dir=out)
-        if contender == "first snapshot: direct writer":
+        floor: dict[str, float] = {}
+        if contender.startswith("first snapshot: direct writer"):
             for p in model.parameters():  # Adam's state exists, as in a trainer
                 p.grad = torch.ones_like(p)
             optimizer.step()
+
+            def state() -> dict[str, Any]:
+                return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+            if contender.endswith("prefault"):
+                writer.prefault(state, [optimizer])
             for i in range(N_SNAPSHOTS):
-                writer(f"direct_{i}", out, {"model": model.state_dict(),
-                                            "optimizer": optimizer.state_dict()})
+                for _ in range(STEPS_BETWEEN):
+                    optimizer.step()
+                writer(f"direct_{i}", out, state())
                 writer.wait()
+            nbytes = sum(p.numel() * 3 * 4 for p in model.parameters())
+            floor = first_touch_floor(nbytes)
         else:
             # the saved snapshot, seen from a new out_dir (so the runs do not write into it)
             os.symlink(path, os.path.join(out, os.path.basename(path)))
@@ -253,9 +291,35 @@ def first_snapshot_child(contender: str, path: str, state_gib: float) -> dict[st
                         p.grad = torch.full_like(p, 1e-3)
             manager.finalize()
         writer.finalize()
-        return {"stalls_s": writer.stalls}
+        return {"stalls_s": writer.stalls, **floor}
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def summarize_first(contender: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of the first-snapshot table: medians over runs of the first stall, of the later
+    stalls, of first / later, and (direct runs) of the first-touch floor, with
+    ``bound`` = (later + fresh copy - warm copy) / later: the least first / later any staging
+    into fresh pages can reach here."""
+    firsts = [r["stalls_s"][0] for r in results]
+    laters = [median(r["stalls_s"][1:]) for r in results]
+    row: dict[str, Any] = {
+        "case": contender.split(": ")[1], "first_s": median(firsts), "later_s": median(laters),
+        "ratio": median([f / lt for f, lt in zip(firsts, laters)]),
+        "stalls_s": [r["stalls_s"] for r in results]}
+    if all("fresh_copy_s" in r for r in results):
+        row["fresh_copy_s"] = median([r["fresh_copy_s"] for r in results])
+        row["warm_copy_s"] = median([r["warm_copy_s"] for r in results])
+        row["bound"] = median([(lt + r["fresh_copy_s"] - r["warm_copy_s"]) / lt
+                               for lt, r in zip(laters, results)])
+    return row
+
+
+FIRST_COLUMNS = [("case", "case", ""), ("first_s", "first stall s", ".3f"),
+                 ("later_s", "later stall s", ".3f"), ("ratio", "first / later", ".2f"),
+                 ("fresh_copy_s", "copy into fresh pages s", ".3f"),
+                 ("warm_copy_s", "copy into warm pages s", ".3f"),
+                 ("bound", "least first / later", ".2f")]
 
 
 def run_child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, Any]:
@@ -321,16 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(t: float, key: tuple[str, bool]) -> float | None:
         return t / med[key] if key in med else None
 
-    first_rows = []
-    for contender in FIRST_SNAPSHOT:
-        results = runs.pop((contender, False), [])
-        if results:
-            firsts = [r["stalls_s"][0] for r in results]
-            laters = [median(r["stalls_s"][1:]) for r in results]
-            first_rows.append({"case": contender.split(": ")[1], "first_s": median(firsts),
-                               "later_s": median(laters),
-                               "ratio": median([f / lt for f, lt in zip(firsts, laters)]),
-                               "stalls_s": [r["stalls_s"] for r in results]})
+    first_rows = [summarize_first(c, runs.pop((c, False))) for c in FIRST_SNAPSHOT
+                  if (c, False) in runs]
     for (contender, cold), results in runs.items():
         t = med[(contender, cold)]
         steps = [r["first_step_s"] for r in results if r.get("first_step_s") is not None]
@@ -356,9 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     if first_rows:
         print(f"\nfirst snapshot after a restart (ThreadWriter, {N_SNAPSHOTS} snapshots a run; "
               "ratio = median over runs of first / median of the later ones)")
-        print(table(first_rows, [("case", "case", ""), ("first_s", "first stall s", ".3f"),
-                                 ("later_s", "later stall s", ".3f"),
-                                 ("ratio", "first / later", ".2f")]))
+        print(table(first_rows, FIRST_COLUMNS))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"state_bytes": size, "reps": args.reps, "rows": rows,

@@ -14,6 +14,13 @@ buffers (faulting in as many fresh pages as the state has) then runs while train
 instead of delaying its start. A snapshot that arrives while the prefault still runs (or before
 it started) waits for it, and stages exactly what it would have staged otherwise: the prefault
 only allocates and zero-fills, it never reads the state's values.
+
+A writer called directly (no manager) learns the layout only at its first call, so that call
+faults its buffers in while the caller waits: on the 2-vCPU VM of the benchmarks, 1 GiB copied
+into fresh pages took 1.34 s against 0.16 s into warm ones, a first call 9.9x a later one
+(benchmarks/README.md, section 1). Faulting in with ``MADV_POPULATE_WRITE`` or in two threads
+did not change that, and ``MADV_HUGEPAGE`` made it 3.4x slower there. Such a script gets the
+extension's behaviour by calling ``writer.prefault(state_fn, optimizers)`` once its state exists.
 """
 
 from __future__ import annotations
