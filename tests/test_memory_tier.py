@@ -219,6 +219,40 @@ def test_the_ram_snapshot_holds_the_state_of_the_call_and_is_written_in_the_back
     manager.finalize()
 
 
+def test_a_trigger_waits_for_the_ram_snapshot_in_flight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At most one RAM snapshot in flight: a trigger while the previous one is still being
+    serialised waits for it (logged at debug), then stages its own."""
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model, tier = _with_tier(out, root, every=100, storage_every=100)
+    _train(manager, model, 1)
+    release = threading.Event()
+    save = torch.save
+
+    def gated(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        release.wait(10)
+        save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", gated)
+    tier(manager)  # step 1, held in flight
+    _step(manager, model)
+    second = threading.Thread(target=tier, args=(manager,))
+    with caplog.at_level("DEBUG", logger="snapkeep.training.extensions._memory_tier"):
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()  # waiting for step 1
+        release.set()
+        second.join(10)
+    assert not second.is_alive()
+    assert "waits for the RAM snapshot of step 1" in caplog.text
+    tier.wait()
+    monkeypatch.undo()
+    held = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0).newest_verified()
+    assert held is not None and held.step == 2
+    manager.finalize()
+
+
 def _tmpfs_full(self: MemoryStore, step: int, state: Any, savefun: Any) -> Any:
     raise OSError(errno.ENOSPC, "No space left on device (test)", self.directory)
 
