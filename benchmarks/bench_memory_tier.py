@@ -14,7 +14,11 @@ process with the files in the page cache (warm), rows interleaved per repetition
   ``memory tier (own RAM)`` resumes from the tier (its root a directory under ``--shm``,
   default /dev/shm), ``snapkeep autoload (storage)`` from ``--out`` (a disk directory);
 - loop rows: the call of the extension at its trigger (what the training loop waits for):
-  the memory tier's RAM commit vs the snapshot extension with a ``ThreadWriter`` (async).
+  the memory tier's snapshot (staging; serialise, tmpfs commit and peer copies run in its
+  background thread) vs the snapshot extension with a ``ThreadWriter`` (async), interleaved
+  ABBA, each call's background work drained before the next timed call. ``--loop-only``
+  measures these rows alone (the before/after figure of the tier's stall: run it with
+  ``PYTHONPATH`` at each version's ``src``).
 
 A peer-RAM restart needs several ranks and is not measured here (see
 ``tests/distributed/test_memory_tier_distributed.py`` for the path itself).
@@ -77,6 +81,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="disk directory (default: a temp dir)")
     parser.add_argument("--shm", default="/dev/shm", help="tmpfs for the tier")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--loop-only", action="store_true",
+                        help="measure the loop rows only (no restart rows)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="bench-memtier-", dir=args.out)
@@ -86,17 +92,19 @@ def main() -> None:
         model, optimizer = build(args.state_mib)
         out_ram, out_disk = os.path.join(work, "ram"), os.path.join(work, "disk")
         # one step saved to storage (step 1) and, for the RAM run, step 2 in RAM only
-        for out, tier_root in ((out_disk, None), (out_ram, shm)):
+        for out, tier_root in ((out_disk, None), (out_ram, shm)) if not args.loop_only else ():
             manager, _, _ = manager_for(out, tier_root, model, optimizer, every=1)
             manager.start_extensions()
             with manager.run_iteration():
                 pass
             if tier_root is None:
                 manager.finalize()
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                   os.path.join(work, "plain.pt"))
+        if not args.loop_only:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                       os.path.join(work, "plain.pt"))
         import torch.distributed.checkpoint as dcp
-        dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(work, "dcp"))
+        if not args.loop_only:
+            dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(work, "dcp"))
 
         def ram_restart() -> None:
             manager, _, tier = manager_for(out_ram, shm, model, optimizer, every=10**6)
@@ -123,27 +131,30 @@ def main() -> None:
                    "snapkeep autoload (storage)": storage_restart,
                    "torch.load + load_state_dict": torch_load,
                    "DCP load (model only)": dcp_load}
-        for _ in range(args.reps):
+        for _ in range(0 if args.loop_only else args.reps):
             for name, fn in restart.items():
                 rows.setdefault(name, []).append(timed(fn))
 
-        # loop cost: the call at the trigger
+        # loop cost: the call at the trigger, ABBA against an async snapshot; each call's
+        # background work is drained before the next timed call (no overlap between rows)
         loop_out = os.path.join(work, "loop")
         tier_call = ext.memory_tier(ext.MemoryTier(every=1, replicas=0, root=shm, job="loop"))
         mgr, snap, _ = manager_for(loop_out, None, model, optimizer,
                                    writer=writing.ThreadWriter(out_dir=loop_out))
         mgr.extend(tier_call)
         mgr.start_extensions()
+        calls = [("loop: memory tier snapshot (call)", lambda: tier_call(mgr), tier_call.wait),
+                 ("loop: snapshot, ThreadWriter (async)", lambda: snap(mgr), snap.writer.wait)]
         for i in range(args.reps + 1):
-            with mgr.run_iteration():
+            with mgr.run_iteration():  # both fire here too (untimed): buffers, then warm
                 pass
-            if i == 0:
-                continue  # first call: buffers
-            rows.setdefault("loop: memory tier RAM commit", []).append(timed(
-                lambda: tier_call(mgr)))
-            rows.setdefault("loop: snapshot, ThreadWriter (async)", []).append(timed(
-                lambda: snap(mgr)))
+            tier_call.wait()
             snap.writer.wait()
+            if i == 0:
+                continue
+            for name, call, drain in (calls if i % 2 else calls[::-1]):  # ABBA
+                rows.setdefault(name, []).append(timed(call))
+                drain()
         mgr.finalize()
     finally:
         shutil.rmtree(work, ignore_errors=True)
