@@ -7,10 +7,12 @@ against the store contract's steps (kind, lock, sweep, entries, manifest, delete
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from snapkeep._core.memory_store import (
     tier_dir,
 )
 from snapkeep._core.storage._temps import TEMP_MARKER, base36, temp_basename
-from snapkeep.errors import MemoryTierTooSmallError, SnapshotCorruptError
+from snapkeep.errors import MemoryTierTooSmallError, SnapshotCorruptError, SnapshotSaveError
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
 
@@ -70,6 +72,16 @@ def _train(manager: ExtensionsManager, model: torch.nn.Module, until: int) -> No
     manager.start_extensions()
     while manager.iteration < until:
         _step(manager, model)
+
+
+def _killed_at(out: Path, root: Path, until: int, **kwargs: Any,
+               ) -> tuple[ExtensionsManager, torch.nn.Module]:
+    """A run trained to ``until`` whose process then "dies" (no finalize) after its last RAM
+    snapshot was committed (the commit runs in the background: waited for here)."""
+    manager, model, tier = _with_tier(out, root, **kwargs)
+    _train(manager, model, until)
+    tier.wait()
+    return manager, model
 
 
 class _StorageReads:
@@ -120,8 +132,7 @@ def test_configuration_errors_name_the_argument() -> None:
 
 def test_restart_resumes_from_ram_reads_no_storage_and_persists_first(tmp_path: Path) -> None:
     out, root = tmp_path / "out", tmp_path / "shm"
-    manager, model = _manager(out, root)
-    _train(manager, model, 5)  # RAM at 2, 4; storage at 3; then the process "dies": no finalize
+    manager, model = _killed_at(out, root, 5)  # RAM at 2, 4; storage at 3; then it "dies"
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     job = job_id(str(out), TEMPLATE)
     assert [e.step for e in MemoryStore(str(root), job, 0).entries()] == [4]  # newest alone
@@ -154,8 +165,7 @@ def test_restart_resumes_from_ram_reads_no_storage_and_persists_first(tmp_path: 
 
 def test_a_corrupt_ram_copy_falls_through_to_storage(tmp_path: Path) -> None:
     out, root = tmp_path / "out", tmp_path / "shm"
-    manager, model = _manager(out, root)
-    _train(manager, model, 5)
+    manager, model = _killed_at(out, root, 5)
     store = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0)
     path = store.entries()[-1].path
     with open(path, "r+b") as f:
@@ -169,10 +179,118 @@ def test_a_corrupt_ram_copy_falls_through_to_storage(tmp_path: Path) -> None:
     resumed.finalize()
 
 
+def test_the_ram_snapshot_holds_the_state_of_the_call_and_is_written_in_the_background(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call stages a consistent copy and returns before serialising it (the loop pays for
+    the copy only); what the loop does to its tensors after the call is not in the snapshot."""
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model, tier = _with_tier(out, root, every=100, storage_every=100)
+    _train(manager, model, 1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    serialising, release = threading.Event(), threading.Event()
+    save = torch.save
+
+    def gated(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        serialising.set()
+        release.wait(10)  # the training thread is never held this long (checked below)
+        save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", gated)
+    began = time.monotonic()
+    tier(manager)
+    returned_s = time.monotonic() - began
+    assert serialising.wait(10) and not release.is_set() and returned_s < 5
+    with torch.no_grad():  # the loop goes on: in place, while the snapshot is serialised
+        for param in model.parameters():
+            param.add_(1000.0)
+        manager.optimizers["main"].state[model.weight]["momentum_buffer"].mul_(-1.0)
+    release.set()
+    tier.wait()
+    monkeypatch.undo()
+    held = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0).newest_verified()
+    assert held is not None and held.step == 1
+    state = torch.load(held.path, weights_only=True)
+    saved = state["models"]["main"]
+    for key, value in expected.items():
+        assert torch.equal(saved[key], value), key
+    momentum = state["optimizers"]["main"]["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, -manager.optimizers["main"].state[model.weight][
+        "momentum_buffer"])
+    manager.finalize()
+
+
+def test_a_trigger_waits_for_the_ram_snapshot_in_flight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At most one RAM snapshot in flight: a trigger while the previous one is still being
+    serialised waits for it (logged at debug), then stages its own."""
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model, tier = _with_tier(out, root, every=100, storage_every=100)
+    _train(manager, model, 1)
+    release = threading.Event()
+    save = torch.save
+
+    def gated(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        release.wait(10)
+        save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", gated)
+    tier(manager)  # step 1, held in flight
+    _step(manager, model)
+    second = threading.Thread(target=tier, args=(manager,))
+    with caplog.at_level("DEBUG", logger="snapkeep.training.extensions._memory_tier"):
+        second.start()
+        second.join(0.5)
+        assert second.is_alive()  # waiting for step 1
+        release.set()
+        second.join(10)
+    assert not second.is_alive()
+    assert "waits for the RAM snapshot of step 1" in caplog.text
+    tier.wait()
+    monkeypatch.undo()
+    held = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0).newest_verified()
+    assert held is not None and held.step == 2
+    manager.finalize()
+
+
+def _tmpfs_full(self: MemoryStore, step: int, state: Any, savefun: Any) -> Any:
+    raise OSError(errno.ENOSPC, "No space left on device (test)", self.directory)
+
+
+def test_a_background_failure_is_raised_once_at_the_next_trigger_and_at_finalize(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model, tier = _with_tier(out, root, every=100, storage_every=100)
+    _train(manager, model, 1)
+    store = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0)
+    monkeypatch.setattr(MemoryStore, "commit_state", _tmpfs_full)
+    tier(manager)  # returns: the commit fails in the background
+    tier.wait()  # waits only; the failure is kept for the next trigger
+    monkeypatch.undo()
+    with pytest.raises(SnapshotSaveError, match=r"step 1 failed in the background: OSError") \
+            as info:
+        tier(manager)
+    assert isinstance(info.value.__cause__, OSError)
+    assert info.value.__cause__.errno == errno.ENOSPC
+    assert store.newest_verified() is None  # that trigger took no snapshot
+    tier(manager)  # raised once: the next trigger commits
+    tier.wait()
+    held = store.newest_verified()
+    assert held is not None and held.step == 1
+    _step(manager, model)
+    monkeypatch.setattr(MemoryStore, "commit_state", _tmpfs_full)
+    tier(manager)
+    with pytest.raises(SnapshotSaveError, match=r"step 2 failed in the background") as info:
+        manager.finalize()
+    assert isinstance(info.value.__cause__, OSError)
+    monkeypatch.undo()
+    held = store.newest_verified()
+    assert held is not None and held.step == 1  # the older RAM snapshot is intact
+
+
 def test_ram_older_than_storage_is_not_used(tmp_path: Path) -> None:
     out, root = tmp_path / "out", tmp_path / "shm"
-    manager, model = _manager(out, root, every=4, storage_every=5)
-    _train(manager, model, 6)  # RAM at 4, storage at 5
+    manager, model = _killed_at(out, root, 6, every=4, storage_every=5)  # RAM 4, storage 5
     resumed, _ = _manager(out, root, every=4, storage_every=5)
     resumed.start_extensions()
     assert resumed.iteration == 5
@@ -210,8 +328,7 @@ def test_a_dead_jobs_tier_is_reclaimed_and_a_live_one_kept(tmp_path: Path) -> No
 
 def test_snapkeep_ls_memory_shows_what_each_tier_holds(tmp_path: Path) -> None:
     out, root = tmp_path / "out", tmp_path / "shm"
-    manager, model = _manager(out, root)
-    _train(manager, model, 5)
+    manager, model = _killed_at(out, root, 5)
     tiers = describe_tiers(str(root))
     assert [(h["rank"], h["source"], h["step"]) for h in tiers[0]["held"]] == [(0, 0, 4)]
     from click.testing import CliRunner
@@ -309,10 +426,11 @@ def _sharded_step(manager: ExtensionsManager, model: torch.nn.Module) -> None:
 
 
 def _sharded_killed_at_5(out: Path, root: Path) -> None:
-    manager, model, _, snapshot = _sharded(out, root)
+    manager, model, tier, snapshot = _sharded(out, root)
     manager.start_extensions()
     while manager.iteration < 5:  # RAM at 2, 4; storage at 3; then the process "dies"
         _sharded_step(manager, model)
+    tier.wait()
     snapshot.wait()
 
 

@@ -14,11 +14,20 @@ i.e. ``(2 + replicas) x`` the size of its ``torch.save``'d state. Retention keep
 complete step alone. The size is checked at start against the tmpfs's free space
 (:class:`~snapkeep.errors.MemoryTierTooSmallError`, naming the size needed).
 
-The RAM snapshot is serialised from the live state on the training thread (``torch.save`` into
-memory, one copy, committed to tmpfs with its XXH3 manifest); it shares no staging buffer with
-the durable snapshot, which the snapshot extension stages and writes at its own trigger. Peer
-copies run on snapkeep's ``peer`` process group (gloo; see
-:mod:`snapkeep._core.distributed.groups`), never on the training's; at most one is in flight.
+At the trigger the training loop pays only for a consistent copy of the rank's state: it is
+staged into CPU buffers reused across triggers (:class:`~snapkeep.staging.BufferSet`, the
+writers' staging; pinned for accelerator tensors), and the loop may mutate its tensors as soon as
+the call returns. A background thread then serialises the staged copy (``torch.save``), commits
+it to tmpfs (atomic, with its XXH3 manifest) and copies it to the peers. At most one RAM snapshot
+is in flight: a trigger that fires while the previous one is still being committed waits for it
+(logged at debug). The staging buffers are one more copy of the state in process memory (not in
+tmpfs; freed at ``finalize``). A background failure is raised once, as
+:class:`~snapkeep.errors.SnapshotSaveError` chained from the original exception, at the next
+trigger (which then takes no snapshot) or at ``finalize``, as writers report theirs.
+
+The staged copy is the tier's own: the durable snapshot is staged by the snapshot extension's
+writer at its own trigger. Peer copies run on snapkeep's ``peer`` process group (gloo; see
+:mod:`snapkeep._core.distributed.groups`), never on the training's.
 
 Recovery (``initialize``, when the manager has an autoloading snapshot extension): every rank
 verifies what its tmpfs holds (its own newest step and the peer copies), all ranks exchange
@@ -65,8 +74,8 @@ from snapkeep.distributed import (
     exchange_outcomes,
     is_distributed,
 )
-from snapkeep.errors import SnapshotCorruptError
-from snapkeep.staging import into_existing_state, optimizers_in
+from snapkeep.errors import SnapshotCorruptError, SnapshotSaveError, SnapshotTimeoutError
+from snapkeep.staging import BufferSet, into_existing_state, optimizers_in
 from snapkeep.store import (
     Held,
     MemoryStore,
@@ -204,8 +213,10 @@ class _MemoryTierExtension(extension.Extension):
         self.tier = tier
         self.trigger = (tier.every, "iteration")
         self.restored: Restored | None = None
-        self._thread: threading.Thread | None = None
-        self._peer_error: BaseException | None = None
+        self._thread: threading.Thread | None = None  # the RAM snapshot in flight
+        self._in_flight: int | None = None  # its step
+        self._error: tuple[int, BaseException] | None = None  # its failure, not raised yet
+        self._buffers: Any = None  # a BufferSet: the staged copy, reused across triggers
         self._failed = False
         self._started = False
         self._owner_written = False
@@ -455,55 +466,119 @@ class _MemoryTierExtension(extension.Extension):
 
     # -- each trigger ------------------------------------------------------------------------
     def __call__(self, manager: Any) -> None:
-        """Commit this rank's state to RAM, then start its peer copies in the background (after
-        waiting for the previous ones: one in flight)."""
+        """Stage this rank's state (a consistent CPU copy into reused buffers, pinned for
+        accelerator tensors), then serialise, commit and copy it to peers in the background.
+
+        Returns as soon as the copy is taken: the training loop may mutate its tensors then.
+        When the previous RAM snapshot is still being committed, waits for it first (one in
+        flight; logged at debug).
+
+        Raises:
+            SnapshotSaveError: the previous RAM snapshot failed in the background (serialise,
+                tmpfs commit or peer copy); raised once, the original exception chained as
+                ``__cause__``. This snapshot is not taken; the next trigger takes one.
+            SnapshotTimeoutError: the previous one was still running after ``2 x timeout_s``.
+        """
         step = int(manager.iteration)
+        self._drain(f"RAM snapshot of step {step}")
+        self._raise_background_error()
         self._own_tier()
-        buf = io.BytesIO()
         if self._sharded is not None:  # this rank's local shards and its non-tensor state
-            torch.save(self._sharded.memory_state(manager, self._rank), buf)
+            tree = self._sharded.memory_state(manager, self._rank)
         else:
-            torch.save(canonical_tree(manager, manager.state_dict()), buf)
-        data = buf.getvalue()
-        held = MemoryStore(self.tier.root, self._job, self._rank).commit_state(
-            step, data, _write)
-        self._wait_peers()
-        if self._replicas and self._groups is not None:
-            self._thread = threading.Thread(
-                target=self._copy_to_peers, args=(held, data), daemon=True,
-                name="snapkeep-memory-peers")
-            self._thread.start()
+            tree = canonical_tree(manager, manager.state_dict())
+        if self._buffers is None:
+            self._buffers = BufferSet()
+        staged, _ = self._buffers.stage(tree)
+        del tree
+        self._in_flight = step
+        self._thread = threading.Thread(
+            target=self._commit_in_background, args=(step, staged), daemon=True,
+            name="snapkeep-memory-tier")
+        self._thread.start()
+
+    def _commit_in_background(self, step: int, staged: Any) -> None:
+        """Serialise ``staged`` (``torch.save``), commit it to this rank's tmpfs (atomic, with
+        its XXH3 manifest; the newest step kept alone), then copy it to the peers. A failure is
+        logged and kept for the next trigger or ``finalize``."""
+        try:
+            buf = io.BytesIO()
+            torch.save(staged, buf)
+            del staged  # the staging buffers are free for the next trigger once this returns
+            data = buf.getvalue()
+            del buf
+            held = MemoryStore(self.tier.root, self._job, self._rank).commit_state(
+                step, data, _write)
+            if self._replicas and self._groups is not None:
+                self._copy_to_peers(held, data)
+        except BaseException as e:  # never stops training here: raised at the next trigger
+            logger.error("memory tier: RAM snapshot of step %d failed: %s: %s", step,
+                         type(e).__name__, e)
+            self._error = (step, e)
 
     def _copy_to_peers(self, held: Held, data: bytes) -> None:
         group = self._groups.peer
-        try:
-            for i in range(1, self._replicas + 1):
-                dst = (self._rank + self._stride * i) % self._world
-                src = (self._rank - self._stride * i) % self._world
-                header = torch.tensor([held.step, len(data)], dtype=torch.int64)
-                digest = torch.frombuffer(bytearray(held.checksum.encode().ljust(64)),
-                                          dtype=torch.uint8)
-                got_header = torch.empty(2, dtype=torch.int64)
-                got_digest = torch.empty(64, dtype=torch.uint8)
-                _pairwise(group, [header, digest], [got_header, got_digest], dst, src)
-                got = torch.empty(int(got_header[1]), dtype=torch.uint8)
-                payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                _pairwise(group, [payload], [got], dst, src)
-                checksum = bytes(got_digest.tolist()).decode().strip()
-                MemoryStore(self.tier.root, self._job, self._rank, src).commit_bytes(
-                    int(got_header[0]), got.numpy().tobytes(), checksum)
-        except BaseException as e:  # never stops training; logged and kept for finalize
-            self._peer_error = e
-            logger.error("memory tier: peer copy of step %d failed: %s", held.step, e)
+        for i in range(1, self._replicas + 1):
+            dst = (self._rank + self._stride * i) % self._world
+            src = (self._rank - self._stride * i) % self._world
+            header = torch.tensor([held.step, len(data)], dtype=torch.int64)
+            digest = torch.frombuffer(bytearray(held.checksum.encode().ljust(64)),
+                                      dtype=torch.uint8)
+            got_header = torch.empty(2, dtype=torch.int64)
+            got_digest = torch.empty(64, dtype=torch.uint8)
+            _pairwise(group, [header, digest], [got_header, got_digest], dst, src)
+            got = torch.empty(int(got_header[1]), dtype=torch.uint8)
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            _pairwise(group, [payload], [got], dst, src)
+            checksum = bytes(got_digest.tolist()).decode().strip()
+            MemoryStore(self.tier.root, self._job, self._rank, src).commit_bytes(
+                int(got_header[0]), got.numpy().tobytes(), checksum)
 
-    def _wait_peers(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(self.tier.timeout_s * 2)
+    def _drain(self, waiter: str | None = None) -> None:
+        """Wait for the RAM snapshot in flight (bounded by ``2 x timeout_s``).
+
+        Raises:
+            SnapshotTimeoutError: it is still running after that (it stays in flight: its
+                staging buffers are not reused).
+        """
+        thread = self._thread
+        if thread is None:
+            return
+        if waiter is not None and thread.is_alive():
+            logger.debug("memory tier: %s waits for the RAM snapshot of step %s still being "
+                         "committed (one in flight)", waiter, self._in_flight)
+        bound = self.tier.timeout_s * 2
+        thread.join(bound)
+        if thread.is_alive():
+            raise SnapshotTimeoutError(
+                f"memory tier: the RAM snapshot of step {self._in_flight} was still being "
+                f"committed after {bound:g} s (2 x MemoryTier timeout_s)")
+        self._thread = None
+
+    def _raise_background_error(self) -> None:
+        """Raise the failure of the last background RAM snapshot, once.
+
+        Raises:
+            SnapshotSaveError: chained from the original exception.
+        """
+        failed, self._error = self._error, None
+        if failed is None:
+            return
+        step, cause = failed
+        raise SnapshotSaveError(
+            f"memory tier: the RAM snapshot of step {step} failed in the background: "
+            f"{type(cause).__name__}: {cause}; older RAM and storage snapshots are intact"
+        ) from cause
 
     def wait(self) -> None:
-        """Wait for the peer copies in flight (bounded by ``2 x timeout_s``)."""
-        self._wait_peers()
+        """Wait for the RAM snapshot in flight: serialised, committed to tmpfs and copied to
+        the peers (bounded by ``2 x timeout_s``). A failure of it is raised at the next trigger
+        or at ``finalize``.
+
+        Raises:
+            SnapshotTimeoutError: still running after ``2 x timeout_s``.
+        """
+        self._drain()
 
     # -- end ---------------------------------------------------------------------------------
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
@@ -511,17 +586,31 @@ class _MemoryTierExtension(extension.Extension):
         self._failed = True
 
     def finalize(self, manager: Any) -> None:
-        """Wait for peer copies; remove this rank's tier when the run finished (the stop trigger
-        fired and no iteration raised)."""
-        self._wait_peers()
-        if not self._started or self._failed:
+        """Wait for the RAM snapshot in flight; remove this rank's tier when the run finished
+        (the stop trigger fired and no iteration raised); then raise a background failure not
+        reported yet (logged instead after a failed iteration, whose error comes first).
+
+        Raises:
+            SnapshotSaveError: the last RAM snapshot failed in the background (see
+                :meth:`__call__`).
+            SnapshotTimeoutError: it was still running after ``2 x timeout_s``.
+        """
+        self._drain()
+        self._buffers = None  # a finished tier keeps no staging copy of the state
+        if self._started and not self._failed:
+            try:
+                finished = bool(manager.stop_trigger)
+            except Exception:  # a manager without a stop trigger: treat the run as unfinished
+                finished = False
+            if finished:
+                remove_rank(self.tier.root, self._job, self._rank)
+        if self._failed and self._error is not None:
+            step, cause = self._error
+            self._error = None
+            logger.error("memory tier: the RAM snapshot of step %d had failed in the "
+                         "background: %s: %s", step, type(cause).__name__, cause)
             return
-        try:
-            finished = bool(manager.stop_trigger)
-        except Exception:  # a manager without a stop trigger: treat the run as unfinished
-            finished = False
-        if finished:
-            remove_rank(self.tier.root, self._job, self._rank)
+        self._raise_background_error()
 
 
 def _directory_steps(store: SnapshotStore) -> list[int | None]:
