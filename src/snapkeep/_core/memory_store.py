@@ -172,7 +172,7 @@ class MemoryStore(SnapshotStore):
         match the manifest's checksum and size. Not the one-pass loader
         (:mod:`snapkeep._core.one_pass`): it reads into new storages, and on tmpfs filling fresh
         pages costs more than a second pass over pages already in memory (1 GiB own copy, two
-        gloo ranks: 2.44 s against 0.70 s, ``benchmarks/bench_peer_restart.py``).
+        gloo ranks: 2.44 s against 0.97 s mapped, ``benchmarks/bench_peer_restart.py``).
 
         Raises:
             SnapshotCorruptError: size or checksum differs from ``held``'s (or unreadable, or
