@@ -21,9 +21,10 @@ optimizer page, per rank:
 - ``storage``: both tmpfs wiped and the storage files' pages dropped from the page cache; both
   ranks autoload from storage (the row gives the slower rank).
 
-``own RAM`` and ``peer RAM`` alternate (ABBA) over ``--reps``: a restart from a peer restores the
-lost own copy too, so the next restart finds the tier whole. ``storage`` runs once, at the end
-(it destroys the tiers). Medians.
+``own RAM`` and ``peer RAM`` alternate (ABBA) over ``--reps``: a restart from a peer does not
+write the copy back to its own tmpfs, so node 0's tier as saved is kept on disk and put back
+before each ``own RAM`` restart (untimed). ``storage`` runs once, at the end (it destroys the
+tiers). Medians.
 """
 
 from __future__ import annotations
@@ -139,10 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[list[dict[str, Any]]]] = {}
     try:
         run_ranks(base, shm, "save", args.state_gib)
+        node0, saved0 = os.path.join(shm, "node0"), os.path.join(base, "node0-saved")
+        shutil.copytree(node0, saved0)
         for rep in range(args.reps):
             for case in CASES if rep % 4 in (0, 3) else tuple(reversed(CASES)):
-                if case == "peer RAM":
-                    shutil.rmtree(os.path.join(shm, "node0"))
+                shutil.rmtree(node0, ignore_errors=True)
+                if case == "own RAM":
+                    shutil.copytree(saved0, node0)
                 runs.setdefault(case, []).append(run_ranks(base, shm, "restart", args.state_gib))
         shutil.rmtree(shm)
         os.makedirs(shm)

@@ -386,6 +386,44 @@ def test_memory_store_follows_the_store_contract(tmp_path: Path) -> None:
     assert store.entries() == []
 
 
+def test_the_inventory_reads_manifests_only_and_a_copy_is_verified_where_it_is_read(
+        tmp_path: Path) -> None:
+    """At start a rank lists its copies from their manifests (no snapshot byte hashed); the
+    copy used is verified once, while it is loaded (own) or by its receiver (peer)."""
+    store = MemoryStore(str(tmp_path), "job", 0)
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    held = store.commit_state(3, state, torch.save)
+    assert store.newest_listed() == held
+    assert torch.equal(store.load(held)["w"], state["w"])  # one pass: hashed while loaded
+    data = bytearray(Path(held.path).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped bit inside the tensor's bytes, same size
+    Path(held.path).write_bytes(bytes(data))
+    assert store.newest_listed() == held  # listed: its bytes are not read at start
+    with pytest.raises(SnapshotCorruptError):
+        store.load(held)  # but never used
+    with store.mapped(held) as mapped:  # sent unhashed: the receiver checks it
+        assert MemoryStore.digest(mapped) != held.checksum
+    with pytest.raises(SnapshotCorruptError):
+        store.read(held)
+    Path(held.path).write_bytes(bytes(data[:100]))  # truncated: seen from its size alone
+    assert store.newest_listed() is None
+
+
+def test_an_own_ram_copy_corrupt_inside_a_tensor_falls_through_to_storage(
+        tmp_path: Path) -> None:
+    out, root = tmp_path / "out", tmp_path / "shm"
+    manager, model = _manager(out, root)
+    _train(manager, model, 5)
+    path = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0).entries()[-1].path
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+    resumed, _ = _manager(out, root)
+    resumed.start_extensions()
+    assert resumed.iteration == 3  # storage's newest, not the corrupt RAM step 4
+    resumed.finalize()
+
+
 def test_defaults_name_the_tier_by_job_under_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ext.MemoryTier(every=5).root == "/dev/shm"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)

@@ -30,15 +30,19 @@ writer at its own trigger. Peer copies run on snapkeep's ``peer`` process group 
 :mod:`snapkeep._core.distributed.groups`), never on the training's.
 
 Recovery (``initialize``, when the manager has an autoloading snapshot extension): every rank
-verifies what its tmpfs holds (its own newest step and the peer copies), all ranks exchange
-that inventory in one bounded collective, and choose together the newest step that every rank
-can take from RAM (own copy, else the first peer holding a verified copy) and that is at least
-the newest step listed on storage (a listing only: no storage file is opened). Peer bytes travel
-on the control group and are checked against the owner's checksum before use; a copy that fails
-is excluded and the choice made again, falling through to an older RAM step or to storage (the
-snapshot extension's normal autoload). A different world size than the tier's falls back to
-storage. When the RAM step is newer than storage, the snapshot extension writes it to storage
-first ("persist at breakpoint"), then training goes on.
+lists what its tmpfs holds (its own newest step and the peer copies: step and checksum from
+their manifests, no snapshot byte read), all ranks exchange that inventory in one bounded
+collective, and choose together the newest step that every rank can take from RAM (own copy,
+else the first peer holding a copy) and that is at least the newest step listed on storage (a
+listing only: no storage file is opened). Each byte used is then read and hashed once: the own
+copy is verified while it is loaded (one pass), peer bytes travel on the control group unhashed
+by the sender and are checked by the receiver against the owner's checksum; a copy that fails
+is excluded on every rank (one more collective) and the choice made again, falling through to
+an older RAM step or to storage (the snapshot extension's normal autoload). A copy taken from a
+peer is not written back to the own tmpfs (the holder keeps it; the next RAM commit rewrites
+it). A different world size than the tier's falls back to storage. When the RAM step is newer
+than storage, the snapshot extension writes it to storage first ("persist at breakpoint"), then
+training goes on.
 
 With SHARDED snapshots (``snapshot_mode=SnapshotMode.SHARDED``, e.g. FSDP2), each rank's RAM
 snapshot is its own part of what the SHARDED extension saves
@@ -58,12 +62,15 @@ dead and older than ``stale_after_s`` are reclaimed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
+import mmap
 import os
 import threading
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -82,7 +89,6 @@ from snapkeep.store import (
     SnapshotStore,
     check_space,
     job_id,
-    load_file,
     owners,
     reclaim_stale,
     remove_rank,
@@ -316,7 +322,9 @@ class _MemoryTierExtension(extension.Extension):
             logger.warning("memory tier: held for world size %d, now %d; resuming from storage",
                            previous_world, self._world)
             return {"own": None, "held": {}}
-        own = MemoryStore(root, job, rank).newest_verified()
+        # from the manifests (step, checksum, size): no snapshot byte is read here; the copy
+        # used is verified once, where it is read (_fetch)
+        own = MemoryStore(root, job, rank).newest_listed()
         held: dict[int, tuple[int, str]] = {}
         rank_dir = os.path.join(root, f"snapkeep-{job}", f"rank{rank}")
         try:
@@ -325,7 +333,7 @@ class _MemoryTierExtension(extension.Extension):
             subs = []
         for sub in subs:
             if sub.startswith("peer") and sub[4:].isdigit():
-                found = MemoryStore(root, job, rank, int(sub[4:])).newest_verified()
+                found = MemoryStore(root, job, rank, int(sub[4:])).newest_listed()
                 if found is not None:
                     held[int(sub[4:])] = (found.step, found.checksum)
         return {"own": None if own is None else (own.step, own.checksum), "held": held}
@@ -340,6 +348,7 @@ class _MemoryTierExtension(extension.Extension):
         storage_steps = [i["storage"] for i in everyone if i["storage"] is not None]
         storage_step = max(storage_steps) if storage_steps else None
         excluded: set[tuple[int, int]] = set()  # (rank, holder) copies that failed in use
+        kept: dict[tuple[int, int], Any] = {}  # (step, source): this rank's copy, verified
         while True:
             plan = _plan(everyone, self._world, self._stride, excluded, storage_step)
             if plan is None:
@@ -347,7 +356,7 @@ class _MemoryTierExtension(extension.Extension):
                             "storage's (%s); resuming from storage", storage_step)
                 return None
             step, sources = plan
-            data, error = self._fetch(step, sources, everyone, control)
+            error = self._fetch(step, sources, everyone, control, kept)
             failures = all_gather(control, None if error is None else error,
                                   what=f"{what}: step {step}", timeout_s=self.tier.timeout_s)
             failed = {r: m for r, m in enumerate(failures) if m is not None}
@@ -362,13 +371,13 @@ class _MemoryTierExtension(extension.Extension):
         error_load: BaseException | None = None
         state: Any = None
         template: dict[str, Any] = {}
-        try:
-            if data is None:  # the own copy, verified in the inventory: loaded mapped, no copy
-                state = load_file(own.storage, path, map_location="cpu", weights_only=True)
-            else:
-                state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:  # loaded and verified by _fetch (own copy or a peer's)
+            state = kept.pop((step, sources[self._rank]))
+            if isinstance(state, BaseException):
+                raise state
         except Exception as e:  # every rank raises together below
             error_load = e
+        kept.clear()
         if self._sharded is not None and error_load is None:
             checked = self._sharded_template(manager, state, step, control)
             if checked is None:
@@ -387,14 +396,15 @@ class _MemoryTierExtension(extension.Extension):
         exchange_outcomes(control, error_load, what=f"{what}: loading step {step}",
                           timeout_s=self.tier.timeout_s)
         source = _source_name(self._rank, sources[self._rank])
-        if data is not None:  # taken from a peer: the own copy is restored too (it was lost)
+        if sources[self._rank] != self._rank:
+            # taken from a peer: the own copy is not written back here (that would put a
+            # second write of every byte before training resumes); the holder keeps its copy,
+            # storage has the step (persisted first when newer), and the next RAM commit
+            # rewrites the own copy
             try:
                 self._own_tier()
-                digest = everyone[sources[self._rank]]["held"][self._rank][1]
-                MemoryStore(self.tier.root, self._job, self._rank).commit_bytes(step, data,
-                                                                                digest)
-            except Exception as e:  # best effort; the next RAM snapshot writes it anyway
-                logger.warning("memory tier: could not restore the own copy: %s", e)
+            except Exception as e:  # best effort: written again at the first RAM commit
+                logger.warning("memory tier: could not record the tier's owner: %s", e)
         logger.info("memory tier: rank %d resumed step %d from %s RAM (storage: %s)",
                     self._rank, step, source, storage_step)
         return Restored(step=step, source=source, storage_step=storage_step)
@@ -427,42 +437,60 @@ class _MemoryTierExtension(extension.Extension):
         return template
 
     def _fetch(self, step: int, sources: list[int], everyone: list[dict[str, Any]],
-               control: Any) -> tuple[bytes | None, str | None]:
-        """This rank's bytes of ``step`` when they come from a peer (None for the own copy,
-        which is loaded from its file), sending the copies it holds to the ranks that take
-        theirs from it. Returns ``(data, error)``."""
+               control: Any, kept: dict[tuple[int, int], Any]) -> str | None:
+        """Load this rank's copy of ``step`` into ``kept[(step, source)]`` (its own, or a
+        peer's received), sending the copies it holds to the ranks that take theirs from it.
+        Each copy used is read and hashed once, verified before use: the own copy in place
+        through a memory map (:meth:`MemoryStore.load`), a peer copy by the receiving rank
+        against the checksum its holder's manifest recorded at commit (the sender maps it and
+        does not hash it: the receiver's check covers a copy damaged on the sender's tmpfs
+        too). Returns the error of a copy that failed (None: usable); every rank agrees on
+        these and the copies are excluded. A load failure that is not a corrupt copy is kept
+        in ``kept`` and raised on every rank together."""
         rank = self._rank
-        data: bytes | None = None
         error: str | None = None
+        source = sources[rank]
+        if (step, source) not in kept:
+            kept.clear()
         for r, holder in enumerate(sources):
             if holder == r:
                 continue
             if rank == holder:
+                mapped: Any = None
                 try:
                     store = MemoryStore(self.tier.root, self._job, rank, r)
-                    held = store.newest_verified()
-                    payload = store.read(held) if held is not None and held.step == step \
-                        else b""
+                    held = store.newest_listed()
+                    if held is not None and held.step == step:
+                        mapped = store.mapped(held)
                 except SnapshotCorruptError:
-                    payload = b""
-                _send(payload, r, control)
-            elif rank == r:
-                received = _recv(holder, control)
+                    mapped = None
+                try:
+                    _send(b"" if mapped is None else mapped, r, control)
+                finally:
+                    if mapped is not None:
+                        with contextlib.suppress(BufferError):  # else closed when collected
+                            mapped.close()
+            elif rank == r:  # received again on a replan: its holder sends it again
                 digest = everyone[holder]["held"][r][1]
                 try:
-                    got = MemoryStore.digest(received)
-                    if got != digest:
-                        raise SnapshotCorruptError(
-                            f"peer copy from rank {holder}: checksum {got} differs from {digest}")
-                    data = received
+                    kept[(step, holder)] = _recv_verified(holder, control, digest)
+                except SnapshotCorruptError as e:
+                    error = f"peer copy from rank {holder}: {e}"
+                except Exception as e:  # not a corrupt copy: raised on every rank when loading
+                    kept[(step, holder)] = e
+        if source == rank and (step, rank) not in kept:
+            own = MemoryStore(self.tier.root, self._job, rank)
+            held = own.newest_listed()
+            if held is None or held.step != step:
+                error = f"own RAM copy of step {step} is gone"
+            else:
+                try:
+                    kept[(step, rank)] = own.load(held)
                 except SnapshotCorruptError as e:
                     error = str(e)
-        if sources[rank] == rank:  # verified by newest_verified() in the inventory
-            own = everyone[rank]["own"]
-            if own is None or own[0] != step or not os.path.exists(os.path.join(
-                    self.tier.root, f"snapkeep-{self._job}", f"rank{rank}", f"ram_iter_{step}")):
-                error = f"own RAM copy of step {step} is gone"
-        return data, error
+                except Exception as e:  # not a corrupt copy: raised on every rank when loading
+                    kept[(step, rank)] = e
+        return error
 
     # -- each trigger ------------------------------------------------------------------------
     def __call__(self, manager: Any) -> None:
@@ -726,24 +754,61 @@ def _pairwise(group: Any, send: list[torch.Tensor], recv: list[torch.Tensor], ds
         work.wait()
 
 
-def _send(payload: bytes, dst: int, group: Any) -> None:
+def _send(payload: Any, dst: int, group: Any) -> None:
+    """Send ``payload`` (bytes, or a mapped file: sent from its pages, no copy) to ``dst``."""
     import torch.distributed as dist
 
-    dist.send(torch.tensor([len(payload)], dtype=torch.int64), dst, group=group)
-    if payload:
-        dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst, group=group)
+    size = len(payload)
+    dist.send(torch.tensor([size], dtype=torch.int64), dst, group=group)
+    if size:
+        with warnings.catch_warnings():  # only read: no copy of a read-only buffer
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            tensor = torch.frombuffer(payload, dtype=torch.uint8)
+        dist.send(tensor, dst, group=group)
+        del tensor
 
 
-def _recv(src: int, group: Any) -> bytes:
+def _recv_verified(src: int, group: Any, checksum: str) -> Any:
+    """The state sent by ``src`` (``torch.load``'d, ``weights_only``, CPU), its bytes checked
+    against ``checksum`` first. The bytes land once in an anonymous memory file
+    (``memfd_create``, where the system has it), are hashed in place and loaded mapped: no copy
+    of them is made after the transfer.
+
+    Raises:
+        SnapshotCorruptError: nothing was sent, or the checksum differs.
+    """
     import torch.distributed as dist
 
     size = torch.empty(1, dtype=torch.int64)
     dist.recv(size, src, group=group)
-    if int(size[0]) == 0:
-        return b""
-    out = torch.empty(int(size[0]), dtype=torch.uint8)
-    dist.recv(out, src, group=group)
-    return out.numpy().tobytes()
+    n = int(size[0])
+    if n == 0:
+        raise SnapshotCorruptError("the holder has no copy of this step")
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        out = torch.empty(n, dtype=torch.uint8)
+        dist.recv(out, src, group=group)
+        data = out.numpy().tobytes()
+        del out
+        _check_digest(data, checksum)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    fd = os.memfd_create("snapkeep-peer-copy")
+    try:
+        os.ftruncate(fd, n)
+        with mmap.mmap(fd, n) as buf:
+            out = torch.frombuffer(buf, dtype=torch.uint8)
+            dist.recv(out, src, group=group)
+            del out
+            _check_digest(buf, checksum)
+        return torch.load(f"/proc/self/fd/{fd}", map_location="cpu", weights_only=True,
+                          mmap=True)
+    finally:
+        os.close(fd)
+
+
+def _check_digest(data: Any, checksum: str) -> None:
+    got = MemoryStore.digest(data)
+    if got != checksum:
+        raise SnapshotCorruptError(f"checksum {got} differs from {checksum}")
 
 
 def _write(data: bytes, f: Any) -> None:
