@@ -412,8 +412,7 @@ def test_the_inventory_reads_manifests_only_and_a_copy_is_verified_where_it_is_r
 def test_an_own_ram_copy_corrupt_inside_a_tensor_falls_through_to_storage(
         tmp_path: Path) -> None:
     out, root = tmp_path / "out", tmp_path / "shm"
-    manager, model = _manager(out, root)
-    _train(manager, model, 5)
+    _killed_at(out, root, 5)  # RAM step 4 committed, storage step 3
     path = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0).entries()[-1].path
     data = bytearray(Path(path).read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -52,7 +52,13 @@ from snapkeep._core.store import (
     Retain,
     SnapshotStore,
 )
-from snapkeep._core.store_kinds import StoreKind, newest_valid, require_one_kind
+from snapkeep._core.store_kinds import (
+    CandidateRefused,
+    Listed,
+    StoreKind,
+    newest_valid,
+    require_one_kind,
+)
 from snapkeep._core.structure import describe, find_mismatches
 from snapkeep._core.ticket import SaveHandle
 from snapkeep._core.user_warnings import user_stacklevel, warn_user
@@ -77,7 +83,8 @@ __all__ = [
     "manifest_path", "one_pass_loader", "open_store", "read_manifest", "resolve_storage",
     "check_writable", "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus",
     "read_run_status", "write_run_status", "run_status", "lookalike_message", "SaveHandle",
-    "StoreKind", "newest_valid", "require_one_kind", "run_is_alive",
+    "StoreKind", "newest_valid", "require_one_kind", "run_is_alive", "Listed",
+    "CandidateRefused",
 ]
 
 

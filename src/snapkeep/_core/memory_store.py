@@ -43,7 +43,6 @@ from snapkeep._core.checksum import (
 )
 from snapkeep._core.errors import (
     MemoryTierTooSmallError,
-    NoValidSnapshotError,
     SnapshotCorruptError,
 )
 from snapkeep._core.job import SaveJob
@@ -121,8 +120,7 @@ class MemoryStore(SnapshotStore):
 
     def newest_verified(self) -> Held | None:
         """The newest snapshot whose bytes match its manifest (older ones are tried when the
-        newest fails, each failure logged: the stores' one newest-valid-with-fallback,
-        :func:`~snapkeep._core.store_kinds.newest_valid`); None when none verifies."""
+        newest fails, each failure logged); None when none verifies."""
 
         def check(entry: Entry) -> Held:
             manifest = self.verify(entry)
@@ -131,15 +129,7 @@ class MemoryStore(SnapshotStore):
             return Held(step=entry.step, path=entry.path, checksum=manifest.checksum,
                         size_bytes=manifest.size_bytes)
 
-        def skipped(entry: Entry, error: SnapshotCorruptError) -> None:
-            logger.warning("memory tier: %s not used: %s", entry.path, error)
-
-        try:
-            found = newest_valid(self.entries(), check, skipped=skipped,
-                                 what=f"{TEMPLATE!r} in {self.directory!r}")
-        except NoValidSnapshotError:
-            return None
-        return None if found is None else found[1]
+        return self._newest(check)
 
     def newest_listed(self) -> Held | None:
         """The newest snapshot whose manifest names it and whose file has the recorded size,
@@ -148,22 +138,35 @@ class MemoryStore(SnapshotStore):
         :meth:`load` for the own copy, the receiving rank's check for a peer copy). Older ones
         are tried when the newest has no usable manifest (each skip logged); None when none.
         The checksum is the manifest's, written at commit."""
-        for entry in reversed(self.entries()):
-            try:
+
+        def check(entry: Entry) -> Held:
+            try:  # an unreadable manifest or a vanished file: skipped, as a corrupt one
                 manifest = self.expected(entry)
-                if manifest is None or entry.step is None:
-                    raise SnapshotCorruptError(f"{entry.path}: no manifest")
                 size = os.stat(entry.path).st_size
-                if size != manifest.size_bytes:
-                    raise SnapshotCorruptError(
-                        f"{entry.path}: size {size} bytes, manifest recorded "
-                        f"{manifest.size_bytes} (truncated or overwritten)")
-            except (SnapshotCorruptError, OSError) as e:
-                logger.warning("memory tier: %s not used: %s", entry.path, e)
-                continue
+            except OSError as e:
+                raise SnapshotCorruptError(f"{entry.path}: {e}") from e
+            if manifest is None or entry.step is None:
+                raise SnapshotCorruptError(f"{entry.path}: no manifest")
+            if size != manifest.size_bytes:
+                raise SnapshotCorruptError(
+                    f"{entry.path}: size {size} bytes, manifest recorded "
+                    f"{manifest.size_bytes} (truncated or overwritten)")
             return Held(step=entry.step, path=entry.path, checksum=manifest.checksum,
                         size_bytes=manifest.size_bytes)
-        return None
+
+        return self._newest(check)
+
+    def _newest(self, check: Callable[[Entry], Held]) -> Held | None:
+        """The stores' one newest-valid-with-fallback
+        (:func:`~snapkeep._core.store_kinds.newest_valid`) over this tier's snapshots, each
+        skip logged; None when none passes ``check``."""
+
+        def skipped(entry: Entry, error: SnapshotCorruptError) -> None:
+            logger.warning("memory tier: %s not used: %s", entry.path, error)
+
+        found = newest_valid(self.entries(), check, skipped=skipped, required=False,
+                             what=f"{TEMPLATE!r} in {self.directory!r}")
+        return None if found is None else found[1]
 
     def load(self, held: Held) -> Any:
         """The state of ``held`` (``torch.load``'d, ``weights_only``, CPU), verified: its bytes

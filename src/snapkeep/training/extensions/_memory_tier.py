@@ -84,11 +84,14 @@ from snapkeep.distributed import (
 from snapkeep.errors import SnapshotCorruptError, SnapshotSaveError, SnapshotTimeoutError
 from snapkeep.staging import BufferSet, into_existing_state, optimizers_in
 from snapkeep.store import (
+    CandidateRefused,
     Held,
+    Listed,
     MemoryStore,
     SnapshotStore,
     check_space,
     job_id,
+    newest_valid,
     owners,
     reclaim_stale,
     remove_rank,
@@ -708,16 +711,22 @@ def _plan(everyone: list[dict[str, Any]], world: int, stride: int,
           excluded: set[tuple[int, int]], storage_step: int | None,
           ) -> tuple[int, list[int]] | None:
     """The newest step every rank can take from RAM (at least ``storage_step``), and each
-    rank's source (itself or a holder rank); None when there is none."""
+    rank's source (itself or a holder rank); None when there is none. The choice is the
+    stores' one newest-valid-with-fallback (:func:`snapkeep.store.newest_valid`): a step that
+    some rank cannot take from RAM is refused for every rank alike (the inventories are the same
+    on every rank), and the next older step is tried."""
     steps: set[int] = set()
     for inv in everyone:
         if inv["own"] is not None:
             steps.add(inv["own"][0])
         steps.update(s for s, _ in inv["held"].values())
-    for step in sorted(steps, reverse=True):
-        if storage_step is not None and step < storage_step:
-            return None
+    candidates = [Listed(name=f"step {s}", key=(s,), step=s) for s in sorted(steps)
+                  if storage_step is None or s >= storage_step]
+
+    def sources_of(candidate: Listed) -> list[int]:
+        step = candidate.step
         sources: list[int] = []
+        missing: dict[int, str] = {}
         for r in range(world):
             own = everyone[r]["own"]
             if own is not None and own[0] == step and (r, r) not in excluded:
@@ -727,11 +736,16 @@ def _plan(everyone: list[dict[str, Any]], world: int, stride: int,
                        if everyone[h]["held"].get(r, (None,))[0] == step
                        and (r, h) not in excluded]
             if not holders:
-                break
+                missing[r] = f"no usable copy of step {step} in RAM"
+                continue
             sources.append(holders[0])
-        else:
-            return step, sources
-    return None
+        if missing:
+            raise CandidateRefused(missing)
+        return sources
+
+    found = newest_valid(candidates, sources_of, what="memory tier", required=False,
+                         skipped=lambda candidate, error: None)
+    return None if found is None else (int(found[0].step or 0), found[1])
 
 
 def _holder_order(rank: int, world: int, stride: int) -> list[int]:
