@@ -30,6 +30,7 @@ import torch.distributed as dist
 from snapkeep import demo_sharded
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
+from support.storage_reads import StorageReads
 
 
 def main() -> None:
@@ -38,21 +39,7 @@ def main() -> None:
     os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world,
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     out = argv[argv.index("--out") + 1]
-    saved = {os.path.join(d, n) for d, _, names in os.walk(out) for n in names}
-    reads: list[str] = []
-    recording = [True]
-
-    def hook(event: str, args: tuple[Any, ...]) -> None:
-        if event != "open" or not recording[0] or not isinstance(args[0], str):
-            return
-        path, mode, flags = args
-        writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-            mode is None and flags & (os.O_WRONLY | os.O_RDWR))
-        if path in saved and not writes and "/.snapkeep/" not in path \
-                and not path.endswith(".snapkeep-commit.json"):  # state, not markers/locks
-            reads.append(path)
-
-    sys.addaudithook(hook)
+    storage = StorageReads(out)
     report: dict[str, Any] = {}
     start_extensions = ExtensionsManager.start_extensions
 
@@ -62,11 +49,11 @@ def main() -> None:
         began = time.perf_counter()
         result = start_extensions(manager, *args, **kwargs)
         report["resume_s"] = time.perf_counter() - began
-        recording[0] = False
+        storage.recording = False
         tier = next((e.extension for e in manager._extensions.values()
                      if isinstance(e.extension, tier_type)), None)
         restored = getattr(tier, "restored", None)
-        report.update(start=manager.iteration, storage_reads=list(reads),
+        report.update(start=manager.iteration, storage_reads=list(storage.reads),
                       source=restored.source if restored else None)
         return result
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from snapkeep import writing
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
+from support.storage_reads import StorageReads
 
 TEMPLATE = "snapshot_iter_{.iteration}"
 UNTIL = 8
@@ -111,6 +112,13 @@ def reference(kind: str = "distributed") -> list[float]:
     return full_weights(model)
 
 
+def _is_state(path: str) -> bool:
+    """A snapshot file or a sharded directory's DCP files, not a manifest/marker/lock."""
+    name = os.path.basename(path)
+    return (name.startswith("snapshot_iter_") or name.endswith(".distcp")
+            or name == ".metadata") and "/.snapkeep/" not in path
+
+
 def main() -> None:
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     init_file, base, phase, replicas = sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6])
@@ -118,23 +126,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     storage = os.path.join(base, "storage")
-    reads: list[str] = []
-    recording = [phase == "resume"]
-    saved = {os.path.join(d, n) for d, _, names in os.walk(storage) for n in names}  # before
-
-    def hook(event: str, args: tuple[Any, ...]) -> None:
-        if event != "open" or not recording[0] or not isinstance(args[0], str):
-            return
-        path, mode, flags = args
-        writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-            mode is None and flags & (os.O_WRONLY | os.O_RDWR))
-        name = os.path.basename(path)
-        data = name.startswith("snapshot_iter_") or name.endswith(".distcp") \
-            or name == ".metadata"  # a snapshot file, a sharded directory's DCP files
-        if path in saved and data and "/.snapkeep/" not in path and not writes:
-            reads.append(path)  # saved state, not a manifest/marker/lock, nor what we write
-
-    sys.addaudithook(hook)
+    storage_reads = StorageReads(storage, recording=phase == "resume", is_state=_is_state)
     if phase == "missing":  # rank 1 dies before the recovery agreement; rank 0 must not hang
         from snapkeep.distributed import background_groups
 
@@ -164,7 +156,7 @@ def main() -> None:
     began = time.perf_counter()
     manager.start_extensions()
     resume_s = time.perf_counter() - began
-    recording[0] = False
+    storage_reads.recording = False
     start = manager.iteration
     if phase == "train":
         while manager.iteration < 5:
@@ -179,8 +171,8 @@ def main() -> None:
         step(manager, model)
     manager.finalize()
     restored = tier.restored
-    report = {"start": start, "storage_reads": reads, "persisted": persisted, "resume_s": resume_s,
-              "tier_s": tier_s[0],
+    report = {"start": start, "storage_reads": storage_reads.reads, "persisted": persisted,
+              "resume_s": resume_s, "tier_s": tier_s[0],
               "source": restored.source if restored else None,
               "weights": full_weights(model),
               "tier_left": os.listdir(os.path.join(base, f"node{rank}"))}

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
+TESTS = str(Path(__file__).resolve().parents[1])  # workers import tests/support too
 
 
 def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=SRC + (os.pathsep + path if path else ""),
+               PYTHONPATH=os.pathsep.join([SRC, TESTS] + ([path] if path else [])),
                PYTHONWARNINGS="ignore")
     env.update(extra or {})
     return env
