@@ -364,3 +364,33 @@ def test_a_resume_says_so_on_stderr(tmp_path, capfd):
     with snapkeep.Checkpointer(tmp_path) as ckpt:
         assert ckpt.load(into={"model": torch.nn.Linear(2, 2)}) == 3
     assert f"snapkeep: resumed from {tmp_path / 'ckpt_3'} (step 3)" in capfd.readouterr().err
+
+
+def test_a_checkpointer_never_lists_its_directory_between_saves(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves with retention keep the store's listing up to date instead of listing the
+    directory or its manifest directory again; counted at fsspec's ``ls``."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    listings: dict[str, int] = {}
+
+    def ls(self: Any, path: str, detail: bool = True, _ls: Any = LocalFileSystem.ls,
+           **kw: Any) -> Any:
+        key = str(path).split("://", 1)[-1].rstrip("/")
+        listings[key] = listings.get(key, 0) + 1
+        return _ls(self, path, detail=detail, **kw)
+
+    monkeypatch.setattr(LocalFileSystem, "ls", ls)
+    out = str(tmp_path / "ckpt")
+    state = {"model": torch.nn.Linear(2, 2)}
+    for first in (1, 5):  # a fresh run, then a restart that loads and keeps going
+        listings.clear()
+        with snapkeep.Checkpointer(out, keep=2) as ckpt:
+            assert (ckpt.load(into=state) or 0) == first - 1
+            opened = (listings.get(out, 0), listings.get(out + "/.snapkeep", 0))
+            for step in range(first, first + 4):
+                ckpt.save(step, state)
+                ckpt.wait()
+            assert (listings.get(out, 0), listings.get(out + "/.snapkeep", 0)) == opened
+        assert opened[1] == 1, listings
+        assert ckpt.all_steps() == [first + 2, first + 3]
