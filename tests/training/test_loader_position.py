@@ -9,6 +9,8 @@ where the uninterrupted run had it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch.utils.data import (
@@ -56,15 +58,22 @@ def _run(loader: DataLoader, position, *, epochs_left: int, on_batch=None) -> li
     return out
 
 
-@pytest.mark.parametrize("kind", ["global", "generator", "sampler-generator", "batch-sampler",
-                                  "no-batching", "sequential"])
-def test_resume_from_every_batch_continues_the_uninterrupted_run(kind):
+def _uninterrupted(kind: str) -> tuple[Any, Any, list[tuple[dict, torch.Tensor]], Any]:
+    """The uninterrupted run of ``kind``'s loader over EPOCHS epochs: (loader, its position,
+    the position and global RNG state saved after each batch, the batches)."""
     torch.manual_seed(0)
     loader = _loader(kind)
     position = check_loaders({"train": loader})["train"]
     saved: list[tuple[dict, torch.Tensor]] = []
     straight = _run(loader, position, epochs_left=EPOCHS,
                     on_batch=lambda: saved.append((position.state_dict(), torch.get_rng_state())))
+    return loader, position, saved, straight
+
+
+@pytest.mark.parametrize("kind", ["global", "generator", "sampler-generator", "batch-sampler",
+                                  "no-batching", "sequential"])
+def test_resume_from_every_batch_continues_the_uninterrupted_run(kind):
+    loader, position, saved, straight = _uninterrupted(kind)
     per_epoch = len(loader)
     assert len(straight) == EPOCHS * per_epoch
     for done, (state, rng) in enumerate(saved[:-1], start=1):
@@ -119,12 +128,7 @@ def test_a_resumed_run_snapshots_a_position_that_resumes_again(kind):
     """Resume mid-epoch, take a snapshot later in the same epoch, resume from that one: the
     second resume continues the uninterrupted run too (a resumed epoch keeps the generator
     states of the epoch's start in its own snapshots)."""
-    torch.manual_seed(0)
-    loader = _loader(kind)
-    position = check_loaders({"train": loader})["train"]
-    saved: list[tuple[dict, torch.Tensor]] = []
-    straight = _run(loader, position, epochs_left=EPOCHS,
-                    on_batch=lambda: saved.append((position.state_dict(), torch.get_rng_state())))
+    loader, position, saved, straight = _uninterrupted(kind)
     per_epoch = len(loader)
     for first in range(1, per_epoch - 1):  # mid-epoch, with a later batch left in the epoch
         state, rng = saved[first - 1]
