@@ -12,7 +12,9 @@ replicated model) and with SHARDED ones (FSDP2: each rank's RAM snapshot holds i
   node lost): storage;
 - storage lost: RAM resumes and persists step 4 to storage first;
 - another world size (SHARDED, 2 ranks -> 1): storage, resharded;
-- a rank missing at the agreement: the others raise CollectiveTimeoutError (no hang).
+- a rank missing at the agreement: the others raise CollectiveTimeoutError (no hang);
+- rank 0's RAM snapshots made from the writer's staged copy (``distributed-lent``, no second
+  staging) and replicated: node 0 lost, rank 0 resumes from rank 1's copy of them.
 
 Each resumed run trains to iteration 8 and must be bit-identical to an uninterrupted run; every
 finished run removes its tiers.
@@ -134,6 +136,22 @@ def test_two_ranks_sharded(killed2_sharded: Path, tmp_path: Path, name: str, dam
         assert "snapshot_iter_4" in reports[0]["persisted"]
         assert os.path.exists(tmp_path / name / "storage" / "snapshot_iter_4" /
                               ".snapkeep-commit.json")  # a committed sharded snapshot
+
+
+def test_ram_snapshots_from_the_writers_staged_copy_resume_from_a_peer(tmp_path: Path) -> None:
+    """DISTRIBUTED with a ThreadWriter and storage on the tier's steps: the saver rank's tier
+    stages nothing itself (it serialises the writer's copy, the per-rank RNG states left out),
+    the other rank stages its own; node 0 lost, rank 0 resumes step 4 from rank 1's copy of
+    it, reading no storage, and trains on bit-identically."""
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    _killed_run(killed, 2, 1, "distributed-lent")
+    staged_own = [json.loads((killed / f"train_rank{r}.json").read_text())["tier_staged_own"]
+                  for r in range(2)]
+    assert staged_own == [False, True]
+    reports = _resume(killed, tmp_path, "node0_lost", 2, 1, _wipe(0), "distributed-lent")
+    _check(reports, start=4, sources=["peer1", "own"], storage_read=False,
+           kind="distributed-lent")
 
 
 def test_sharded_on_another_world_size_resumes_from_storage_resharded(

@@ -18,10 +18,16 @@ The last three drop that snapshot (its counters moved before the verdict), with 
 the whole run; overlap then turns off, the next snapshot is copied in the call and is exact, and
 the test turns overlap back on to race again. Every writer that stages is run; each committed
 file is checked by a post-commit hook as it commits (retention keeps the disk use small).
+
+With a memory tier on the same trigger (``tier``), the tier borrows each snapshot's staged copy
+instead of staging its own (no second staging): every RAM snapshot it commits is checked the same
+way as it is committed, and it must commit exactly the steps the writer committed (a dropped
+snapshot drops the RAM snapshot of that step).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -33,6 +39,7 @@ import pytest
 import torch
 
 from snapkeep import writing
+from snapkeep._core.memory_store import MemoryStore
 from snapkeep._core.shm import reclaim_dead_arenas
 from snapkeep.training import ExtensionsManager, extensions
 from support.writer_gates import CopyGate
@@ -86,8 +93,9 @@ class Checker:
         self.torn: list[tuple[int, str, float, float]] = []
 
     def __call__(self, record) -> None:
-        state = torch.load(record.path, weights_only=True)
-        step = record.step
+        self.check(torch.load(record.path, weights_only=True), record.step)
+
+    def check(self, state, step: int) -> None:
         tensors = dict(state["models"]["main"])
         for key, entry in state["optimizers"]["main"]["state"].items():
             tensors.update({f"state/{key}/{k}": v for k, v in entry.items()
@@ -99,9 +107,11 @@ class Checker:
         self.committed.append(step)
 
 
-@pytest.mark.parametrize("writer_name", ["ThreadWriter", "ThreadQueueWriter", "ProcessWriter",
-                                         "ProcessQueueWriter"])
-def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_torch_thread):
+@pytest.mark.parametrize(("writer_name", "tier"), [
+    ("ThreadWriter", False), ("ThreadQueueWriter", False), ("ProcessWriter", False),
+    ("ProcessQueueWriter", False), ("ThreadWriter", True), ("ProcessWriter", True)])
+def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, tier, one_torch_thread,
+                                                  monkeypatch):
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -115,6 +125,19 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_tor
                                 writer=writer)
     ext = extensions.snapshot(filename="snap_{.iteration}", n_retains=2)
     manager.extend(ext, trigger=(1, "iteration"))
+    ram = Checker()
+    if tier:
+        ram.at_call = checker.at_call
+        commit_state = MemoryStore.commit_state
+
+        def checked(store, step, data, write):
+            ram.check(torch.load(io.BytesIO(data), weights_only=True), step)
+            return commit_state(store, step, data, write)
+
+        monkeypatch.setattr(MemoryStore, "commit_state", checked)
+        memory = extensions.memory_tier(extensions.MemoryTier(
+            every=1, replicas=0, root=str(tmp_path / "shm")))
+        manager.extend(memory)
     tensors = _tensors(model, optimizer)
     _fill(tensors, 0)
     expected_drops: list[int] = []
@@ -167,8 +190,13 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, one_tor
     assert sorted(checker.committed) == sorted(set(range(1, SNAPSHOTS + 1)) -
                                                 set(expected_drops))
     assert len(expected_drops) >= SNAPSHOTS // 4
+    if tier:  # the RAM snapshots: the same steps, none torn, none staged by the tier itself
+        assert ram.torn == [], f"{len(ram.torn)} torn RAM snapshots: {ram.torn[:5]}"
+        assert sorted(ram.committed) == sorted(checker.committed)
+        assert memory._buffers is None
     print(f"{writer_name}: {len(checker.committed)} committed, {len(expected_drops)} dropped, "
-          f"{len(checker.torn)} torn of {SNAPSHOTS} snapshots")
+          f"{len(checker.torn)} torn of {SNAPSHOTS} snapshots"
+          + (f"; {len(ram.committed)} RAM snapshots, {len(ram.torn)} torn" if tier else ""))
 
 
 TRAINER = """

@@ -25,6 +25,11 @@ all are busy, ``on_full`` decides:
 
 A snapshot in flight (handle, slot, ticket) is :mod:`.ticket`.
 
+Lending (:meth:`Saver.lend`): a slot keeps its staged copy after the commit, until it is staged
+again; a second reader of the same state at the same step (the memory tier) borrows it instead
+of staging a second copy, and the slot is not staged again while the loan is out (a snapshot
+that needs it waits, as for a slot still being written).
+
 Errors: a failed background save is raised once, as :class:`SnapshotSaveError` with the original
 exception as ``__cause__``, at the next ``save()`` or at ``finalize()``; later saves still run.
 """
@@ -55,7 +60,7 @@ from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.overlap import PendingVerdict
 from snapkeep._core.staging import BufferSet, StageStats
 from snapkeep._core.store import Retain
-from snapkeep._core.ticket import SaveHandle, Slot, Ticket
+from snapkeep._core.ticket import SaveHandle, Slot, StagedLoan, Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +166,9 @@ class Saver(DrainedAtExit):
             self._release(slot, handle)
             raise
         self.last_stage_stats = stats
+        if self._stage:  # kept for a loan (lend) until the slot is staged again
+            with self._cond:
+                slot.holds, slot.staged = handle, staged
         if deferred is None:
             handle.staged.set_result(stats)
         else:
@@ -240,6 +248,39 @@ class Saver(DrainedAtExit):
         self.run(ticket, report=False)
         return ticket.handle.committed.result()
 
+    def lend(self, handle: SaveHandle) -> StagedLoan | None:
+        """Lend the staged copy of ``handle``'s snapshot (see :class:`StagedLoan`, which says
+        why reading it is safe), whether it is still being written or already committed.
+
+        Returns None when there is nothing to lend: a saver that does not stage
+        (``SimpleWriter`` writes the caller's own objects), a closed one, a snapshot skipped or
+        whose staging failed, or a copy already staged over by a later snapshot.
+        """
+        with self._cond:
+            if not self._stage or self._closed:
+                return None
+            slot = next((s for s in self._slots if s.holds is handle and s.staged is not None),
+                        None)
+            if slot is None:
+                return None
+            slot.loans += 1
+            tree = slot.staged
+        returned = threading.Event()
+
+        def release() -> None:
+            with self._cond:
+                if returned.is_set():
+                    return
+                returned.set()
+                slot.loans -= 1
+                close = slot.close_when_returned and slot.loans == 0
+                self._cond.notify_all()
+            if close:
+                _close_buffers(slot)
+
+        return StagedLoan(tree=tree, handle=handle, _release=release,
+                          _timeout_s=self.timeout_s, _warn_after_s=self.warn_after_s)
+
     def raise_pending_error(self) -> None:
         """Raise the oldest unreported background failure, once; log any others."""
         with self._cond:
@@ -282,11 +323,16 @@ class Saver(DrainedAtExit):
                     f"snapshot {verdict.handle.path!r} was not written: the writer was closed "
                     "before its background copy was validated"))
             self.runner.close()
+            with self._cond:
+                lent = [s for s in self._slots if s.loans]
+                for slot in lent:  # closed by the last return of a loan
+                    slot.close_when_returned = True
             for slot in self._slots:
-                close = getattr(slot.buffers.allocator, "close", None)
-                if close is not None:
-                    close()
+                if slot not in lent:
+                    _close_buffers(slot)
             with self._cond:  # a closed saver keeps no staging copies of the state
+                for slot in self._slots:
+                    slot.holds = slot.staged = None
                 self._slots = [s for s in self._slots if s.handle is not None]
         self.raise_pending_error()
 
@@ -304,8 +350,9 @@ class Saver(DrainedAtExit):
             if not self._slots:
                 self._slots.append(Slot(buffers=self._new_buffers()))
             slot = self._slots[0]
-            if slot.handle is not None:
+            if slot.handle is not None or slot.loans:
                 return
+            slot.holds = slot.staged = None  # its buffers are written next
             self._prefaulted.clear()
 
         def work() -> None:
@@ -331,8 +378,9 @@ class Saver(DrainedAtExit):
         with self._cond:
             while True:
                 for slot in self._slots:
-                    if slot.handle is None:
+                    if slot.handle is None and not slot.loans:
                         slot.handle, slot.started = handle, False
+                        slot.holds = slot.staged = None  # staged over next
                         return slot
                 if len(self._slots) < self.max_pending:
                     slot = Slot(buffers=self._new_buffers(), handle=handle)
@@ -347,13 +395,15 @@ class Saver(DrainedAtExit):
                 if self.on_full == "replace":
                     for slot in self._slots:
                         old = slot.handle
-                        if old is not None and not slot.started and old.committed.cancel():
+                        if old is not None and not slot.started and not slot.loans \
+                                and old.committed.cancel():
                             # its queued ticket is skipped by the dispatcher (cancelled future)
                             logger.warning(
                                 "replacing pending snapshot %s (step %s) by %s (step %s) "
                                 "(on_full='replace')", old.path, old.step, handle.path,
                                 handle.step)
                             slot.handle = handle
+                            slot.holds = slot.staged = None
                             return slot
                 if not self._wait_step(deadline, handle.path):
                     busy = [s.handle.path for s in self._slots if s.handle is not None]
@@ -375,8 +425,10 @@ class Saver(DrainedAtExit):
         if not self._cond.wait(timeout=step):
             waited = time.monotonic() - start
             busy = [s.handle.path for s in self._slots if s.handle is not None]
-            logger.warning("still waiting for snapshot(s) %s to commit before %s (%.0f s)",
-                           busy, what, waited)
+            lent = [s.holds.path for s in self._slots if s.loans and s.holds is not None]
+            logger.warning("still waiting for snapshot(s) %s to commit%s before %s (%.0f s)",
+                           busy, f" and for the staged copies of {lent} lent to another "
+                           "reader (the memory tier)" if lent else "", what, waited)
         return deadline is None or time.monotonic() < deadline
 
     def _release(self, slot: Slot, handle: SaveHandle) -> None:
@@ -490,6 +542,14 @@ class Saver(DrainedAtExit):
                 hook(record)
             except Exception:  # retention etc. must never stop training
                 logger.exception("post-commit hook %r failed after %s", hook, record.path)
+
+
+def _close_buffers(slot: Slot) -> None:
+    """Release a slot's staging memory (a process writer's shared arena; heap buffers are
+    freed with the slot)."""
+    close = getattr(slot.buffers.allocator, "close", None)
+    if close is not None:
+        close()
 
 
 def _write_in_trainer(job: SaveJob, staged: Any, died: WorkerDiedError) -> CommitRecord:

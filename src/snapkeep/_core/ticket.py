@@ -1,11 +1,13 @@
 """A snapshot in flight: its :class:`SaveHandle` (two futures the caller may wait on), the
-buffer-set slot it holds while staged or being written, and the :class:`Ticket` the saver hands to
-whoever writes it (see :mod:`.saver`)."""
+buffer-set slot it holds while staged or being written, the :class:`Ticket` the saver hands to
+whoever writes it (see :mod:`.saver`), and a :class:`StagedLoan` of its staged copy to a second
+reader of the same state at the same step (the memory tier), instead of a second staging."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from snapkeep._core.errors import SnapshotTimeoutError
@@ -47,13 +49,7 @@ class SaveHandle:
             StagingRaceError: an overlapped snapshot was dropped (see :mod:`.overlap`).
             Exception: the save's own error.
         """
-        verdict = self.verdict
-        if verdict is not None and verdict.made_here():  # a safe point: this thread waits
-            race = verdict.settle(block=True, timeout_s=timeout_s)
-            if race is not None:
-                if verdict.on_race is None:
-                    raise race
-                verdict.on_race(race)
+        self.settle_here(timeout_s)
         try:
             return self.committed.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError as e:
@@ -62,13 +58,92 @@ class SaveHandle:
             ) from e
 
 
+    def settle_here(self, timeout_s: float | None = None) -> None:
+        """On the thread that made the snapshot call (a safe point), give the verdict of its
+        overlapped staging now, waiting for the background copy; elsewhere, or without
+        overlapped staging, do nothing. A race is passed to the plan's ``on_race``.
+
+        Raises:
+            StagingRaceError: a counter moved and the plan has no ``on_race`` (or it raises).
+            SnapshotTimeoutError: the copy was not done within ``timeout_s`` seconds.
+        """
+        verdict = self.verdict
+        if verdict is not None and verdict.made_here():  # a safe point: this thread waits
+            race = verdict.settle(block=True, timeout_s=timeout_s)
+            if race is not None:
+                if verdict.on_race is None:
+                    raise race
+                verdict.on_race(race)
+
+
 @dataclasses.dataclass(eq=False)
 class Slot:
-    """A buffer set and the snapshot (if any) that currently owns it."""
+    """A buffer set and the snapshot (if any) that currently owns it.
+
+    Attributes:
+        holds: the snapshot whose staged copy the buffers hold (kept after its commit, until
+            the slot is staged again), with ``staged`` its tree; None once restaged or closed.
+        loans: :class:`StagedLoan` of that copy not returned yet; the slot is neither staged
+            again, handed to another snapshot nor closed meanwhile.
+        close_when_returned: the saver was closed while a loan was out: the last return closes
+            the buffers' allocator.
+    """
 
     buffers: BufferSet
     handle: SaveHandle | None = None
     started: bool = False
+    holds: SaveHandle | None = None
+    staged: Any = None
+    loans: int = 0
+    close_when_returned: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagedLoan:
+    """The staged copy of one snapshot, lent to a second reader of the same state at the same
+    step (:meth:`snapkeep._core.saver.Saver.lend`): the memory tier serialises it instead of
+    staging the state a second time.
+
+    Why reading it is safe (order, not luck): the copy's bytes are final once
+    :meth:`wait_staged` returns. Without overlapped staging they were written before the writer
+    call returned; with it, ``handle.staged`` resolves only after the background copy finished
+    and its verdict was given on the training thread (:mod:`snapkeep._core.overlap`), and a
+    future's result happens after it is set. Nothing writes the buffers after that while the
+    loan is out: only staging writes them, and the saver stages into a slot only when no loan
+    of it is out (nor hands it to ``on_full='replace'``, nor closes its shared memory); the
+    writer and a process worker only read them.
+
+    Attributes:
+        tree: the staged state (CPU tensors in the writer's buffers; a process writer's are in
+            its shared memory). Read only; valid until :meth:`release`.
+        handle: the snapshot's handle (its step, path and futures).
+    """
+
+    tree: Any
+    handle: SaveHandle
+    _release: Callable[[], None]
+    _timeout_s: float | None = None
+    _warn_after_s: float = 30.0
+
+    def wait_staged(self) -> None:
+        """Block until the copy is final (any thread; see the class docstring).
+
+        Raises:
+            StagingRaceError: the snapshot's overlapped staging raced with training: it was
+                dropped, and so must this copy be.
+            SnapshotTimeoutError: no verdict within the writer's ``timeout_s``.
+            Exception: the staging's own error.
+        """
+        verdict = self.handle.verdict
+        if verdict is not None:
+            verdict.wait(self._timeout_s, self._warn_after_s)
+        else:
+            self.handle.staged.result()
+
+    def release(self) -> None:
+        """Return the loan (once; later calls do nothing): the writer may stage into the slot
+        again."""
+        self._release()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

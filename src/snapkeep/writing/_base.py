@@ -25,6 +25,7 @@ from snapkeep._core.prefault import prefault_before_first_snapshot
 from snapkeep._core.saver import SaveHandle, Saver, Ticket
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.store import Retain
+from snapkeep._core.ticket import StagedLoan
 from snapkeep._version import __version__
 from snapkeep.writing._ppe_fs import PpeFileSystem
 
@@ -253,6 +254,20 @@ class Writer:
             ``optimizers`` is empty.
         """
         return arm(self._saver, optimizers, guard, before_copy=before_copy, on_race=on_race)
+
+    def lend_staged(self, handle: SaveHandle) -> StagedLoan | None:
+        """Lend the staged copy of the snapshot of ``handle`` (e.g. ``last_handle``) to a
+        second reader of the same state at the same step, instead of a second staging: the
+        memory tier serialises it. Read ``loan.tree`` only after ``loan.wait_staged()`` and
+        call ``loan.release()`` when done; until then this writer does not stage into that
+        copy's buffers (its next snapshot may wait for the release). See
+        :class:`snapkeep._core.ticket.StagedLoan` for why the read is safe.
+
+        Returns:
+            None when there is nothing to lend: this writer does not stage (``SimpleWriter``),
+            it is finalized, or the copy was staged over by a later snapshot.
+        """
+        return self._saver.lend(handle)
 
     def disarm_overlap(self) -> None:
         """Undo :meth:`arm_overlap` if the next save has not used it (a save consumes it)."""

@@ -25,9 +25,20 @@ tmpfs; freed at ``finalize``). A background failure is raised once, as
 :class:`~snapkeep.errors.SnapshotSaveError` chained from the original exception, at the next
 trigger (which then takes no snapshot) or at ``finalize``, as writers report theirs.
 
-The staged copy is the tier's own: the durable snapshot is staged by the snapshot extension's
-writer at its own trigger. Peer copies run on snapkeep's ``peer`` process group (gloo; see
-:mod:`snapkeep._core.distributed.groups`), never on the training's.
+No second staging: at an iteration where the snapshot extension also saved the manager's state
+(its trigger and the tier's fire together), the tier takes no copy of its own: it borrows the
+one the snapshot's writer staged (:meth:`snapkeep.writing.Writer.lend_staged`; a process
+writer's shared memory too), serialises it in the background once that copy is final (after
+the verdict of an overlapped staging; a copy dropped for a race drops the RAM snapshot of that
+step too, logged), and gives it back; the writer stages into those buffers again only after
+that. The tier runs at the snapshot's priority (``PRIORITY_SNAPSHOT``: after every trigger of
+the iteration was evaluated, as ppe runs snapshots) and after the snapshot extensions registered
+before it, so extend the manager with the tier after the snapshot extension (as above). The
+tier stages its own copy when there is nothing to borrow: a step only the tier takes, a
+``SimpleWriter`` (which stages nothing), a ``snapshot_object`` of another target, SHARDED
+snapshots (DCP stages its own), a tier registered before the snapshot. Peer copies run on
+snapkeep's ``peer`` process group (gloo; see :mod:`snapkeep._core.distributed.groups`), never on
+the training's.
 
 Recovery (``initialize``, when the manager has an autoloading snapshot extension): every rank
 lists what its tmpfs holds (its own newest step and the peer copies: step and checksum from
@@ -81,8 +92,13 @@ from snapkeep.distributed import (
     exchange_outcomes,
     is_distributed,
 )
-from snapkeep.errors import SnapshotCorruptError, SnapshotSaveError, SnapshotTimeoutError
-from snapkeep.staging import BufferSet, into_existing_state, optimizers_in
+from snapkeep.errors import (
+    SnapshotCorruptError,
+    SnapshotSaveError,
+    SnapshotTimeoutError,
+    StagingRaceError,
+)
+from snapkeep.staging import BufferSet, StagedLoan, into_existing_state, optimizers_in
 from snapkeep.store import (
     CandidateRefused,
     Held,
@@ -215,7 +231,10 @@ def _state_bytes(state: Any) -> int:
 class _MemoryTierExtension(extension.Extension):
     """See :func:`memory_tier`."""
 
-    priority = extension.PRIORITY_SNAPSHOT + 1  # initialize (recovery) before the snapshot's
+    # a snapshot-priority extension, run after the snapshots registered before it, so it may
+    # borrow their staged copy; its recovery still runs before their autoload: they call
+    # recover_before_autoload first
+    priority = extension.PRIORITY_SNAPSHOT
     needs_model_state = True
 
     def __init__(self, tier: MemoryTier) -> None:
@@ -236,16 +255,23 @@ class _MemoryTierExtension(extension.Extension):
         self._stride = 1
         self._replicas = 0
         self._sharded: Any = None
+        self._initialized = False
+        self._loan: Any = None  # the StagedLoan the RAM snapshot in flight serialises
 
     # -- start ------------------------------------------------------------------------------
     def initialize(self, manager: Any) -> None:  # type: ignore[override]
-        """Check the tmpfs, reclaim dead jobs' tiers, record this owner, and recover.
+        """Check the tmpfs, reclaim dead jobs' tiers, record this owner, and recover; once
+        (the snapshot extensions call it before their autoload, see
+        :func:`recover_before_autoload`; the manager's own call then does nothing).
 
         Raises:
             MemoryTierTooSmallError: the tmpfs cannot hold the tier (size needed named).
             ValueError: ``replicas`` is not less than the world size.
             CollectiveTimeoutError: a rank did not take part in the agreement in time.
         """
+        if self._initialized:
+            return
+        self._initialized = True
         tier = self.tier
         snapshots = _snapshot_extensions(manager)
         if is_distributed():
@@ -272,6 +298,7 @@ class _MemoryTierExtension(extension.Extension):
         needed = int(_state_bytes(state) * (2 + self._replicas) * 1.05) + 2**20
         check_space(tier.root, needed,
                     held_bytes=tier_bytes(tier.root, self._job, self._rank))
+        _say_if_before_snapshot(manager, self)
         previous_world = self._previous_world()
         self._started = True
         if any(getattr(s, "autoload", False) for s in snapshots):
@@ -518,23 +545,40 @@ class _MemoryTierExtension(extension.Extension):
             tree = self._sharded.memory_state(manager, self._rank)
         else:
             tree = canonical_tree(manager, manager.state_dict())
-        if self._buffers is None:
-            self._buffers = BufferSet()
-        staged, _ = self._buffers.stage(tree)
+        loan = None if self._sharded is not None else _borrow(manager)
+        if loan is not None:  # the snapshot staged this step's state: no second staging
+            staged = None
+        else:
+            if self._buffers is None:
+                self._buffers = BufferSet()
+            staged, _ = self._buffers.stage(tree)
         del tree
-        self._in_flight = step
+        self._in_flight, self._loan = step, loan
         self._thread = threading.Thread(
-            target=self._commit_in_background, args=(step, staged), daemon=True,
+            target=self._commit_in_background, args=(step, staged, loan), daemon=True,
             name="snapkeep-memory-tier")
         self._thread.start()
 
-    def _commit_in_background(self, step: int, staged: Any) -> None:
-        """Serialise ``staged`` (``torch.save``), commit it to this rank's tmpfs (atomic, with
-        its XXH3 manifest; the newest step kept alone), then copy it to the peers. A failure is
-        logged and kept for the next trigger or ``finalize``."""
+    def _commit_in_background(self, step: int, staged: Any, loan: StagedLoan | None) -> None:
+        """Serialise ``staged`` (``torch.save``), or the copy ``loan`` lends once it is final,
+        commit it to this rank's tmpfs (atomic, with its XXH3 manifest; the newest step kept
+        alone), then copy it to the peers. A failure is logged and kept for the next trigger or
+        ``finalize``; a borrowed copy dropped for a staging race drops this RAM snapshot
+        (logged)."""
         try:
             buf = io.BytesIO()
-            torch.save(staged, buf)
+            if loan is not None:
+                try:
+                    loan.wait_staged()
+                    torch.save(loan.tree, buf)
+                except StagingRaceError as e:
+                    logger.warning("memory tier: no RAM snapshot of step %d: the snapshot "
+                                   "whose staged copy it shares was dropped (%s)", step, e)
+                    return
+                finally:
+                    loan.release()  # the writer may stage into those buffers again
+            else:
+                torch.save(staged, buf)
             del staged  # the staging buffers are free for the next trigger once this returns
             data = buf.getvalue()
             del buf
@@ -575,6 +619,9 @@ class _MemoryTierExtension(extension.Extension):
         thread = self._thread
         if thread is None:
             return
+        loan = self._loan
+        if loan is not None and thread.is_alive():  # on the training thread: a safe point
+            loan.handle.settle_here(self.tier.timeout_s)  # to validate the borrowed copy
         if waiter is not None and thread.is_alive():
             logger.debug("memory tier: %s waits for the RAM snapshot of step %s still being "
                          "committed (one in flight)", waiter, self._in_flight)
@@ -584,7 +631,7 @@ class _MemoryTierExtension(extension.Extension):
             raise SnapshotTimeoutError(
                 f"memory tier: the RAM snapshot of step {self._in_flight} was still being "
                 f"committed after {bound:g} s (2 x MemoryTier timeout_s)")
-        self._thread = None
+        self._thread = self._loan = None
 
     def _raise_background_error(self) -> None:
         """Raise the failure of the last background RAM snapshot, once.
@@ -642,6 +689,41 @@ class _MemoryTierExtension(extension.Extension):
                          "background: %s: %s", step, type(cause).__name__, cause)
             return
         self._raise_background_error()
+
+
+def recover_before_autoload(manager: Any) -> None:
+    """Initialize (and so recover) the manager's memory tiers now, before a snapshot
+    extension's autoload reads storage: the snapshot extensions call it first thing in their
+    ``initialize`` (the tier runs after them, see the module docstring)."""
+    entries = getattr(manager, "_extensions", {})
+    for entry in list(entries.values()):
+        tier = getattr(entry, "extension", None)
+        if isinstance(tier, _MemoryTierExtension):
+            tier.initialize(manager)
+
+
+def _say_if_before_snapshot(manager: Any, tier: _MemoryTierExtension) -> None:
+    """Log (info) when the tier was registered before a snapshot extension of the whole
+    manager: it then runs first at a step both take and stages its own copy."""
+    order = [getattr(e, "extension", None) for e in getattr(manager, "_extensions", {}).values()]
+    if not any(x is tier for x in order):
+        return
+    after = order[[x is tier for x in order].index(True) + 1:]
+    if any(getattr(x, SNAPSHOT_MARKER, False) and getattr(x, "_target", True) is None
+           for x in after):
+        logger.info("memory tier: registered before the snapshot extension, so a step both "
+                    "take is staged twice; extend the manager with the tier after the snapshot")
+
+
+def _borrow(manager: Any) -> StagedLoan | None:
+    """The staged copy of this iteration's state that a snapshot extension's writer took (a
+    snapshot of the whole manager, fired earlier in this iteration), lent; None when none did."""
+    for snap in _snapshot_extensions(manager):
+        lend = getattr(snap, "lend_staged", None)
+        loan = lend(manager) if callable(lend) else None
+        if loan is not None:
+            return loan
+    return None
 
 
 def _directory_steps(store: SnapshotStore) -> list[int | None]:

@@ -53,7 +53,7 @@ from snapkeep.distributed import (
 from snapkeep.errors import RankFailedError, SnapshotError, UnsafeSnapshotError
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.store import ON_ERROR_SUFFIX, Entry
-from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE
+from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
 from snapkeep.training.extensions._resume_notice import (
     INCOMPLETE_SHARDED,
     ResumeNotice,
@@ -191,6 +191,7 @@ class _ShardedSnapshot(SnapshotExtension):
             RankFailedError: loading failed on some rank (named); no rank continues.
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
+        recover_before_autoload(manager)  # a memory tier resumes from RAM before storage is read
         if is_distributed():
             self._groups = background_groups(self.timeout_s)
         store = self._sharded_store_of(manager)

@@ -24,6 +24,7 @@ import snapkeep.training.extensions._restore as _restore
 from snapkeep.errors import SnapshotError
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
 from snapkeep.staging import (
+    StagedLoan,
     StagingGuard,
     StagingRaceError,
     into_existing_state,
@@ -43,7 +44,7 @@ from snapkeep.store import (
 )
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training._data_position import check_loaders
-from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE
+from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
 from snapkeep.training.extensions._resume_notice import (
     ResumeNotice,
     Skipped,
@@ -136,6 +137,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         self._staging_guard = StagingGuard()
         self._overlap_before_copy: Callable[[], None] | None = None  # a test seam (a gate)
         self._race_warned = False
+        self._staged_at: tuple[int, Any] | None = None  # (iteration, handle) of the last save
         policies = [p for p in (KeepLatest(n_retains) if n_retains > 0 else None, retention) if p]
         self._retention: RetentionPolicy | None = None
         if len(policies) == 1:
@@ -178,6 +180,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             SnapshotStorageError: the writer's output directory cannot be created.
             TypeError: a model holds DTensor (FSDP2) parameters: use ``SnapshotMode.SHARDED``.
         """
+        recover_before_autoload(manager)  # a memory tier resumes from RAM before storage is read
         self._bind_continuation(manager)
         refuse_dtensor_models(manager if self._target is None else self._target)
         if self.writer is None:
@@ -334,8 +337,11 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             target = manager if self._target is None else self._target
             writer.arm_overlap(optimizers_in(target), self._staging_guard,
                                before_copy=self._overlap_before_copy, on_race=self._on_staging_race)
+        self._staged_at = None
         try:
             writer(filename, manager.out, state, savefun=self._savefun, **extra)
+            if isinstance(writer, _SnapkeepWriter) and self._target is None and not on_error:
+                self._staged_at = (int(manager.iteration), writer.last_handle)
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
                 raise
@@ -344,6 +350,21 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         finally:
             if isinstance(writer, _SnapkeepWriter):
                 writer.disarm_overlap()  # never left armed for a direct writer call
+
+    def lend_staged(self, manager: Any) -> StagedLoan | None:
+        """The copy of the manager's state this extension's writer staged at this iteration,
+        lent to the memory tier so that a step both take is staged once
+        (:meth:`snapkeep.writing.Writer.lend_staged`); the distributed snapshot's per-rank
+        additions are left out of the lent tree. None when this extension took no snapshot of
+        the whole manager at this iteration or its writer stages nothing (``SimpleWriter``)."""
+        staged_at, self._staged_at = self._staged_at, None
+        if staged_at is None or staged_at[0] != int(manager.iteration) or staged_at[1] is None:
+            return None
+        loan = self.writer.lend_staged(staged_at[1])
+        if loan is None:
+            return None
+        tree = self._strip_rank_state(loan.tree)
+        return loan if tree is loan.tree else dataclasses.replace(loan, tree=tree)
 
     # -- the store and autoload -----------------------------------------------------------------
     def _store_of(self, manager: Any, *, quiet: bool = False) -> SnapshotStore | None:
