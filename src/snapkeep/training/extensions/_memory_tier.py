@@ -525,7 +525,9 @@ class _MemoryTierExtension(extension.Extension):
     # -- each trigger ------------------------------------------------------------------------
     def __call__(self, manager: Any) -> None:
         """Stage this rank's state (a consistent CPU copy into reused buffers, pinned for
-        accelerator tensors), then serialise, commit and copy it to peers in the background.
+        accelerator tensors), or borrow the copy a snapshot extension's writer staged at this
+        iteration (no second staging, see the module docstring), then serialise, commit and
+        copy it to peers in the background.
 
         Returns as soon as the copy is taken: the training loop may mutate its tensors then.
         When the previous RAM snapshot is still being committed, waits for it first (one in
