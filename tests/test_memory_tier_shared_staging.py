@@ -20,6 +20,7 @@ from snapkeep import writing
 from snapkeep._core.memory_store import MemoryStore, job_id, tier_dir
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
+from support.killing import assert_identical
 
 TEMPLATE = "snapshot_iter_{.iteration}"
 WAIT_S = 30
@@ -64,21 +65,6 @@ def _train(manager: ExtensionsManager, model: Net, until: int) -> None:
         _step(manager, model)
 
 
-def _assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
-
-
 def _ram(out: Path, root: Path) -> tuple[int, Any]:
     held = MemoryStore(str(root), job_id(str(out), TEMPLATE), 0).newest_verified()
     assert held is not None
@@ -106,7 +92,7 @@ def test_a_step_both_take_is_staged_once_and_resumed_from(tmp_path: Path,
     assert tier._buffers is None  # the tier never staged a copy of its own
     step, ram = _ram(out, root)
     assert step == 6
-    _assert_same(ram, torch.load(out / "snapshot_iter_6", weights_only=True))
+    assert_identical(ram, torch.load(out / "snapshot_iter_6", weights_only=True))
     writer.finalize()  # the process "dies" here: no manager.finalize, the tier stays
 
     resumed, model2, tier2 = _run(out, root, WRITERS[writer_name](str(out)))
@@ -120,7 +106,7 @@ def test_a_step_both_take_is_staged_once_and_resumed_from(tmp_path: Path,
     while resumed.iteration < 12:
         _step(resumed, model2)
     resumed.finalize()
-    _assert_same(model2.state_dict(), ref_model.state_dict())
+    assert_identical(model2.state_dict(), ref_model.state_dict())
     assert not os.path.exists(tier_dir(str(root), job_id(str(out), TEMPLATE)))
 
 
@@ -138,7 +124,7 @@ def test_a_step_only_the_tier_takes_is_staged_by_the_tier(tmp_path: Path) -> Non
     assert tier._buffers is buffers  # its own buffers were not used again at step 4
     step, ram = _ram(out, root)
     assert step == 4
-    _assert_same(ram, torch.load(out / "snapshot_iter_4", weights_only=True))
+    assert_identical(ram, torch.load(out / "snapshot_iter_4", weights_only=True))
     manager.finalize()
 
 
@@ -159,7 +145,7 @@ def test_the_tier_stages_its_own_copy_when_there_is_none_to_borrow(
     assert tier._buffers is not None
     assert ("registered before the snapshot extension" in caplog.text) == (
         case != "SimpleWriter")
-    _assert_same(_ram(out, root)[1], torch.load(out / "snapshot_iter_3", weights_only=True))
+    assert_identical(_ram(out, root)[1], torch.load(out / "snapshot_iter_3", weights_only=True))
     manager.finalize()
 
 
