@@ -25,6 +25,12 @@ optimizer page, per rank:
 write the copy back to its own tmpfs, so node 0's tier as saved is kept on disk and put back
 before each ``own RAM`` restart (untimed). ``storage`` runs once, at the end (it destroys the
 tiers). Medians.
+
+The bound of the ``peer RAM`` row on this machine (``--bound``, phase ``gloo``): rank 1 sends
+``--state-gib`` of bytes from warm memory to rank 0 over gloo (the transport a peer copy uses),
+received once into fresh memory (``torch.empty``: what a restart receives into) and once into
+memory already touched; ``--reps`` times each, medians. Fresh pages cost this VM far more than
+a loopback copy: see ``bench_first_touch.py``.
 """
 
 from __future__ import annotations
@@ -73,6 +79,9 @@ def rank_main(rank: int, base: str, shm: str, phase: str, state_gib: float) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(base, 'init-' + phase)}",
                             rank=rank, world_size=2)
+    if phase == "gloo":
+        gloo_bound(rank, base, state_gib)
+        return
     # (manager.optimizers would start the extensions: the optimizer is used directly)
     manager, model, optimizer, tier = build(base, shm, rank, state_gib)
     if phase == "save":
@@ -97,6 +106,32 @@ def rank_main(rank: int, base: str, shm: str, phase: str, state_gib: float) -> N
     os._exit(0)  # no finalize: the next restart resumes from the same tiers
 
 
+def gloo_bound(rank: int, base: str, state_gib: float, reps: int = 3) -> None:
+    """Rank 1 sends ``state_gib`` GiB to rank 0 over gloo; rank 0 times the receive into fresh
+    memory and into warm memory (``reps`` each, alternating), see the module docstring."""
+    import torch.distributed as dist
+
+    n = int(state_gib * (1 << 30))
+    warm = torch.ones(n, dtype=torch.uint8)  # touched: warm pages on both ranks
+    times: dict[str, list[float]] = {"fresh": [], "warm": []}
+    for i in range(2 * reps):
+        kind = "fresh" if i % 2 == 0 else "warm"
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 1:
+            dist.send(warm, dst=0)
+        else:
+            into = torch.empty(n, dtype=torch.uint8) if kind == "fresh" else warm
+            dist.recv(into, src=1)
+            times[kind].append(time.perf_counter() - t0)
+            del into
+    if rank == 0:
+        with open(os.path.join(base, "report-gloo-0.json"), "w") as f:
+            json.dump(times, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def run_ranks(base: str, shm: str, phase: str, state_gib: float) -> list[dict[str, Any]]:
     init = os.path.join(base, "init-" + phase)
     if os.path.exists(init):
@@ -112,6 +147,12 @@ def run_ranks(base: str, shm: str, phase: str, state_gib: float) -> list[dict[st
             raise RuntimeError(f"{phase} rank failed ({p.returncode}):\n{out[-3000:]}")
     if phase == "save":
         return []
+    if phase == "gloo":
+        path = os.path.join(base, "report-gloo-0.json")
+        with open(path) as f:
+            bound = json.load(f)
+        os.unlink(path)
+        return [bound]
     reports = []
     for r in range(2):
         path = os.path.join(base, f"report-{phase}-{r}.json")
@@ -128,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="disk directory (default: a temp dir here)")
     p.add_argument("--shm", default="/dev/shm")
     p.add_argument("--json", default=None)
+    p.add_argument("--bound", action="store_true",
+                   help="also time the gloo transfer alone (the peer row's bound)")
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--base", default=None, help=argparse.SUPPRESS)
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)
@@ -155,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 drop_cache(os.path.join(root, name))
         runs["storage (cold)"] = [run_ranks(base, shm, "restart", args.state_gib)]
+        bound = run_ranks(base, shm, "gloo", args.state_gib)[0] if args.bound else None
     finally:
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -177,10 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, [("case", "restart from", ""), ("rank0_s", "rank 0 s", ".3f"),
                        ("slowest_s", "slowest rank s", ".3f"),
                        ("x_storage", "storage / this", ".2f"), ("runs", "runs", "d")]))
+    if bound is not None:
+        print(f"bound: {args.state_gib:g} GiB rank 1 -> rank 0 over gloo, received into fresh "
+              f"memory {median(bound['fresh']):.3f} s, into warm memory "
+              f"{median(bound['warm']):.3f} s (medians of {len(bound['fresh'])})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"state_gib": args.state_gib, "reps": args.reps, "rows": rows,
-                       "runs": runs}, f, indent=1)
+                       "runs": runs, "gloo_bound_s": bound}, f, indent=1)
     return 0
 
 
