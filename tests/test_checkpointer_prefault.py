@@ -5,6 +5,7 @@ Real writers, real files; no timings."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any
 
@@ -231,3 +232,20 @@ def test_a_synchronous_writer_prepares_nothing(tmp_path: Any) -> None:
         assert writer._saver._prefaulted.is_set() and writer._saver._slots == []
         ckpt.save(4, state)
     _assert_saved_equals(tmp_path / "ckpt_4", state)
+
+
+def test_a_forgotten_checkpointer_is_not_kept_alive_by_the_pending_prefault(
+        tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # the preparation waits in the optimizer's step hook; that hook must not hold the
+    # Checkpointer (a notebook cell run again takes over a forgotten one once it is collected)
+    state = _state(0)
+    writer = writing.ThreadWriter(timeout_s=60)
+    ckpt = snapkeep.Checkpointer(tmp_path, writer=writer)
+    loaded = ckpt.load(into=state)  # not inside an assert: pytest keeps its operands
+    assert loaded is None
+    del ckpt
+    gc.collect()
+    assert "garbage-collected without close()" in caplog.text  # its __del__ ran
+    writer.finalize()
+    _train(state, 1)  # the hook finds no open Checkpointer: nothing prepared, nothing raised
+    assert writer._saver._slots == [] and writer._saver._prefaulted.is_set()
