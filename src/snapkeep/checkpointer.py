@@ -486,6 +486,19 @@ class Checkpointer:
         generators get ``set_state``, plain values are replaced in ``into`` (as ``dcp.load``
         does), and with ``rng=True`` the global generators are restored.
 
+        Then, as the snapshot extension after its autoload, a writer that stages (the default
+        ``ThreadWriter``, a process or queue writer; not ``SimpleWriter``) prepares its staging
+        buffers for ``save(step, into)`` in a background thread: allocated and zero-filled
+        (faulted in), as many bytes as the state's tensor storages, into the one set of buffers
+        every save reuses. After a resume that starts right after the first ``step()`` of every
+        optimizer in ``into`` (training runs meanwhile); on a first run once each optimizer
+        without state (Adam before its first step) has stepped, else at once (with a torchdata
+        ``StatefulDataLoader`` in ``into``: only after an optimizer step, never from ``load``).
+        The first save then only copies instead of also faulting fresh pages in (on the
+        benchmarks' 2-vCPU VM, 1 GiB: 1.34 s into fresh pages, 0.16 s into warm ones); a save
+        arriving while the buffers are still being prepared waits for them. Storage is not
+        read again for this.
+
         Args:
             into: the same mapping as given to :meth:`save` (its keys select what is loaded).
             step: load exactly this step (no fallback); default the newest valid one.
@@ -520,6 +533,7 @@ class Checkpointer:
             entries = chosen
         if not entries:
             self._nothing_to_resume()
+            self._prepare_first_save(into, objects, resumed=False)
             return None
         if self._sharded is not None:
             loaded = self._sharded.load(into, objects, entries, before_rng=_start_iterators)
@@ -532,8 +546,40 @@ class Checkpointer:
             return None
         entry, payload = found
         self._apply(objects, into, payload, entry)
+        self._prepare_first_save(into, objects, resumed=True)
         _say(f"snapkeep: resumed from {entry.path} (step {entry.step})")
         return entry.step
+
+    def _prepare_first_save(self, into: Mapping[str, Any], objects: Mapping[str, Any], *,
+                            resumed: bool) -> None:
+        """Have the writer prepare its staging buffers for ``save(step, into)`` in a background
+        thread, as the snapshot extension does after its autoload (see
+        :meth:`snapkeep.writing.Writer.prefault`): after a resume, once every optimizer of
+        ``into`` stepped; otherwise at once, or once each optimizer without state stepped. A no-op
+        for writers that do not stage (``SimpleWriter``). Reads no storage.
+
+        A torchdata ``StatefulDataLoader`` builds its iterator (drawing its seeds) when its
+        ``state_dict()`` is called before the first ``iter(loader)``, so with one in ``into``
+        the buffers are only prepared after an optimizer step, never from here.
+        """
+        if self._writer is None:
+            return
+        optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
+        after_first_step = resumed
+        if any(isinstance(v, torch.utils.data.DataLoader) and callable(
+                getattr(v, "state_dict", None)) for v in objects.values()):
+            if not optimizers:
+                return
+            after_first_step = True
+        me = weakref.ref(self)  # an optimizer's step hook must not keep a forgotten one alive
+
+        def state() -> dict[str, Any]:
+            checkpointer = me()
+            if checkpointer is None or checkpointer._closed:
+                raise RuntimeError("the Checkpointer is closed")
+            return checkpointer._payload(0, into)  # the tree save() stages (layout only)
+
+        self._writer.prefault(state, optimizers, after_first_step=after_first_step)
 
     def _nothing_to_resume(self) -> None:
         storage, directory = self._store.storage, self._store.directory
