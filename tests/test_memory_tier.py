@@ -27,6 +27,7 @@ from snapkeep._core.memory_store import (
     job_id,
     reclaim_stale,
     tier_dir,
+    write_owner,
 )
 from snapkeep._core.storage._temps import TEMP_MARKER, base36, temp_basename
 from snapkeep.errors import MemoryTierTooSmallError, SnapshotCorruptError, SnapshotSaveError
@@ -161,6 +162,51 @@ def test_restart_resumes_from_ram_reads_no_storage_and_persists_first(tmp_path: 
     assert not os.path.exists(tier_dir(str(root), job))
     assert not os.path.exists(tier_dir(str(tmp_path / "ref_shm"),
                                        job_id(str(tmp_path / "ref"), TEMPLATE)))
+
+
+def test_retention_continues_the_killed_runs_snapshots_after_a_ram_resume(
+        tmp_path: Path) -> None:
+    """n_retains=2: the run killed at 5 left storage's step 3; resumed from RAM (step 4), the
+    rerun continues that run's lineage, so its retention deletes step 3 as a storage resume
+    would (before: step 3 belonged to another run and was kept for good)."""
+    out, root = tmp_path / "out", tmp_path / "shm"
+
+    def with_retention() -> tuple[ExtensionsManager, torch.nn.Module, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        manager = ExtensionsManager(model, optimizer, 1, iters_per_epoch=12, out_dir=str(out),
+                                    writer=writing.SimpleWriter(out_dir=str(out)))
+        manager.extend(ext.snapshot(filename=TEMPLATE, autoload=True, n_retains=2),
+                       trigger=(3, "iteration"))
+        tier = ext.memory_tier(ext.MemoryTier(every=2, replicas=0, root=str(root)))
+        manager.extend(tier)
+        return manager, model, tier
+
+    manager, model, tier = with_retention()
+    _train(manager, model, 5)
+    tier.wait()  # "killed" here: no finalize
+    resumed, model2, tier2 = with_retention()
+    _train(resumed, model2, 12)
+    assert tier2.restored is not None and tier2.restored.step == 4
+    resumed.finalize()
+    assert sorted(n for n in os.listdir(out) if n.startswith("snapshot_")) == [
+        "snapshot_iter_12", "snapshot_iter_9"]
+
+
+def test_a_finished_run_removes_what_a_run_on_more_ranks_left(tmp_path: Path) -> None:
+    """A job killed on 2 ranks (one root) and rerun on 1: the rerun resumes from storage (other
+    world size) and, once finished, leaves nothing of rank 1 in RAM either."""
+    out, root = tmp_path / "out", tmp_path / "shm"
+    job = job_id(str(out), TEMPLATE)
+    MemoryStore(str(root), job, 1).commit_state(4, {"w": torch.ones(3)}, torch.save)
+    MemoryStore(str(root), job, 0, 1).commit_state(4, {"w": torch.ones(3)}, torch.save)
+    write_owner(str(root), job, 1, world=2)
+    write_owner(str(root), job, 0, world=2)
+    manager, model = _manager(out, root)
+    _train(manager, model, 8)
+    manager.finalize()
+    assert not os.path.exists(tier_dir(str(root), job))
 
 
 def test_a_corrupt_ram_copy_falls_through_to_storage(tmp_path: Path) -> None:

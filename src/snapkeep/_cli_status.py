@@ -69,7 +69,10 @@ def status(out_dir: str, as_json: bool) -> None:
             else:
                 text = (f"running, or died without recording an outcome (killed, out of memory, "
                         f"node lost; {where}, cannot be checked from this host)")
-        line = (f"{text} at step {found.step} ({when:%Y-%m-%dT%H:%M:%SZ}, "
+        # a running state is recorded once, at start: its step is where the run started (the
+        # newest snapshot, shown by `snapkeep ls`, is where it got to)
+        at = "started at step" if found.state == "running" else "at step"
+        line = (f"{text} {at} {found.step} ({when:%Y-%m-%dT%H:%M:%SZ}, "
                 f"{found.world_size} rank(s))")
         if found.reason:
             line += f": {found.reason}"

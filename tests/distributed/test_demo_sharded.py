@@ -105,6 +105,11 @@ def test_sharded_demo_with_the_memory_tier_resumes_from_peers_ram_after_a_node_l
         for key, value in flat_expected.items():
             assert torch.equal(flat[key], value), key  # bit-identical
     assert resumed[0]["summary"]["loss"] == reference[0]["summary"]["loss"]
+    # retention continued the killed run after the RAM resume: as many snapshots kept as in
+    # the uninterrupted run, none of the killed run's left behind
+    kept = sorted(p.name for p in out.iterdir() if p.name.startswith("snapshot_iter_"))
+    assert len(kept) == len([p for p in (tmp_path / "ref").iterdir()
+                             if p.name.startswith("snapshot_iter_")]), kept
 
 
 def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:

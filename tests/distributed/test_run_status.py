@@ -140,7 +140,8 @@ def test_a_run_killed_without_a_word_stays_running_and_status_says_not_done(tmp_
         assert ready.exists(), "the run never reached iteration 3"
         host = socket.gethostname()
         code, text = _status(out)  # the run is alive: said so, still not done
-        assert code == 1 and text.startswith(f"running (pid {proc.pid} on {host}) at step 0 ("), \
+        assert code == 1 and text.startswith(
+            f"running (pid {proc.pid} on {host}) started at step 0 ("), \
             text
         body = json.loads(_status(out, "--json")[1])
         assert (body["pid"], body["host"], body["alive"]) == (proc.pid, host, True)
@@ -152,7 +153,7 @@ def test_a_run_killed_without_a_word_stays_running_and_status_says_not_done(tmp_
     code, text = _status(out)
     assert code == 1 and text.startswith(
         f"died (not running: pid {proc.pid} on {host} is gone) without recording an outcome "
-        "(killed, out of memory, node lost) at step 0 ("), text
+        "(killed, out of memory, node lost) started at step 0 ("), text
     assert json.loads(_status(out, "--json")[1])["alive"] is False
     # the SIGKILL may land mid-save: a restart sweeps such temp files; here the test does
     storage, directory = resolve_storage(str(out))

@@ -66,9 +66,10 @@ reshards). Otherwise the bytes are copied into the live local shards in place an
 applied as a storage resume applies it. A RAM step newer than storage is committed to storage as
 a SHARDED snapshot (the extension's own save, waited for) before training goes on.
 
-Cleanup: ``finalize`` after the stop trigger fired (a run that finished) removes the rank's tier;
-a crashed or killed run leaves it for its restart. At start, tiers of other jobs whose owners are
-dead and older than ``stale_after_s`` are reclaimed.
+Cleanup: ``finalize`` after the stop trigger fired (a run that finished) removes the rank's tier,
+and the directories of ranks beyond this run's world size that an earlier run of the job on
+more ranks left in the same root; a crashed or killed run leaves it for its restart. At start,
+tiers of other jobs whose owners are dead and older than ``stale_after_s`` are reclaimed.
 """
 
 from __future__ import annotations
@@ -684,6 +685,8 @@ class _MemoryTierExtension(extension.Extension):
                 finished = False
             if finished:
                 remove_rank(self.tier.root, self._job, self._rank)
+                for departed in _ranks_beyond(self.tier.root, self._job, self._world):
+                    remove_rank(self.tier.root, self._job, departed)  # a larger world's
         if self._failed and self._error is not None:
             step, cause = self._error
             self._error = None
@@ -691,6 +694,22 @@ class _MemoryTierExtension(extension.Extension):
                          "background: %s: %s", step, type(cause).__name__, cause)
             return
         self._raise_background_error()
+
+
+def _ranks_beyond(root: str, job: str, world: int) -> list[int]:
+    """Ranks >= ``world`` with a directory or owner record in ``job``'s tier under ``root``:
+    left by an earlier run of the job on more ranks (no process of this run owns them)."""
+    try:
+        names = os.listdir(tier_dir(root, job))
+    except OSError:
+        return []
+    found = set()
+    for name in names:
+        digits = name.removeprefix("owner-rank").removesuffix(".json") \
+            if name.startswith("owner-rank") else name.removeprefix("rank")
+        if name.startswith(("rank", "owner-rank")) and digits.isdigit() and int(digits) >= world:
+            found.add(int(digits))
+    return sorted(found)
 
 
 def recover_before_autoload(manager: Any) -> None:

@@ -223,6 +223,8 @@ class _ShardedSnapshot(SnapshotExtension):
         restored = getattr(manager, RESTORED_ATTRIBUTE, None)  # the memory tier resumed it
         try:
             loaded = self._autoload(manager) if self.autoload and restored is None else None
+            if self.autoload and restored is not None:
+                self._continue_stored_lineage(manager, restored.step)
         except BaseException:
             self._release_lock()
             raise
@@ -231,6 +233,23 @@ class _ShardedSnapshot(SnapshotExtension):
             self._make_snapshot(manager)  # persist the RAM step first (memory tier)
             self.wait()  # committed on every rank before training goes on
         return loaded
+
+    def _continue_run_of(self, manifest: Any) -> None:
+        """Continue the lineage of the run that committed the snapshot of ``manifest`` (its run
+        id written into this run's snapshots, its snapshots deletable by retention)."""
+        if manifest is not None and manifest.run_id is not None:
+            self._shared.run_id = manifest.run_id
+            self._shared.members = frozenset(self._shared.members | {manifest.run_id})
+
+    def _continue_stored_lineage(self, manager: Any, step: int) -> None:
+        """After the memory tier resumed the run at ``step``: continue the lineage of storage's
+        newest committed sharded snapshot at or before it (the one a storage resume would have
+        loaded; its commit marker read, no shard data), so that retention goes on deleting that
+        run's snapshots as after an autoload."""
+        store = self._sharded_store_of(manager)
+        older = [e for e in store.entries() if e.step is not None and e.step <= step]
+        if older:
+            self._continue_run_of(store.manifest(older[-1]))
 
     # -- the memory tier (training/extensions/_memory_tier.py) --------------------------------
     def memory_state(self, manager: Any, rank: int) -> dict[str, Any]:
@@ -398,9 +417,7 @@ class _ShardedSnapshot(SnapshotExtension):
             error = e
         _together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
         manifest = store.manifest(entry)
-        if manifest is not None and manifest.run_id is not None:
-            self._shared.run_id = manifest.run_id
-            self._shared.members = frozenset(self._shared.members | {manifest.run_id})
+        self._continue_run_of(manifest)
         self.loaded_entry = entry
         logger.info("rank %d resumed from sharded snapshot %s (step %s, saved on %s rank(s))",
                     self.rank, entry.path, entry.step,

@@ -207,6 +207,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             restored = getattr(manager, RESTORED_ATTRIBUTE, None)  # the memory tier resumed it
             if self.autoload and restored is None:
                 loaded = self._autoload(manager)
+            elif self.autoload and restored is not None:
+                self._continue_stored_lineage(manager, restored.step)
             elif self._is_saver() and not _lineage.has_autoloading_snapshot(manager):
                 store = self._store_of(manager, quiet=True)
                 if store is not None:
@@ -425,6 +427,18 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
                                      skipped=tuple(skipped)), quiet=self._quiet)
         return entry.name
+
+    def _continue_stored_lineage(self, manager: Any, step: int) -> None:
+        """After the memory tier resumed the run at ``step``: continue the lineage of storage's
+        newest snapshot at or before it (the one a storage resume would have loaded; one
+        manifest read from the start-up listing, no snapshot data), so that retention goes on
+        deleting that run's snapshots as after an autoload."""
+        store = self._store_of(manager, quiet=True)
+        if store is None:
+            return
+        older = [e for e in store.entries() if e.step is not None and e.step <= step]
+        if older:
+            self._shared.adopt(store, older, older[-1])
 
     def _apply(self, target: Any, state: Any, entry: Entry) -> None:
         """Check that ``state`` fits ``target`` entirely, then load it (all or nothing)."""
