@@ -64,6 +64,11 @@ def test_kill_9_of_torchrun_ends_its_workers_and_the_rerun_resumes(tmp_path):
         while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in workers), "a worker outlived its torchrun agent"
+        assert job.stdout is not None
+        said = job.stdout.read()  # every writer of the pipe is gone: read to its end
+        # each worker ends itself with the message, none with a traceback first (a peer's
+        # collective failing because the other worker already ended)
+        assert said.count("torchrun's agent") == 2 and "Traceback" not in said, said[-3000:]
     finally:
         for pid in workers:
             if _alive(pid):

@@ -34,6 +34,7 @@ from typing import Any, cast
 import torch
 
 import snapkeep.reporting as reporting
+from snapkeep.distributed import end_if_orphaned
 from snapkeep.training._manager_protocol import (
     ExtensionsManagerProtocol,
     StateObjectProtocol,
@@ -357,6 +358,9 @@ class ExtensionsManager:
     def _run_on_error(self, exc: Exception) -> None:
         if self._run_on_error_called:
             return
+        # a torchrun worker whose agent was killed: the error is most likely a collective with
+        # a peer worker that already ended for that reason; end the same way, no traceback
+        end_if_orphaned()
         self._run_on_error_called = True
         tb = exc.__traceback__
         if tb is None:  # only for exceptions created but never raised

@@ -13,6 +13,11 @@ killed at once; a bare torchrun has no such guarantee.
 had been killed whole. That is a crash snapkeep is built to survive: the rerun resumes from the
 newest committed snapshot. ``PR_SET_PDEATHSIG`` is not used: it fires when the *thread* that
 started the child ends, which a launcher may do while it lives on.
+
+The first worker to notice ends, and the other's next collective with it fails at once ("Connection
+closed by peer"), often before its own watch looks again: :func:`end_if_orphaned`, called where an
+iteration's error is handled (the manager's ``on_error``), ends that worker the same way, with the
+same message instead of a traceback of the lost peer.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ INTERVAL_S = 1.0
 """Default seconds between two checks of the parent process."""
 
 _started = False
+_parent: int | None = None  # the agent's pid when the watch started
 _lock = threading.Lock()
 
 
@@ -45,7 +51,7 @@ def watch_launcher(interval_s: float = INTERVAL_S) -> bool:
     Raises:
         ValueError: ``interval_s`` is not a positive number of seconds.
     """
-    global _started
+    global _started, _parent
     if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) \
             or interval_s <= 0:
         raise ValueError(f"interval_s must be a positive number of seconds, got {interval_s!r}")
@@ -57,22 +63,34 @@ def watch_launcher(interval_s: float = INTERVAL_S) -> bool:
     with _lock:
         if _started:
             return True
-        _started = True
+        _started, _parent = True, parent
     thread = threading.Thread(target=_watch, args=(parent, float(interval_s)), daemon=True,
                               name="snapkeep-launcher-watch")
     thread.start()
     return True
 
 
+def end_if_orphaned() -> None:
+    """End this worker now, as the watch would within ``interval_s``, when its torchrun agent is
+    gone (see the module docstring); otherwise (or without a watch) return."""
+    parent = _parent
+    if parent is not None and os.getppid() != parent:
+        _end(parent)
+
+
 def _watch(parent: int, interval_s: float) -> None:
     stop = threading.Event()
     while not stop.wait(interval_s):
         if os.getppid() != parent:
-            try:
-                sys.stderr.write(f"snapkeep: torchrun's agent (pid {parent}) is gone; ending this "
-                                 f"worker (pid {os.getpid()}) as the job was killed. Rerun the "
-                                 "same command to resume from the newest committed snapshot.\n")
-                sys.stderr.flush()
-            except Exception:  # noqa: BLE001 -- a closed stderr must not keep the worker alive
-                pass
-            os.kill(os.getpid(), signal.SIGKILL)
+            _end(parent)
+
+
+def _end(parent: int) -> None:
+    try:
+        sys.stderr.write(f"snapkeep: torchrun's agent (pid {parent}) is gone; ending this "
+                         f"worker (pid {os.getpid()}) as the job was killed. Rerun the same "
+                         "command to resume from the newest committed snapshot.\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001 -- a closed stderr must not keep the worker alive
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
