@@ -383,6 +383,8 @@ def test_snapkeep_ls_memory_shows_what_each_tier_holds(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["ls", "--memory", str(root)])
     assert result.exit_code == 0, result.output
     assert "ram_iter_4" in result.output and f"pid {os.getpid()}" in result.output
+    missing = CliRunner().invoke(cli, ["ls", "--memory", str(tmp_path / "no-such-root")])
+    assert missing.exit_code == 2 and "is not a directory" in missing.output  # as plain ls
 
 
 # -- the store contract's steps, for the node-RAM kind ------------------------------------------

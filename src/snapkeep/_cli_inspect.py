@@ -7,6 +7,7 @@ is removed or changes meaning) are documented in ``docs/cli.md``.
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 from typing import Any
@@ -91,6 +92,9 @@ def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
     status (ok, corrupt, no manifest); with --memory, the memory tiers under DIR. Exits 0 even
     when there are none."""
     if memory:
+        if not os.path.isdir(directory):  # a tmpfs root is a local directory
+            raise click.BadParameter(f"{directory!r} is not a directory (--memory takes the "
+                                     "memory tier's root, e.g. /dev/shm)", param_hint="'DIR'")
         _ls_memory(directory, as_json)
         return
     with storage_errors(directory):
