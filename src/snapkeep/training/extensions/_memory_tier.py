@@ -111,6 +111,7 @@ from snapkeep.store import (
     owners,
     reclaim_stale,
     remove_rank,
+    resolve_storage,
     tier_bytes,
     tier_dir,
     write_owner,
@@ -326,6 +327,9 @@ class _MemoryTierExtension(extension.Extension):
         for snap in snapshots:
             writer = getattr(snap, "writer", None) or manager.writer
             storage_for = getattr(writer, "storage_for", None)
+            if not callable(storage_for) and type(writer).__module__.startswith(
+                    "pytorch_pfn_extras."):  # ppe's default writer: the snapshot extension
+                storage_for = resolve_storage  # writes with a snapkeep one into manager.out
             template = getattr(snap, "filename", None)
             if not callable(storage_for) or not isinstance(template, str):
                 continue
