@@ -322,9 +322,12 @@ class _MemoryTierExtension(extension.Extension):
         return None
 
     def _storage_step(self, manager: Any, snapshots: list[Any]) -> int | None:
-        """The newest step listed on storage by this rank (names only: nothing opened)."""
+        """The newest step listed on storage by this rank (names only: nothing opened), of the
+        snapshots of the whole manager, which a RAM snapshot competes with (a ``snapshot_object``
+        of a model alone, however new, is not a resumable step of the run)."""
         newest: int | None = None
-        for snap in snapshots:
+        whole = [s for s in snapshots if getattr(s, "_target", None) is None]
+        for snap in whole or snapshots:
             writer = getattr(snap, "writer", None) or manager.writer
             storage_for = getattr(writer, "storage_for", None)
             if not callable(storage_for) and type(writer).__module__.startswith(
