@@ -28,7 +28,8 @@ A snapshot in flight (handle, slot, ticket) is :mod:`.ticket`.
 Lending (:meth:`Saver.lend`): a slot keeps its staged copy after the commit, until it is staged
 again; a second reader of the same state at the same step (the memory tier) borrows it instead
 of staging a second copy, and the slot is not staged again while the loan is out (a snapshot
-that needs it waits, as for a slot still being written).
+that needs it waits, as for a slot still being written, whatever ``on_full``: a lent slot holds
+no snapshot in flight, so ``'skip'`` and ``'replace'`` drop nothing for it).
 
 Errors: a failed background save is raised once, as :class:`SnapshotSaveError` with the original
 exception as ``__cause__``, at the next ``save()`` or at ``finalize()``; later saves still run.
@@ -386,13 +387,16 @@ class Saver(DrainedAtExit):
                     slot = Slot(buffers=self._new_buffers(), handle=handle)
                     self._slots.append(slot)
                     return slot
-                if self.on_full == "skip":
+                # a slot only lent (its snapshot committed) frees within a bounded serialisation:
+                # wait for it; skip (and replace) only for snapshots still in flight
+                only_lent = any(s.handle is None for s in self._slots)
+                if self.on_full == "skip" and not only_lent:
                     busy = [s.handle.path for s in self._slots if s.handle is not None]
                     logger.warning(
                         "skipping snapshot %s (step %s): %d snapshot(s) still in flight %s "
                         "(on_full='skip')", handle.path, handle.step, len(busy), busy)
                     return None
-                if self.on_full == "replace":
+                if self.on_full == "replace" and not only_lent:
                     for slot in self._slots:
                         old = slot.handle
                         if old is not None and not slot.started and not slot.loans \

@@ -112,6 +112,7 @@ from snapkeep.store import (
     owners,
     reclaim_stale,
     remove_rank,
+    resolve_storage,
     tier_bytes,
     tier_dir,
     write_owner,
@@ -322,11 +323,17 @@ class _MemoryTierExtension(extension.Extension):
         return None
 
     def _storage_step(self, manager: Any, snapshots: list[Any]) -> int | None:
-        """The newest step listed on storage by this rank (names only: nothing opened)."""
+        """The newest step listed on storage by this rank (names only: nothing opened), of the
+        snapshots of the whole manager, which a RAM snapshot competes with (a ``snapshot_object``
+        of a model alone, however new, is not a resumable step of the run)."""
         newest: int | None = None
-        for snap in snapshots:
+        whole = [s for s in snapshots if getattr(s, "_target", None) is None]
+        for snap in whole or snapshots:
             writer = getattr(snap, "writer", None) or manager.writer
             storage_for = getattr(writer, "storage_for", None)
+            if not callable(storage_for) and type(writer).__module__.startswith(
+                    "pytorch_pfn_extras."):  # ppe's default writer: the snapshot extension
+                storage_for = resolve_storage  # writes with a snapkeep one into manager.out
             template = getattr(snap, "filename", None)
             if not callable(storage_for) or not isinstance(template, str):
                 continue
