@@ -411,10 +411,14 @@ class Saver(DrainedAtExit):
                             return slot
                 if not self._wait_step(deadline, handle.path):
                     busy = [s.handle.path for s in self._slots if s.handle is not None]
+                    lent = [s.holds.path for s in self._slots
+                            if s.handle is None and s.loans and s.holds is not None]
                     raise SnapshotTimeoutError(
                         f"snapshot {handle.path!r} waited {self.timeout_s} s for a slot: "
-                        f"{self.max_pending} earlier snapshot(s) still writing {busy}; raise "
-                        "timeout_s or max_pending, or use on_full='skip'"
+                        f"{self.max_pending} earlier snapshot(s) still writing {busy}"
+                        + (f", or with their staged copy {lent} lent to the memory tier"
+                           if lent else "")
+                        + "; raise timeout_s or max_pending, or use on_full='skip'"
                     )
 
     def _wait_step(self, deadline: float | None, what: str) -> bool:

@@ -125,18 +125,20 @@ class StagedLoan:
     _timeout_s: float | None = None
     _warn_after_s: float = 30.0
 
-    def wait_staged(self) -> None:
-        """Block until the copy is final (any thread; see the class docstring).
+    def wait_staged(self, timeout_s: float | None = None) -> None:
+        """Block until the copy is final (any thread; see the class docstring), at most
+        ``timeout_s`` seconds (default: the writer's ``timeout_s``).
 
         Raises:
             StagingRaceError: the snapshot's overlapped staging raced with training: it was
                 dropped, and so must this copy be.
-            SnapshotTimeoutError: no verdict within the writer's ``timeout_s``.
+            SnapshotTimeoutError: no verdict within ``timeout_s``.
             Exception: the staging's own error.
         """
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
         verdict = self.handle.verdict
         if verdict is not None:
-            verdict.wait(self._timeout_s, self._warn_after_s)
+            verdict.wait(timeout_s, self._warn_after_s)
         else:
             self.handle.staged.result()
 

@@ -293,7 +293,10 @@ class _MemoryTierExtension(extension.Extension):
         # SHARDED snapshots: each rank's RAM snapshot is its part of what they save
         self._sharded = next((s for s in snapshots if callable(getattr(s, "memory_state", None))),
                              None)
-        template = str(getattr(snapshots[0], "filename", "")) if snapshots else ""
+        # the job is named after the snapshot of the whole manager (a snapshot_object
+        # registered first must not move the tier)
+        named = [s for s in snapshots if getattr(s, "_target", None) is None] or snapshots
+        template = str(getattr(named[0], "filename", "")) if named else ""
         self._job = tier.job or job_id(str(manager.out), template)
         reclaim_stale(tier.root, keep=self._job, stale_after_s=tier.stale_after_s)
         state = canonical_tree(manager, manager.state_dict())
@@ -579,7 +582,7 @@ class _MemoryTierExtension(extension.Extension):
             buf = io.BytesIO()
             if loan is not None:
                 try:
-                    loan.wait_staged()
+                    loan.wait_staged(self.tier.timeout_s)  # the tier's bound, not the writer's
                     torch.save(loan.tree, buf)
                 except StagingRaceError as e:
                     logger.warning("memory tier: no RAM snapshot of step %d: the snapshot "
