@@ -19,10 +19,13 @@ durable snapshot, overlap on, and ``MemoryTier(every=segment, replicas=0)`` in a
   every step cost before);
 - ``no snapshot``: the baseline for CPU time.
 
-Per run: **call s** = the time inside the manager's extensions at a triggering iteration (the
-stall the loop sees at the call: the staging copy), median over the triggers after the first
-(the first pays fresh pages); **CPU s per snapshot** = the process's CPU time (all threads) over
-the run minus the ``no snapshot`` run's, per trigger, with everything waited for at the end;
+Per run: before each triggering iteration the writer's and the tier's background work is waited
+for, outside the timing (**spill s**: how long that took, i.e. how much of it a segment did not
+absorb); **call s** = the time inside the manager's extensions at a triggering iteration (the
+stall the loop sees at the call, with nothing in flight: the staging copy), median over the
+triggers after the first (the first pays fresh pages); **CPU s per snapshot** = the process's
+CPU time (all threads) over the run minus the ``no snapshot`` run's, per trigger, with
+everything waited for at the end;
 **peak RSS GiB** = the process's maximum resident set (``ru_maxrss``). Contenders run in ABBA
 order over ``--reps`` repetitions, fresh processes; tables give medians.
 """
@@ -72,6 +75,7 @@ def child(contender: str, work: str, shm: str, state_gib: float, triggers: int,
     if contender == "snapshot + tier, shared staging":
         manager.extend(tier)
     calls: list[float] = []
+    spills: list[float] = []
     run_extensions = manager.run_extensions
 
     def timed() -> None:
@@ -84,6 +88,12 @@ def child(contender: str, work: str, shm: str, state_gib: float, triggers: int,
     manager.start_extensions()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     for _ in range(triggers * segment):
+        if (manager.iteration + 1) % segment == 0 and contender != "no snapshot":
+            began = time.perf_counter()  # nothing in flight at the call: staging alone
+            if contender in CONTENDERS[2:]:
+                tier.wait()
+            writer.wait()
+            spills.append(time.perf_counter() - began)
         with manager.run_iteration(step_optimizers=["main"]):
             pass  # the gradients stay: each step is an Adam step over the whole state
     if contender in CONTENDERS[2:]:
@@ -92,7 +102,8 @@ def child(contender: str, work: str, shm: str, state_gib: float, triggers: int,
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     borrowed = contender in CONTENDERS[2:] and tier._buffers is None
     manager.finalize()
-    return {"calls_s": calls, "cpu_s": cpu, "wall_s": wall, "triggers": triggers,
+    return {"calls_s": calls, "spills_s": spills, "cpu_s": cpu, "wall_s": wall,
+            "triggers": triggers,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
             "tier_staged_own": contender in CONTENDERS[2:] and not borrowed}
 
@@ -143,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             "contender": contender,
             "first_call_s": median([r["calls_s"][0] for r in rs]),
             "call_s": median([median(r["calls_s"][1:]) for r in rs]),
+            "spill_s": median([median(r["spills_s"][1:]) for r in rs]),
             "cpu_per_snapshot_s": median([(r["cpu_s"] - base_cpu) / r["triggers"] for r in rs]),
             "peak_rss_gib": median([r["peak_rss_gib"] for r in rs]),
             "tier_staged_own": any(r["tier_staged_own"] for r in rs),
@@ -153,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{median([r['peak_rss_gib'] for r in runs['no snapshot']]):.2f} GiB")
     print(table(rows, [("contender", "contender", ""), ("first_call_s", "first call s", ".3f"),
                        ("call_s", "later calls s", ".3f"),
+                       ("spill_s", "spill s", ".3f"),
                        ("cpu_per_snapshot_s", "CPU s per snapshot", ".3f"),
                        ("peak_rss_gib", "peak RSS GiB", ".2f"),
                        ("tier_staged_own", "tier staged own", "")]))

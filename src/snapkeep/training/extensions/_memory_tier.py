@@ -80,6 +80,7 @@ import io
 import logging
 import mmap
 import os
+import re
 import threading
 import types
 import warnings
@@ -554,18 +555,17 @@ class _MemoryTierExtension(extension.Extension):
         self._drain(f"RAM snapshot of step {step}")
         self._raise_background_error()
         self._own_tier()
-        if self._sharded is not None:  # this rank's local shards and its non-tensor state
-            tree = self._sharded.memory_state(manager, self._rank)
-        else:
-            tree = canonical_tree(manager, manager.state_dict())
         loan = None if self._sharded is not None else _borrow(manager)
-        if loan is not None:  # the snapshot staged this step's state: no second staging
-            staged = None
-        else:
+        staged = None  # with a loan: the snapshot staged this step's state, no second staging
+        if loan is None:
+            if self._sharded is not None:  # this rank's local shards and its non-tensor state
+                tree = self._sharded.memory_state(manager, self._rank)
+            else:
+                tree = canonical_tree(manager, manager.state_dict())
             if self._buffers is None:
                 self._buffers = BufferSet()
             staged, _ = self._buffers.stage(tree)
-        del tree
+            del tree
         self._in_flight, self._loan = step, loan
         self._thread = threading.Thread(
             target=self._commit_in_background, args=(step, staged, loan), daemon=True,
@@ -713,13 +713,9 @@ def _ranks_beyond(root: str, job: str, world: int) -> list[int]:
         names = os.listdir(tier_dir(root, job))
     except OSError:
         return []
-    found = set()
-    for name in names:
-        digits = name.removeprefix("owner-rank").removesuffix(".json") \
-            if name.startswith("owner-rank") else name.removeprefix("rank")
-        if name.startswith(("rank", "owner-rank")) and digits.isdigit() and int(digits) >= world:
-            found.add(int(digits))
-    return sorted(found)
+    ranks = {int(m.group(1)) for n in names
+             if (m := re.fullmatch(r"(?:owner-)?rank(\d+)(?:\.json)?", n))}
+    return sorted(r for r in ranks if r >= world)
 
 
 def recover_before_autoload(manager: Any) -> None:
