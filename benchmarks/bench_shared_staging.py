@@ -8,7 +8,8 @@ Usage::
     python benchmarks/bench_shared_staging.py --quick     # 64 MiB, 2 runs: a smoke run
 
 State: ``bench_resume.make_model`` (a model of 1/3 of ``--state-gib`` in 8 float32 tensors plus
-Adam's two moments), one torch thread. A training iteration is an Adam step over the state.
+Adam's two moments), one torch thread. A training iteration is an Adam step over the state (the
+same gradient tensors every iteration).
 Each run is a fresh process that trains ``--triggers`` x ``--segment`` iterations; the first
 iteration of each segment fires the contender's extensions (all with ``ThreadWriter`` for the
 durable snapshot, overlap on, and ``MemoryTier(every=segment, replicas=0)`` in a tmpfs directory):
@@ -59,8 +60,9 @@ def child(contender: str, work: str, shm: str, state_gib: float, triggers: int,
           segment: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, optimizer = make_model(state_gib)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
+    grads = [torch.full_like(p, 1e-3) for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
     optimizer.step()  # Adam's moments exist: the whole state
     out = os.path.join(work, "out")
     writer = writing.ThreadWriter(out_dir=out)
@@ -94,8 +96,9 @@ def child(contender: str, work: str, shm: str, state_gib: float, triggers: int,
                 tier.wait()
             writer.wait()
             spills.append(time.perf_counter() - began)
-        with manager.run_iteration(step_optimizers=["main"]):
-            pass  # the gradients stay: each step is an Adam step over the whole state
+        with manager.run_iteration(step_optimizers=["main"]):  # zero_grad(), body, step()
+            for p, g in zip(model.parameters(), grads):  # an Adam step over the whole state
+                p.grad = g  # the same gradient tensors every iteration (no fresh pages)
     if contender in CONTENDERS[2:]:
         tier.wait()
     writer.wait()
