@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed
 
+from snapkeep.store import run_status
 from snapkeep.training.extensions import EXIT_CODE_PREEMPTED
 from support.ranks import finish, reports, run, start
 
@@ -51,6 +52,9 @@ def test_sigterm_to_one_rank_snapshots_one_iteration_exits_and_the_rerun_resumes
     # only the saver rank wrote, exactly the preempted iteration (the trigger is 1000 away)
     snapshots = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
     assert snapshots == [f"snapshot_iter_{step}"]  # ".snapkeep": the job's lock and state
+    recorded = run_status(str(out))  # rank 0 records it, naming where the signal came
+    assert recorded is not None and recorded.reason == (
+        "signal SIGTERM" if signalled == 0 else "signal SIGTERM on rank 1"), recorded
 
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()

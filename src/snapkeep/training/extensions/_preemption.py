@@ -40,9 +40,16 @@ SIGTERM reports; torchrun and schedulers read it as 'terminated')."""
 PRIORITY_PREEMPTION = extension.PRIORITY_SNAPSHOT - 100
 """Runs after the snapshot extensions of the same iteration."""
 
-_FAILED = 2
+_FAILED = 1 << 30
 """The per-iteration agreement's value from a rank whose iteration raised (its ``on_error``):
-the other ranks then gather its error and raise :class:`~snapkeep.errors.RankFailedError`."""
+the other ranks then gather its error and raise :class:`~snapkeep.errors.RankFailedError`.
+Above every :func:`_signalled` value, so the maximum over the ranks reports the failure."""
+
+
+def _signalled(signum: int, rank: int) -> int:
+    """The agreement's value from ``rank`` signalled with ``signum`` (0 < value < _FAILED): the
+    maximum over the ranks names one signal and a rank that received it."""
+    return (signum << 20) | (rank & 0xFFFFF)
 
 
 def preemption(
@@ -191,24 +198,27 @@ class Preemption(extension.Extension):
 
     # -- each iteration --------------------------------------------------------------------------
     def __call__(self, manager: Any) -> None:
-        requested = self._agree(len(self.received) > 0, manager)
+        requested = self._agree(manager)
         if not requested:
             return
-        self._preempt(manager)
+        self._preempt(manager, requested)
 
-    def _agree(self, local: bool, manager: Any) -> bool:
-        """Whether any rank was signalled. Raises :class:`~snapkeep.errors.RankFailedError`
-        when a rank reports its failure instead (see :meth:`on_error`)."""
+    def _agree(self, manager: Any) -> int:
+        """0 when no rank was signalled, else a :func:`_signalled` value of some rank that was.
+        Raises :class:`~snapkeep.errors.RankFailedError` when a rank reports its failure
+        instead (see :meth:`on_error`)."""
+        rank = self._groups.rank if self._groups else 0
+        local = _signalled(self.received[0], rank) if self.received else 0
         if self._groups is None:
             return local
-        value = self._all_reduce(1 if local else 0)
+        value = self._all_reduce(local)
         if value == _FAILED:
             from snapkeep.distributed import exchange_outcomes
 
             self._told = True
             exchange_outcomes(self._groups.control, None, what=_failed_at(manager),
                               timeout_s=self.timeout_s)
-        return value > 0
+        return value
 
     def _all_reduce(self, value: int) -> int:
         """The maximum of ``value`` over the ranks (one collective on the control group)."""
@@ -230,7 +240,7 @@ class Preemption(extension.Extension):
             self._agreeing = False
         return int(flag.item())
 
-    def _preempt(self, manager: Any) -> None:
+    def _preempt(self, manager: Any, agreed: int) -> None:
         from snapkeep.distributed import exchange_outcomes
 
         iteration = int(manager.iteration)
@@ -264,7 +274,8 @@ class Preemption(extension.Extension):
             manager, snapshots=[e._template.format(manager) for e in snapshots
                                 if e._template.parsable],
             reason="signal " + ", ".join(sorted({signal.Signals(s).name for s in self.received}))
-            if self.received else "signal on another rank")
+            if self.received else f"signal {_signal_name(agreed >> 20)} on rank "
+                                  f"{agreed & 0xFFFFF}")
         if self.requeue and rank == 0:
             _requeue()
         if self._groups is not None:
@@ -275,6 +286,13 @@ class Preemption(extension.Extension):
                        "(run the same command again to resume from it)", rank, iteration,
                        self.exit_code)
         raise SystemExit(self.exit_code)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 def _failed_at(manager: Any) -> str:
