@@ -149,10 +149,16 @@ def test_the_tier_stages_its_own_copy_when_there_is_none_to_borrow(
     manager.finalize()
 
 
-def test_the_writer_does_not_stage_over_a_lent_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("on_full", ["block", "skip", "replace"])
+def test_the_writer_does_not_stage_over_a_lent_copy(tmp_path: Path, on_full: str) -> None:
     """One slot (``max_pending=1``): the next snapshot waits while the committed copy is lent,
-    then stages over it; the loan saw the first snapshot's values throughout."""
-    writer = writing.ThreadWriter(out_dir=str(tmp_path), timeout_s=WAIT_S, max_pending=1)
+    then stages over it; the loan saw the first snapshot's values throughout. A lent slot holds
+    no snapshot in flight, so with ``on_full='skip'`` or ``'replace'`` too the next snapshot
+    waits for the return (bounded: the tier's serialisation) instead of being dropped (a tier
+    serialising a large state used to make every other snapshot of a ``skip`` writer vanish,
+    logged as '0 snapshot(s) still in flight')."""
+    writer = writing.ThreadWriter(out_dir=str(tmp_path), timeout_s=WAIT_S, max_pending=1,
+                                  on_full=on_full)
     t = torch.full((1000,), 1.0)
     writer("a", str(tmp_path), {"t": t})
     handle = writer.last_handle
@@ -165,11 +171,12 @@ def test_the_writer_does_not_stage_over_a_lent_copy(tmp_path: Path) -> None:
     second = threading.Thread(target=writer, args=("b", str(tmp_path), {"t": t}))
     second.start()
     second.join(0.5)
-    assert second.is_alive()  # waits for the loan
+    assert second.is_alive()  # waits for the loan (not skipped, nothing replaced)
     assert torch.equal(loan.tree["t"], torch.full((1000,), 1.0))
     loan.release()
     second.join(WAIT_S)
     assert not second.is_alive()
+    assert writer.last_handle is not None and writer.last_handle is not handle  # taken
     loan.release()  # a second return does nothing
     writer.wait()
     assert torch.equal(torch.load(tmp_path / "b", weights_only=True)["t"], t)
@@ -198,34 +205,3 @@ def test_a_process_writer_finalized_with_a_loan_out_keeps_the_copy_until_returne
     loan.release()
     assert not os.path.exists(f"/dev/shm/{name}")
     assert torch.equal(torch.load(tmp_path / "a", weights_only=True)["t"], t)
-
-
-@pytest.mark.parametrize("on_full", ["skip", "replace"])
-def test_a_lent_copy_makes_skip_and_replace_wait_not_drop(tmp_path: Path, on_full: str) -> None:
-    """A slot whose snapshot committed but whose copy is still lent holds no snapshot in flight:
-    with ``on_full='skip'`` or ``'replace'`` the next snapshot waits for the return (bounded: the
-    tier's serialisation) instead of being dropped, as it would not have been without the loan
-    (a tier serialising a large state used to make every other snapshot of a ``skip`` writer
-    vanish, logged as '0 snapshot(s) still in flight')."""
-    writer = writing.ThreadWriter(out_dir=str(tmp_path), timeout_s=WAIT_S, max_pending=1,
-                                  on_full=on_full)
-    t = torch.full((1000,), 1.0)
-    writer("a", str(tmp_path), {"t": t})
-    handle = writer.last_handle
-    assert handle is not None
-    loan = writer.lend_staged(handle)
-    assert loan is not None
-    loan.wait_staged()
-    handle.committed.result(WAIT_S)
-    t.fill_(2.0)
-    second = threading.Thread(target=writer, args=("b", str(tmp_path), {"t": t}))
-    second.start()
-    second.join(0.5)
-    assert second.is_alive()  # waits for the loan instead of skipping
-    loan.release()
-    second.join(WAIT_S)
-    assert not second.is_alive()
-    assert writer.last_handle is not None  # taken, not skipped
-    writer.wait()
-    assert torch.equal(torch.load(tmp_path / "b", weights_only=True)["t"], t)
-    writer.finalize()
