@@ -329,18 +329,17 @@ class ShardedStore:
         directory without the in-progress mark. Rank 0, at start, before the first save."""
         del lineage  # an in-progress directory has no run id yet: any crashed save of ours
         removed = []
-        uncommitted = self.uncommitted()
-        for entry in uncommitted:
-            logger.info("removing uncommitted sharded snapshot directory %s (snapkeep's own "
-                        "save, no marker: left by a crash)", entry.path)
-            if self.delete(entry, by="sweep"):
-                removed.append(entry.path)
-        # a save killed while writing its in-progress mark leaves only the mark's temp file
-        # (ours by its name): the directory is kept, the temp of a dead writer removed, so that
-        # a save of the same step into it later commits no stray file
-        swept = {e.path for e in uncommitted}
         for entry in self._candidates():
-            if entry.path not in swept and not self.storage.exists(self.marker_path(entry.path)):
+            if self.storage.exists(self.marker_path(entry.path)):
+                continue  # committed
+            if self.storage.exists(self.storage.join(entry.path, IN_PROGRESS_NAME)):
+                logger.info("removing uncommitted sharded snapshot directory %s (snapkeep's own "
+                            "save, no marker: left by a crash)", entry.path)
+                if self.delete(entry, by="sweep"):
+                    removed.append(entry.path)
+            else:  # a save killed while writing its in-progress mark leaves only the mark's
+                # temp file (ours by its name): the directory is kept, the dead writer's temp
+                # removed, so that a later save of that step commits no stray file
                 removed += self.storage.remove_stale_temps(entry.path)
         return removed
 
