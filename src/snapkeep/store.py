@@ -4,8 +4,11 @@
 their manifests, loads the newest valid one, deletes, applies retention, sweeps stale temps and
 orphan manifests, and takes the directory lock; see :mod:`snapkeep._core.store`.
 :class:`MemoryStore` is the node-RAM kind of the memory tier (one rank's snapshots in a tmpfs).
-:func:`open_store` builds one from a directory or URL as the writers do. :func:`run_status` reads
-how the last run in a directory ended (written by ``extensions.preemption``).
+:func:`open_store` builds one from a directory or URL as the writers do. :class:`Session` is
+what every door (snapshot extensions, Checkpointer, Lightning, Hugging Face) does with a store:
+open, resume, the retention stage, close (see :mod:`snapkeep._core.session`).
+:func:`run_status` reads how the last run in a directory ended (written by
+``extensions.preemption``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from snapkeep._core.lineage import RunLineage, warn_about_existing
 from snapkeep._core.loading import load_file
 from snapkeep._core.lock import StoreLock
 from snapkeep._core.lookalikes import lookalike_message
@@ -40,10 +44,20 @@ from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.one_pass import one_pass_loader
 from snapkeep._core.preflight import check_writable
+from snapkeep._core.resume_notice import (
+    INCOMPLETE_SHARDED,
+    ResumeNotice,
+    Skipped,
+    announce,
+    check_quiet,
+    skipped_on_ranks,
+)
+from snapkeep._core.retention_check import MetricCheck
 from snapkeep._core.run_status import RunStatus
 from snapkeep._core.run_status import is_alive as run_is_alive
 from snapkeep._core.run_status import read_status as read_run_status
 from snapkeep._core.run_status import write_status as write_run_status
+from snapkeep._core.session import Session
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.store import (
     DECODE_ERRORS,
@@ -84,7 +98,9 @@ __all__ = [
     "check_writable", "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus",
     "read_run_status", "write_run_status", "run_status", "lookalike_message", "SaveHandle",
     "StoreKind", "newest_valid", "require_one_kind", "run_is_alive", "Listed",
-    "CandidateRefused",
+    "CandidateRefused", "Session", "RunLineage", "warn_about_existing", "MetricCheck",
+    "INCOMPLETE_SHARDED", "ResumeNotice", "Skipped", "announce", "check_quiet",
+    "skipped_on_ranks",
 ]
 
 

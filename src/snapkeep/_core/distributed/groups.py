@@ -105,6 +105,17 @@ def require_initialized(who: str) -> None:
             "(torch.distributed.init_process_group, e.g. under torchrun) before it is created")
 
 
+def job_rank() -> int:
+    """This process's rank in the job: the default process group's when one is initialized,
+    else torchrun's ``RANK`` environment variable, else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def is_distributed() -> bool:
     """Whether a default process group exists (else snapkeep runs single-process)."""
     return dist.is_available() and dist.is_initialized()

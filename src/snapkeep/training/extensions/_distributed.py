@@ -36,14 +36,16 @@ from snapkeep.distributed import (
     exchange_outcomes,
 )
 from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError
-from snapkeep.store import Entry, SnapshotStore, load_file
-from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
-from snapkeep.training.extensions._resume_notice import (
+from snapkeep.store import (
+    Entry,
     ResumeNotice,
     Skipped,
+    SnapshotStore,
     announce,
+    load_file,
     skipped_on_ranks,
 )
+from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
 
 logger = logging.getLogger(__name__)

@@ -52,15 +52,17 @@ from snapkeep.distributed import (
 )
 from snapkeep.errors import RankFailedError, SnapshotError, UnsafeSnapshotError
 from snapkeep.retention import RetentionPolicy, best_metrics
-from snapkeep.store import ON_ERROR_SUFFIX, Entry
-from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
-from snapkeep.training.extensions._resume_notice import (
+from snapkeep.store import (
     INCOMPLETE_SHARDED,
+    ON_ERROR_SUFFIX,
+    Entry,
     ResumeNotice,
+    Session,
     Skipped,
     announce,
     skipped_on_ranks,
 )
+from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
 from snapkeep.training.extensions._snapshot_extension import SnapshotExtension, observed_metrics
 from snapkeep.writing import Writer as _SnapkeepWriter
@@ -172,6 +174,15 @@ class _ShardedSnapshot(SnapshotExtension):
                 storage_options=getattr(writer, "_storage_options", None))
         return self._sharded_store
 
+    def _sharded_session_of(self, manager: Any) -> Session:
+        """The engine session on the sharded store (its start-up, lock and retention input
+        check; the store's lineage is this manager's)."""
+        store = self._sharded_store_of(manager)
+        if self._session is None or self._session.store is not store:
+            self._session = Session(store, policy=self._retention, lineage=self._shared,
+                                    quiet=self._quiet)
+        return self._session
+
     def _engine(self, manager: Any) -> ShardedSaver:
         if self._saver is None:
             retain = self._retain if self.rank == 0 and self._retention is not None else None
@@ -194,32 +205,16 @@ class _ShardedSnapshot(SnapshotExtension):
         recover_before_autoload(manager)  # a memory tier resumes from RAM before storage is read
         if is_distributed():
             self._groups = background_groups(self.timeout_s)
-        store = self._sharded_store_of(manager)
+        session = self._sharded_session_of(manager)
         control = self._groups.control if self._groups else None
         timeout_s = self._groups.timeout_s if self._groups else None
-        error: BaseException | None = None
-        if self.rank == 0:  # the store's start-up, before anything runs (every rank hears)
-            try:
-                store.storage.makedirs(store.directory)
-                store.hold_listing()  # the start-up lists out_dir once (the store keeps it)
-                store.check_kind()
-                if self._lock is None:
-                    self._lock = store.lock()
-                # the resume notice names what the sweep removes (snapkeep's crashed saves)
-                self._incomplete = store.uncommitted()
-                store.sweep(self._lineage)
-            except Exception as e:  # exchanged: every rank raises the same error
-                error = e
-        if error is not None and control is None:
-            raise error  # single process: the store's own error (StoreLockedError, ValueError)
-        try:
-            exchange_outcomes(control, error, what=f"starting {store.template.template!r} in "
-                              f"{store.directory!r}", timeout_s=timeout_s)
-        except BaseException as e:
-            self._release_lock()
-            if error is not None:
-                raise error from e  # rank 0 keeps the store's error type; the others name it
-            raise
+
+        def note_incomplete(store: Any) -> None:  # named in the resume notice
+            self._incomplete = store.uncommitted()
+
+        if not session.opened:  # rank 0 runs the store's start-up; every rank hears
+            session.open(opener=self.rank == 0, control=control, timeout_s=timeout_s,
+                         before_sweep=note_incomplete)
         restored = getattr(manager, RESTORED_ATTRIBUTE, None)  # the memory tier resumed it
         try:
             loaded = self._autoload(manager) if self.autoload and restored is None else None
@@ -315,12 +310,11 @@ class _ShardedSnapshot(SnapshotExtension):
         """
         if self._retention is None or not best_metrics(self._retention):
             return
-        store = self._sharded_store
+        session = self._session
         error: ValueError | None = None
-        if self.rank == 0 and store is not None:
+        if self.rank == 0 and session is not None:
             try:
-                self._metric_check.before_save(store, self._lineage, job.name, job.step,
-                                               job.metrics)
+                session.check_retention_input(job.name, job.step, job.metrics)
             except ValueError as e:  # exchanged: no rank starts the save
                 error = e
         control = self._groups.control if self._groups else None

@@ -34,24 +34,18 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     FilenameTemplate,
-    Retain,
+    RunLineage,
+    Session,
     SnapshotStore,
-    StoreLock,
+    check_quiet,
     check_writable,
     load_file,
-    one_pass_loader,
+    warn_about_existing,
     warn_user,
 )
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training._data_position import check_loaders
 from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
-from snapkeep.training.extensions._resume_notice import (
-    ResumeNotice,
-    Skipped,
-    announce,
-    check_quiet,
-)
-from snapkeep.training.extensions._retention_check import MetricCheck
 from snapkeep.wrapping import canonical_tree, dtensor_models, live_tree
 from snapkeep.writing import Writer as _SnapkeepWriter
 
@@ -144,11 +138,10 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             self._retention = policies[0]
         elif policies:
             self._retention = AnyOf(*policies)
-        self._metric_check = MetricCheck(self._retention)
         self.loaded_entry: Entry | None = None
-        self._shared = _lineage.RunLineage.fresh()
+        self._shared = RunLineage.fresh()
         self._store: SnapshotStore | None = None
-        self._lock: StoreLock | None = None
+        self._session: Session | None = None  # the engine session on the store (saver rank)
 
     @property
     def run_id(self) -> str:
@@ -196,13 +189,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                     writer.initialize(manager.out)  # an unusable out_dir fails now, naming it
                 if isinstance(writer, _SnapkeepWriter):
                     check_writable(*writer.storage_for(manager.out))  # not at the first snapshot
-                store = self._store_of(manager, quiet=True)
-                if store is not None:
-                    store.hold_listing()  # start-up lists out_dir once, snapshots never
-                    store.check_kind()  # sharded directories of this template: refused now
-                    if self._lock is None:
-                        self._lock = store.lock()
-                    store.sweep(self._lineage)
+                session = self._session_of(manager)
+                if session is not None and not session.opened:
+                    session.open()  # lock, list once, kind check, sweep (the one start-up)
             loaded = None
             restored = getattr(manager, RESTORED_ATTRIBUTE, None)  # the memory tier resumed it
             if self.autoload and restored is None:
@@ -212,7 +201,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             elif self._is_saver() and not _lineage.has_autoloading_snapshot(manager):
                 store = self._store_of(manager, quiet=True)
                 if store is not None:
-                    _lineage.warn_about_existing(store, self._run_id)
+                    warn_about_existing(store, self._run_id)
         except BaseException:
             self._release_lock()
             raise
@@ -273,9 +262,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             self._release_lock()
 
     def _release_lock(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
+        if self._session is not None:
+            self._session.close()
 
     def settle_staging(self) -> None:
         """A safe point for overlapped staging (snapkeep's manager calls it at the end of each
@@ -322,13 +310,10 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if isinstance(writer, _SnapkeepWriter):
             extra = {"step": int(manager.iteration), "metrics": observed_metrics(manager),
                      "run_id": self._run_id}
-            store = self._store_of(manager, quiet=True)
-            if store is not None and not on_error:
-                self._metric_check.before_save(store, self._lineage, filename,
-                                               extra["step"], extra["metrics"])
-            if store is not None:
-                extra["retain"] = Retain(store=store, lineage=self._lineage,
-                                         policy=None if on_error else self._retention)
+            session = self._session_of(manager)
+            if session is not None:  # the retention input check, then the retention stage
+                extra["retain"] = session.retention(filename, extra["step"], extra["metrics"],
+                                                    on_error=on_error)
         if self._on_save_error == "log" and isinstance(writer, _SnapkeepWriter):
             try:  # an earlier background failure is logged here, so this snapshot is still taken
                 writer.raise_pending_error()
@@ -389,43 +374,43 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             store = self._store = SnapshotStore(storage, directory, self._template)
         return store
 
+    def _session_of(self, manager: Any) -> Session | None:
+        """The engine session on :meth:`_store_of`'s store (None where there is no store)."""
+        store = self._store_of(manager, quiet=True)
+        if store is None:
+            return None
+        session = self._session
+        if session is None or session.store is not store:
+            if session is not None:
+                session.close()
+            session = self._session = Session(store, policy=self._retention,
+                                              lineage=self._shared, quiet=self._quiet)
+        return session
+
     def _choose(self, store: SnapshotStore) -> list[Entry] | None:
         """Candidates for autoload (all ranks use the saver rank's list in distributed mode)."""
         return store.entries()
 
     def _autoload(self, manager: Any) -> str | None:
-        store = self._store_of(manager)
-        if store is None:
-            return None
-        candidates = self._choose(store)
-        notice = ResumeNotice(directory=store.directory, template=str(store.template.template))
-        if not candidates:
-            announce(notice, quiet=self._quiet)
+        session = self._session_of(manager)
+        if session is None:
+            self._store_of(manager)  # says why there is no autoload
             return None
         target = manager if self._target is None else self._target
+        store = self._store_of(manager, quiet=True)
+        if store is None:
+            return None
 
         def loader(entry: Entry, data: bytes | None) -> Any:
             return load_file(store.storage, entry.path, map_location=self._map_location,
                              weights_only=self._weights_only, data=data)
 
-        def loaded_state(entry: Entry, state: Any) -> Any:
-            return state  # the store's validate() makes the misnamed check on every path
-
-        one_pass = one_pass_loader(store, loader, loaded_state, weights_only=self._weights_only,
-                                   map_location=self._map_location)  # verified while loaded
-        skipped: list[Skipped] = []
-        found = store.load_newest(loader, candidates=candidates, one_pass=one_pass,
-                                  on_skip=lambda e, why: (
-                                      skipped.append(Skipped(name=e.name, step=e.step,
-                                                             reason=why))))
-        if found is None:
+        entry = session.resume(loader, lambda e, state: self._apply(target, state, e),
+                               candidates=self._choose(store), map_location=self._map_location,
+                               weights_only=self._weights_only)
+        if entry is None:
             return None
-        entry, state = found
-        self._apply(target, state, entry)
         self.loaded_entry = entry
-        self._shared.adopt(store, candidates, entry)
-        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
-                                     skipped=tuple(skipped)), quiet=self._quiet)
         return entry.name
 
     def _continue_stored_lineage(self, manager: Any, step: int) -> None:
@@ -433,12 +418,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         newest snapshot at or before it (the one a storage resume would have loaded; one
         manifest read from the start-up listing, no snapshot data), so that retention goes on
         deleting that run's snapshots as after an autoload."""
-        store = self._store_of(manager, quiet=True)
-        if store is None:
-            return
-        older = [e for e in store.entries() if e.step is not None and e.step <= step]
-        if older:
-            self._shared.adopt(store, older, older[-1])
+        session = self._session_of(manager)
+        if session is not None:
+            session.continue_lineage(step)
 
     def _apply(self, target: Any, state: Any, entry: Entry) -> None:
         """Check that ``state`` fits ``target`` entirely, then load it (all or nothing)."""

@@ -13,8 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from snapkeep.retention import RetentionPolicy, SnapshotInfo, best_metrics, plan_deletions
-from snapkeep.store import StoreKind
+from snapkeep._core.retention import (
+    RetentionPolicy,
+    SnapshotInfo,
+    best_metrics,
+    plan_deletions,
+)
+from snapkeep._core.store_kinds import StoreKind
 
 
 class MetricCheck:

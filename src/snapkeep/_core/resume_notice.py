@@ -19,12 +19,11 @@ logging into files keeps it too.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-import torch.distributed as dist
+from snapkeep._core.distributed.groups import job_rank
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +64,6 @@ class ResumeNotice:
             head = f"{PREFIX}resuming from {self.loaded} (step {self.step}) in {self.directory}"
         return [head, *(f"{PREFIX}skipped {s.name} (step {s.step}): {s.reason}"
                         for s in self.skipped)]
-
-
-def job_rank() -> int:
-    """This process's rank in the job: the default process group's when one is initialized,
-    else torchrun's ``RANK`` environment variable, else 0."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
 
 
 def announce(notice: ResumeNotice, *, quiet: bool, rank: int | None = None,

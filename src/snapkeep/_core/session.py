@@ -1,0 +1,233 @@
+"""The engine session: what one trainer does with one store, whichever door it came through.
+
+A door (ppe's snapshot extensions, the plain-loop ``Checkpointer``, the Lightning and Hugging
+Face adapters) holds one :class:`Session` per store it writes (either kind: single files or
+sharded directories, :class:`~snapkeep._core.store_kinds.StoreKind`), and calls, in this order,
+on the training thread::
+
+    session.open()                      # once: list, kind check, lock, sweep (one order)
+    session.resume(load, apply)         # at most once (single files; sharded: its own agreement)
+    retain = session.retention(...)     # before each save: the retention input check
+    ...                                 # the writer stages and commits; ``retain`` runs after
+    session.close()                     # idempotent: the lock is released
+
+so that every door has the same start-up, the same lineage (what retention may count and
+delete), the same refusal of a misspelled ``KeepBest`` metric before anything is deleted, and
+the same resume notice on stderr. What differs between doors is only how their state maps to a
+tree (the door's own code) and which writer commits it.
+
+Which rank calls what: the rank that writes the store (the saver rank, or rank 0 of sharded
+snapshots) calls :meth:`Session.open` with ``opener=True``; with a ``control`` process group
+every rank calls it and the outcome is exchanged, so every rank raises the same error or none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from snapkeep._core.distributed.agreement import exchange_outcomes
+from snapkeep._core.lineage import RunLineage
+from snapkeep._core.one_pass import one_pass_loader
+from snapkeep._core.preflight import check_writable
+from snapkeep._core.resume_notice import ResumeNotice, Skipped, announce
+from snapkeep._core.retention import RetentionPolicy
+from snapkeep._core.retention_check import MetricCheck
+from snapkeep._core.store import Entry, Retain, SnapshotStore
+from snapkeep._core.store_kinds import StoreKind
+
+logger = logging.getLogger(__name__)
+
+
+class Session:
+    """One trainer's session on one store (see the module docstring for the call order).
+
+    Args:
+        store: the store (either kind) of the door's template in its directory.
+        policy: the retention policy applied after each commit (None keeps everything).
+        lineage: the run lineage (shared by the doors of one trainer, e.g. the snapshot
+            extensions of one manager); default a fresh one.
+        quiet: no resume notice on stderr (it is still logged at INFO).
+        shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages;
+            default the store's.
+    """
+
+    def __init__(self, store: StoreKind, *, policy: RetentionPolicy | None = None,
+                 lineage: RunLineage | None = None, quiet: bool = False,
+                 shown_template: str | None = None) -> None:
+        self.store = store
+        self.policy = policy
+        self.lineage = RunLineage.fresh() if lineage is None else lineage
+        self.quiet = quiet
+        self.shown_template = (str(store.template.template) if shown_template is None
+                               else shown_template)
+        self._metric_check = MetricCheck(policy)
+        self._lock: Any = None
+        self.opened = False
+
+    def __repr__(self) -> str:
+        return f"Session({self.store!r}, lineage={self.lineage.run_id})"
+
+    # -- open ----------------------------------------------------------------------------------
+    def open(self, *, lock: bool = True, opener: bool = True, control: Any = None,
+             timeout_s: float | None = None,
+             before_sweep: Callable[[StoreKind], None] | None = None) -> None:
+        """The store's start-up, in one order: create the directory, check it is writable,
+        take the one-trainer lock, list it once (held: later saves do not list), refuse a
+        template naming snapshots of the other kind, and sweep snapkeep's own unfinished work.
+
+        Args:
+            lock: take the store lock (False: a reader, or a door that locks elsewhere).
+            opener: this rank writes the store and runs the start-up (the others only hear the
+                outcome through ``control``).
+            control: a process group to exchange the outcome on (None: single process).
+            timeout_s: bound of that exchange, seconds.
+            before_sweep: called with the store after the listing and before the sweep (the
+                sharded extension notes the incomplete directories the sweep will remove).
+
+        Raises:
+            StoreLockedError: another live trainer holds the directory and template.
+            ValueError: the template already names snapshots of the other kind here (named
+                with ``shown_template``).
+            SnapshotStorageError: the directory cannot be created or written.
+            RankFailedError: with ``control``, the start-up failed on the opener (every rank).
+        """
+        error: BaseException | None = None
+        if opener:
+            try:
+                self._start(lock=lock, before_sweep=before_sweep)
+            except Exception as e:
+                error = e
+        if control is None:
+            if error is not None:
+                self.close()
+                raise error
+            self.opened = True
+            return
+        try:
+            exchange_outcomes(control, error, what=f"starting {self.shown_template!r} in "
+                              f"{self.store.directory!r}", timeout_s=timeout_s)
+        except BaseException as e:
+            self.close()
+            if error is not None:
+                raise error from e  # the opener keeps the store's own error type
+            raise
+        self.opened = True
+
+    def _start(self, *, lock: bool, before_sweep: Callable[[StoreKind], None] | None) -> None:
+        store = self.store
+        store.storage.makedirs(store.directory)
+        check_writable(store.storage, store.directory)
+        if lock and self._lock is None:
+            self._lock = store.lock()
+        store.hold_listing()  # the lock holder alone writes here: list once
+        try:
+            store.check_kind()
+        except ValueError as e:  # named with the user's template, not its translation
+            shown = repr(self.shown_template)
+            raise ValueError(str(e).replace(repr(store.template.template), shown)) from None
+        if before_sweep is not None:
+            before_sweep(store)
+        store.sweep(self.lineage.members)
+
+    # -- resume --------------------------------------------------------------------------------
+    def resume(
+        self, load: Callable[[Entry, bytes | None], Any], apply: Callable[[Entry, Any], None], *,
+        candidates: list[Entry] | None = None, verify_while_loading: bool = True,
+        map_location: Any = "cpu", weights_only: bool = True,
+    ) -> Entry | None:
+        """Resume from the newest valid single-file snapshot: verify it against its manifest
+        (while it is loaded, one read, for local files), fall back past each one that fails,
+        ``apply`` the state (the door's all-or-nothing load into its live objects), continue
+        its lineage, and say what happened on stderr (rank 0, unless ``quiet``): the snapshot
+        resumed from and each one skipped, or that the run starts fresh.
+
+        Args:
+            load: ``load(entry, data) -> state`` (``data``: the file's bytes for remote stores,
+                None for local files), e.g. :func:`snapkeep._core.loading.load_file`.
+            apply: ``apply(entry, state)`` loads ``state`` into the live objects, or raises
+                (``StateMismatchError``) having loaded nothing.
+            candidates: the snapshots to consider (default: the store's listing).
+            verify_while_loading: verify local files while they are loaded (one pass).
+            map_location, weights_only: as ``torch.load``'s, for the one-pass loader.
+
+        Returns:
+            The entry resumed from, or None (no snapshot: a first run).
+
+        Raises:
+            NoValidSnapshotError: snapshots exist but none is valid (each reason listed).
+            StateMismatchError, UnsafeSnapshotError: from ``apply`` / ``load``; nothing loaded.
+        """
+        store = self.store
+        if not isinstance(store, SnapshotStore):
+            raise TypeError(f"{self!r}: resume() is for single-file stores; sharded snapshots "
+                            "resume through their cross-rank agreement")
+        candidates = store.entries() if candidates is None else candidates
+        notice = ResumeNotice(directory=store.directory, template=self.shown_template)
+        if not candidates:
+            announce(notice, quiet=self.quiet)
+            return None
+        skipped: list[Skipped] = []
+        one_pass = one_pass_loader(store, load, lambda entry, state: state,
+                                   weights_only=weights_only, map_location=map_location
+                                   ) if verify_while_loading else None
+        found = store.load_newest(load, candidates=candidates, one_pass=one_pass,
+                                  on_skip=lambda e, why: skipped.append(
+                                      Skipped(name=e.name, step=e.step, reason=why)))
+        if found is None:
+            return None
+        entry, state = found
+        apply(entry, state)
+        self.lineage.adopt(store, candidates, entry)
+        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
+                                     skipped=tuple(skipped)), quiet=self.quiet)
+        return entry
+
+    def continue_lineage(self, step: int) -> None:
+        """After a resume from elsewhere (the memory tier) at ``step``: continue the lineage of
+        the store's newest snapshot at or before it (one manifest read, no snapshot data), so
+        that retention goes on deleting that run's snapshots as after a resume from storage."""
+        store = self.store
+        if not isinstance(store, SnapshotStore):
+            return
+        older = [e for e in store.entries() if e.step is not None and e.step <= step]
+        if older:
+            self.lineage.adopt(store, older, older[-1])
+
+    # -- save ----------------------------------------------------------------------------------
+    def retention(self, name: str, step: int, metrics: Mapping[str, float], *,
+                  on_error: bool = False) -> Retain:
+        """The retention stage of the save of ``name`` at ``step``, after the retention input
+        check (on the training thread, before anything is staged or deleted).
+
+        Raises:
+            ValueError: a ``KeepBest`` metric of the policy is recorded by none of this run's
+                snapshots, this one included (``val_los`` for ``val_loss``): retention would
+                delete the best ones. Nothing is written or deleted.
+        """
+        if not on_error:
+            self._metric_check.before_save(self.store, self.lineage.members, name, step,
+                                           metrics)
+        if not isinstance(self.store, SnapshotStore):
+            raise TypeError(f"{self!r}: the Retain stage is for single-file stores")
+        return Retain(store=self.store, lineage=self.lineage.members,
+                      policy=None if on_error else self.policy)
+
+    def check_retention_input(self, name: str, step: int, metrics: Mapping[str, float]) -> None:
+        """The retention input check alone (sharded stores, whose saver retains itself); see
+        :meth:`retention`."""
+        self._metric_check.before_save(self.store, self.lineage.members, name, step, metrics)
+
+    # -- close ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the lock (idempotent). Pending saves are the writer's: wait for them first."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    @property
+    def locked(self) -> bool:
+        """Whether this session holds the store lock."""
+        return self._lock is not None
