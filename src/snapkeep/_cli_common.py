@@ -82,8 +82,9 @@ storage_option = click.option(
          " -o anon=true; dotted keys nest (config_kwargs.connect_timeout=5).")
 
 template_option = click.option(
-    "--template", "-t", default=DEFAULT_TEMPLATE, show_default=True,
-    help="Filename template the snapshots were written with.")
+    "--template", "-t", default=None,
+    help="Filename template the snapshots were written with (default: the one the directory's "
+         f"manifests record, else {DEFAULT_TEMPLATE!r}).")
 
 json_option = click.option(
     "--json", "as_json", is_flag=True,

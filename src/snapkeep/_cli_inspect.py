@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from snapkeep._cli_common import (
+    DEFAULT_TEMPLATE,
     EXIT_CODES_EPILOG,
     emit_json,
     human_bytes,
@@ -54,10 +55,27 @@ from snapkeep.wrapping import canonical_names
 METADATA_FIELDS = ("step", "run_id", "metrics", "snapkeep_version")
 
 
-def store_for(directory: str, template: str, storage_options: tuple[str, ...]) -> SnapshotStore:
-    """The store of ``template`` in ``directory`` (a path or URL); usage errors name the option."""
+def store_for(directory: str, template: str | None,
+              storage_options: tuple[str, ...]) -> SnapshotStore:
+    """The store of ``template`` in ``directory`` (a path or URL); usage errors name the option.
+
+    Without ``template`` (no ``-t``), the template the directory's manifests record: a
+    Checkpointer's ``ckpt_{step}`` directory needs no ``-t``. With none recorded, ppe's
+    default ``snapshot_iter_{.iteration}``; with several, that default when it is among them,
+    else a usage error naming them.
+    """
     storage, path = resolve(directory, parse_storage_options(storage_options))
     require_directory(directory, storage, path)
+    if template is None:
+        found = recorded_templates(storage, path)
+        if len(found) == 1:
+            template = found[0]
+        elif not found or DEFAULT_TEMPLATE in found:
+            template = DEFAULT_TEMPLATE
+        else:
+            raise click.UsageError(
+                f"{directory} holds snapshots of {len(found)} templates "
+                f"({', '.join(repr(t) for t in found[:5])}): pass one with --template")
     try:
         return open_store(storage, path, template)
     except (TypeError, ValueError) as e:
@@ -86,7 +104,7 @@ def none_found(store: SnapshotStore, directory: str, template: str) -> str:
 @click.option("--memory", is_flag=True,
               help="DIR is a memory tier root (e.g. /dev/shm): list each job's tier, its owners "
                    "and the step each rank holds (own copy and peer copies).")
-def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
+def ls_command(directory: str, template: str | None, storage_options: tuple[str, ...],
                as_json: bool, memory: bool) -> None:
     """List the snapshots in DIR (a path or an fsspec URL) by step, with size and checksum
     status (ok, corrupt, no manifest); with --memory, the memory tiers under DIR. Exits 0 even
@@ -99,6 +117,7 @@ def ls_command(directory: str, template: str, storage_options: tuple[str, ...],
         return
     with storage_errors(directory):
         store = store_for(directory, template, storage_options)
+        template = str(store.template.template)
         entries = store.entries()
         total = sum(store.storage.size(e.path) for e in entries)
         rows = []
@@ -165,7 +184,7 @@ def _entry_json(entry: Any, size: int, found: Status) -> dict[str, Any]:
 @template_option
 @storage_option
 @json_option
-def verify(directory: str, template: str, storage_options: tuple[str, ...],
+def verify(directory: str, template: str | None, storage_options: tuple[str, ...],
            as_json: bool) -> None:
     """Verify every snapshot in DIR against its checksum; exit 1 if any is corrupt or would be
     refused by autoload.
@@ -177,6 +196,7 @@ def verify(directory: str, template: str, storage_options: tuple[str, ...],
     """
     with storage_errors(directory):
         store = store_for(directory, template, storage_options)
+        template = str(store.template.template)
         entries = store.entries()
         sharded = [] if entries else sharded_rows(store)
         if not entries and not sharded:

@@ -5,6 +5,7 @@ JSON shapes are documented in ``docs/cli.md``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -37,6 +38,7 @@ from snapkeep._cli_files import (
 )
 from snapkeep._cli_inspect import load_state, none_found, store_for
 from snapkeep._cli_tree import TreeTooDeepError, compare, leaves, select
+from snapkeep.errors import StoreLockedError
 from snapkeep.retention import (
     AnyOf,
     KeepBest,
@@ -88,7 +90,7 @@ def _policy(keep_latest: int | None, keep_every: int | None, keep_best: int | No
 @storage_option
 @json_option
 def prune(directory: str, keep_latest: int | None, keep_every: int | None,
-          keep_best: int | None, metric: str | None, mode: str, yes: bool, template: str,
+          keep_best: int | None, metric: str | None, mode: str, yes: bool, template: str | None,
           storage_options: tuple[str, ...], as_json: bool) -> None:
     """Delete the snapshots of DIR that no policy keeps (a snapshot is kept when any policy
     keeps it), with their manifests. A dry run unless --yes is given.
@@ -96,10 +98,23 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
     The newest valid snapshot (the one autoload would resume from) is never deleted, nor an
     unsafe one autoload stops at (it never falls back past it), nor the newest snapshot by
     step. Manifests whose snapshot is gone are deleted too.
+
+    While a live trainer holds the directory's lock for the template (a running snapshot
+    extension or Checkpointer), --yes refuses, naming it (exit 1): its retention prunes, and a
+    prune beside it could delete what it is about to resume or keep.
     """
     policy = _policy(keep_latest, keep_every, keep_best, metric, mode)
-    with storage_errors(directory):
+    with storage_errors(directory), contextlib.ExitStack() as held:
         store = store_for(directory, template, storage_options)
+        template = str(store.template.template)
+        if yes:  # the trainer's lock: no prune under a live trainer
+            try:
+                lock = store.lock()
+            except StoreLockedError as e:
+                raise CheckFailed(f"not pruning {directory}: {e}. Stop that trainer first (its "
+                                  "own retention keeps the directory pruned)") from e
+            if lock is not None:
+                held.callback(lock.release)
         entries = store.entries()
         infos = []
         for entry in entries:

@@ -54,7 +54,7 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     FilenameTemplate,
-    Retain,
+    Session,
     SnapshotStore,
     Storage,
     StoreLock,
@@ -311,6 +311,10 @@ class Checkpointer:
                 storage, path = resolve_storage(self._location,
                                                 storage_options=dict(storage_options or {}))
             self._store = SnapshotStore(storage, path, self._template)
+            # the engine session: lock, one listing, kind check, sweep; lineage, the retention
+            # input check and the resume notice (the snapshot extension's, see snapkeep.store)
+            self._session = Session(self._store, policy=self._policy,
+                                    shown_template=self.template)
 
             def open_directory() -> None:  # one process per directory locks (rank 0)
                 storage.makedirs(path)
@@ -318,14 +322,9 @@ class Checkpointer:
                 self._take_lock(storage, path)
 
             if self._writer is not None:
-                open_directory()
-                self._store.hold_listing()  # the lock holder alone writes here: list once
-                try:  # sharded directories under this template: refused at start
-                    self._store.check_kind()
-                except ValueError as e:  # named with the user's template, not its translation
-                    raise ValueError(str(e).replace(repr(self._template.template),
-                                                    repr(self.template))) from None
-                self._store.sweep(_LINEAGE)
+                self._claim(storage, path)
+                self._session.open()
+                self._session.continue_directory_lineage()
             else:
                 from snapkeep.sharded_checkpoint import ShardedCheckpoint
 
@@ -338,7 +337,9 @@ class Checkpointer:
             self.close()
             raise
 
-    def _take_lock(self, storage: Storage, path: str) -> None:
+    def _claim(self, storage: Storage, path: str) -> None:
+        """Refuse a second open Checkpointer of this process on this directory and template
+        (the store lock refuses other processes), and register this one."""
         self._key = (os.path.realpath(path) if storage.is_local else storage.url(path),
                      self._template.lock_key)
         other = _OPEN.get(self._key)
@@ -348,8 +349,11 @@ class Checkpointer:
                 f"open Checkpointer of this process ({other!r}); two on one directory and "
                 "template would delete and overwrite each other's snapshots. close() the other "
                 "one first, or use another directory or template")
-        self._lock = self._store.lock()
         _OPEN[self._key] = self
+
+    def _take_lock(self, storage: Storage, path: str) -> None:
+        self._claim(storage, path)
+        self._lock = self._store.lock()
 
     def __repr__(self) -> str:
         return f"Checkpointer({self._location!r}, template={self.template!r})"
@@ -421,11 +425,12 @@ class Checkpointer:
                 sharded_handle.committed.result()
             return sharded_handle
         writer: Any = self._writer  # not sharded: a writer
+        # the retention input check (a KeepBest metric no snapshot records: ValueError, nothing
+        # written or deleted), then the retention stage the writer runs after the commit
+        retain = self._session.retention(name, step, recorded, on_error=on_error)
         tree = self._payload(step, state)
-        retain = Retain(store=self._store, lineage=_LINEAGE,
-                        policy=None if on_error else self._policy)
         extra: dict[str, Any] = {"step": step, "retain": retain,  # snapkeep's writer extras
-                                 "metrics": recorded}
+                                 "metrics": recorded, "run_id": self._session.lineage.run_id}
         handle = writer(name, self._location, tree, **extra)
         if on_error and handle is not None:
             handle.wait()
@@ -533,6 +538,8 @@ class Checkpointer:
             entries = chosen
         if not entries:
             self._nothing_to_resume()
+            if self._sharded is None:
+                self._session.resume(self._load_file, self._no_apply, candidates=[])  # notice
             self._prepare_first_save(into, objects, resumed=False)
             return None
         if self._sharded is not None:
@@ -541,14 +548,18 @@ class Checkpointer:
                 return None
             _say(f"snapkeep: resumed from {loaded.path} (step {loaded.step})")
             return loaded.step
-        found = self._store.load_newest(self._load_file, candidates=entries)
-        if found is None:  # unreachable: entries is not empty
+        entry = self._session.resume(
+            self._load_file, lambda e, payload: self._apply(objects, into, payload, e),
+            check=self._check_format, candidates=entries, weights_only=self._weights_only,
+            map_location=self._map_location)
+        if entry is None:  # unreachable: entries is not empty
             return None
-        entry, payload = found
-        self._apply(objects, into, payload, entry)
         self._prepare_first_save(into, objects, resumed=True)
-        _say(f"snapkeep: resumed from {entry.path} (step {entry.step})")
         return entry.step
+
+    @staticmethod
+    def _no_apply(entry: Entry, payload: Any) -> None:
+        raise AssertionError(f"nothing to apply on a first run, got {entry!r}")
 
     def _prepare_first_save(self, into: Mapping[str, Any], objects: Mapping[str, Any], *,
                             resumed: bool) -> None:
@@ -593,6 +604,11 @@ class Checkpointer:
     def _load_file(self, entry: Entry, data: bytes | None) -> Any:
         payload = load_file(self._store.storage, entry.path, map_location=self._map_location,
                             weights_only=self._weights_only, data=data)
+        return self._check_format(entry, payload)
+
+    @staticmethod
+    def _check_format(entry: Entry, payload: Any) -> Any:
+        """``payload`` when it is a Checkpointer snapshot, else SnapshotCorruptError."""
         if not isinstance(payload, Mapping) or payload.get("format") != FORMAT \
                 or not isinstance(payload.get("state"), Mapping):
             raise SnapshotCorruptError(
@@ -652,6 +668,9 @@ class Checkpointer:
             lock, self._lock = self._lock, None
             if lock is not None:
                 lock.release()
+            session = getattr(self, "_session", None)  # absent when __init__ failed early
+            if session is not None:
+                session.close()
             if _OPEN.get(self._key) is self:
                 del _OPEN[self._key]
 

@@ -135,8 +135,8 @@ class Session:
     # -- resume --------------------------------------------------------------------------------
     def resume(
         self, load: Callable[[Entry, bytes | None], Any], apply: Callable[[Entry, Any], None], *,
-        candidates: list[Entry] | None = None, verify_while_loading: bool = True,
-        map_location: Any = "cpu", weights_only: bool = True,
+        check: Callable[[Entry, Any], Any] | None = None, candidates: list[Entry] | None = None,
+        verify_while_loading: bool = True, map_location: Any = "cpu", weights_only: bool = True,
     ) -> Entry | None:
         """Resume from the newest valid single-file snapshot: verify it against its manifest
         (while it is loaded, one read, for local files), fall back past each one that fails,
@@ -146,7 +146,10 @@ class Session:
 
         Args:
             load: ``load(entry, data) -> state`` (``data``: the file's bytes for remote stores,
-                None for local files), e.g. :func:`snapkeep._core.loading.load_file`.
+                None for local files), e.g. :func:`snapkeep._core.loading.load_file`, running
+                ``check`` itself.
+            check: ``check(entry, state) -> state`` on a state loaded in one pass (the door's
+                format check: ``SnapshotCorruptError`` skips the snapshot); default none.
             apply: ``apply(entry, state)`` loads ``state`` into the live objects, or raises
                 (``StateMismatchError``) having loaded nothing.
             candidates: the snapshots to consider (default: the store's listing).
@@ -170,7 +173,7 @@ class Session:
             announce(notice, quiet=self.quiet)
             return None
         skipped: list[Skipped] = []
-        one_pass = one_pass_loader(store, load, lambda entry, state: state,
+        one_pass = one_pass_loader(store, load, check or (lambda entry, state: state),
                                    weights_only=weights_only, map_location=map_location
                                    ) if verify_while_loading else None
         found = store.load_newest(load, candidates=candidates, one_pass=one_pass,
@@ -195,6 +198,21 @@ class Session:
         older = [e for e in store.entries() if e.step is not None and e.step <= step]
         if older:
             self.lineage.adopt(store, older, older[-1])
+
+    def continue_directory_lineage(self) -> None:
+        """Continue the lineage of the newest snapshot that has a manifest (the plain-loop
+        Checkpointer's rule: its directory holds one run, as Orbax's ``max_to_keep`` counts the
+        directory), so that retention counts the snapshots earlier runs committed even before
+        a resume. Files without a manifest (junk or another tool's files named like snapshots)
+        stay out of the lineage: never counted, never deleted. One manifest read per snapshot
+        from the newest down to the first with a manifest; no snapshot data."""
+        store = self.store
+        for entry in reversed(store.entries()):
+            if store.manifest(entry) is None:
+                continue
+            if isinstance(store, SnapshotStore):
+                self.lineage.adopt(store, [entry], entry)
+            return
 
     # -- save ----------------------------------------------------------------------------------
     def retention(self, name: str, step: int, metrics: Mapping[str, float], *,
