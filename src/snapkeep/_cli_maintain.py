@@ -109,7 +109,7 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
         template = str(store.template.template)
         if yes:  # the trainer's lock: no prune under a live trainer
             try:
-                lock = store.lock()
+                lock = store.lock(existing_only=True)
             except StoreLockedError as e:
                 raise CheckFailed(f"not pruning {directory}: {e}. Stop that trainer first (its "
                                   "own retention keeps the directory pruned)") from e

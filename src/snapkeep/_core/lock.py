@@ -146,6 +146,20 @@ class StoreLock:
             _HELD[os.path.realpath(path)] = lock
         return lock
 
+    @classmethod
+    def acquire_existing(cls, directory: str, template: str, where: str,
+                         key: str | None = None) -> StoreLock | None:
+        """:meth:`acquire`, for a tool beside trainers (``snapkeep prune``): None, creating
+        nothing, when no trainer ever locked ``template`` here (no lock file).
+
+        Raises:
+            StoreLockedError, SnapshotStorageError: as :meth:`acquire`.
+        """
+        path = os.path.join(directory, lock_file_name(key if key is not None else template))
+        if not os.path.exists(path):
+            return None
+        return cls.acquire(directory, template, where, key=key)
+
     def release(self) -> None:
         """Let the lock go (closing the descriptor releases the flock); idempotent."""
         with _HELD_GUARD:

@@ -481,10 +481,11 @@ class SnapshotStore:
                          expected="file", listed=self._listing.dirs())
 
     # -- lock ------------------------------------------------------------------------------
-    def lock(self) -> StoreLock | None:
+    def lock(self, *, existing_only: bool = False) -> StoreLock | None:
         """Take the exclusive lock of this template in this directory (one trainer per out_dir
         and template); see :class:`StoreLock`. Returns None on storages without a local
-        filesystem (object stores, pfio-style objects): there nothing is locked.
+        filesystem (object stores, pfio-style objects): there nothing is locked; with
+        ``existing_only`` (a tool beside trainers) also None when no trainer ever locked it.
 
         Raises:
             StoreLockedError: another live process holds it (the message names its pid, host and
@@ -497,9 +498,10 @@ class SnapshotStore:
             return None
         split = self._split()
         sub = split[0] if split is not None else ""
-        return StoreLock.acquire(self.storage.join(self._subdir(sub), MANIFEST_DIR),
-                                  str(self.template.template), self.storage.url(self.directory),
-                                  key=self.template.lock_key)
+        acquire = StoreLock.acquire_existing if existing_only else StoreLock.acquire
+        return acquire(self.storage.join(self._subdir(sub), MANIFEST_DIR),
+                       str(self.template.template), self.storage.url(self.directory),
+                       key=self.template.lock_key)
 
     # -- deletion and retention --------------------------------------------------------------------
     def delete(self, entry: Entry, *, by: str = "snapkeep", strict: bool = False) -> bool:
