@@ -289,8 +289,45 @@ def file_checksum_status(storage: Storage, path: str) -> Status:
 _LAST_NUMBER = re.compile(r"[0-9]+(?=[^0-9]*\Z)")
 
 
+def _as_template(stem: str, step: int | None) -> str:
+    """``stem`` with its ``step`` replaced by ``{.iteration}`` (``ckpt-40`` at step 40 ->
+    ``ckpt-{.iteration}``), or without a step its last number (``iter_7`` ->
+    ``iter_{.iteration}``)."""
+    if step is not None and str(step) in stem:
+        head, _, tail = stem.rpartition(str(step))
+        return f"{head}{{.iteration}}{tail}"
+    number = _LAST_NUMBER.search(stem)
+    return stem if number is None else \
+        f"{stem[:number.start()]}{{.iteration}}{stem[number.end():]}"
+
+
+def _sharded_templates(storage: Storage, directory: str, found: list[str]) -> None:
+    """Add the templates of sharded snapshot directories of ``directory`` (their commit markers,
+    regular files read bounded) to ``found``."""
+    from snapkeep.distributed import MARKER_NAME, ShardedManifest
+
+    try:
+        children = storage.list_dirs(directory)
+    except (OSError, ValueError):
+        return
+    for name in children[:1000]:
+        child = storage.join(directory, name)
+        marker = storage.join(child, MARKER_NAME)
+        try:
+            if file_kind(storage, child) != "directory" or file_kind(storage, marker) != "file" \
+                    or storage.size(marker) > MAX_MANIFEST_BYTES:
+                continue
+            manifest = ShardedManifest.from_bytes(storage.read_bytes(marker))
+        except (OSError, ValueError, UnicodeDecodeError, TypeError, KeyError):
+            continue
+        template = _as_template(name, manifest.step)
+        if template not in found:
+            found.append(template)
+
+
 def recorded_templates(storage: Storage, directory: str) -> list[str]:
-    """Templates the manifests in ``directory`` record, for ``ls`` on a directory of another
+    """Templates the manifests in ``directory`` record (and the commit markers of its sharded
+    snapshot directories), for ``ls`` on a directory of another template and the CLI's default
     template: a manifest's ``template`` field when it has one, else its name with the recorded
     step replaced by ``{.iteration}`` (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``), or,
     without a recorded step, its last number (``iter_7`` -> ``iter_{.iteration}``)."""
@@ -299,7 +336,7 @@ def recorded_templates(storage: Storage, directory: str) -> list[str]:
     try:
         names = storage.list_names(manifest_dir)
     except (OSError, ValueError):
-        return []
+        names = []
     for name in names[:1000]:
         path = storage.join(manifest_dir, name)
         if not name.endswith(".json") or file_kind(storage, path) != "file" \
@@ -310,16 +347,9 @@ def recorded_templates(storage: Storage, directory: str) -> list[str]:
         except (ValueError, UnicodeDecodeError, TypeError):
             continue
         template = getattr(manifest, "template", None)
-        if not isinstance(template, str):
-            step = manifest.step
-            stem = manifest.name
-            if step is not None and str(step) in stem:
-                head, _, tail = stem.rpartition(str(step))
-                template = f"{head}{{.iteration}}{tail}"
-            else:  # no step recorded (ppe's snapshot with a snapkeep writer): the last number
-                number = _LAST_NUMBER.search(stem)
-                template = stem if number is None else \
-                    f"{stem[:number.start()]}{{.iteration}}{stem[number.end():]}"
+        if not isinstance(template, str):  # no step recorded (ppe's snapshot with a snapkeep
+            template = _as_template(manifest.name, manifest.step)  # writer): the last number
         if template not in found:
             found.append(template)
+    _sharded_templates(storage, directory, found)
     return found

@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import string
-import sys
 import types
 import weakref
 from collections.abc import Mapping, MutableMapping
@@ -54,11 +53,10 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     FilenameTemplate,
+    RunLineage,
     Session,
     SnapshotStore,
     Storage,
-    StoreLock,
-    check_writable,
     describe,
     find_mismatches,
     load_file,
@@ -73,7 +71,7 @@ from snapkeep.writing import ThreadWriter, Writer
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
     from snapkeep.sharded_checkpoint import ShardedCheckpoint
 
-__all__ = ["DEFAULT_TIMEOUT_S", "FORMAT", "Checkpointer"]
+__all__ = ["DEFAULT_TIMEOUT_S", "FORMAT", "RUN_ID", "Checkpointer"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +79,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 #: The ``format`` entry of a Checkpointer snapshot.
 FORMAT = "snapkeep.checkpoint/1"
-#: Run id of a Checkpointer's snapshots: retention deletes only snapshots without a run id (the
-#: Checkpointer's own, and manifest-less ones), never a manager's.
-_LINEAGE: frozenset[str | None] = frozenset({None})
+#: The run id in every Checkpointer snapshot's manifest: retention counts and deletes only
+#: snapshots recording it (and ones without a run id that a resume went through), never a
+#: manager's, another tool's, or a file without a manifest (junk named like a snapshot).
+RUN_ID = "checkpointer"
 
 
 #: (directory, template lock key) -> the open Checkpointer of this process holding it. The store
@@ -129,17 +128,6 @@ def step_template(template: str) -> FilenameTemplate:
         raise ValueError(f"template {template!r} must have exactly one {{step}} field (e.g. "
                          f"'ckpt_{{step}}', '{{step:08d}}.pt'), it has {fields}")
     return FilenameTemplate("".join(parts))
-
-
-def _say(line: str) -> None:
-    """One line on stderr on rank 0 (the whole job's), logged at INFO on every rank: a resume
-    is never silent (as the snapshot extension's resume notice)."""
-    logger.info("%s", line)
-    rank = torch.distributed.get_rank() if is_distributed() else int(os.environ.get("RANK", "0")
-                                                                      or 0)
-    if rank == 0:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
 
 
 def stateful(key: str, obj: Any) -> Any:
@@ -296,7 +284,6 @@ class Checkpointer:
         self._weights_only = weights_only
         self._map_location = map_location
         self._closed = False
-        self._lock: StoreLock | None = None
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
         self._writer: Writer | None = None
@@ -314,25 +301,22 @@ class Checkpointer:
             # the engine session: lock, one listing, kind check, sweep; lineage, the retention
             # input check and the resume notice (the snapshot extension's, see snapkeep.store)
             self._session = Session(self._store, policy=self._policy,
+                                    lineage=RunLineage.named(RUN_ID),
                                     shown_template=self.template)
-
-            def open_directory() -> None:  # one process per directory locks (rank 0)
-                storage.makedirs(path)
-                check_writable(storage, path)
-                self._take_lock(storage, path)
 
             if self._writer is not None:
                 self._claim(storage, path)
                 self._session.open()
-                self._session.continue_directory_lineage()
             else:
                 from snapkeep.sharded_checkpoint import ShardedCheckpoint
 
                 self._sharded = ShardedCheckpoint(
-                    storage, path, self._template, policy=self._policy, lineage=_LINEAGE, rng=rng,
+                    storage, path, self._template, policy=self._policy, rng=rng,
                     weights_only=weights_only, timeout_s=timeout_s,
-                    storage_options=storage_options, open_on_rank0=open_directory,
-                    shown_template=self.template)
+                    storage_options=storage_options,
+                    claim=lambda: self._claim(storage, path), shown_template=self.template,
+                    lineage=RunLineage.named(RUN_ID))
+                self._session = self._sharded.session
         except BaseException:
             self.close()
             raise
@@ -351,9 +335,6 @@ class Checkpointer:
                 "one first, or use another directory or template")
         _OPEN[self._key] = self
 
-    def _take_lock(self, storage: Storage, path: str) -> None:
-        self._claim(storage, path)
-        self._lock = self._store.lock()
 
     def __repr__(self) -> str:
         return f"Checkpointer({self._location!r}, template={self.template!r})"
@@ -536,18 +517,17 @@ class Checkpointer:
                     f"no snapshot of step {step} in {self._location!r} (template "
                     f"{self.template!r}); steps there: {[e.step for e in entries][-20:]}")
             entries = chosen
-        if not entries:
-            self._nothing_to_resume()
-            if self._sharded is None:
-                self._session.resume(self._load_file, self._no_apply, candidates=[])  # notice
-            self._prepare_first_save(into, objects, resumed=False)
-            return None
-        if self._sharded is not None:
+        if self._sharded is not None:  # every rank agrees (an empty listing here is not all)
             loaded = self._sharded.load(into, objects, entries, before_rng=_start_iterators)
             if loaded is None:
+                self._nothing_to_resume()
                 return None
-            _say(f"snapkeep: resumed from {loaded.path} (step {loaded.step})")
             return loaded.step
+        if not entries:
+            self._nothing_to_resume()
+            self._session.resume(self._load_file, self._no_apply, candidates=[])  # the notice
+            self._prepare_first_save(into, objects, resumed=False)
+            return None
         entry = self._session.resume(
             self._load_file, lambda e, payload: self._apply(objects, into, payload, e),
             check=self._check_format, candidates=entries, weights_only=self._weights_only,
@@ -665,9 +645,6 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.finalize()
         finally:
-            lock, self._lock = self._lock, None
-            if lock is not None:
-                lock.release()
             session = getattr(self, "_session", None)  # absent when __init__ failed early
             if session is not None:
                 session.close()

@@ -40,18 +40,15 @@ from snapkeep.distributed import (
     ShardedManifest,
     ShardedSaver,
     ShardedStore,
-    agree_on_resume,
     background_groups,
     exchange_outcomes,
     is_distributed,
-    load_sharded,
     object_from_bytes,
     object_to_bytes,
     optimizer_module,
-    saved_keys,
 )
-from snapkeep.retention import RetentionPolicy
-from snapkeep.store import Entry, FilenameTemplate, Storage
+from snapkeep.retention import RetentionPolicy, best_metrics
+from snapkeep.store import Entry, FilenameTemplate, RunLineage, Session, Storage
 from snapkeep.training import RngState
 
 logger = logging.getLogger(__name__)
@@ -65,71 +62,48 @@ class ShardedCheckpoint:
         storage, directory: where the snapshot directories go.
         template: the Checkpointer's template (its names are directories here).
         policy: retention, or None.
-        lineage: run ids whose snapshots retention may delete, as the single-file store's
-            (the Checkpointer's: ``{None}``, its own snapshots, saved without a run id; never a
-            manager's).
+        lineage: the run lineage (the Checkpointer's fixed one: see
+            :data:`snapkeep.checkpointer.RUN_ID`); default a fresh one.
         rng: save and restore each rank's global generators.
-        open_on_rank0: run on rank 0 once the process groups exist (the Checkpointer's lock);
-            its failure is raised on every rank.
-        shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages;
-            run on rank 0 with ``open_on_rank0``: single files under the template are refused.
+        claim: run on rank 0 once the process groups exist, before the store's start-up (the
+            Checkpointer's check for another open one in this process); its failure is raised
+            on every rank.
+        shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages
+            (single files under the template are refused at start, named with it).
         weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
         timeout_s: bound of every collective, seconds.
         storage_options: fsspec options (object stores).
     """
 
     def __init__(self, storage: Storage, directory: str, template: FilenameTemplate, *,
-                 policy: RetentionPolicy | None, lineage: frozenset[str | None], rng: bool,
-                 weights_only: bool, timeout_s: float,
+                 policy: RetentionPolicy | None, rng: bool, weights_only: bool, timeout_s: float,
                  storage_options: Mapping[str, Any] | None = None,
-                 open_on_rank0: Callable[[], None] | None = None,
-                 shown_template: str | None = None) -> None:
+                 claim: Callable[[], None] | None = None,
+                 shown_template: str | None = None, lineage: RunLineage | None = None) -> None:
         self.groups: Groups | None = background_groups(timeout_s) if is_distributed() else None
         self.rank = self.groups.rank if self.groups else 0
         self.store = ShardedStore(storage, directory, template,
                                   storage_options=dict(storage_options or {}))
-        if open_on_rank0 is not None:
-            def open_here() -> None:
-                open_on_rank0()
-                try:  # single files under this template: refused at start
-                    self.store.check_kind()
-                except ValueError as e:  # named with the user's template, not its translation
-                    shown = repr(shown_template or template.template)
-                    raise ValueError(str(e).replace(repr(template.template), shown)) from None
+        # the engine session (as the snapshot extension's): on rank 0 the claim, the lock, one
+        # listing, the kind check and the sweep of snapkeep's own crashed saves, its outcome
+        # heard by every rank; the lineage and the retention input check
+        self.session = Session(self.store, policy=policy, lineage=lineage,
+                               shown_template=shown_template)
+        self._incomplete: list[Entry] = []
 
-            self._open(open_here, storage.url(directory))
+        def note_incomplete(store: Any) -> None:  # named in the resume notice
+            self._incomplete = store.uncommitted()
+
+        self.session.open(opener=self.rank == 0, claim=claim,
+                          control=self.groups.control if self.groups else None,
+                          timeout_s=self.groups.timeout_s if self.groups else None,
+                          before_sweep=note_incomplete)
         self._policy = policy
-        self._lineage = lineage
         self._rng = rng
         self._weights_only = weights_only
-        if self.rank == 0:
-            storage.makedirs(directory)
-            self.store.sweep(lineage)  # snapkeep's own crashed saves only
         retain = self._retain if self.rank == 0 and policy is not None else None
         # the saver is drained at interpreter exit (snapkeep._core.exit_drain) if not closed
         self.saver = ShardedSaver(self.store, self.groups, retain=retain)
-
-    def _open(self, open_on_rank0: Callable[[], None], where: str) -> None:
-        """Run ``open_on_rank0`` (the directory lock) on rank 0 and tell every rank how it went:
-        when it fails, every rank raises (rank 0 its own error, e.g. ``StoreLockedError``; the
-        others ``RankFailedError`` naming it) instead of waiting for rank 0 in a collective."""
-        error: Exception | None = None
-        if self.rank == 0:
-            try:
-                open_on_rank0()
-            except Exception as e:  # exchanged below
-                error = e
-        if self.groups is None:
-            if error is not None:
-                raise error
-            return
-        try:
-            exchange_outcomes(self.groups.control, error, what=f"opening {where}",
-                              timeout_s=self.groups.timeout_s)
-        except Exception:
-            if error is not None:
-                raise error from None
-            raise
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, name: str, step: int, state: Mapping[str, Any], version: str, *,
@@ -161,11 +135,37 @@ class ShardedCheckpoint:
         if self._rng:
             tree["rank_state"] = {f"rank{self.rank}": object_to_bytes(
                 {"rng": RngState().state_dict()})}
-        job = ShardedJob(name=name, step=step, run_id=None, metrics=dict(metrics or {}),
-                         version=version)
+        self._check_retention_input(name, step, dict(metrics or {}))
+        job = ShardedJob(name=name, step=step, run_id=self.session.lineage.run_id,
+                         metrics=dict(metrics or {}), version=version)
         handle = self.saver.save(tree, job)
         self._last = (self.store.path_of(name), handle)
         return handle
+
+    def _check_retention_input(self, name: str, step: int, metrics: dict[str, float]) -> None:
+        """The retention input check before anything is staged: rank 0 (which runs retention)
+        checks, every rank hears the outcome (a ``KeepBest`` metric no snapshot records:
+        ValueError on rank 0, RankFailedError naming it on the others; nothing written)."""
+        if self._policy is None or not best_metrics(self._policy):
+            return
+        error: ValueError | None = None
+        if self.rank == 0:
+            try:
+                self.session.check_retention_input(name, step, metrics)
+            except ValueError as e:
+                error = e
+        if self.groups is None:
+            if error is not None:
+                raise error
+            return
+        try:
+            exchange_outcomes(self.groups.control, error,
+                              what=f"checking the retention policy before {name}",
+                              timeout_s=self.groups.timeout_s)
+        except Exception:
+            if error is not None:
+                raise error from None
+            raise
 
     def _retain(self, manifest: ShardedManifest) -> None:
         """Retention on rank 0 after a commit (whole directories), through the store as the
@@ -173,7 +173,7 @@ class ShardedCheckpoint:
         metric no manifest of them records is a ValueError naming the metrics they record
         (nothing deleted; logged by the saver, never fatal)."""
         if self._policy is not None:
-            self.store.retain(self._policy, self._lineage,
+            self.store.retain(self._policy, self.session.lineage.members,
                               protect=[self.store.path_of(manifest.name)])
 
     # -- loading ---------------------------------------------------------------------------------
@@ -202,30 +202,14 @@ class ShardedCheckpoint:
             set_optimizer_state_dict,
         )
 
-        groups = self.groups
-        control = groups.control if groups else None
-        timeout_s = groups.timeout_s if groups else None
-        world_size = groups.world_size if groups else 1
-        what = f"resuming {self.store.template.template!r} in {self.store.directory!r}"
-
-        def check(name: str) -> str | None:
-            self.store.verify_part(self.store.entry(name), self.rank, world_size)
-            return None
-
-        chosen = agree_on_resume(control, [(e.key, e.name) for e in entries], check, what=what,
-                                 timeout_s=timeout_s)
-        if chosen is None:
-            return None
-        entry = self.store.entry(chosen)
         models = {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
         values = [k for k, v in objects.items()
                   if not isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
-        template: dict[str, Any] = {}
         plan = RankObjects.of(set(), [], self.rank)
-        error: BaseException | None = None
-        try:
-            keys = saved_keys(self.store, entry)
-            template = {
+
+        def build(entry: Entry, keys: set[str]) -> dict[str, Any]:
+            nonlocal plan
+            template: dict[str, Any] = {
                 "models": {k: get_model_state_dict(m) for k, m in models.items()},
                 "optimizers": {k: get_optimizer_state_dict(_model_of(o, models, k), o)
                                for k, o in objects.items()
@@ -245,23 +229,24 @@ class ShardedCheckpoint:
                 raise KeyError(f"snapshot {entry.path} holds no {missing} of rank {self.rank}; "
                                "nothing was loaded")
             template.update(plan.template())
-        except Exception as e:  # exchanged below: every rank fails together
-            error = e
-        exchange_outcomes(control, error, what=f"{what}: preparing to load {entry.path}",
-                          timeout_s=timeout_s)
-        try:
-            load_sharded(self.store, entry, template, groups=groups,
-                         weights_only=self._weights_only)
-        except Exception as e:  # exchanged below
-            error = e
-        exchange_outcomes(control, error, what=f"{what}: loading {entry.path}",
-                          timeout_s=timeout_s)
-        for key, model in models.items():
-            set_model_state_dict(model, template["models"][key])
-        for key, optim in objects.items():
-            if isinstance(optim, torch.optim.Optimizer):
-                set_optimizer_state_dict(_model_of(optim, models, key), optim,
-                                         template["optimizers"][key])
+            return template
+
+        def apply(entry: Entry, template: dict[str, Any]) -> None:
+            for key, model in models.items():
+                set_model_state_dict(model, template["models"][key])
+            for key, optim in objects.items():
+                if isinstance(optim, torch.optim.Optimizer):
+                    set_optimizer_state_dict(_model_of(optim, models, key), optim,
+                                             template["optimizers"][key])
+            applied.append(template)
+
+        applied: list[dict[str, Any]] = []
+        entry = self.session.resume_sharded(
+            groups=self.groups, rank=self.rank, build=build, apply=apply,
+            weights_only=self._weights_only, candidates=entries, incomplete=self._incomplete)
+        if entry is None:
+            return None
+        template = applied[0]
         rank_bytes = template.get("rank_state", {}).get(f"rank{self.rank}")
         rank_state = object_from_bytes(rank_bytes, self._weights_only) if rank_bytes else {}
         saved = {k: object_from_bytes(data, self._weights_only)

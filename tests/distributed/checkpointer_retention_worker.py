@@ -5,7 +5,8 @@ Usage: ``python checkpointer_retention_worker.py RANK WORLD_SIZE INIT_FILE OUT_D
 Saves a small model with ``snapkeep.Checkpointer(OUT_DIR, keep=...)`` (sharded: under
 torch.distributed) at the steps STEPS (comma-separated), waiting for each commit so that its
 retention (rank 0, after the commit) has run before the next save. KEEP is ``latest`` (keep=1)
-or ``best:METRIC`` (``KeepBest(1, METRIC)``). Log records go to stdout; prints ``done``.
+or ``best:METRIC`` (``KeepBest(1, METRIC)``). Log records go to stdout; a save the retention
+input check refuses prints ``refused at step N: <error>`` and ends the loop; prints ``done``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def main() -> None:
     model = torch.nn.Linear(4, 2)
     with snapkeep.Checkpointer(out_dir, keep=policy, timeout_s=60) as ckpt:
         for step in (int(s) for s in steps.split(",")):
-            ckpt.save(step, {"model": model}).committed.result()
+            try:
+                ckpt.save(step, {"model": model}).committed.result()
+            except (ValueError, snapkeep.errors.RankFailedError) as e:  # the retention check
+                print(f"refused at step {step}: {type(e).__name__}: {e}", flush=True)
+                break
             ckpt.wait()  # every rank: rank 0's retention ran on the commit thread
     print("done", flush=True)
     dist.destroy_process_group()

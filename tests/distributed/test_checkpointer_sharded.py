@@ -123,15 +123,18 @@ def test_retention_deletes_only_the_checkpointers_own_snapshots(tmp_path: Path) 
 @pytest.mark.timeout(2 * BOUND_S)
 def test_a_keep_best_metric_no_manifest_records_deletes_nothing_and_is_named(
         tmp_path: Path) -> None:
-    """KeepBest by a metric none of the Checkpointer's manifests records: at the first retention
-    that would delete, the ValueError names the metrics its manifests do record (another run's
-    do not count), on rank 0, and nothing is deleted; training goes on."""
+    """KeepBest by a metric none of the Checkpointer's manifests records: the save whose
+    retention would delete is refused before anything is written (the engine session's
+    retention input check, as the manager's): ValueError naming the metrics its manifests do
+    record (another run's do not count) on rank 0, RankFailedError naming rank 0 on the
+    others; nothing is deleted. (Before: a log line after each commit, every snapshot kept.)"""
     out = tmp_path / "ckpt"
     _other_runs_snapshots(out, [1, 2])
     outputs = ranks.run(RETENTION_WORKER, 2, [str(tmp_path / "init"), str(out),
                                               "best:val_loss", "3,4,5"], timeout_s=BOUND_S)
     assert all("done" in o for o in outputs), outputs
-    assert "KeepBest metric 'val_loss' is recorded by none of the 2 snapshot manifest(s); the " \
-           "metrics they record: none. Nothing was deleted." in outputs[0], outputs
-    assert "KeepBest" not in outputs[1]  # retention runs on rank 0 only
-    assert _committed(out) == ["ckpt_1", "ckpt_2", "ckpt_3", "ckpt_4", "ckpt_5"], outputs
+    assert "refused at step 4: ValueError: KeepBest metric 'val_loss' is recorded by none of " \
+           "the 2 snapshot manifest(s); the metrics they record: none. Nothing was deleted." \
+           in outputs[0], outputs
+    assert "refused at step 4: RankFailedError" in outputs[1], outputs
+    assert _committed(out) == ["ckpt_1", "ckpt_2", "ckpt_3"], outputs

@@ -54,6 +54,7 @@ class Door:
     """One front door, driven as its users drive it."""
 
     name = ""
+    sharded = False  # snapshots are DCP directories
 
     def snapshot_name(self, step: int) -> str:
         raise NotImplementedError
@@ -86,6 +87,25 @@ class CheckpointerDoor(Door):
         return model
 
     hold_code = "import snapkeep\nheld = snapkeep.Checkpointer(DIR)\n"
+
+
+class ShardedCheckpointerDoor(CheckpointerDoor):
+    """The Checkpointer's DCP kind (one process: no process group needed)."""
+
+    name = "checkpointer-sharded"
+    sharded = True
+    hold_code = "import snapkeep\nheld = snapkeep.Checkpointer(DIR, sharded=True)\n"
+
+    def train(self, directory: pathlib.Path, stop: int, *,
+              keep: RetentionPolicy | None = None) -> torch.nn.Module:
+        model, optimizer = _model()
+        with snapkeep.Checkpointer(directory, keep=keep, sharded=True) as ckpt:
+            state = {"model": model, "optimizer": optimizer}
+            start = ckpt.load(into=state) or 0
+            for step in range(start + 1, stop + 1):
+                _step(model, optimizer, step)
+                ckpt.save(step, state, metrics={"val_loss": val_loss(step)})
+        return model
 
 
 class ExtensionDoor(Door):
@@ -128,7 +148,7 @@ class ExtensionDoor(Door):
         "manager.start_extensions()\n")
 
 
-DOORS = [CheckpointerDoor(), ExtensionDoor()]
+DOORS = [CheckpointerDoor(), ShardedCheckpointerDoor(), ExtensionDoor()]
 
 
 @pytest.fixture(params=DOORS, ids=lambda d: d.name)
@@ -143,10 +163,28 @@ def _snapshots(directory: pathlib.Path, door: Door) -> list[str]:
 
 
 def _plant_junk(directory: pathlib.Path, door: Door) -> list[str]:
+    """Junk named like snapshots: random bytes and an empty file (a directory of random bytes
+    and an empty directory for sharded doors)."""
     junk = [door.snapshot_name(999), door.snapshot_name(800)]
+    if door.sharded:  # a marker of random bytes beside a shard; an empty marker
+        for name in junk:
+            (directory / name).mkdir()
+        (directory / junk[0] / ".snapkeep-commit.json").write_bytes(os.urandom(512))
+        (directory / junk[0] / "__0_0.distcp").write_bytes(os.urandom(4096))
+        (directory / junk[1] / ".snapkeep-commit.json").write_bytes(b"")
+        return junk
     (directory / junk[0]).write_bytes(os.urandom(4096))
     (directory / junk[1]).write_bytes(b"")
     return junk
+
+
+def _corrupt(path: pathlib.Path) -> None:
+    """Flip one byte in the middle of a snapshot (its largest file for a directory)."""
+    if path.is_dir():
+        path = max((p for p in path.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_junk_files_are_skipped_never_counted_nor_deleted(door: Door, tmp_path: pathlib.Path,
@@ -164,10 +202,7 @@ def test_junk_files_are_skipped_never_counted_nor_deleted(door: Door, tmp_path: 
     assert f"snapkeep: skipped {door.snapshot_name(999)} (step 999)" in err
     real = [door.snapshot_name(s) for s in (3, 4, 5)]
     assert _snapshots(tmp_path, door) == real + junk[::-1]  # by step: 3, 4, 5, 800, 999
-    newest = tmp_path / door.snapshot_name(5)
-    data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    newest.write_bytes(bytes(data))
+    _corrupt(tmp_path / door.snapshot_name(5))
     model = door.train(tmp_path, 5, keep=KeepLatest(3))  # falls back to 4, retrains step 5
     err = capfd.readouterr().err
     assert f"snapkeep: resuming from {door.snapshot_name(4)} (step 4) in {tmp_path}" in err
@@ -203,13 +238,17 @@ def test_a_second_trainer_and_a_prune_are_refused_while_one_runs(
         assert holder.stdout is not None and holder.stdout.readline().strip() == "READY"
         with pytest.raises(StoreLockedError, match=f"pid {holder.pid}"):
             door.train(tmp_path, 4)
-        result = CliRunner().invoke(cli, ["prune", str(tmp_path), "--keep-latest", "1", "--yes"])
-        assert result.exit_code == 1 and f"pid {holder.pid}" in result.output, result.output
+        if not door.sharded:  # (snapkeep prune deletes single files only)
+            result = CliRunner().invoke(cli, ["prune", str(tmp_path), "--keep-latest", "1",
+                                              "--yes"])
+            assert result.exit_code == 1 and f"pid {holder.pid}" in result.output, result.output
         assert _snapshots(tmp_path, door) == [door.snapshot_name(s) for s in (1, 2, 3)]
     finally:
         assert holder.stdin is not None
         holder.stdin.close()
         holder.wait(timeout=60)
+    if door.sharded:
+        return
     result = CliRunner().invoke(cli, ["prune", str(tmp_path), "--keep-latest", "1", "--yes"])
     assert result.exit_code == 0, result.output
     assert _snapshots(tmp_path, door) == [door.snapshot_name(3)]
@@ -234,7 +273,7 @@ def test_the_reading_doors_agree_with_the_training_door(door: Door,
     door.train(tmp_path, 3)
     _plant_junk(tmp_path, door)
     template = door.snapshot_name(0)[:-1] + "{.iteration}"
-    with pytest.warns(RuntimeWarning, match="skipping snapshot"):
+    with pytest.warns(RuntimeWarning, match="skipping (sharded )?snapshot"):
         state = snapkeep.load_latest(tmp_path, template=template)
     assert state is not None and state.get("step", 3) == 3
     result = CliRunner().invoke(cli, ["verify", str(tmp_path)])

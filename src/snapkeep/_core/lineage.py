@@ -31,6 +31,14 @@ class RunLineage:
     members: frozenset[str | None]
 
     @classmethod
+    def named(cls, run_id: str) -> RunLineage:
+        """The lineage of every run with this fixed id (the plain-loop Checkpointer's
+        ``'checkpointer'``: a directory is one run, as Orbax's ``max_to_keep`` counts it, while
+        snapshots of other runs, such as a manager's, and files without a manifest are never
+        counted nor deleted)."""
+        return cls(run_id=run_id, members=frozenset({run_id}))
+
+    @classmethod
     def fresh(cls) -> RunLineage:
         """A new lineage with a random run id (a first run)."""
         run_id = uuid.uuid4().hex[:16]
@@ -54,6 +62,13 @@ class RunLineage:
         # union: another door of this trainer may have resumed (and adopted) already; the fresh
         # id of this process wrote nothing yet, so keeping it deletes nothing extra
         self.members = frozenset(lineage | self.members)
+
+    def continue_run(self, run_id: str | None) -> None:
+        """Continue the run ``run_id`` (a sharded snapshot's marker records it): it becomes
+        this lineage's id and a member. ``None`` (a marker without one) changes nothing."""
+        if run_id is not None:
+            self.run_id = run_id
+            self.members = frozenset(self.members | {run_id})
 
 
 def warn_about_existing(store: SnapshotStore, run_id: str) -> None:

@@ -25,14 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from snapkeep._core.distributed.agreement import exchange_outcomes
+from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes
+from snapkeep._core.errors import UnsafeSnapshotError
 from snapkeep._core.lineage import RunLineage
 from snapkeep._core.one_pass import one_pass_loader
 from snapkeep._core.preflight import check_writable
-from snapkeep._core.resume_notice import ResumeNotice, Skipped, announce
+from snapkeep._core.resume_notice import (
+    INCOMPLETE_SHARDED,
+    ResumeNotice,
+    Skipped,
+    announce,
+    skipped_on_ranks,
+)
 from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.retention_check import MetricCheck
 from snapkeep._core.store import Entry, Retain, SnapshotStore
@@ -72,7 +79,7 @@ class Session:
 
     # -- open ----------------------------------------------------------------------------------
     def open(self, *, lock: bool = True, opener: bool = True, control: Any = None,
-             timeout_s: float | None = None,
+             timeout_s: float | None = None, claim: Callable[[], None] | None = None,
              before_sweep: Callable[[StoreKind], None] | None = None) -> None:
         """The store's start-up, in one order: create the directory, check it is writable,
         take the one-trainer lock, list it once (held: later saves do not list), refuse a
@@ -84,6 +91,8 @@ class Session:
                 outcome through ``control``).
             control: a process group to exchange the outcome on (None: single process).
             timeout_s: bound of that exchange, seconds.
+            claim: run first on the opener (the Checkpointer's check for another open one in
+                this process); its error is exchanged like the store's.
             before_sweep: called with the store after the listing and before the sweep (the
                 sharded extension notes the incomplete directories the sweep will remove).
 
@@ -97,6 +106,8 @@ class Session:
         error: BaseException | None = None
         if opener:
             try:
+                if claim is not None:
+                    claim()
                 self._start(lock=lock, before_sweep=before_sweep)
             except Exception as e:
                 error = e
@@ -188,31 +199,116 @@ class Session:
                                      skipped=tuple(skipped)), quiet=self.quiet)
         return entry
 
+    def resume_sharded(
+        self, *, groups: Any, rank: int,
+        build: Callable[[Entry, set[str]], dict[str, Any]],
+        apply: Callable[[Entry, dict[str, Any]], None],
+        weights_only: bool = True, candidates: list[Entry] | None = None,
+        incomplete: Sequence[Entry] = (),
+    ) -> Entry | None:
+        """Resume from the newest sharded snapshot every rank validates, together (collective:
+        every rank calls it), in one pass: agree on it (falling back together past one any rank
+        objects to: :func:`~snapkeep._core.distributed.agreement.agree_on_resume`), let every
+        rank ``build`` what to load into from the keys the snapshot holds, load through DCP into
+        it, ``apply`` it to the live objects, continue the run's lineage, and say what happened
+        on stderr once (rank 0): the snapshot resumed from, each one skipped with the ranks'
+        reasons, and ``incomplete`` directories the start-up swept.
+
+        The validity check is the store's one (:meth:`ShardedStore.validate_part
+        <snapkeep._core.distributed.sharded_store.ShardedStore.validate_part>`: the marker, this
+        rank's share of the checksums, DCP's ``.metadata`` through the allow-list), the same for
+        every door and for :func:`snapkeep.load_latest`.
+
+        Args:
+            groups: snapkeep's process groups (None: one process).
+            rank: this rank.
+            build: ``build(entry, keys) -> state to load into`` (DCP's in-place template).
+            apply: ``apply(entry, loaded)`` applies the loaded state to the live objects (its
+                failure is exchanged with the load's).
+            weights_only: read ``.metadata`` and pickled values through the allow-list.
+            candidates: the committed snapshots (default: the store's listing).
+            incomplete: directories without a marker the start-up removed (named).
+
+        Returns:
+            The entry resumed from, or None (no rank has any snapshot).
+
+        Raises:
+            NoCommonSnapshotError: snapshots exist but none is valid on every rank.
+            RankFailedError: building, loading or applying failed on some rank (every rank
+                raises, before anything was applied where it failed before the load).
+            UnsafeSnapshotError: (one process) the snapshot needs objects outside the
+                allow-list.
+        """
+        from snapkeep._core.distributed.sharded import load_sharded, saved_keys
+        from snapkeep._core.distributed.sharded_store import ShardedStore
+
+        store = self.store
+        if not isinstance(store, ShardedStore):
+            raise TypeError(f"{self!r}: resume_sharded() is for sharded stores")
+        control = groups.control if groups else None
+        timeout_s = groups.timeout_s if groups else None
+        world_size = groups.world_size if groups else 1
+        what = f"resuming {self.shown_template!r} in {store.directory!r}"
+        entries = store.entries() if candidates is None else candidates
+
+        def check(name: str) -> str | None:
+            try:  # the store's validity check; corrupt: objected to, the next older is tried
+                store.validate_part(store.entry(name), rank, world_size,
+                                    weights_only=weights_only)
+            except UnsafeSnapshotError:
+                return None  # chosen: its load raises the refusal (never a fallback past it)
+            return None
+
+        skipped = [Skipped(name=e.name, step=e.step, reason=INCOMPLETE_SHARDED)
+                   for e in reversed(incomplete)]
+
+        def on_skip(name: str, reasons: dict[int, str]) -> None:
+            skipped.append(skipped_on_ranks(name, store.entry(name).step, reasons))
+
+        chosen = agree_on_resume(control, [(e.key, e.name) for e in entries], check, what=what,
+                                 timeout_s=timeout_s, on_skip=on_skip)
+        notice = ResumeNotice(directory=store.directory, template=self.shown_template,
+                              skipped=tuple(skipped))
+        if chosen is None:
+            announce(notice, quiet=self.quiet, rank=rank)
+            return None
+        entry = store.entry(chosen)
+        # 1. build what to load into (local), 2. DCP load (collective), 3. apply (local)
+        error: BaseException | None = None
+        loaded: dict[str, Any] = {}
+        try:
+            loaded = build(entry, saved_keys(store, entry, weights_only=weights_only))
+        except Exception as e:  # exchanged below: every rank fails together
+            error = e
+        _together(control, error, what=f"{what}: preparing to load {entry.path}",
+                  timeout_s=timeout_s)
+        try:
+            load_sharded(store, entry, loaded, groups=groups, weights_only=weights_only)
+            apply(entry, loaded)
+        except Exception as e:  # exchanged below
+            error = e
+        _together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
+        manifest = store.manifest(entry)
+        self.lineage.continue_run(manifest.run_id if manifest is not None else None)
+        logger.info("rank %d resumed from sharded snapshot %s (step %s, saved on %s rank(s))",
+                    rank, entry.path, entry.step, manifest.world_size if manifest else "?")
+        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
+                 quiet=self.quiet, rank=rank)
+        return entry
+
     def continue_lineage(self, step: int) -> None:
         """After a resume from elsewhere (the memory tier) at ``step``: continue the lineage of
         the store's newest snapshot at or before it (one manifest read, no snapshot data), so
         that retention goes on deleting that run's snapshots as after a resume from storage."""
         store = self.store
-        if not isinstance(store, SnapshotStore):
-            return
         older = [e for e in store.entries() if e.step is not None and e.step <= step]
-        if older:
-            self.lineage.adopt(store, older, older[-1])
-
-    def continue_directory_lineage(self) -> None:
-        """Continue the lineage of the newest snapshot that has a manifest (the plain-loop
-        Checkpointer's rule: its directory holds one run, as Orbax's ``max_to_keep`` counts the
-        directory), so that retention counts the snapshots earlier runs committed even before
-        a resume. Files without a manifest (junk or another tool's files named like snapshots)
-        stay out of the lineage: never counted, never deleted. One manifest read per snapshot
-        from the newest down to the first with a manifest; no snapshot data."""
-        store = self.store
-        for entry in reversed(store.entries()):
-            if store.manifest(entry) is None:
-                continue
-            if isinstance(store, SnapshotStore):
-                self.lineage.adopt(store, [entry], entry)
+        if not older:
             return
+        if isinstance(store, SnapshotStore):
+            self.lineage.adopt(store, older, older[-1])
+            return
+        manifest = store.manifest(older[-1])  # a sharded marker: its run id
+        self.lineage.continue_run(getattr(manifest, "run_id", None))
 
     # -- save ----------------------------------------------------------------------------------
     def retention(self, name: str, step: int, metrics: Mapping[str, float], *,
@@ -249,3 +345,13 @@ class Session:
     def locked(self) -> bool:
         """Whether this session holds the store lock."""
         return self._lock is not None
+
+
+def _together(control: Any, error: BaseException | None, *, what: str,
+              timeout_s: float | None) -> None:
+    """Exchange this rank's outcome of ``what`` (every rank raises together); a single process
+    (no group) raises its own error with its own type (``UnsafeSnapshotError``,
+    ``StateMismatchError``)."""
+    if control is None and error is not None:
+        raise error
+    exchange_outcomes(control, error, what=what, timeout_s=timeout_s)

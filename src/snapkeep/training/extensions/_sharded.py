@@ -31,7 +31,6 @@ which the extension holds.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import types
 from collections.abc import Callable
@@ -43,24 +42,16 @@ from snapkeep.distributed import (
     ShardedManifest,
     ShardedSaver,
     ShardedStore,
-    agree_on_resume,
     background_groups,
     exchange_outcomes,
     is_distributed,
-    load_sharded,
-    saved_keys,
 )
-from snapkeep.errors import RankFailedError, SnapshotError, UnsafeSnapshotError
+from snapkeep.errors import RankFailedError, SnapshotError
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.store import (
-    INCOMPLETE_SHARDED,
     ON_ERROR_SUFFIX,
     Entry,
-    ResumeNotice,
     Session,
-    Skipped,
-    announce,
-    skipped_on_ranks,
 )
 from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
@@ -229,22 +220,12 @@ class _ShardedSnapshot(SnapshotExtension):
             self.wait()  # committed on every rank before training goes on
         return loaded
 
-    def _continue_run_of(self, manifest: Any) -> None:
-        """Continue the lineage of the run that committed the snapshot of ``manifest`` (its run
-        id written into this run's snapshots, its snapshots deletable by retention)."""
-        if manifest is not None and manifest.run_id is not None:
-            self._shared.run_id = manifest.run_id
-            self._shared.members = frozenset(self._shared.members | {manifest.run_id})
-
     def _continue_stored_lineage(self, manager: Any, step: int) -> None:
         """After the memory tier resumed the run at ``step``: continue the lineage of storage's
         newest committed sharded snapshot at or before it (the one a storage resume would have
         loaded; its commit marker read, no shard data), so that retention goes on deleting that
         run's snapshots as after an autoload."""
-        store = self._sharded_store_of(manager)
-        older = [e for e in store.entries() if e.step is not None and e.step <= step]
-        if older:
-            self._continue_run_of(store.manifest(older[-1]))
+        self._sharded_session_of(manager).continue_lineage(step)
 
     # -- the memory tier (training/extensions/_memory_tier.py) --------------------------------
     def memory_state(self, manager: Any, rank: int) -> dict[str, Any]:
@@ -364,60 +345,20 @@ class _ShardedSnapshot(SnapshotExtension):
 
     # -- autoload ------------------------------------------------------------------------------
     def _autoload(self, manager: Any) -> str | None:
-        store = self._sharded_store_of(manager)
-        groups = self._groups
-        control = groups.control if groups else None
-        timeout_s = groups.timeout_s if groups else None
-        world_size = groups.world_size if groups else 1
-        what = f"resuming {store.template.template!r} in {store.directory!r}"
-        listing = [(e.key, e.name) for e in store.entries()]
+        session = self._sharded_session_of(manager)
 
-        def check(name: str) -> str | None:
-            try:  # the store's validity check; corrupt: objected to, the next older is tried
-                store.validate_part(store.entry(name), self.rank, world_size,
-                                    weights_only=self._weights_only)
-            except UnsafeSnapshotError:
-                return None  # chosen: its load raises the refusal (never a fallback past it)
+        def build(entry: Entry, keys: set[str]) -> dict[str, Any]:
+            return self._layout.load_template(manager, keys, self.rank)
+
+        def apply(entry: Entry, loaded: dict[str, Any]) -> None:
+            self._layout.apply_loaded(manager, loaded, entry, self.rank)
+
+        entry = session.resume_sharded(groups=self._groups, rank=self.rank, build=build,
+                                       apply=apply, weights_only=self._weights_only,
+                                       incomplete=self._incomplete)
+        if entry is None:
             return None
-
-        skipped = [Skipped(name=e.name, step=e.step, reason=INCOMPLETE_SHARDED)
-                   for e in reversed(self._incomplete)]
-
-        def on_skip(name: str, reasons: dict[int, str]) -> None:
-            skipped.append(skipped_on_ranks(name, store.entry(name).step, reasons))
-
-        chosen = agree_on_resume(control, listing, check, what=what, timeout_s=timeout_s,
-                                 on_skip=on_skip)
-        notice = ResumeNotice(directory=store.directory, template=store.template.template,
-                              skipped=tuple(skipped))
-        if chosen is None:
-            announce(notice, quiet=self._quiet, rank=self.rank)
-            return None
-        entry = store.entry(chosen)
-        # 1. build what to load into (local), 2. DCP load (collective), 3. apply (local)
-        error: BaseException | None = None
-        template: dict[str, Any] = {}
-        try:
-            template = self._layout.load_template(
-                manager, saved_keys(store, entry, weights_only=self._weights_only), self.rank)
-        except Exception as e:  # exchanged below: every rank fails together
-            error = e
-        _together(control, error, what=f"{what}: preparing to load {entry.path}",
-                  timeout_s=timeout_s)
-        try:
-            load_sharded(store, entry, template, groups=groups, weights_only=self._weights_only)
-            self._layout.apply_loaded(manager, template, entry, self.rank)
-        except Exception as e:  # exchanged below
-            error = e
-        _together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
-        manifest = store.manifest(entry)
-        self._continue_run_of(manifest)
         self.loaded_entry = entry
-        logger.info("rank %d resumed from sharded snapshot %s (step %s, saved on %s rank(s))",
-                    self.rank, entry.path, entry.step,
-                    manifest.world_size if manifest else "?")
-        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
-                 quiet=self._quiet, rank=self.rank)
         return entry.name
 
 
