@@ -59,7 +59,6 @@ from snapkeep.store import (
     Storage,
     describe,
     find_mismatches,
-    load_file,
     lookalike_message,
     resolve_storage,
     warn_user,
@@ -284,6 +283,7 @@ class Checkpointer:
         self._weights_only = weights_only
         self._map_location = map_location
         self._closed = False
+        self._session: Session | None = None
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
         self._writer: Writer | None = None
@@ -390,7 +390,7 @@ class Checkpointer:
             ValueError: a value of ``metrics`` is not finite.
             RuntimeError: the Checkpointer is closed.
         """
-        self._require_open()
+        session = self._require_open()
         step = _check_step(step)
         recorded = _check_metrics(metrics)
         if not (force or on_error or self.should_save(step)):
@@ -408,10 +408,10 @@ class Checkpointer:
         writer: Any = self._writer  # not sharded: a writer
         # the retention input check (a KeepBest metric no snapshot records: ValueError, nothing
         # written or deleted), then the retention stage the writer runs after the commit
-        retain = self._session.retention(name, step, recorded, on_error=on_error)
+        retain = session.retention(name, step, recorded, on_error=on_error)
         tree = self._payload(step, state)
         extra: dict[str, Any] = {"step": step, "retain": retain,  # snapkeep's writer extras
-                                 "metrics": recorded, "run_id": self._session.lineage.run_id}
+                                 "metrics": recorded, "run_id": session.lineage.run_id}
         handle = writer(name, self._location, tree, **extra)
         if on_error and handle is not None:
             handle.wait()
@@ -501,7 +501,7 @@ class Checkpointer:
             UnsafeSnapshotError: the snapshot needs ``weights_only=False``; nothing loaded.
             SnapshotStorageError: the storage could not be reached.
         """
-        self._require_open()
+        session = self._require_open()
         objects = _check_state(into)
         if self._sharded is not None:
             _refuse_plain_loaders(objects)
@@ -525,11 +525,11 @@ class Checkpointer:
             return loaded.step
         if not entries:
             self._nothing_to_resume()
-            self._session.resume(self._load_file, self._no_apply, candidates=[])  # the notice
+            session.resume(self._no_apply, candidates=[])  # the notice
             self._prepare_first_save(into, objects, resumed=False)
             return None
-        entry = self._session.resume(
-            self._load_file, lambda e, payload: self._apply(objects, into, payload, e),
+        entry = session.resume(
+            lambda e, payload: self._apply(objects, into, payload, e),
             check=self._check_format, candidates=entries, weights_only=self._weights_only,
             map_location=self._map_location)
         if entry is None:  # unreachable: entries is not empty
@@ -580,11 +580,6 @@ class Checkpointer:
             _warn(message)
         logger.warning("no snapshot of %r in %s: nothing to resume, starting fresh",
                        self.template, self._location)
-
-    def _load_file(self, entry: Entry, data: bytes | None) -> Any:
-        payload = load_file(self._store.storage, entry.path, map_location=self._map_location,
-                            weights_only=self._weights_only, data=data)
-        return self._check_format(entry, payload)
 
     @staticmethod
     def _check_format(entry: Entry, payload: Any) -> Any:
@@ -645,9 +640,8 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.finalize()
         finally:
-            session = getattr(self, "_session", None)  # absent when __init__ failed early
-            if session is not None:
-                session.close()
+            if self._session is not None:
+                self._session.close()
             if _OPEN.get(self._key) is self:
                 del _OPEN[self._key]
 
@@ -671,9 +665,11 @@ class Checkpointer:
             logger.warning("%r was garbage-collected without close(); pending snapshots are "
                            "committed at exit", self)
 
-    def _require_open(self) -> None:
-        if self._closed:
+    def _require_open(self) -> Session:
+        """The engine session of an open Checkpointer (RuntimeError once closed)."""
+        if self._closed or self._session is None:
             raise RuntimeError(f"{self!r} is closed; create a new Checkpointer")
+        return self._session
 
     @property
     def writer(self) -> Writer | None:

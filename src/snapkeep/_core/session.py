@@ -31,6 +31,7 @@ from typing import Any
 from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes
 from snapkeep._core.errors import UnsafeSnapshotError
 from snapkeep._core.lineage import RunLineage
+from snapkeep._core.loading import load_file
 from snapkeep._core.one_pass import one_pass_loader
 from snapkeep._core.preflight import check_writable
 from snapkeep._core.resume_notice import (
@@ -145,7 +146,7 @@ class Session:
 
     # -- resume --------------------------------------------------------------------------------
     def resume(
-        self, load: Callable[[Entry, bytes | None], Any], apply: Callable[[Entry, Any], None], *,
+        self, apply: Callable[[Entry, Any], None], *,
         check: Callable[[Entry, Any], Any] | None = None, candidates: list[Entry] | None = None,
         verify_while_loading: bool = True, map_location: Any = "cpu", weights_only: bool = True,
     ) -> Entry | None:
@@ -156,16 +157,14 @@ class Session:
         resumed from and each one skipped, or that the run starts fresh.
 
         Args:
-            load: ``load(entry, data) -> state`` (``data``: the file's bytes for remote stores,
-                None for local files), e.g. :func:`snapkeep._core.loading.load_file`, running
-                ``check`` itself.
-            check: ``check(entry, state) -> state`` on a state loaded in one pass (the door's
-                format check: ``SnapshotCorruptError`` skips the snapshot); default none.
+            check: ``check(entry, state) -> state`` on each loaded state (the door's format
+                check: ``SnapshotCorruptError`` skips the snapshot); default none.
             apply: ``apply(entry, state)`` loads ``state`` into the live objects, or raises
                 (``StateMismatchError``) having loaded nothing.
             candidates: the snapshots to consider (default: the store's listing).
             verify_while_loading: verify local files while they are loaded (one pass).
-            map_location, weights_only: as ``torch.load``'s, for the one-pass loader.
+            map_location, weights_only: as ``torch.load``'s (safe loading by default: see
+                :func:`snapkeep._core.loading.load_file`).
 
         Returns:
             The entry resumed from, or None (no snapshot: a first run).
@@ -184,7 +183,14 @@ class Session:
             announce(notice, quiet=self.quiet)
             return None
         skipped: list[Skipped] = []
-        one_pass = one_pass_loader(store, load, check or (lambda entry, state: state),
+        checked = check or (lambda entry, state: state)
+
+        def load(entry: Entry, data: bytes | None) -> Any:  # the file's bytes: remote stores
+            return checked(entry, load_file(store.storage, entry.path, data=data,
+                                            map_location=map_location,
+                                            weights_only=weights_only))
+
+        one_pass = one_pass_loader(store, load, checked,
                                    weights_only=weights_only, map_location=map_location
                                    ) if verify_while_loading else None
         found = store.load_newest(load, candidates=candidates, one_pass=one_pass,

@@ -39,7 +39,6 @@ from snapkeep.store import (
     SnapshotStore,
     check_quiet,
     check_writable,
-    load_file,
     warn_about_existing,
     warn_user,
 )
@@ -400,12 +399,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         store = self._store_of(manager, quiet=True)
         if store is None:
             return None
-
-        def loader(entry: Entry, data: bytes | None) -> Any:
-            return load_file(store.storage, entry.path, map_location=self._map_location,
-                             weights_only=self._weights_only, data=data)
-
-        entry = session.resume(loader, lambda e, state: self._apply(target, state, e),
+        entry = session.resume(lambda e, state: self._apply(target, state, e),
                                candidates=self._choose(store), map_location=self._map_location,
                                weights_only=self._weights_only)
         if entry is None:
