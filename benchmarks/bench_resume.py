@@ -34,6 +34,11 @@ from snapkeep.writing import SimpleWriter
 
 CONTENDERS = ("torch.load", "torch.load(mmap=True)", "DCP load", "snapkeep autoload",
               "read file")
+#: Every door of snapkeep over the same state (``--doors``), each timed from the door's
+#: construction (the manager with its default-style ThreadWriter, the Checkpointer) to every
+#: optimizer page resident, as a restarted trainer sees it (issue 24's cold-resume target).
+DOORS = ("door: extension autoload (ThreadWriter, built in the timing)",
+         "door: Checkpointer.load", "door: load_latest + load_state_dict")
 #: How snapkeep could verify and load (``--variants``): the choice behind autoload's path.
 VARIANTS = ("one pass into new storages", "read+hash then mmap load",
             "mmap+hash then mmap load")
@@ -67,7 +72,39 @@ def save(state_gib: float, out: str) -> str:
 
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "dcp"), no_dist=True)
+    import snapkeep
+
+    with snapkeep.Checkpointer(os.path.join(out, "ckpt"), writer=SimpleWriter()) as ckpt:
+        ckpt.save(1, {"model": model, "optimizer": optimizer}, force=True)
     return os.path.join(out, "snapshot_iter_1")
+
+
+def door_load(contender: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              path: str) -> None:
+    """One of :data:`DOORS` (see there), quiet."""
+    import snapkeep
+    from snapkeep.writing import ThreadWriter
+
+    out = os.path.dirname(path)
+    if contender == DOORS[0]:
+        manager = ExtensionsManager({"main": model}, {"main": optimizer}, max_epochs=1,
+                                    iters_per_epoch=1000, writer=ThreadWriter(out_dir=out))
+        manager.extend(extensions.snapshot(autoload=True, quiet=True), trigger=(1, "iteration"))
+        manager.start_extensions()
+        if manager.iteration != 1:
+            raise RuntimeError(f"autoload did not resume (iteration {manager.iteration})")
+        manager.finalize()
+    elif contender == DOORS[1]:
+        with snapkeep.Checkpointer(os.path.join(out, "ckpt")) as ckpt:
+            if ckpt.load(into={"model": model, "optimizer": optimizer}) != 1:
+                raise RuntimeError("Checkpointer.load did not resume")
+    elif contender == DOORS[2]:
+        state = snapkeep.load_latest(out)
+        model.load_state_dict(state["models"]["main"])
+        optimizer.load_state_dict(state["optimizers"]["main"])
+        del state
+    else:
+        raise ValueError(f"unknown door {contender!r}")
 
 
 def dcp_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
@@ -148,10 +185,12 @@ def _read_all(path: str) -> None:
 def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, optimizer = make_model(state_gib)
+    cached = os.path.join(os.path.dirname(path), "ckpt", "ckpt_1") \
+        if contender == DOORS[1] else path
     if cold:
-        drop_cache(path)
+        drop_cache(cached)
     else:  # the whole file in the page cache (a cold mmap run before read only part of it)
-        _read_all(path)
+        _read_all(cached)
     before = _status_bytes("VmRSS")
     manager = manager_for(model, optimizer, os.path.dirname(path), autoload=True) \
         if contender == "snapkeep autoload" else None
@@ -160,6 +199,8 @@ def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, 
     t0 = time.perf_counter()
     if contender in VARIANTS:
         variant_load(contender, manager, path)
+    elif contender in DOORS:
+        door_load(contender, model, optimizer, path)
     elif contender == "DCP load":
         dcp_load(model, optimizer, path)
     elif contender in ("torch.load", "torch.load(mmap=True)"):
@@ -342,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", choices=("both", "cold", "warm"), default="both")
     p.add_argument("--variants", action="store_true",
                    help="also time each way snapkeep could verify and load (VARIANTS)")
+    p.add_argument("--doors", action="store_true",
+                   help="also time every door of snapkeep over the same state (DOORS)")
     p.add_argument("--first-snapshot", action="store_true",
                    help="also time the first snapshot after a restart against later ones")
     p.add_argument("--only", default=None,
@@ -361,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         path = save(args.state_gib, out)
         size = os.path.getsize(path)
         runs: dict[tuple[str, bool], list[dict[str, Any]]] = {}
-        names = list(CONTENDERS) + (list(VARIANTS) if args.variants else [])
+        names = list(CONTENDERS) + (list(VARIANTS) if args.variants else []) \
+            + (list(DOORS) if args.doors else [])
         if args.only:
             names = [n for n in names if n in args.only.split(",")]
         colds = {"both": (False, True), "cold": (True,), "warm": (False,)}[args.cache]
@@ -380,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     rows = []
     med = {k: median([r["time_s"] for r in v]) for k, v in runs.items() if k[0] in CONTENDERS
-           or k[0] in VARIANTS}
+           or k[0] in VARIANTS or k[0] in DOORS}
 
     def ratio(t: float, key: tuple[str, bool]) -> float | None:
         return t / med[key] if key in med else None

@@ -264,6 +264,8 @@ def test_a_first_run_and_a_resume_are_said_on_stderr(door: Door, tmp_path: pathl
     door.train(tmp_path, 3)
     assert capfd.readouterr().err.splitlines()[0] == (
         f"snapkeep: resuming from {door.snapshot_name(2)} (step 2) in {tmp_path}")
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path)])  # no -t needed (before: exit 1,
+    assert result.exit_code == 0, result.output  # "no snapshots matching" for a Checkpointer)
 
 
 def test_the_reading_doors_agree_with_the_training_door(door: Door,
