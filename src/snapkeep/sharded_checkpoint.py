@@ -50,6 +50,7 @@ from snapkeep.distributed import (
     optimizer_module,
     saved_keys,
 )
+from snapkeep.errors import UnsafeSnapshotError
 from snapkeep.retention import RetentionPolicy
 from snapkeep.store import Entry, FilenameTemplate, Storage
 from snapkeep.training import RngState
@@ -209,7 +210,11 @@ class ShardedCheckpoint:
         what = f"resuming {self.store.template.template!r} in {self.store.directory!r}"
 
         def check(name: str) -> str | None:
-            self.store.verify_part(self.store.entry(name), self.rank, world_size)
+            try:  # the store's validity check, as autoload's: marker, checksums, metadata
+                self.store.validate_part(self.store.entry(name), self.rank, world_size,
+                                         weights_only=self._weights_only)
+            except UnsafeSnapshotError:
+                return None  # chosen: its load raises the refusal (never a fallback past it)
             return None
 
         chosen = agree_on_resume(control, [(e.key, e.name) for e in entries], check, what=what,

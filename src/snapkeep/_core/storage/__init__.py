@@ -14,6 +14,7 @@ from snapkeep._core.storage._commit import (
     WriteResult,
     set_publish_guard,
 )
+from snapkeep._core.storage._local import open_regular
 from snapkeep._core.storage._pfio import PfioFileSystem
 from snapkeep._core.storage._put import ObjectPutCommit
 from snapkeep._core.storage._resolve import commit_strategy_for, resolve_storage
@@ -23,5 +24,5 @@ from snapkeep._core.storage._temps import TEMP_MARKER, is_temp_name
 __all__ = [
     "TEMP_MARKER", "CommitStrategy", "ObjectPutCommit", "PfioFileSystem", "RenameCommit",
     "ReplaceCommit", "Storage", "Target", "WriteResult", "commit_strategy_for", "is_temp_name",
-    "resolve_storage", "set_publish_guard",
+    "open_regular", "resolve_storage", "set_publish_guard",
 ]
