@@ -524,8 +524,8 @@ def owners(directory: str) -> list[dict[str, Any]]:
     """The owner records of one tier directory of this user: ``{"pid", "host", "time",
     "rank", "world", "out_dir", "template"}`` each (``world``, ``out_dir`` and ``template``
     None when an older snapkeep wrote it). Read without following a symlink, without
-    blocking (a FIFO is refused at once), at most :data:`MAX_RECORD_BYTES` each; a record that is not a regular file of ours, too
-    large or malformed is skipped with a log line. None at all when ``directory`` is not a
+    blocking (a FIFO is refused at once), at most :data:`MAX_RECORD_BYTES` each; a record
+    that is not a regular file of ours, too large or malformed is skipped with a log line. None at all when ``directory`` is not a
     directory of this user."""
     found: list[dict[str, Any]] = []
     root, name = os.path.split(directory.rstrip("/"))
