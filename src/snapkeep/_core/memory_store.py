@@ -525,8 +525,8 @@ def owners(directory: str) -> list[dict[str, Any]]:
     "rank", "world", "out_dir", "template"}`` each (``world``, ``out_dir`` and ``template``
     None when an older snapkeep wrote it). Read without following a symlink, without
     blocking (a FIFO is refused at once), at most :data:`MAX_RECORD_BYTES` each; a record
-    that is not a regular file of ours, too large or malformed is skipped with a log line. None at all when ``directory`` is not a
-    directory of this user."""
+    that is not a regular file of ours, too large or malformed is skipped with a log line.
+    None at all when ``directory`` is not a directory of this user."""
     found: list[dict[str, Any]] = []
     root, name = os.path.split(directory.rstrip("/"))
     try:
