@@ -62,10 +62,19 @@ def _resume(killed: Path, tmp: Path, name: str, world: int, replicas: int,
             damage: Any, kind: str = "distributed") -> list[dict[str, Any]]:
     base = tmp / name
     shutil.copytree(killed, base)
+    _moved_with_storage(base)
     damage(base)
     run(WORKER, world, [str(base / "init"), str(base), "resume", str(replicas), kind],
         timeout_s=180)
     return [json.loads((base / f"report_rank{r}.json").read_text()) for r in range(world)]
+
+
+def _moved_with_storage(base: Path) -> None:
+    """The copy of the killed run is the same training moved: its owner records name the
+    copy's storage (a RAM snapshot is resumed only by the training its record names)."""
+    for record in base.glob("node*/snapkeep-*/owner-rank*.json"):
+        body = json.loads(record.read_text())
+        record.write_text(json.dumps(dict(body, out_dir=str(base / "storage"))))
 
 
 def _wipe(*nodes: int) -> Any:
