@@ -196,3 +196,18 @@ def test_hostile_owner_records_never_block_or_crash_the_start_or_ls(
     assert {t["dir"].rsplit("/", 1)[1] for t in listed} >= {
         f"snapkeep-other-{n}" for n in HOSTILE_RECORDS}
     assert all(t["owners"] == [] for t in listed if "other-" in t["dir"])
+
+
+def test_a_root_others_can_rename_in_is_refused_at_start(tmp_path: Path) -> None:
+    """Without the sticky bit, another user could rename our tier away and put theirs in its
+    place between our checks: such a root is refused, naming why."""
+    from snapkeep.store import NotPrivateError
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(NotPrivateError, match="sticky bit"):
+        _run(tmp_path / "out", root, 1)
+    os.chmod(root, 0o1777)
+    manager, _ = _run(tmp_path / "out2", root, 1)
+    assert manager.iteration == 1

@@ -146,7 +146,10 @@ class MemoryTier:
         stride: peer ``i`` (1..replicas) of rank ``r`` is ``(r + stride*i) % world``. Default:
             ``LOCAL_WORLD_SIZE`` under torchrun when it is less than the world size (peers on
             other nodes), else 1.
-        root: the tmpfs directory holding the tiers (default ``/dev/shm``).
+        root: the tmpfs directory holding the tiers (default ``/dev/shm``); it must be yours
+            or root's, and writable by other users only with the sticky bit (as ``/dev/shm``).
+            Each tier under it is private (directories ``0700``, files ``0600``, no symlink
+            followed, another user's never read, written or removed).
         job: the job id naming the tier (default: a hash of the user's uid, out_dir and the
             snapshot's template, the same at every rerun of the training; never a per-launch
             id such as ``TORCHELASTIC_RUN_ID``). Whatever the name, a RAM snapshot is resumed
@@ -279,6 +282,8 @@ class _MemoryTierExtension(extension.Extension):
 
         Raises:
             MemoryTierTooSmallError: the tmpfs cannot hold the tier (size needed named).
+            NotPrivateError: (a ``PermissionError``) other users could rename or delete what
+                is in ``root``: writable by them without the sticky bit, or another user's.
             ValueError: ``replicas`` is not less than the world size.
             CollectiveTimeoutError: a rank did not take part in the agreement in time.
         """
