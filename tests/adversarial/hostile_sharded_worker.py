@@ -2,10 +2,12 @@
 test_hostile_sharded_files.py): a Checkpointer (sharded, a gloo world of one) commits steps 1
 and 2 under ``BASE/good``; for each case, a copy of it has step 2's marker, DCP ``.metadata`` or
 shard replaced by a hostile file, and every reader runs on the copy under a 10 s alarm:
-``load_latest``, ``Checkpointer(sharded=True).load`` and ``snapkeep verify --json``.
+``load_latest``, ``Checkpointer(sharded=True).load``, ``snapkeep verify --json``, and the
+autoload of a SHARDED snapshot extension (on a copy of the same steps saved by it, damaged
+alike).
 
 Usage: ``python hostile_sharded_worker.py BASE``. Prints one JSON line per case:
-``{"case", "load_latest", "checkpointer", "verify", "warned"}`` where each reader's value is
+``{"case", "load_latest", "checkpointer", "verify", "autoload", "warned"}`` where each reader's value is
 what it resumed (``"step 1"``...), its error type, or ``"hang"`` when the alarm fired.
 """
 
@@ -67,6 +69,30 @@ def _train_step(objects: dict[str, Any]) -> None:
     objects["optimizer"].zero_grad()
     objects["model"](torch.ones(2, 4)).sum().backward()
     objects["optimizer"].step()
+
+
+def _manager(out: Path) -> tuple[Any, Any, dict[str, Any]]:
+    from snapkeep import writing
+    from snapkeep.training import ExtensionsManager
+    from snapkeep.training import extensions as ext
+
+    objects = _objects()
+    manager = ExtensionsManager(objects["model"], objects["optimizer"], 1, iters_per_epoch=10,
+                                out_dir=str(out), writer=writing.SimpleWriter(out_dir=str(out)))
+    snapshot = ext.snapshot(filename="ckpt_{.iteration}", autoload=True, timeout_s=BOUND_S,
+                            snapshot_mode=ext.SnapshotMode.SHARDED)
+    manager.extend(snapshot, trigger=(1, "iteration"))
+    return manager, snapshot, objects
+
+
+def make_good_for_autoload(out: Path) -> None:
+    """The same two steps, saved by the ppe-style SHARDED snapshot extension."""
+    manager, snapshot, objects = _manager(out)
+    manager.start_extensions()
+    while manager.iteration < 2:
+        with manager.run_iteration():
+            _train_step(objects)
+    manager.finalize()
 
 
 def make_good(out: Path) -> dict[int, list[float]]:
@@ -259,8 +285,17 @@ def run_case(case: str, directory: Path, weights: dict[int, list[float]]) -> dic
             statuses = {s["name"]: s["status"] for s in body["snapshots"]}
             return f"exit {result.exit_code} {json.dumps(statuses, sort_keys=True)}"
 
+        def autoload() -> str:
+            manager, snapshot, objects = _manager(directory.parent / "ext")
+            manager.start_extensions()
+            loaded = snapshot.loaded_entry
+            found = _step_of({"w": objects["model"].weight}, weights)
+            name = "none" if loaded is None else loaded.name
+            return f"step {manager.iteration}" if name == f"ckpt_{manager.iteration}" \
+                and found == f"step {manager.iteration}" else f"{name} but {found}"
+
         outcome = {"case": case, "load_latest": _run(latest), "checkpointer": _run(checkpointer),
-                   "verify": _run(verify)}
+                   "verify": _run(verify), "autoload": _run(autoload)}
     outcome["warned"] = sorted({"ckpt_2" in str(w.message) for w in caught})
     return outcome
 
@@ -273,6 +308,7 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{base / 'init'}", rank=0,
                             world_size=1)
     weights = make_good(base / "good")
+    make_good_for_autoload(base / "good-ext")
     for case, damage in CASES.items():
         if only and case not in only:
             continue
@@ -281,6 +317,8 @@ def main() -> None:
         directory = root / "out"
         shutil.copytree(base / "good", directory, ignore=shutil.ignore_patterns("*.lock"))
         damage(directory / "ckpt_2")
+        shutil.copytree(base / "good-ext", root / "ext", ignore=shutil.ignore_patterns("*.lock"))
+        damage(root / "ext" / "ckpt_2")
         print(json.dumps(run_case(case, directory, weights)), flush=True)
         shutil.rmtree(root)
     dist.destroy_process_group()

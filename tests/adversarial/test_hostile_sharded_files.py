@@ -5,8 +5,9 @@ Step 2 of a sharded Checkpointer's snapshots has its marker ``.snapkeep-commit.j
 (``/dev/zero`` symlinked, or ``mknod``'ed), an oversized file, malformed content of many shapes,
 or a path outside the directory (in the marker, or in the metadata's storage items: another
 snapshot's shard, a FIFO outside). Every reader -- ``load_latest``,
-``Checkpointer(sharded=True).load``, ``snapkeep verify`` -- must finish within 10 s: the first
-two skip step 2 with a warning naming it and resume step 1, verify exits 1 with step 2 corrupt.
+``Checkpointer(sharded=True).load``, a SHARDED snapshot extension's autoload, ``snapkeep
+verify`` -- must finish within 10 s: the loaders skip step 2 with a warning naming it and resume
+step 1, verify exits 1 with step 2 corrupt.
 
 Before: a FIFO marker blocked every reader forever, a device marker was read to the end of
 memory, and a metadata path ``../ckpt_1/__0_0.distcp`` loaded another snapshot's bytes, never
@@ -29,7 +30,7 @@ WORKER = Path(__file__).with_name("hostile_sharded_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 from hostile_sharded_worker import CASES  # noqa: E402
 
-EXPECTED = {"load_latest": "step 1", "checkpointer": "step 1",
+EXPECTED = {"load_latest": "step 1", "checkpointer": "step 1", "autoload": "step 1",
             "verify": 'exit 1 {"ckpt_1": "ok", "ckpt_2": "corrupt"}', "warned": [True]}
 
 
