@@ -7,8 +7,8 @@ autoload of a SHARDED snapshot extension (on a copy of the same steps saved by i
 alike).
 
 Usage: ``python hostile_sharded_worker.py BASE``. Prints one JSON line per case:
-``{"case", "load_latest", "checkpointer", "verify", "autoload", "warned"}`` where each reader's value is
-what it resumed (``"step 1"``...), its error type, or ``"hang"`` when the alarm fired.
+``{"case", "load_latest", "checkpointer", "verify", "autoload", "warned"}`` where each reader's
+value is what it resumed (``"step 1"``...), its error type, or ``"hang"`` when the alarm fired.
 """
 
 from __future__ import annotations
