@@ -471,16 +471,19 @@ def test_an_own_ram_copy_corrupt_inside_a_tensor_falls_through_to_storage(
     resumed.finalize()
 
 
-def test_defaults_name_the_tier_by_job_under_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_defaults_name_the_tier_by_the_training_under_dev_shm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The name is the training's (uid, out_dir, template), never the launch's: torchrun
+    --standalone draws a new TORCHELASTIC_RUN_ID at every launch."""
     assert ext.MemoryTier(every=5).root == "/dev/shm"
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     a, b = job_id("/runs/a", TEMPLATE), job_id("/runs/b", TEMPLATE)
     assert a != b and a == job_id("/runs/a", TEMPLATE) and len(a) == 16
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: not a job id
-    assert job_id("/runs/a", TEMPLATE) == a
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job/42")
-    assert job_id("/runs/a", TEMPLATE) == "job_42"
-    assert tier_dir("/dev/shm", "job_42") == "/dev/shm/snapkeep-job_42"
+    assert a != job_id("/runs/a", "other_{.iteration}")
+    for launch in ("none", "job/42", "8b3c0f6e-1d2a"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", launch)
+        assert job_id("/runs/a", TEMPLATE) == a
+    assert tier_dir("/dev/shm", a) == f"/dev/shm/snapkeep-{a}"
 
 
 # -- SHARDED snapshots (one process: plain DCP files; FSDP2 on gloo in tests/distributed) ------

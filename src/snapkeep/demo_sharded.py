@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import logging
 import os
 import random
@@ -157,12 +156,10 @@ def run_sharded_demo(config: ShardedDemoConfig, echo: Callable[[str], None] = pr
     manager.extend(extensions.preemption(timeout_s=config.timeout_s))
     tier = None
     if config.memory_every > 0:
-        # named by out_dir: torchrun --standalone draws a new run id at every launch
-        job = "demo-sharded-" + hashlib.sha256(
-            os.path.abspath(config.out_dir).encode()).hexdigest()[:12]
+        # the default job: named by the training (out_dir, template), found by every rerun
         tier = extensions.memory_tier(extensions.MemoryTier(
             every=config.memory_every, replicas=config.replicas if world_size > 1 else 0,
-            root=config.memory_root, job=job, timeout_s=config.timeout_s))
+            root=config.memory_root, timeout_s=config.timeout_s))
         manager.extend(tier)
     say(f"snapkeep sharded demo: digits MLP hidden={config.hidden_size} on {world_size} "
         f"rank(s) (FSDP2 on gloo), out={config.out_dir}")

@@ -156,9 +156,9 @@ def _load_newest_sharded(storage: Any, directory: str, template: str, *, map_loc
     sharded = ShardedStore(storage, directory, template, storage_options=storage_options)
 
     def check(entry: Entry) -> Any:
-        sharded.validate_part(entry, 0, 1, weights_only=weights_only)  # as autoload checks
-        return gather_dcp(storage, entry.path, weights_only=weights_only,
-                          storage_options=storage_options)
+        manifest = sharded.validate_part(entry, 0, 1, weights_only=weights_only)
+        return gather_dcp(storage, entry.path, weights_only=weights_only,  # as autoload checks
+                          storage_options=storage_options, listed=manifest.files)
 
     def skipped(entry: Entry, error: Exception) -> None:
         warn_user(skip_message(entry, error, kind="sharded snapshot"), RuntimeWarning)

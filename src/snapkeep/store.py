@@ -29,11 +29,18 @@ from snapkeep._core.manifest import (
 )
 from snapkeep._core.memory_store import (
     Held,
+    Identity,
     MemoryStore,
+    NotPrivateError,
     check_space,
     describe_tiers,
+    foreign_reason,
+    forget_rank,
     job_id,
+    owner_alive,
     owners,
+    peer_sources,
+    ranks_in,
     reclaim_stale,
     remove_rank,
     tier_bytes,
@@ -89,8 +96,9 @@ def open_store(
 
 
 __all__ = [
-    "Held", "MemoryStore", "check_space", "describe_tiers", "job_id", "owners", "reclaim_stale",
-    "remove_rank", "tier_bytes", "tier_dir", "write_owner",
+    "Held", "Identity", "MemoryStore", "NotPrivateError", "check_space", "describe_tiers",
+    "foreign_reason", "forget_rank", "job_id", "owner_alive", "owners", "peer_sources",
+    "ranks_in", "reclaim_stale", "remove_rank", "tier_bytes", "tier_dir", "write_owner",
     "DECODE_ERRORS", "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest",
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",

@@ -62,10 +62,19 @@ def _resume(killed: Path, tmp: Path, name: str, world: int, replicas: int,
             damage: Any, kind: str = "distributed") -> list[dict[str, Any]]:
     base = tmp / name
     shutil.copytree(killed, base)
+    _moved_with_storage(base)
     damage(base)
     run(WORKER, world, [str(base / "init"), str(base), "resume", str(replicas), kind],
         timeout_s=180)
     return [json.loads((base / f"report_rank{r}.json").read_text()) for r in range(world)]
+
+
+def _moved_with_storage(base: Path) -> None:
+    """The copy of the killed run is the same training moved: its owner records name the
+    copy's storage (a RAM snapshot is resumed only by the training its record names)."""
+    for record in base.glob("node*/snapkeep-*/owner-rank*.json"):
+        body = json.loads(record.read_text())
+        record.write_text(json.dumps(dict(body, out_dir=str(base / "storage"))))
 
 
 def _wipe(*nodes: int) -> Any:
@@ -193,3 +202,22 @@ def test_a_rank_missing_at_the_agreement_is_an_error_not_a_hang(killed2: Path,
     report = json.loads((base / "report_rank0.json").read_text())
     assert report["outcome"] == "CollectiveTimeoutError"
     assert report["elapsed_s"] < 60 + 10  # the tier's timeout_s bounds it
+
+
+def test_a_rank_whose_tier_name_is_planted_still_copies_and_resumes_from_its_peer(
+        tmp_path: Path) -> None:
+    """Node 0's tier name is a planted symlink: rank 0 takes no RAM snapshot of its own (never
+    writing through it) but still sends its copy to rank 1 and receives rank 1's, so neither
+    rank waits on the other. Killed and rerun: rank 0 resumes step 4 from rank 1's copy,
+    bit-identical; the symlink and its empty target are left as they were."""
+    base, victim = tmp_path / "planted", tmp_path / "victim"
+    (base / "node0").mkdir(parents=True)
+    victim.mkdir()
+    (base / "node0" / "snapkeep-test").symlink_to(victim)
+    _killed_run(base, 2, 1)
+    run(WORKER, 2, [str(base / "init"), str(base), "resume", "1"], timeout_s=180)
+    reports = [json.loads((base / f"report_rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["start"], r["source"]) for r in reports] == [(4, "peer1"), (4, "own")]
+    assert all(r["weights"] == reference() and r["storage_reads"] == [] for r in reports)
+    assert [r["tier_left"] for r in reports] == [["snapkeep-test"], []]
+    assert (base / "node0" / "snapkeep-test").is_symlink() and os.listdir(victim) == []

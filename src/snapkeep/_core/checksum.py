@@ -78,12 +78,20 @@ class HashingWriter:
         return str(self._hasher.hexdigest())
 
 
-def digest_stream(f: IO[bytes]) -> tuple[str, int]:
-    """Hash a readable binary stream to its end; return ``(hexdigest, size_bytes)``."""
+def digest_stream(f: IO[bytes], *, max_bytes: int | None = None) -> tuple[str, int]:
+    """Hash a readable binary stream to its end; return ``(hexdigest, size_bytes)``.
+
+    With ``max_bytes``, at most ``max_bytes + 1`` bytes are read: a stream longer than that
+    (a file grown, or a device that never ends) stops there, and the size returned, larger
+    than ``max_bytes``, says so to the caller comparing it with a recorded size."""
     hasher = new_hasher()
     size = 0
     while True:
-        chunk = f.read(_READ_CHUNK_BYTES)
+        want = _READ_CHUNK_BYTES if max_bytes is None else min(_READ_CHUNK_BYTES,
+                                                               max_bytes + 1 - size)
+        if want <= 0:
+            break
+        chunk = f.read(want)
         if not chunk:
             break
         hasher.update(chunk)

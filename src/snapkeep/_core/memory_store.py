@@ -14,8 +14,19 @@ store contract. What differs is only where it lives and its retention
 (:meth:`MemoryStore.keep_newest` keeps the newest committed step alone; RAM is bounded: own
 copy + replicas + one in flight).
 
-The job id (:func:`job_id`) is ``TORCHELASTIC_RUN_ID`` under torchrun, else a hash of the output
-directory and filename template, so a restarted process of the same job finds its tier.
+Identity: the tier is named after the training, never after a launch. The job id
+(:func:`job_id`) hashes the user's uid, the output directory (absolute, or the URL) and the
+snapshot's filename template: what makes a rerun of the same command the same training (never
+``TORCHELASTIC_RUN_ID``, which ``torchrun --standalone`` draws anew at every launch). Each
+rank's owner record holds that identity (:class:`Identity`), and a RAM snapshot is used only by
+the training whose identity its record holds (:func:`foreign_reason`).
+
+Privacy: the root is a shared tmpfs, so every directory of a tier is ``0700`` and every file
+``0600``, and every path component under the root is opened without following a symlink and
+checked to be a directory (or regular file) of this user before anything is read, written or
+removed through it (:mod:`snapkeep._core.storage`'s private directories). Another user's tier,
+or a planted symlink, is never read, written or removed. Owner records are read bounded
+(:data:`MAX_RECORD_BYTES`) and never blocking; a malformed one is skipped with a log line.
 """
 
 from __future__ import annotations
@@ -25,12 +36,14 @@ import hashlib
 import io
 import json
 import logging
+import math
 import mmap
 import os
-import shutil
+import re
 import socket
+import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 from snapkeep._core.checksum import (
@@ -47,7 +60,18 @@ from snapkeep._core.errors import (
 )
 from snapkeep._core.job import SaveJob
 from snapkeep._core.loading import load_file
-from snapkeep._core.storage import resolve_storage
+from snapkeep._core.manifest import MANIFEST_DIR
+from snapkeep._core.storage import (
+    NotPrivateError,
+    check_root,
+    list_private,
+    lstat_private,
+    private_dir,
+    private_storage,
+    read_private,
+    remove_private,
+    remove_private_file,
+)
 from snapkeep._core.store import Entry, SnapshotStore
 from snapkeep._core.store_kinds import newest_valid
 
@@ -59,16 +83,44 @@ PREFIX = "snapkeep-"
 """Every tier directory under the root starts with this (``snapkeep ls --memory`` lists them)."""
 
 
+#: Largest owner record read, in bytes (a real one is ~300 bytes).
+MAX_RECORD_BYTES = 64 * 1024
+
+_OWNER = re.compile(r"owner-rank(\d{1,9})\.json")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Identity:
+    """What makes a rerun the same training: its output directory (absolute, or the URL) and
+    the snapshot's filename template. Recorded in each owner record; a RAM snapshot is used only
+    by a training of the same identity.
+
+    Attributes:
+        out_dir: the output directory, absolute (a URL as given).
+        template: the filename template of the snapshots the tier stands in for.
+    """
+
+    out_dir: str
+    template: str
+
+    @classmethod
+    def of(cls, out_dir: str, template: str) -> Identity:
+        return cls(out_dir=out_dir if "://" in out_dir else os.path.abspath(out_dir),
+                   template=template)
+
+    def describe(self) -> str:
+        return f"out_dir {self.out_dir!r}, template {self.template!r}"
+
+
 def job_id(out_dir: str, template: str) -> str:
-    """The id naming a job's tier: ``TORCHELASTIC_RUN_ID`` when torchrun set it (and not its
-    default ``'none'``), else the first 16 hex digits of SHA-256 over ``out_dir`` and
-    ``template`` (the same for every restart of the same training)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run_id and run_id != "none":
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)
-        return safe[:64]
-    key = f"{os.path.abspath(out_dir) if '://' not in out_dir else out_dir}\0{template}"
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+    """The id naming a job's tier: the first 16 hex digits of SHA-256 over this user's uid,
+    ``out_dir`` (absolute, or the URL) and ``template``: the same for every rerun of the same
+    training by the same user, whatever the launcher (never ``TORCHELASTIC_RUN_ID``: torchrun
+    draws a new one at every ``--standalone`` launch, so a restart would never find its tier
+    and each launch would leave one more in the tmpfs)."""
+    identity = Identity.of(out_dir, template)
+    key = f"{os.geteuid()}\0{identity.out_dir}\0{identity.template}"
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def tier_dir(root: str, job: str) -> str:
@@ -105,11 +157,9 @@ class MemoryStore(SnapshotStore):
     """
 
     def __init__(self, root: str, job: str, rank: int, source: int | None = None) -> None:
-        directory = os.path.join(tier_dir(root, job), f"rank{rank}")
-        if source is not None:
-            directory = os.path.join(directory, f"peer{source}")
-        storage, path = resolve_storage(directory)
-        super().__init__(storage, path, TEMPLATE)
+        self.parts = [PREFIX + job, f"rank{rank}"] + ([] if source is None
+                                                       else [f"peer{source}"])
+        super().__init__(private_storage(), os.path.join(root, *self.parts), TEMPLATE)
         self.root = root
         self.job = job
         self.rank = rank
@@ -117,6 +167,38 @@ class MemoryStore(SnapshotStore):
 
     def __repr__(self) -> str:
         return f"MemoryStore({self.directory!r})"
+
+    def private(self, *, create: bool = False) -> bool:
+        """Check (``create``: make, ``0700``) every directory of this store under the root,
+        its manifest directory included: each a directory of this user, no symlink followed.
+        False when one is missing (``create`` False).
+
+        Raises:
+            NotPrivateError: a component is a symlink, not a directory, or another user's.
+        """
+        try:
+            with private_dir(self.root, [*self.parts, MANIFEST_DIR], create=create):
+                return True
+        except FileNotFoundError:
+            if create:
+                raise
+            try:  # a store without its manifest directory yet: the rest checked
+                with private_dir(self.root, self.parts):
+                    return True
+            except FileNotFoundError:
+                return False
+
+    def entries(self) -> list[Entry]:
+        """The committed snapshots, as :meth:`SnapshotStore.entries`, once every directory of
+        the store is checked as this user's (:meth:`private`); none when one is missing or not
+        ours (logged)."""
+        try:
+            if not self.private():
+                return []
+        except NotPrivateError as e:
+            logger.warning("memory tier: %s not used: %s", self.directory, e)
+            return []
+        return super().entries()
 
     def newest_verified(self) -> Held | None:
         """The newest snapshot whose bytes match its manifest (older ones are tried when the
@@ -142,7 +224,7 @@ class MemoryStore(SnapshotStore):
         def check(entry: Entry) -> Held:
             try:  # an unreadable manifest or a vanished file: skipped, as a corrupt one
                 manifest = self.expected(entry)
-                size = os.stat(entry.path).st_size
+                size = _own_regular(entry.path).st_size
             except OSError as e:
                 raise SnapshotCorruptError(f"{entry.path}: {e}") from e
             if manifest is None or entry.step is None:
@@ -195,8 +277,9 @@ class MemoryStore(SnapshotStore):
 
         Raises:
             SnapshotStorageError: the tmpfs is full or unwritable.
+            NotPrivateError: a directory of the store is not this user's (nothing written).
         """
-        self.storage.makedirs(self.directory)
+        self.private(create=True)  # 0700, ours, no symlink: then the commit (files 0600)
         path = self.storage.join(self.directory, TEMPLATE.replace("{.iteration}", str(step)))
         record = self.commit(SaveJob(storage=self.storage, path=path, savefun=savefun,
                                      step=step, tag=f"ram{self.rank}"), state)
@@ -276,16 +359,37 @@ def _write_bytes(data: bytes, f: IO[bytes]) -> None:
     f.write(data)
 
 
-def write_owner(root: str, job: str, rank: int, *, world: int = 1) -> str:
-    """Record this process as the owner of ``rank``'s tier (pid, host, time, world size);
-    return the path."""
+def _own_regular(path: str) -> os.stat_result:
+    """``lstat`` of ``path``, a regular file of this user (inside a checked directory).
+
+    Raises:
+        NotPrivateError: a symlink, another type or another user's.
+    """
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise NotPrivateError(f"{path} is not a regular file of this user (mode "
+                              f"{st.st_mode:o}, uid {st.st_uid}); refused")
+    return st
+
+
+def write_owner(root: str, job: str, rank: int, *, world: int = 1,
+                identity: Identity | None = None) -> str:
+    """Record this process as the owner of ``rank``'s tier (pid, host, time, world size, and
+    the training's ``identity``) in a file ``0600`` of the private tier directory; return its
+    path.
+
+    Raises:
+        NotPrivateError: the tier directory is not this user's (nothing written).
+    """
     directory = tier_dir(root, job)
-    os.makedirs(directory, exist_ok=True)
+    with private_dir(root, [PREFIX + job], create=True):
+        pass
     path = os.path.join(directory, f"owner-rank{rank}.json")
-    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
-                         "rank": rank, "world": world}).encode()
-    storage, _ = resolve_storage(directory)
-    storage.write_bytes(path, record, tag="owner")  # the storage layer's atomic commit
+    body: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(),
+                            "time": time.time(), "rank": rank, "world": world}
+    if identity is not None:
+        body.update(out_dir=identity.out_dir, template=identity.template)
+    private_storage().write_bytes(path, json.dumps(body).encode(), tag="owner")  # atomic
     return path
 
 
@@ -299,58 +403,193 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def reclaim_stale(root: str, *, keep: str, stale_after_s: float) -> list[str]:
-    """Remove the tiers under ``root`` of jobs whose every owner is dead (same host, pid gone)
-    or unknown (another host, or no record) and whose newest record is older than
-    ``stale_after_s`` seconds. ``keep`` (this job's id) is never removed. Returns the removed
-    directories; failures are logged."""
-    removed: list[str] = []
+def owner_alive(record: dict[str, Any]) -> bool:
+    """Whether the process of an owner record (:func:`owners`) lives on this host (another
+    host's: assumed alive, it cannot be asked)."""
+    if record["host"] != socket.gethostname():
+        return True
+    return _alive(record["pid"])
+
+
+def _tiers(root: str) -> Iterator[tuple[str, str]]:
+    """``(name, reason)`` of every entry named like a tier under ``root``: reason ``""`` for a
+    directory of this user, else why it is not used (a symlink, a file, another user's)."""
     try:
-        names = os.listdir(root)
-    except OSError:
-        return removed
-    host = socket.gethostname()
+        with private_dir(root, []) as fd:
+            names = list_private(fd)
+            for name in names:
+                if not name.startswith(PREFIX):
+                    continue
+                try:
+                    lstat_private(fd, name, os.path.join(root, name), directory=True)
+                except NotPrivateError as e:
+                    yield name, str(e)
+                    continue
+                except FileNotFoundError:
+                    continue
+                yield name, ""
+    except FileNotFoundError:
+        return
+    except NotPrivateError as e:  # the start refuses such a root (check_space); tools skip it
+        logger.warning("memory tier: %s not read: %s", root, e)
+
+
+def reclaim_stale(root: str, *, keep: str, stale_after_s: float,
+                  identity: Identity | None = None) -> list[str]:
+    """Remove the tiers of this user under ``root`` that no future restart will use:
+
+    - a tier of the same training (owner records holding ``identity``) under another name than
+      ``keep`` (named by an older snapkeep, by a per-launch id, or another ``job=``) whose
+      owners are all dead on this host: replaced by this run's (no tmpfs growth in a crash
+      loop);
+    - a tier of another job whose every owner is dead (same host, pid gone) or unknown
+      (another host, or no record) and whose newest record is older than ``stale_after_s``.
+
+    ``keep`` (this job's id) is never removed; another user's tier, or anything that is not a
+    directory of ours, is never read or removed. Returns the removed directories; failures are
+    logged."""
+    removed: list[str] = []
     now = time.time()
-    for name in names:
-        if not name.startswith(PREFIX) or name == PREFIX + keep:
+    for name, refused in _tiers(root):
+        if refused or name == PREFIX + keep:
             continue
         directory = os.path.join(root, name)
         records = owners(directory)
-        newest = max((r.get("time", 0.0) for r in records), default=0.0)
-        if not records:
-            try:
-                newest = os.stat(directory).st_mtime
-            except OSError:
+        same = identity is not None and bool(records) and all(
+            r.get("out_dir") == identity.out_dir and r.get("template") == identity.template
+            for r in records)
+        if any(owner_alive(r) for r in records):
+            continue
+        if not same:
+            newest = max((r["time"] for r in records), default=0.0)
+            if not records:
+                try:
+                    newest = os.stat(directory, follow_symlinks=False).st_mtime
+                except OSError:
+                    continue
+            if now - newest < stale_after_s:
                 continue
-        if now - newest < stale_after_s:
-            continue
-        if any(r.get("host") == host and _alive(int(r.get("pid", 0))) for r in records):
-            continue
         try:
-            shutil.rmtree(directory)
+            remove_private(root, [name])
             removed.append(directory)
-            logger.info("memory tier: reclaimed %s (owner dead since %.0f s)", directory,
-                        now - newest)
+            logger.info("memory tier: removed %s (%s)", directory,
+                        f"the tier of this training under an old name; replaced by "
+                        f"{PREFIX}{keep}" if same else "owners dead")
         except OSError as e:
-            logger.warning("memory tier: could not reclaim %s: %s", directory, e)
+            logger.warning("memory tier: could not remove %s: %s", directory, e)
     return removed
 
 
-def owners(directory: str) -> list[dict[str, Any]]:
-    """The owner records of one tier directory (unreadable ones skipped)."""
-    found: list[dict[str, Any]] = []
+def _record(data: bytes, where: str) -> dict[str, Any]:
+    """An owner record's fields, type-checked.
+
+    Raises:
+        ValueError: not JSON, not an object, or a field of the wrong type.
+    """
     try:
-        names = sorted(os.listdir(directory))
-    except OSError:
+        body = json.loads(data.decode())
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"not JSON ({type(e).__name__})") from e
+    if not isinstance(body, dict):
+        raise ValueError(f"a JSON {type(body).__name__}, not an object")
+
+    def integer(v: Any, low: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    checks: dict[str, Callable[[Any], bool]] = {
+        "pid": lambda v: integer(v, 1),
+        "host": lambda v: isinstance(v, str) and len(v) <= 1024,
+        "time": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+        and math.isfinite(v),
+        "rank": lambda v: integer(v, 0),
+    }
+    for key, ok in checks.items():
+        if key not in body or not ok(body[key]):
+            raise ValueError(f"{key!r} missing or of the wrong type")
+    record = {key: body[key] for key in checks}
+    record["time"] = float(record["time"])
+    world = body.get("world")
+    if world is not None and not integer(world, 1):
+        raise ValueError("'world' is not an int >= 1")
+    record["world"] = world
+    for key in ("out_dir", "template"):
+        value = body.get(key)
+        if value is not None and not (isinstance(value, str) and len(value) <= 4096):
+            raise ValueError(f"{key!r} is not a string")
+        record[key] = value
+    return record
+
+
+def owners(directory: str) -> list[dict[str, Any]]:
+    """The owner records of one tier directory of this user: ``{"pid", "host", "time",
+    "rank", "world", "out_dir", "template"}`` each (``world``, ``out_dir`` and ``template``
+    None when an older snapkeep wrote it). Read without following a symlink, without
+    blocking (a FIFO is refused at once), at most :data:`MAX_RECORD_BYTES` each; a record
+    that is not a regular file of ours, too large or malformed is skipped with a log line.
+    None at all when ``directory`` is not a directory of this user."""
+    found: list[dict[str, Any]] = []
+    root, name = os.path.split(directory.rstrip("/"))
+    try:
+        with private_dir(root, [name]) as fd:
+            for entry in list_private(fd):
+                if not _OWNER.fullmatch(entry):
+                    continue
+                where = os.path.join(directory, entry)
+                try:
+                    found.append(_record(read_private(fd, entry, max_bytes=MAX_RECORD_BYTES,
+                                                      where=where), where))
+                except FileNotFoundError:
+                    continue
+                except (OSError, ValueError) as e:
+                    logger.warning("memory tier: owner record %s skipped: %s", where, e)
+    except FileNotFoundError:
         return found
-    for name in names:
-        if name.startswith("owner-rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(directory, name)) as f:
-                    found.append(json.load(f))
-            except (OSError, ValueError):
-                continue
+    except NotPrivateError as e:
+        logger.warning("memory tier: %s not read: %s", directory, e)
     return found
+
+
+def foreign_reason(root: str, job: str, rank: int, identity: Identity) -> str | None:
+    """Why the RAM of ``rank`` in ``job``'s tier is not this training's: its owner record
+    names another identity, or holds none (an older snapkeep's, or no record beside
+    snapshots). None when it is this training's, or when the rank holds nothing.
+
+    Raises:
+        NotPrivateError: the tier directory is not this user's.
+    """
+    directory = tier_dir(root, job)
+    try:
+        with private_dir(root, [PREFIX + job]) as fd:
+            names = set(list_private(fd))
+    except FileNotFoundError:
+        return None
+    if f"rank{rank}" not in names:
+        return None
+    mine = [r for r in owners(directory) if r["rank"] == rank]
+    if not mine:
+        return "no owner record of this rank: not known to be this training's"
+    record = mine[0]
+    if record["out_dir"] is None:
+        return "its owner record names no training (written by an older snapkeep)"
+    if (record["out_dir"], record["template"]) != (identity.out_dir, identity.template):
+        return (f"it belongs to another training (out_dir {record['out_dir']!r}, template "
+                f"{record['template']!r})")
+    return None
+
+
+def forget_rank(root: str, job: str, rank: int) -> None:
+    """Remove ``rank``'s directory and owner record of ``job``'s tier (this user's only), the
+    tier directory itself staying.
+
+    Raises:
+        NotPrivateError: the tier directory is not this user's (nothing removed).
+    """
+    remove_private(root, [PREFIX + job, f"rank{rank}"])
+    try:
+        with private_dir(root, [PREFIX + job]) as fd:
+            remove_private_file(fd, f"owner-rank{rank}.json")
+    except FileNotFoundError:
+        pass
 
 
 def check_space(root: str, needed_bytes: int, *, held_bytes: int = 0) -> None:
@@ -359,8 +598,11 @@ def check_space(root: str, needed_bytes: int, *, held_bytes: int = 0) -> None:
 
     Raises:
         MemoryTierTooSmallError: naming the size needed, the size free and how to fix it.
+        NotPrivateError: other users could rename or delete what is in ``root`` (see
+            :func:`~snapkeep._core.storage.check_root`).
     """
     os.makedirs(root, exist_ok=True)
+    check_root(root)
     st = os.statvfs(root)
     free = st.f_bavail * st.f_frsize + held_bytes
     if free < needed_bytes:
@@ -371,15 +613,39 @@ def check_space(root: str, needed_bytes: int, *, held_bytes: int = 0) -> None:
 
 
 def tier_bytes(root: str, job: str, rank: int) -> int:
-    """Bytes held now under ``rank``'s directory of ``job``'s tier."""
+    """Bytes held now under ``rank``'s directory of ``job``'s tier (0 when it is not this
+    user's)."""
     total = 0
-    for base, _, files in os.walk(os.path.join(tier_dir(root, job), f"rank{rank}")):
-        for name in files:
+    for source in [None, *peer_sources(root, job, rank)]:
+        store = MemoryStore(root, job, rank, source)
+        for entry in store.entries():
             try:
-                total += os.stat(os.path.join(base, name)).st_size
+                total += _own_regular(entry.path).st_size
             except OSError:
                 continue
     return total
+
+
+def peer_sources(root: str, job: str, rank: int) -> list[int]:
+    """The ranks whose copies ``rank``'s directory of ``job``'s tier holds (``peer<S>``
+    directories of this user)."""
+    try:
+        with private_dir(root, [PREFIX + job, f"rank{rank}"]) as fd:
+            names = list_private(fd)
+    except (FileNotFoundError, NotPrivateError):
+        return []
+    return sorted(int(n[4:]) for n in names if re.fullmatch(r"peer\d{1,9}", n))
+
+
+def ranks_in(root: str, job: str) -> list[int]:
+    """The ranks with a directory or owner record in ``job``'s tier (this user's)."""
+    try:
+        with private_dir(root, [PREFIX + job]) as fd:
+            names = list_private(fd)
+    except (FileNotFoundError, NotPrivateError):
+        return []
+    return sorted({int(m.group(1)) for n in names
+                   if (m := re.fullmatch(r"(?:owner-)?rank(\d{1,9})(?:\.json)?", n))})
 
 
 def _mib(n: int) -> str:
@@ -387,51 +653,47 @@ def _mib(n: int) -> str:
 
 
 def describe_tiers(root: str) -> list[dict[str, Any]]:
-    """What each tier under ``root`` holds: ``{"dir", "owners", "held": [{rank, source, step,
-    bytes}]}`` per job (for ``snapkeep ls --memory``)."""
+    """What each tier of this user under ``root`` holds: ``{"dir", "owners", "held": [{rank,
+    source, step, bytes}]}`` per job (for ``snapkeep ls --memory``). Another user's tier, or a
+    symlink or file named like one, is not read: skipped with a log line."""
     out: list[dict[str, Any]] = []
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return out
-    for name in names:
+    for name, refused in _tiers(root):
         directory = os.path.join(root, name)
-        if not name.startswith(PREFIX) or not os.path.isdir(directory):
+        if refused:
+            logger.warning("memory tier: %s not read: %s", directory, refused)
             continue
         job = name[len(PREFIX):]
         held = []
-        for rank_dir in sorted(os.listdir(directory)):
-            if not rank_dir.startswith("rank") or not rank_dir[4:].isdigit():
-                continue
-            rank = int(rank_dir[4:])
-            sources: list[int | None] = [None]
-            for sub in sorted(os.listdir(os.path.join(directory, rank_dir))):
-                if sub.startswith("peer") and sub[4:].isdigit():
-                    sources.append(int(sub[4:]))
-            for source in sources:
+        for rank in ranks_in(root, job):
+            for source in [None, *peer_sources(root, job, rank)]:
                 store = MemoryStore(root, job, rank, source)
                 for entry in store.entries():
+                    try:
+                        size = _own_regular(entry.path).st_size
+                    except OSError as e:
+                        logger.warning("memory tier: %s not listed: %s", entry.path, e)
+                        continue
                     held.append({"rank": rank, "source": store.source, "step": entry.step,
-                                 "bytes": os.stat(entry.path).st_size})
+                                 "bytes": size})
         out.append({"dir": directory, "owners": owners(directory), "held": held})
     return out
 
 
 def remove_rank(root: str, job: str, rank: int) -> None:
     """Remove ``rank``'s directory and owner record of ``job``'s tier, and the tier directory
-    when nothing else is left in it (a run that finished)."""
-    directory = tier_dir(root, job)
-    shutil.rmtree(os.path.join(directory, f"rank{rank}"), ignore_errors=True)
+    when nothing else is left in it (a run that finished). Only this user's: a tier directory
+    that is not (a symlink, another user's) is left alone, logged."""
     try:
-        os.remove(os.path.join(directory, f"owner-rank{rank}.json"))
-    except OSError:
-        pass
-    try:
-        os.rmdir(directory)
+        forget_rank(root, job, rank)
+        with private_dir(root, []) as fd:
+            os.rmdir(PREFIX + job, dir_fd=fd)
+    except NotPrivateError as e:
+        logger.warning("memory tier: %s not removed: %s", tier_dir(root, job), e)
     except OSError:
         pass  # other ranks' directories are still there: the last one removes it
 
 
-__all__ = ["Held", "MemoryStore", "PREFIX", "TEMPLATE",
-           "check_space", "describe_tiers", "job_id", "owners", "reclaim_stale", "remove_rank",
-           "tier_bytes", "tier_dir", "write_owner"]
+__all__ = ["Held", "Identity", "MAX_RECORD_BYTES", "MemoryStore", "NotPrivateError", "PREFIX",
+           "TEMPLATE", "check_space", "describe_tiers", "forget_rank", "foreign_reason",
+           "job_id", "owner_alive", "owners", "peer_sources", "ranks_in", "reclaim_stale",
+           "remove_rank", "tier_bytes", "tier_dir", "write_owner"]

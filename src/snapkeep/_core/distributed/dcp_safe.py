@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pickle
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Collection, Generator, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -35,12 +36,14 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     _EmptyStateDictLoadPlanner,
 )
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotError, UnsafeSnapshotError
-from snapkeep._core.storage import Storage
+from snapkeep._core.storage import Storage, open_regular
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -113,64 +116,183 @@ def read_metadata(data: bytes, *, where: str, weights_only: bool = True) -> Meta
 
 METADATA_NAME = ".metadata"
 
+#: Largest ``.metadata`` read when no marker records its size, in bytes.
+MAX_METADATA_BYTES = 2**30
 
-def metadata_of(storage: Storage, path: str, *, weights_only: bool = True) -> Metadata:
+
+class Recorded(Protocol):
+    """What a sharded snapshot's marker records of one file
+    (:class:`~.sharded_store.FileRecord`)."""
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def checksum(self) -> str: ...
+
+
+def metadata_of(storage: Storage, path: str, *, weights_only: bool = True,
+                listed: Mapping[str, Recorded] | None = None) -> Metadata:
     """The DCP metadata of the snapshot directory ``path``, read through :func:`read_metadata`
     before DCP is called (DCP logs and falls back to per-rank metadata on a refused read).
 
+    The file is read by the storage's safe reader: a regular file only (a FIFO or device is
+    refused at once, never opened for a blocking read), at most its size recorded in ``listed``
+    (else :data:`MAX_METADATA_BYTES`). With ``listed`` (the files of the snapshot's marker),
+    the bytes decoded are those whose checksum the marker recorded, and every file the metadata
+    names for DCP to read must be one of them (:func:`check_storage_paths`).
+
     Raises:
         UnsafeSnapshotError, SnapshotCorruptError: as :func:`read_metadata`; corrupt also when
-            the file is missing or unreadable.
+            the file is missing, not a regular file, larger than recorded, differs from its
+            checksum, or names a file outside the snapshot.
     """
     where = storage.join(path, METADATA_NAME)
+    record = None if listed is None else listed.get(METADATA_NAME)
+    if listed is not None and record is None:
+        raise SnapshotCorruptError(f"{where}: not listed in the snapshot's marker (corrupt)")
+    limit = MAX_METADATA_BYTES if record is None else record.size_bytes
     try:
-        data = storage.read_bytes(where)
+        data = storage.read_bytes(where, max_bytes=limit)
     except FileNotFoundError as e:
         raise SnapshotCorruptError(f"{where}: missing (corrupt: not a DCP checkpoint)") from e
-    return read_metadata(data, where=where, weights_only=weights_only)
+    except SnapshotError:
+        raise
+    except OSError as e:  # not a regular file, or larger than recorded
+        raise SnapshotCorruptError(f"{where}: unreadable (corrupt: {e})") from e
+    if record is not None:
+        digest, size = digest_stream(io.BytesIO(data))
+        require_match(where, digest, size, recorded_checksum=record.checksum,
+                      recorded_size=record.size_bytes, algorithm=ALGORITHM, record="marker")
+    metadata = read_metadata(data, where=where, weights_only=weights_only)
+    check_storage_paths(metadata, None if listed is None else set(listed), where=where)
+    return metadata
+
+
+def check_storage_paths(metadata: Metadata, names: Collection[str] | None, *,
+                        where: str) -> None:
+    """Refuse DCP metadata that would make DCP read a file outside the snapshot directory:
+    every storage item's ``relative_path`` must be a plain file name (no separator, ``..`` or
+    NUL), other than ``.metadata``, and one of ``names`` (the files the marker lists and
+    verified) when given.
+
+    Raises:
+        SnapshotCorruptError: naming the first offending path.
+    """
+    storage_data = getattr(metadata, "storage_data", None)
+    if storage_data is None:
+        return  # no storage items (DCP then reads nothing)
+    if not isinstance(storage_data, dict):
+        raise SnapshotCorruptError(f"{where}: its storage_data is a "
+                                   f"{type(storage_data).__name__}, not a dict (corrupt)")
+    for info in storage_data.values():
+        relative = getattr(info, "relative_path", None)
+        if not _inside(relative) or (names is not None and relative not in names):
+            raise SnapshotCorruptError(
+                f"{where}: names the file {relative!r:.200} for DCP to read, which is not "
+                + ("a file the snapshot's marker lists and verified" if names is not None
+                   else "a plain file name inside the directory")
+                + " (corrupt: nothing outside a snapshot is ever read)")
+
+
+def _inside(relative: Any) -> bool:
+    return (isinstance(relative, str) and bool(relative) and relative not in (".", "..")
+            and relative != METADATA_NAME and not any(c in relative for c in "/\\\0"))
+
+
+class _RegularFiles(FileSystem):
+    """DCP's local file system, opening for reading only regular files, without blocking
+    (:func:`~snapkeep._core.storage.open_regular`): a shard swapped for a FIFO after it was
+    verified is refused, never waited on."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str
+                      ) -> Generator[io.IOBase, None, None]:
+        if "r" not in mode or "+" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        try:
+            f = os.fdopen(open_regular(os.fspath(path)), "rb")
+        except FileNotFoundError:
+            raise  # DCP's own error for a missing file
+        except OSError as e:
+            raise SnapshotCorruptError(f"{os.fspath(path)}: {e}") from e
+        with f:
+            yield f
 
 
 class _SafeMetadataMixin:
-    """``read_metadata`` through :func:`read_metadata` (see the module docstring)."""
+    """``read_metadata`` through :func:`read_metadata` (see the module docstring), bounded,
+    and its storage paths checked (:func:`check_storage_paths`); ``read_data`` reads only those
+    files."""
 
     weights_only: bool
+    listed: Mapping[str, Recorded] | None
     fs: Any
     load_id: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+        record = None if self.listed is None else self.listed.get(METADATA_NAME)
+        limit = MAX_METADATA_BYTES if record is None else record.size_bytes
         with self.fs.create_stream(path, "rb") as f:
-            data = f.read()
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise SnapshotCorruptError(f"{path}: larger than {limit} bytes (corrupt)")
+        if record is not None:
+            digest, size = digest_stream(io.BytesIO(data))
+            require_match(str(path), digest, size, recorded_checksum=record.checksum,
+                          recorded_size=record.size_bytes, algorithm=ALGORITHM,
+                          record="marker")
         metadata = read_metadata(data, where=str(path), weights_only=self.weights_only)
+        check_storage_paths(metadata, None if self.listed is None else set(self.listed),
+                            where=str(path))
         storage_meta = getattr(metadata, "storage_meta", None)
         if storage_meta is None:
             storage_meta = metadata.storage_meta = StorageMeta()
         storage_meta.load_id = self.load_id  # as DCP's FileSystemReader
         return metadata
 
+    def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
+        # every rank checks the metadata it was given (rank 0 read it; others received it)
+        check_storage_paths(metadata, None if self.listed is None else set(self.listed),
+                            where=f"{self.load_id or 'the'} DCP metadata")
+        super().set_up_storage_reader(metadata, *args, **kwargs)  # type: ignore[misc]
+
 
 class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
-    """DCP's local reader whose ``.metadata`` is read through the allow-list."""
+    """DCP's local reader whose ``.metadata`` is read through the allow-list, naming only the
+    files ``listed`` (the marker's; None: any plain name inside the directory), and whose files
+    are opened only when regular, without blocking."""
 
-    def __init__(self, path: str, *, weights_only: bool = True) -> None:
+    def __init__(self, path: str, *, weights_only: bool = True,
+                 listed: Mapping[str, Recorded] | None = None) -> None:
         super().__init__(path)
+        self.fs = _RegularFiles()
         self.weights_only = weights_only
+        self.listed = listed
 
 
 class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
-    """DCP's fsspec reader (object stores) whose ``.metadata`` is read through the allow-list."""
+    """DCP's fsspec reader (object stores) whose ``.metadata`` is read through the allow-list,
+    naming only the files ``listed`` (None: any plain name inside the directory)."""
 
-    def __init__(self, url: str, *, weights_only: bool = True, **storage_options: Any) -> None:
+    def __init__(self, url: str, *, weights_only: bool = True,
+                 listed: Mapping[str, Recorded] | None = None, **storage_options: Any) -> None:
         super().__init__(url, **storage_options)
         self.weights_only = weights_only
+        self.listed = listed
 
 
 def reader_for(storage: Storage, path: str, storage_options: dict[str, Any] | None = None, *,
-               weights_only: bool = True) -> FileSystemReader:
-    """The safe DCP reader of the snapshot directory ``path`` on ``storage``."""
+               weights_only: bool = True, listed: Mapping[str, Recorded] | None = None
+               ) -> FileSystemReader:
+    """The safe DCP reader of the snapshot directory ``path`` on ``storage``, reading only the
+    files ``listed`` (the marker's files; None: any plain name inside ``path``)."""
     if storage.is_local:
-        return SafeFileSystemReader(path, weights_only=weights_only)
-    return SafeFsspecReader(storage.url(path), weights_only=weights_only,
+        return SafeFileSystemReader(path, weights_only=weights_only, listed=listed)
+    return SafeFsspecReader(storage.url(path), weights_only=weights_only, listed=listed,
                             **(storage_options or {}))
 
 
@@ -236,20 +358,22 @@ def dcp_errors(where: str) -> Iterator[None]:
 
 
 def gather_dcp(storage: Storage, path: str, *, weights_only: bool = True,
-           storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+               storage_options: dict[str, Any] | None = None,
+               listed: Mapping[str, Recorded] | None = None) -> dict[str, Any]:
     """The whole state of the DCP directory ``path`` in one dict (what DCP's
     ``format_utils.dcp_to_torch_save`` writes, kept in memory), read safely; no process group.
+    With ``listed`` (a snapkeep snapshot's marker files), only those files are read.
 
     Raises:
         UnsafeSnapshotError: with ``weights_only``, something needs arbitrary unpickling.
         SnapshotCorruptError: DCP cannot read it (missing or damaged files, junk metadata).
     """
-    metadata_of(storage, path, weights_only=weights_only)
+    metadata_of(storage, path, weights_only=weights_only, listed=listed)
     state: dict[str, Any] = {}
     with dcp_errors(path):
         try:
             _load_state_dict(state, storage_reader=reader_for(
-                storage, path, storage_options, weights_only=weights_only),
+                storage, path, storage_options, weights_only=weights_only, listed=listed),
                 planner=SafeGatherPlanner(weights_only), no_dist=True)
         except SnapshotError:
             raise
@@ -260,6 +384,7 @@ def gather_dcp(storage: Storage, path: str, *, weights_only: bool = True,
     return state
 
 
-__all__ = ["METADATA_GLOBALS", "SafeFileSystemReader", "SafeFsspecReader", "SafeGatherPlanner",
-           "SafeLoadPlanner", "dcp_errors", "gather_dcp", "metadata_of", "read_metadata",
-           "reader_for"]
+__all__ = ["MAX_METADATA_BYTES", "METADATA_GLOBALS", "Recorded", "SafeFileSystemReader",
+           "SafeFsspecReader", "SafeGatherPlanner",
+           "SafeLoadPlanner", "check_storage_paths", "dcp_errors", "gather_dcp", "metadata_of",
+           "read_metadata", "reader_for"]

@@ -60,7 +60,7 @@ from snapkeep._core.distributed.sharded_store import (
     hash_file,
 )
 from snapkeep._core.distributed.staging import Stager
-from snapkeep._core.errors import SnapshotTimeoutError
+from snapkeep._core.errors import SnapshotCorruptError, SnapshotTimeoutError
 from snapkeep._core.exit_drain import DrainedAtExit
 from snapkeep._core.manifest import now_unix_s
 from snapkeep._core.store import Entry
@@ -330,8 +330,21 @@ def saved_keys(store: ShardedStore, entry: Entry, *, weights_only: bool = True) 
         UnsafeSnapshotError: the metadata needs objects outside the allow-list.
         SnapshotCorruptError: it is missing or not DCP metadata.
     """
-    metadata = metadata_of(store.storage, entry.path, weights_only=weights_only)
+    metadata = metadata_of(store.storage, entry.path, weights_only=weights_only,
+                           listed=_listed(store, entry))
     return set(metadata.state_dict_metadata)
+
+
+def _listed(store: ShardedStore, entry: Entry) -> dict[str, FileRecord]:
+    """The files ``entry``'s marker lists (the only ones a load opens).
+
+    Raises:
+        SnapshotCorruptError: it has no readable marker.
+    """
+    manifest = store.manifest(entry)
+    if manifest is None:
+        raise SnapshotCorruptError(f"{entry.path}: no readable marker (corrupt)")
+    return manifest.files
 
 
 def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
@@ -349,12 +362,15 @@ def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
     Raises:
         UnsafeSnapshotError: with ``weights_only``, the metadata or a value needs arbitrary
             unpickling (nothing in it was executed).
-        SnapshotCorruptError: DCP cannot read it (its ``CheckpointException`` converted).
+        SnapshotCorruptError: no readable marker, metadata naming a file the marker does not
+            list, or DCP cannot read it (its ``CheckpointException`` converted). Only the
+            files the marker lists are opened, each only when it is a regular file.
         Exception: another error on this rank (the caller exchanges outcomes).
     """
-    metadata_of(store.storage, entry.path, weights_only=weights_only)
+    listed = _listed(store, entry)
+    metadata_of(store.storage, entry.path, weights_only=weights_only, listed=listed)
     reader = reader_for(store.storage, entry.path, store.storage_options,
-                        weights_only=weights_only)
+                        weights_only=weights_only, listed=listed)
     group = groups.control if groups else None
     with _single_process_quiet(group), dcp_errors(entry.path):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(weights_only),

@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 
 FORMAT = "snapkeep.sharded/1"
+
+#: Largest marker read, in bytes (a real one takes ~120 bytes per file: 64 MiB is half a
+#: million files).
+MAX_MARKER_BYTES = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,23 +98,86 @@ class ShardedManifest:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ShardedManifest:
-        """Parse a marker.
+        """Parse a marker, checking every field's type (a marker is untrusted input: any
+        shape of JSON is refused with ``ValueError``, never another exception).
 
         Raises:
-            ValueError: not a snapkeep sharded marker.
+            ValueError: not a snapkeep sharded marker, or a field of the wrong type or value
+                (a file name that is not a plain name inside the directory included).
         """
-        body = json.loads(data.decode())
+        try:
+            body = json.loads(data.decode())
+        except (UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(f"not JSON ({type(e).__name__})") from e
         if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
             raise ValueError("not a snapkeep sharded-snapshot marker")
-        files = {str(k): FileRecord(**v) for k, v in body.pop("files").items()}
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(files=files, **{k: v for k, v in body.items() if k in names})
+        files = body.pop("files", None)
+        if not isinstance(files, dict):
+            raise ValueError("'files' is not an object")
+        records = {_file_name(k): _file_record(k, v) for k, v in files.items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in body.items() if k in known}
+        for key, ok in _MARKER_FIELDS.items():
+            if key in values and not ok(values[key]):
+                raise ValueError(f"{key!r} has the wrong type: {values[key]!r:.80}")
+        if "name" not in values or "world_size" not in values:
+            raise ValueError("'name' or 'world_size' missing")
+        return cls(files=records, **values)
 
 
-def hash_file(storage: Storage, path: str) -> tuple[str, int]:
-    """``(xxh3-128 hex digest, size in bytes)`` of a file on ``storage``."""
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+_MARKER_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "name": lambda v: isinstance(v, str) and 0 < len(v) <= 4096,
+    "world_size": lambda v: _is_int(v, 1),
+    "algorithm": lambda v: v == ALGORITHM,
+    "step": lambda v: v is None or _is_int(v),
+    "created_unix_s": _is_number,
+    "snapkeep_version": lambda v: isinstance(v, str) and len(v) <= 256,
+    "run_id": lambda v: v is None or (isinstance(v, str) and len(v) <= 256),
+    "metrics": lambda v: isinstance(v, dict) and all(
+        isinstance(k, str) and _is_number(x) for k, x in v.items()),
+}
+
+
+def _file_name(name: str) -> str:
+    """``name`` when it is a plain file name inside the snapshot directory.
+
+    Raises:
+        ValueError: empty, ``.``/``..``, or holding a path separator or NUL.
+    """
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0") or len(name) > 255:
+        raise ValueError(f"file name {name!r:.80} is not a plain name inside the directory")
+    return name
+
+
+def _file_record(name: str, value: Any) -> FileRecord:
+    if not isinstance(value, dict) or set(value) != {"size_bytes", "checksum", "rank"}:
+        raise ValueError(f"the record of {name!r:.80} is not {{size_bytes, checksum, rank}}")
+    size, checksum, rank = value["size_bytes"], value["checksum"], value["rank"]
+    if not _is_int(size) or not _is_int(rank) or not isinstance(checksum, str) \
+            or not 0 < len(checksum) <= 128:
+        raise ValueError(f"the record of {name!r:.80} has a field of the wrong type")
+    return FileRecord(size_bytes=size, checksum=checksum, rank=rank)
+
+
+def hash_file(storage: Storage, path: str, *, max_bytes: int | None = None) -> tuple[str, int]:
+    """``(xxh3-128 hex digest, size in bytes)`` of a file on ``storage``: a regular file only
+    (a FIFO or device is refused at once, see :meth:`Storage.open_read`); with ``max_bytes``, at
+    most ``max_bytes + 1`` bytes are read (a larger file returns a size above ``max_bytes``).
+
+    Raises:
+        OSError: no such file, or not a regular file (``EINVAL``).
+    """
     with storage.open_read(path) as f:
-        return digest_stream(f)
+        return digest_stream(f, max_bytes=max_bytes)
 
 
 class ShardedStore:
@@ -203,11 +271,14 @@ class ShardedStore:
     def manifest(self, entry: Entry) -> ShardedManifest | None:
         """The marker of ``entry``; None when it has none or it is unreadable (logged)."""
         path = self.marker_path(entry.path)
-        try:
-            return ShardedManifest.from_bytes(self.storage.read_bytes(path))
+        try:  # the storage's safe read: a regular file only, never blocking, bounded
+            return ShardedManifest.from_bytes(
+                self.storage.read_bytes(path, max_bytes=MAX_MARKER_BYTES))
         except FileNotFoundError:
             return None
-        except (ValueError, UnicodeDecodeError, TypeError, KeyError) as e:
+        except SnapshotStorageError:  # the store could not be reached: not a verdict
+            raise
+        except (OSError, ValueError) as e:  # a FIFO, device, oversized or malformed marker
             logger.warning("marker %s is unreadable (%s); %s is not a committed snapshot", path,
                            e, entry.path)
             return None
@@ -258,7 +329,7 @@ class ShardedStore:
             record = manifest.files[name]
             path = self.storage.join(entry.path, name)
             try:
-                digest, size = hash_file(self.storage, path)
+                digest, size = hash_file(self.storage, path, max_bytes=record.size_bytes)
             except SnapshotStorageError:
                 raise
             except OSError as e:
@@ -273,14 +344,15 @@ class ShardedStore:
         """Everything that makes ``entry`` valid to resume from, on this rank (the sharded
         counterpart of ``SnapshotStore.validate``, run by every rank inside the agreed resume):
         :meth:`verify_part` (marker name and this rank's share of the checksums), then DCP's
-        ``.metadata`` decoded through the allow-list.
+        ``.metadata`` (the bytes the marker verified) decoded through the allow-list, every
+        file it names being one the marker lists (see :func:`~.dcp_safe.metadata_of`).
 
         Raises:
             SnapshotCorruptError: a check fails or the metadata is not DCP metadata.
             UnsafeSnapshotError: the metadata needs objects outside the allow-list.
         """
         manifest = self.verify_part(entry, rank, world_size)
-        metadata_of(self.storage, entry.path, weights_only=weights_only)
+        metadata_of(self.storage, entry.path, weights_only=weights_only, listed=manifest.files)
         return manifest
 
     # -- deletion, retention, sweeping, lock -----------------------------------------------------

@@ -14,14 +14,28 @@ from snapkeep._core.storage._commit import (
     WriteResult,
     set_publish_guard,
 )
+from snapkeep._core.storage._local import open_regular
 from snapkeep._core.storage._pfio import PfioFileSystem
+from snapkeep._core.storage._private import (
+    NotPrivateError,
+    check_root,
+    list_private,
+    lstat_private,
+    private_dir,
+    private_storage,
+    read_private,
+    remove_private,
+    remove_private_file,
+)
 from snapkeep._core.storage._put import ObjectPutCommit
 from snapkeep._core.storage._resolve import commit_strategy_for, resolve_storage
 from snapkeep._core.storage._storage import Storage
 from snapkeep._core.storage._temps import TEMP_MARKER, is_temp_name
 
 __all__ = [
+    "NotPrivateError", "check_root", "list_private", "lstat_private", "private_dir",
+    "private_storage", "read_private", "remove_private", "remove_private_file",
     "TEMP_MARKER", "CommitStrategy", "ObjectPutCommit", "PfioFileSystem", "RenameCommit",
     "ReplaceCommit", "Storage", "Target", "WriteResult", "commit_strategy_for", "is_temp_name",
-    "resolve_storage", "set_publish_guard",
+    "open_regular", "resolve_storage", "set_publish_guard",
 ]

@@ -210,18 +210,21 @@ class ReplaceCommit:
     of the directory (the POSIX protocol; ``os.replace`` is atomic within one filesystem).
 
     The temp file is written with ``O_DIRECT`` where the filesystem accepts it (see
-    :mod:`._direct`; ``direct_io=False`` always writes through the page cache).
+    :mod:`._direct`; ``direct_io=False`` always writes through the page cache), and created
+    with the permissions ``file_mode`` (less the umask; ``0o600`` for the memory tier's
+    private files).
     """
 
     real_directories = True
 
-    def __init__(self, *, direct_io: bool = True) -> None:
+    def __init__(self, *, direct_io: bool = True, file_mode: int = 0o644) -> None:
         self.direct_io = direct_io
+        self.file_mode = file_mode
 
     def write(self, fs: Any, target: Target, write_fn: WriteFn) -> WriteResult:
         tmp = target.temp_path
         try:
-            fd, direct = open_for_write(tmp, direct=self.direct_io)
+            fd, direct = open_for_write(tmp, direct=self.direct_io, mode=self.file_mode)
         except OSError as e:
             raise storage_error(e, target.url, 0, "creating a temporary file for",
                                 target.endpoint) from e

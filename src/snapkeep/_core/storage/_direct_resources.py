@@ -86,9 +86,10 @@ def set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def open_for_write(path: str, *, direct: bool = True) -> tuple[int, bool]:
-    """Create ``path`` exclusively for writing; ``(fd, direct)`` where ``direct`` says whether
-    ``O_DIRECT`` is on.
+def open_for_write(path: str, *, direct: bool = True, mode: int = 0o644) -> tuple[int, bool]:
+    """Create ``path`` exclusively for writing (permissions ``mode``, less the umask; a
+    symlink in its place is never followed: ``O_EXCL``); ``(fd, direct)`` where ``direct`` says
+    whether ``O_DIRECT`` is on.
 
     The file is created without ``O_DIRECT`` and the flag set afterwards: an ``open(2)`` with
     ``O_DIRECT`` on a filesystem that refuses it fails *after* creating the file.
@@ -96,7 +97,7 @@ def open_for_write(path: str, *, direct: bool = True) -> tuple[int, bool]:
     Raises:
         OSError: from ``open(2)`` (``EEXIST``, ``ENOSPC``, ``EACCES``, ...).
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
     if not (direct and SUPPORTED):
         return fd, False
     try:

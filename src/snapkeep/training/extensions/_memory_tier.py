@@ -80,7 +80,6 @@ import io
 import logging
 import mmap
 import os
-import re
 import threading
 import types
 import warnings
@@ -104,13 +103,20 @@ from snapkeep.staging import BufferSet, StagedLoan, into_existing_state, optimiz
 from snapkeep.store import (
     CandidateRefused,
     Held,
+    Identity,
     Listed,
     MemoryStore,
+    NotPrivateError,
     SnapshotStore,
     check_space,
+    foreign_reason,
+    forget_rank,
     job_id,
     newest_valid,
+    owner_alive,
     owners,
+    peer_sources,
+    ranks_in,
     reclaim_stale,
     remove_rank,
     resolve_storage,
@@ -140,9 +146,14 @@ class MemoryTier:
         stride: peer ``i`` (1..replicas) of rank ``r`` is ``(r + stride*i) % world``. Default:
             ``LOCAL_WORLD_SIZE`` under torchrun when it is less than the world size (peers on
             other nodes), else 1.
-        root: the tmpfs directory holding the tiers (default ``/dev/shm``).
-        job: the job id naming the tier (default: ``TORCHELASTIC_RUN_ID``, else a hash of
-            out_dir and the snapshot's template).
+        root: the tmpfs directory holding the tiers (default ``/dev/shm``); it must be yours
+            or root's, and writable by other users only with the sticky bit (as ``/dev/shm``).
+            Each tier under it is private (directories ``0700``, files ``0600``, no symlink
+            followed, another user's never read, written or removed).
+        job: the job id naming the tier (default: a hash of the user's uid, out_dir and the
+            snapshot's template, the same at every rerun of the training; never a per-launch
+            id such as ``TORCHELASTIC_RUN_ID``). Whatever the name, a RAM snapshot is resumed
+            only by the training (out_dir and template) recorded in its owner record.
         timeout_s: bound in seconds of every collective of the tier (agreement, peer copies).
         stale_after_s: a tier of another job whose owners are dead is reclaimed once its newest
             owner record is older than this (seconds).
@@ -255,6 +266,8 @@ class _MemoryTierExtension(extension.Extension):
         self._world = 1
         self._groups: Any = None
         self._job = ""
+        self._identity: Identity | None = None
+        self._disabled: str | None = None  # why this rank's tier cannot be used (logged once)
         self._stride = 1
         self._replicas = 0
         self._sharded: Any = None
@@ -269,6 +282,8 @@ class _MemoryTierExtension(extension.Extension):
 
         Raises:
             MemoryTierTooSmallError: the tmpfs cannot hold the tier (size needed named).
+            NotPrivateError: (a ``PermissionError``) other users could rename or delete what
+                is in ``root``: writable by them without the sticky bit, or another user's.
             ValueError: ``replicas`` is not less than the world size.
             CollectiveTimeoutError: a rank did not take part in the agreement in time.
         """
@@ -298,12 +313,16 @@ class _MemoryTierExtension(extension.Extension):
         # registered first must not move the tier)
         named = [s for s in snapshots if getattr(s, "_target", None) is None] or snapshots
         template = str(getattr(named[0], "filename", "")) if named else ""
+        self._identity = Identity.of(str(manager.out), template)
         self._job = tier.job or job_id(str(manager.out), template)
-        reclaim_stale(tier.root, keep=self._job, stale_after_s=tier.stale_after_s)
+        check_space(tier.root, 0)  # the root exists and is safe to hold private directories
+        self._claim()
+        reclaim_stale(tier.root, keep=self._job, stale_after_s=tier.stale_after_s,
+                      identity=self._identity)
         state = canonical_tree(manager, manager.state_dict())
         needed = int(_state_bytes(state) * (2 + self._replicas) * 1.05) + 2**20
-        check_space(tier.root, needed,
-                    held_bytes=tier_bytes(tier.root, self._job, self._rank))
+        check_space(tier.root, needed, held_bytes=0 if self._disabled else tier_bytes(
+            tier.root, self._job, self._rank))
         _say_if_before_snapshot(manager, self)
         previous_world = self._previous_world()
         self._started = True
@@ -312,18 +331,57 @@ class _MemoryTierExtension(extension.Extension):
             if self.restored is not None:
                 setattr(manager, RESTORED_ATTRIBUTE, self.restored)
 
+    def _claim(self) -> None:
+        """Make sure this rank's RAM in the tier is this training's, or not used at all.
+
+        - The tier directory is not a directory of this user (a symlink, a file, another
+          user's, planted or not): this rank's tier is disabled for the run (one warning; it
+          still takes part in the peer copies, holding nothing), and nothing is read, written
+          or removed through it.
+        - This rank's RAM belongs to another training (its owner record names another out_dir
+          or template, or none): ignored, with one log line, and replaced (removed now) unless
+          its owner still runs on this host, which then keeps it (this rank's tier disabled).
+        """
+        root, job, rank, identity = self.tier.root, self._job, self._rank, self._identity
+        if identity is None:  # set by initialize before it calls this
+            raise RuntimeError("memory tier: _claim before the training's identity is known")
+        try:
+            reason = foreign_reason(root, job, rank, identity)
+        except NotPrivateError as e:
+            self._disabled = str(e)
+            logger.warning("memory tier: rank %d takes no RAM snapshots this run: %s (pass "
+                           "another MemoryTier root= or job=)", rank, e)
+            return
+        if reason is None:
+            return
+        live = [r for r in owners(tier_dir(root, job)) if r["rank"] == rank and owner_alive(r)
+                and r["pid"] != os.getpid()]
+        if live:
+            self._disabled = f"{reason}, in use by pid {live[0]['pid']}"
+            logger.warning("memory tier: rank %d takes no RAM snapshots this run: %s holds "
+                           "rank %d of %s, %s (pass another MemoryTier job=)", rank,
+                           f"pid {live[0]['pid']} on {live[0]['host']}", rank,
+                           tier_dir(root, job), reason)
+            return
+        logger.warning("memory tier: RAM of rank %d in %s ignored and replaced: %s; this "
+                       "training is %s", rank, tier_dir(root, job), reason,
+                       identity.describe())
+        forget_rank(root, job, rank)
+
     def _own_tier(self) -> None:
         """Record this process as the owner of the rank's tier (at its first write: a run that
         never writes to RAM, e.g. one started after its last iteration, creates no tier)."""
-        if not self._owner_written:
-            write_owner(self.tier.root, self._job, self._rank, world=self._world)
+        if not self._owner_written and self._disabled is None:
+            write_owner(self.tier.root, self._job, self._rank, world=self._world,
+                        identity=self._identity)
             self._owner_written = True
 
     def _previous_world(self) -> int | None:
+        if self._disabled is not None:
+            return None
         for record in owners(tier_dir(self.tier.root, self._job)):
-            if record.get("rank") == self._rank:
-                world = record.get("world")
-                return int(world) if isinstance(world, int) else None
+            if record["rank"] == self._rank:
+                return None if record["world"] is None else int(record["world"])
         return None
 
     def _storage_step(self, manager: Any, snapshots: list[Any]) -> int | None:
@@ -360,6 +418,8 @@ class _MemoryTierExtension(extension.Extension):
 
     def _inventory(self, previous_world: int | None) -> dict[str, Any]:
         root, job, rank = self.tier.root, self._job, self._rank
+        if self._disabled is not None:
+            return {"own": None, "held": {}}
         if previous_world is not None and previous_world != self._world:
             logger.warning("memory tier: held for world size %d, now %d; resuming from storage",
                            previous_world, self._world)
@@ -368,16 +428,10 @@ class _MemoryTierExtension(extension.Extension):
         # used is verified once, where it is read (_fetch)
         own = MemoryStore(root, job, rank).newest_listed()
         held: dict[int, tuple[int, str]] = {}
-        rank_dir = os.path.join(root, f"snapkeep-{job}", f"rank{rank}")
-        try:
-            subs = os.listdir(rank_dir)
-        except OSError:
-            subs = []
-        for sub in subs:
-            if sub.startswith("peer") and sub[4:].isdigit():
-                found = MemoryStore(root, job, rank, int(sub[4:])).newest_listed()
-                if found is not None:
-                    held[int(sub[4:])] = (found.step, found.checksum)
+        for source in peer_sources(root, job, rank):
+            found = MemoryStore(root, job, rank, source).newest_listed()
+            if found is not None:
+                held[source] = (found.step, found.checksum)
         return {"own": None if own is None else (own.step, own.checksum), "held": held}
 
     def _recover(self, manager: Any, snapshots: list[Any],
@@ -501,7 +555,7 @@ class _MemoryTierExtension(extension.Extension):
                 mapped: Any = None
                 try:
                     store = MemoryStore(self.tier.root, self._job, rank, r)
-                    held = store.newest_listed()
+                    held = None if self._disabled else store.newest_listed()
                     if held is not None and held.step == step:
                         mapped = store.mapped(held)
                 except SnapshotCorruptError:
@@ -554,6 +608,8 @@ class _MemoryTierExtension(extension.Extension):
         step = int(manager.iteration)
         self._drain(f"RAM snapshot of step {step}")
         self._raise_background_error()
+        if self._disabled is not None and not (self._replicas and self._groups is not None):
+            return  # nothing to hold here, no peer waiting for this rank's copy
         self._own_tier()
         loan = None if self._sharded is not None else _borrow(manager)
         staged = None  # with a loan: the snapshot staged this step's state, no second staging
@@ -595,8 +651,12 @@ class _MemoryTierExtension(extension.Extension):
             del staged  # the staging buffers are free for the next trigger once this returns
             data = buf.getvalue()
             del buf
-            held = MemoryStore(self.tier.root, self._job, self._rank).commit_state(
-                step, data, _write)
+            if self._disabled is not None:  # held nowhere here; the peers still get a copy
+                held = Held(step=step, path="", checksum=MemoryStore.digest(data),
+                            size_bytes=len(data))
+            else:
+                held = MemoryStore(self.tier.root, self._job, self._rank).commit_state(
+                    step, data, _write)
             if self._replicas and self._groups is not None:
                 self._copy_to_peers(held, data)
         except BaseException as e:  # never stops training here: raised at the next trigger
@@ -619,8 +679,9 @@ class _MemoryTierExtension(extension.Extension):
             payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             _pairwise(group, [payload], [got], dst, src)
             checksum = bytes(got_digest.tolist()).decode().strip()
-            MemoryStore(self.tier.root, self._job, self._rank, src).commit_bytes(
-                int(got_header[0]), got.numpy().tobytes(), checksum)
+            if self._disabled is None:
+                MemoryStore(self.tier.root, self._job, self._rank, src).commit_bytes(
+                    int(got_header[0]), got.numpy().tobytes(), checksum)
 
     def _drain(self, waiter: str | None = None) -> None:
         """Wait for the RAM snapshot in flight (bounded by ``2 x timeout_s``).
@@ -688,7 +749,7 @@ class _MemoryTierExtension(extension.Extension):
         """
         self._drain()
         self._buffers = None  # a finished tier keeps no staging copy of the state
-        if self._started and not self._failed:
+        if self._started and not self._failed and self._disabled is None:
             try:
                 finished = bool(manager.stop_trigger)
             except Exception:  # a manager without a stop trigger: treat the run as unfinished
@@ -709,13 +770,7 @@ class _MemoryTierExtension(extension.Extension):
 def _ranks_beyond(root: str, job: str, world: int) -> list[int]:
     """Ranks >= ``world`` with a directory or owner record in ``job``'s tier under ``root``:
     left by an earlier run of the job on more ranks (no process of this run owns them)."""
-    try:
-        names = os.listdir(tier_dir(root, job))
-    except OSError:
-        return []
-    ranks = {int(m.group(1)) for n in names
-             if (m := re.fullmatch(r"(?:owner-)?rank(\d+)(?:\.json)?", n))}
-    return sorted(r for r in ranks if r >= world)
+    return [r for r in ranks_in(root, job) if r >= world]
 
 
 def recover_before_autoload(manager: Any) -> None:
