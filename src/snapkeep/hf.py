@@ -35,7 +35,13 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 
 from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.manifest import (
@@ -51,8 +57,8 @@ from snapkeep.store import Storage, resolve_storage, warn_user
 
 __all__ = [
     "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "CheckpointMarker", "FileRecord",
-    "SnapkeepCallback", "checkpoint_step", "commit_checkpoint", "latest_verified",
-    "read_marker", "verify_checkpoint",
+    "SnapkeepCallback", "SnapkeepSaveMixin", "SnapkeepTrainer", "checkpoint_step",
+    "commit_checkpoint", "latest_verified", "read_marker", "rotate", "verify_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
@@ -472,31 +478,235 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         self._rotate(storage, path, state)
 
     def _rotate(self, storage: Storage, output_dir: str, state: TrainerState) -> None:
-        if self.save_total_limit is None:
+        if self.save_total_limit is not None and self.run_id is not None:
+            rotate(storage, output_dir, limit=self.save_total_limit, run_id=self.run_id,
+                   protect=[f"checkpoint-{state.global_step}", state.best_model_checkpoint])
+
+
+def rotate(storage: Storage, output_dir: str, *, limit: int, run_id: str,
+           protect: list[str | None]) -> list[str]:
+    """Delete committed checkpoints of lineage ``run_id`` beyond the newest ``limit`` (by N),
+    never the newest committed one (of any lineage), nor the directories named in
+    ``protect`` (names or paths), nor a directory without a valid marker or of another lineage.
+    Markers are read, not verified (files are not hashed). A failed delete is logged.
+
+    Returns:
+        The paths deleted.
+    """
+    ours: list[SnapshotInfo] = []
+    newest_committed: str | None = None
+    for step, name in _checkpoints(storage, output_dir):
+        try:
+            marker = read_marker(storage.join(output_dir, name))
+        except SnapshotCorruptError:
+            continue
+        if marker is None:
+            continue
+        newest_committed = newest_committed or name
+        if marker.run_id == run_id:
+            ours.append(SnapshotInfo(name=name, key=(float(step),), step=step))
+    kept = [newest_committed] + [os.path.basename(os.path.normpath(p)) for p in protect if p]
+    deleted = []
+    for name in plan_deletions(KeepLatest(limit), ours, protect=[k for k in kept if k]):
+        doomed = storage.join(output_dir, name)
+        try:
+            storage.remove(storage.join(doomed, MARKER_NAME))  # uncommitted first
+            storage.remove_tree(doomed)
+        except OSError as e:
+            logger.warning("snapkeep: could not delete %s (rotation, save_total_limit=%d): %s",
+                           doomed, limit, e)
+            continue
+        logger.info("snapkeep: deleted %s (save_total_limit=%d)", doomed, limit)
+        deleted.append(doomed)
+    return deleted
+
+
+# -- the owned, asynchronous save ----------------------------------------------------------------
+class SnapkeepSaveMixin:
+    """Makes the Trainer's checkpoint save asynchronous: ``class MyTrainer(SnapkeepSaveMixin,
+    Trainer)`` (or use :class:`SnapkeepTrainer`).
+
+    ``_save_checkpoint`` (the Trainer's one save path) returns once the state is *staged*: the
+    model's and optimizer's tensors copied into reused CPU buffers (snapkeep's
+    :class:`~snapkeep.staging.BufferSet`, a consistent copy: training may update them at once),
+    the scheduler, scaler, RNG states (the Trainer's ``rng_state.pth`` content) and
+    ``TrainerState`` captured. A background thread then writes ``checkpoint-N/`` in the
+    Trainer's own layout through the Trainer's own ``_save`` (``model.safetensors``,
+    ``config.json``, ``training_args.bin``) plus ``optimizer.pt``, ``scheduler.pt``,
+    ``rng_state.pth``, ``trainer_state.json``; then commits it (:func:`commit_checkpoint`, the
+    marker last) and rotates (``save_total_limit``, as :class:`SnapkeepCallback`). So
+    ``from_pretrained``, ``resume_from_checkpoint`` and every HF tool read it unchanged, and
+    :func:`latest_verified` resumes it exactly (the Trainer's own resume: RNG states, and the
+    data position from ``trainer_state.json``'s ``global_step``).
+
+    One save in flight: the next save (and the end of ``train()``, and
+    ``load_best_model_at_end``) waits for the previous one to commit. A background failure is
+    raised once, at the next save or at the end of ``train()``, as
+    :class:`~snapkeep.errors.SnapshotSaveError` with the original error chained.
+
+    Runs the owned path for one process (``world_size == 1``), a ``PreTrainedModel``, without
+    DeepSpeed, FSDP, XLA, SageMaker, ``save_only_model`` or ``push_to_hub``; otherwise it saves
+    as the stock Trainer does and commits the directory synchronously (logged once).
+    :class:`SnapkeepCallback` is not needed with it (removed when present: its ``on_save``
+    would run before the files exist).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        import concurrent.futures
+
+        from snapkeep.staging import BufferSet
+
+        super().__init__(*args, **kwargs)
+        trainer: Any = self
+        while any(isinstance(c, SnapkeepCallback) for c in trainer.callback_handler.callbacks):
+            trainer.callback_handler.remove_callback(SnapkeepCallback)
+        self._snapkeep_callback = _OwnedCallback()  # rotation limit and lineage, as the callback
+        trainer.add_callback(self._snapkeep_callback)
+        self._snapkeep_buffers = BufferSet()
+        self._snapkeep_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="snapkeep-hf")
+        self._snapkeep_pending: Any = None
+
+    def _snapkeep_owned(self) -> bool:
+        from transformers import PreTrainedModel
+
+        trainer: Any = self
+        args = trainer.args
+        plain = (args.world_size <= 1 and not trainer.is_deepspeed_enabled
+                 and not trainer.is_fsdp_enabled and not args.save_only_model
+                 and not args.push_to_hub and isinstance(trainer.model, PreTrainedModel))
+        if not plain and not getattr(self, "_snapkeep_told", False):
+            logger.info("snapkeep: this Trainer setup saves synchronously (stock save, then the "
+                        "commit marker)")
+            self._snapkeep_told = True
+        return plain
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its error once.
+
+        Raises:
+            SnapshotSaveError: the background save failed (its error chained).
+        """
+        from snapkeep.errors import SnapshotSaveError
+
+        pending = getattr(self, "_snapkeep_pending", None)
+        if pending is None:
             return
-        ours: list[SnapshotInfo] = []
-        newest_committed: str | None = None
-        for step, name in _checkpoints(storage, output_dir):
+        self._snapkeep_pending = None
+        try:
+            pending.result()
+        except Exception as e:
+            raise SnapshotSaveError(f"snapkeep: the background save of a checkpoint failed: "
+                                    f"{e}") from e
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        trainer: Any = self
+        self.wait_for_checkpoint()
+        if not self._snapkeep_owned() or trial is not None:
+            super()._save_checkpoint(model, trial)  # type: ignore[misc]
+            SnapkeepCallback.on_save(self._snapkeep_callback, trainer.args, trainer.state,
+                                     trainer.control)
+            return
+        job = self._snapkeep_stage(trainer)
+        self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)
+
+    def _snapkeep_stage(self, trainer: Any) -> tuple[Any, ...]:
+        import copy
+        import random
+
+        import numpy as np
+        import torch
+        from transformers.trainer_callback import ExportableState
+
+        state = trainer.state
+        step = state.global_step
+        run_dir = trainer._get_output_dir(trial=None)
+        output_dir = os.path.join(run_dir, f"checkpoint-{step}")
+        if trainer.hp_search_backend is None:
+            trainer.store_flos()
+        if str(trainer.args.save_strategy) in ("steps", "epoch", "best") \
+                and state.best_global_step:  # as the Trainer: once the best one exists
+            best_dir = os.path.join(run_dir, f"checkpoint-{state.best_global_step}")
+            if state.best_global_step == step or os.path.isdir(best_dir):
+                state.best_model_checkpoint = best_dir
+        for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control]
+                   if isinstance(c, ExportableState)]:
+            name = cb.__class__.__name__
+            if isinstance(state.stateful_callbacks.get(name), list):
+                state.stateful_callbacks[name].append(cb.state())
+            else:
+                state.stateful_callbacks[name] = cb.state()
+        tree = {"model": trainer.model.state_dict(),
+                "optimizer": trainer.optimizer.state_dict()}
+        staged, _ = self._snapkeep_buffers.stage(tree)
+        scheduler = copy.deepcopy(trainer.lr_scheduler.state_dict())
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+        rng: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                               "cpu": torch.random.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.random.get_rng_state()
+        return (output_dir, step, staged, scheduler, scaler_state, rng, copy.deepcopy(state))
+
+    def _snapkeep_write(self, output_dir: str, step: int, staged: dict[str, Any],
+                        scheduler: Any, scaler: Any, rng: Any, state: Any) -> None:
+        import torch
+        from transformers.trainer import (
+            OPTIMIZER_NAME,
+            SCALER_NAME,
+            SCHEDULER_NAME,
+            TRAINER_STATE_NAME,
+        )
+
+        trainer: Any = self
+        storage, path = _storage(output_dir)
+        storage.makedirs(path)
+        try:
+            storage.remove(storage.join(path, MARKER_NAME))  # a re-save uncommits first
+        except FileNotFoundError:
+            pass
+        trainer._save(output_dir, state_dict=staged["model"])
+        torch.save(staged["optimizer"], os.path.join(output_dir, OPTIMIZER_NAME))
+        torch.save(scheduler, os.path.join(output_dir, SCHEDULER_NAME))
+        if scaler is not None:
+            torch.save(scaler, os.path.join(output_dir, SCALER_NAME))
+        torch.save(rng, os.path.join(output_dir, "rng_state.pth"))
+        state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
+        callback = self._snapkeep_callback
+        metrics = {} if state.best_metric is None else {"best_metric": state.best_metric}
+        commit_checkpoint(path, step=step, run_id=callback.run_id, metrics=metrics)
+        callback._rotate(storage, storage.dirname(path), state)
+
+    def _load_best_model(self) -> None:
+        self.wait_for_checkpoint()
+        super()._load_best_model()  # type: ignore[misc]
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``, then a wait for the last checkpoint to commit (its error
+        raised; see :meth:`wait_for_checkpoint`)."""
+        try:
+            result = super().train(*args, **kwargs)  # type: ignore[misc]
+        except BaseException:
             try:
-                marker = read_marker(storage.join(output_dir, name))
-            except SnapshotCorruptError:
-                continue
-            if marker is None:
-                continue
-            newest_committed = newest_committed or name
-            if marker.run_id == self.run_id:
-                ours.append(SnapshotInfo(name=name, key=(float(step),), step=step))
-        protect = [n for n in (newest_committed, f"checkpoint-{state.global_step}") if n]
-        if state.best_model_checkpoint:
-            protect.append(os.path.basename(os.path.normpath(state.best_model_checkpoint)))
-        for name in plan_deletions(KeepLatest(self.save_total_limit), ours, protect=protect):
-            doomed = storage.join(output_dir, name)
-            try:
-                storage.remove(storage.join(doomed, MARKER_NAME))  # uncommitted first
-                storage.remove_tree(doomed)
-            except OSError as e:
-                logger.warning("snapkeep: could not delete %s (rotation, save_total_limit=%d): "
-                               "%s", doomed, self.save_total_limit, e)
-                continue
-            logger.info("snapkeep: deleted %s (save_total_limit=%d)", doomed,
-                        self.save_total_limit)
+                self.wait_for_checkpoint()
+            except Exception as e:  # the training error wins; the save's is logged
+                logger.error("snapkeep: a background checkpoint save also failed: %s", e)
+            raise
+        self.wait_for_checkpoint()
+        return result
+
+
+class _OwnedCallback(SnapkeepCallback):
+    """The mixin's half of :class:`SnapkeepCallback`: the rotation limit and the lineage at
+    ``on_train_begin``; the mixin commits and rotates from its writer thread."""
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def on_save(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class SnapkeepTrainer(SnapkeepSaveMixin, Trainer):  # type: ignore[misc]
+    """``transformers.Trainer`` with :class:`SnapkeepSaveMixin`'s asynchronous, committed
+    save (the same arguments as ``Trainer``)."""

@@ -69,6 +69,13 @@ def make_trainer_class(base: type, out_dir: str, hold_at: int | None, stage: str
                 hold(out_dir, hold_at)  # type: ignore[arg-type]
             super()._save_optimizer_and_scheduler(output_dir)
 
+        def _snapkeep_write(self, output_dir: str, step: int, staged: dict,  # type: ignore
+                            *rest: object) -> None:
+            if hold_at == step:  # the owned path: hold inside the background save
+                self._save(output_dir, state_dict=staged["model"])
+                hold(out_dir, step)
+            super()._snapkeep_write(output_dir, step, staged, *rest)
+
     return Holding
 
 
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> Trainer:
                    help="rank eval_loss upside down, so the best is an early checkpoint")
     p.add_argument("--resume", choices=["none", "verified", "stock"], default="none")
     p.add_argument("--callback", action="store_true")
+    p.add_argument("--owned", action="store_true", help="hf.SnapkeepTrainer's async save")
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--hold-stage", default="model",
                    choices=["model", "optimizer", "state"])
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> Trainer:
     if a.callback:
         callbacks.append(HoldBeforeMarker(a.out_dir, a.hold_at if a.hold_stage == "state"
                                           else None))
-    base: type = Trainer
+    base: type = hf.SnapkeepTrainer if a.owned else Trainer
     cls = make_trainer_class(base, a.out_dir, a.hold_at, a.hold_stage)
     trainer = cls(model=model, args=args, train_dataset=Tokens(64, 64, 1),
                   eval_dataset=Tokens(8, 64, 2) if evaluating else None, callbacks=callbacks)

@@ -209,3 +209,23 @@ def test_importing_snapkeep_does_not_import_transformers() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
                           text=True, timeout=BOUND_S)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_the_owned_async_save_killed_mid_save_resumes_bit_identical(
+        tmp_path: pathlib.Path) -> None:
+    """hf.SnapkeepTrainer writes checkpoint-N in the Trainer's layout on a background thread;
+    killed while the save of checkpoint-6 is in flight (weights written, the rest not), the
+    rerun resumes checkpoint-4 and ends bit-identical to an uninterrupted stock run."""
+    reference = _train(tmp_path / "reference")  # the stock Trainer, in this process
+    del reference
+    killed = tmp_path / "killed"
+    _kill_mid_save(killed, 6, "model", "--owned", "--save-total-limit", "2")
+    assert get_last_checkpoint(str(killed)) == str(killed / "checkpoint-6")
+    assert sorted(os.listdir(killed / "checkpoint-6")) == [
+        "config.json", "generation_config.json", "model.safetensors", "training_args.bin"]
+    out = _run(killed, "--owned", "--save-total-limit", "2", "--resume", "verified")
+    assert f"resumed-from {killed / 'checkpoint-4'}" in out
+    assert_identical(_final(killed), _final(tmp_path / "reference"))
+    assert sorted(os.listdir(killed)) == ["checkpoint-6", "checkpoint-8", "final.pt"]
+    for step in (6, 8):
+        hf.verify_checkpoint(killed / f"checkpoint-{step}")
