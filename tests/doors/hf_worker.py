@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> Trainer:
         os.makedirs(os.path.join(a.out_dir, f"checkpoint-{a.stale}"), exist_ok=True)
         with open(os.path.join(a.out_dir, f"checkpoint-{a.stale}", "config.json"), "w") as f:
             f.write("{}")
+        ahead = time.time() + 3600  # its clock ran ahead (another node, a sync): the Trainer
+        os.utime(os.path.join(a.out_dir, f"checkpoint-{a.stale}"), (ahead, ahead))  # orders
+        # by mtime, or by number when mtimes lie within 1 s: either way it looks newest
     torch.manual_seed(0)
     config = GPT2Config(n_layer=2, n_embd=a.hidden, n_head=2, vocab_size=64, n_positions=SEQ)
     model = GPT2LMHeadModel(config)

@@ -127,9 +127,9 @@ def test_a_new_best_between_save_steps_is_saved_and_kept(tmp_path: pathlib.Path)
 
 def test_a_stale_checkpoint_in_a_reused_output_dir_keeps_the_new_runs_and_the_best(
         tmp_path: pathlib.Path) -> None:
-    """A checkpoint-700 left by an earlier run: the stock rotation (numeric order when mtimes
-    are within a second) protects it as "most recent" and deletes every new checkpoint but the
-    best. With the callback the new run keeps its newest two and the best, the stale directory
+    """A checkpoint-700 left by an earlier run (its mtime ahead: written on another node, or
+    synced): the stock rotation (by mtime; by number when mtimes lie within a second) protects
+    it as "most recent" and deletes every new checkpoint but the best. With the callback the new run keeps its newest two and the best, the stale directory
     is not touched, and load_best_model_at_end loads the best."""
     common = ["--save-steps", "2", "--eval-steps", "2", "--save-total-limit", "2",
               "--greater-is-better", "--load-best", "--stale", "700"]
