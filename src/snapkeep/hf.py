@@ -472,6 +472,11 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             return
         storage, path = _storage(self._dir(args))
         checkpoint = storage.join(path, f"checkpoint-{state.global_step}")
+        if not storage.isdir(checkpoint):
+            logger.warning("snapkeep: %s does not exist; not committed (a hyperparameter "
+                           "search run saves elsewhere: pass SnapkeepCallback(output_dir=...))",
+                           checkpoint)
+            return
         metrics = {} if state.best_metric is None else {"best_metric": state.best_metric}
         commit_checkpoint(checkpoint, step=state.global_step, run_id=self.run_id,
                           metrics=metrics)
@@ -624,8 +629,7 @@ class SnapkeepSaveMixin:
         output_dir = os.path.join(run_dir, f"checkpoint-{step}")
         if trainer.hp_search_backend is None:
             trainer.store_flos()
-        if str(trainer.args.save_strategy) in ("steps", "epoch", "best") \
-                and state.best_global_step:  # as the Trainer: once the best one exists
+        if trainer.args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:  # as the Trainer: once the best one exists
             best_dir = os.path.join(run_dir, f"checkpoint-{state.best_global_step}")
             if state.best_global_step == step or os.path.isdir(best_dir):
                 state.best_model_checkpoint = best_dir

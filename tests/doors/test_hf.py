@@ -125,8 +125,9 @@ def test_a_new_best_between_save_steps_is_saved_and_kept(tmp_path: pathlib.Path)
     hf.verify_checkpoint(tmp_path / "ours" / "checkpoint-3")
 
 
+@pytest.mark.parametrize("door", ["callback", "owned"])
 def test_a_stale_checkpoint_in_a_reused_output_dir_keeps_the_new_runs_and_the_best(
-        tmp_path: pathlib.Path) -> None:
+        tmp_path: pathlib.Path, door: str) -> None:
     """A checkpoint-700 left by an earlier run (its mtime ahead: written on another node, or
     synced): the stock rotation (by mtime; by number when mtimes lie within a second) protects
     it as "most recent" and deletes every new checkpoint but the best. With the callback the new run keeps its newest two and the best, the stale directory
@@ -137,8 +138,8 @@ def test_a_stale_checkpoint_in_a_reused_output_dir_keeps_the_new_runs_and_the_be
     assert sorted(os.listdir(tmp_path / "stock")) == ["checkpoint-2", "checkpoint-700",
                                                       "final.pt"]
 
-    ours = tmp_path / "ours"
-    trainer = _train(ours, *common, "--callback")
+    ours = tmp_path / door
+    trainer = _train(ours, *common, f"--{door}")
     assert sorted(os.listdir(ours)) == ["checkpoint-2", "checkpoint-6", "checkpoint-700",
                                         "checkpoint-8", "final.pt"]
     assert trainer.state.best_model_checkpoint == str(ours / "checkpoint-2")  # type: ignore
