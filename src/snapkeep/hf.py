@@ -629,7 +629,8 @@ class SnapkeepSaveMixin:
         output_dir = os.path.join(run_dir, f"checkpoint-{step}")
         if trainer.hp_search_backend is None:
             trainer.store_flos()
-        if trainer.args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:  # as the Trainer: once the best one exists
+        # as the Trainer: best_model_checkpoint once the best one exists (or is this one)
+        if trainer.args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
             best_dir = os.path.join(run_dir, f"checkpoint-{state.best_global_step}")
             if state.best_global_step == step or os.path.isdir(best_dir):
                 state.best_model_checkpoint = best_dir

@@ -130,8 +130,9 @@ def test_a_stale_checkpoint_in_a_reused_output_dir_keeps_the_new_runs_and_the_be
         tmp_path: pathlib.Path, door: str) -> None:
     """A checkpoint-700 left by an earlier run (its mtime ahead: written on another node, or
     synced): the stock rotation (by mtime; by number when mtimes lie within a second) protects
-    it as "most recent" and deletes every new checkpoint but the best. With the callback the new run keeps its newest two and the best, the stale directory
-    is not touched, and load_best_model_at_end loads the best."""
+    it as "most recent" and deletes every new checkpoint but the best. With the callback (or
+    the owned save) the new run keeps its newest two and the best, the stale directory is not
+    touched, and load_best_model_at_end loads the best."""
     common = ["--save-steps", "2", "--eval-steps", "2", "--save-total-limit", "2",
               "--greater-is-better", "--load-best", "--stale", "700"]
     _train(tmp_path / "stock", *common)
