@@ -231,3 +231,31 @@ def test_the_owned_async_save_killed_mid_save_resumes_bit_identical(
     assert sorted(os.listdir(killed)) == ["checkpoint-6", "checkpoint-8", "final.pt"]
     for step in (6, 8):
         hf.verify_checkpoint(killed / f"checkpoint-{step}")
+
+
+class _FailingAt4(hf.SnapkeepTrainer):
+    """The owned save with a background write that fails at step 4 (a full disk, say)."""
+
+    def _snapkeep_write(self, output_dir: str, step: int, *rest: object) -> None:
+        if step == 4:
+            raise OSError(28, "No space left on device (injected)")
+        super()._snapkeep_write(output_dir, step, *rest)  # type: ignore[arg-type]
+
+
+def test_a_failed_background_save_is_raised_once_at_the_next_save(
+        tmp_path: pathlib.Path) -> None:
+    from snapkeep.errors import SnapshotSaveError
+
+    model = hf_worker.GPT2LMHeadModel(hf_worker.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=hf_worker.SEQ))
+    args = hf_worker.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=8, save_steps=2, per_device_train_batch_size=4,
+        report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
+    trainer = _FailingAt4(model=model, args=args, train_dataset=hf_worker.Tokens(64, 64, 1))
+    with pytest.raises(SnapshotSaveError, match="background save") as caught:
+        trainer.train()
+    assert isinstance(caught.value.__cause__, OSError)
+    assert trainer.state.global_step == 6  # raised by the save of step 6, which did not run
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+    hf.verify_checkpoint(tmp_path / "checkpoint-2")
+    trainer.wait_for_checkpoint()  # raised once: nothing left to raise
