@@ -386,15 +386,14 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
       ``checkpoint-700`` in a reused ``output_dir``). A failed delete is logged, not raised.
       At the end of training with ``save_total_limit=1`` the Trainer would delete all but the
       best; here the newest committed one stays too (so the run can be resumed).
-
-    The run id (recorded in each marker, see :class:`CheckpointMarker`) is inherited from the
-    checkpoint a run resumes from, so rotation after a resume still sees its own checkpoints.
-
     - ``on_evaluate`` (``save_best=True``): an evaluation that finds a new best
       ``metric_for_best_model`` at a step that is not a save step (``save_steps`` not a
       multiple of ``eval_steps``: transformers #39476) makes the Trainer save that step too,
       so the best checkpoint exists and ``state.best_model_checkpoint`` names it; rotation
       then keeps it.
+
+    The run id (recorded in each marker, see :class:`CheckpointMarker`) is inherited from the
+    checkpoint a run resumes from, so rotation after a resume still sees its own checkpoints.
 
     Args:
         output_dir: where the checkpoints are; default ``args.output_dir`` (hyperparameter
