@@ -70,7 +70,7 @@ def _final(out: pathlib.Path) -> dict[str, torch.Tensor]:
 def test_kill_mid_save_stock_resumes_the_broken_directory_latest_verified_the_complete_one(
         tmp_path: pathlib.Path) -> None:
     reference = tmp_path / "reference"
-    _run(reference, "--callback")
+    _train(reference, "--callback")  # in this process: the same bits as a worker's run
     killed = tmp_path / "killed"
     _kill_mid_save(killed, 6, "optimizer", "--callback")  # optimizer.pt half written
 
