@@ -76,3 +76,24 @@ def test_a_snapshot_into_new_directories_fsyncs_them(tmp_path):
     assert set(created) >= {str(tmp_path / "run"), str(out), str(out / "sub"),
                             str(out / "sub" / ".snapkeep")}
     assert _unsynced(events, created) == []
+
+
+def test_sync_file_opens_a_regular_file_and_refuses_a_fifo_without_blocking(tmp_path) -> None:
+    """``Storage.sync_file`` (a framework's own file made durable before a marker names it):
+    the file is opened (read-only, to fsync it); a FIFO is refused at once; memory:// has
+    nothing to sync."""
+    import errno
+
+    import pytest
+
+    storage, _ = resolve_storage(str(tmp_path))
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"x" * 10)
+    events = _record(lambda: storage.sync_file(str(path)))
+    assert [e[:2] for e in events if e[0] == "open"] == [("open", str(path))]
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(OSError) as caught:
+        storage.sync_file(str(tmp_path / "fifo"))
+    assert caught.value.errno == errno.EINVAL
+    memory, where = resolve_storage("memory://sync-file-test")
+    memory.sync_file(memory.join(where, "absent"))  # no-op, no error

@@ -297,6 +297,23 @@ class Storage:
         if self.is_local:
             fsync_directory(path)
 
+    def sync_file(self, path: str) -> None:
+        """Make a file another writer wrote (a framework's own checkpoint file) durable before a
+        commit marker names it: ``fsync`` on the local filesystem (regular files only, never
+        blocking); nothing elsewhere (an object is durable once its upload completed).
+
+        Raises:
+            FileNotFoundError: no such file.
+            OSError: not a regular file (``EINVAL``), or the ``fsync`` failed.
+        """
+        if not self.is_local:
+            return
+        fd = open_regular(path)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def remove_tree(self, path: str) -> None:
         """Delete the directory ``path`` and everything in it (one snapshot directory); a
         missing one is not an error.

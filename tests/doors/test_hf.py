@@ -1,0 +1,261 @@
+"""The Hugging Face Trainer door (``snapkeep.hf``): real Trainer runs of a tiny GPT-2 built in code
+(CPU, no hub download), killed with SIGKILL mid-save and rerun; rotation scenarios of
+transformers #39476 and of a reused ``output_dir``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import hf_worker  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+from snapkeep import hf  # noqa: E402
+from snapkeep.errors import SnapshotCorruptError  # noqa: E402
+from support.killing import assert_identical  # noqa: E402
+
+WORKER = pathlib.Path(hf_worker.__file__)
+BOUND_S = 120
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1",
+                PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+
+
+def _run(out: pathlib.Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(WORKER), str(out), *args], env=_env(),
+                          capture_output=True, text=True, timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def _kill_mid_save(out: pathlib.Path, step: int, stage: str, *args: str) -> None:
+    """Run the worker until it holds inside the save of checkpoint-``step`` at ``stage``, then
+    SIGKILL it (its own pid only)."""
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(out), "--hold-at", str(step),
+                             "--hold-stage", stage, *args], env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        holding = out / f"holding-{step}"
+        deadline = time.monotonic() + BOUND_S
+        while not holding.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert holding.exists(), f"the worker ended ({proc.poll()}) before holding"
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=BOUND_S) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    holding.unlink()
+
+
+def _final(out: pathlib.Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+def test_kill_mid_save_stock_resumes_the_broken_directory_latest_verified_the_complete_one(
+        tmp_path: pathlib.Path) -> None:
+    reference = tmp_path / "reference"
+    _train(reference, "--callback")  # in this process: the same bits as a worker's run
+    killed = tmp_path / "killed"
+    _kill_mid_save(killed, 6, "optimizer", "--callback")  # optimizer.pt half written
+
+    broken = killed / "checkpoint-6"
+    assert get_last_checkpoint(str(killed)) == str(broken)  # stock: by number, not content
+    assert not (broken / "trainer_state.json").exists()
+    assert not (broken / hf.MARKER_NAME).exists()
+    with pytest.warns(RuntimeWarning, match=r"skipping .*checkpoint-6 \(step 6\).*no commit"):
+        assert hf.latest_verified(killed) == str(killed / "checkpoint-4")
+
+    out = _run(killed, "--callback", "--resume", "verified")
+    assert f"resumed-from {killed / 'checkpoint-4'}" in out
+    differs = _final(reference)
+    assert_identical(_final(killed), differs)
+    assert hf.latest_verified(killed) == str(killed / "checkpoint-8")  # 6 was re-saved, committed
+    hf.verify_checkpoint(broken)
+
+
+def test_kill_after_the_trainer_finished_before_the_marker_is_not_resumed(
+        tmp_path: pathlib.Path) -> None:
+    """Every file the Trainer writes is there (trainer_state.json last), the marker is not: the
+    directory is not committed (its files may not be durable), so the one before is resumed."""
+    _kill_mid_save(tmp_path, 4, "state", "--callback")
+    assert (tmp_path / "checkpoint-4" / "trainer_state.json").exists()
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
+    with pytest.warns(RuntimeWarning, match="checkpoint-4"):
+        assert hf.latest_verified(tmp_path) == str(tmp_path / "checkpoint-2")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]  # nothing removed
+
+
+def _train(out: pathlib.Path, *args: str) -> object:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return hf_worker.main([str(out), *args])
+
+
+def test_a_new_best_between_save_steps_is_saved_and_kept(tmp_path: pathlib.Path) -> None:
+    """transformers #39476: save_steps 2, eval_steps 3, save_total_limit 1. The best evaluation
+    (step 3; ``greater_is_better`` makes the first one best) has no checkpoint in the stock
+    Trainer; with the callback it is saved, named best and kept by rotation."""
+    common = ["--save-steps", "2", "--eval-steps", "3", "--save-total-limit", "1",
+              "--greater-is-better"]
+    stock = _train(tmp_path / "stock", *common)
+    assert stock.state.best_global_step == 3  # type: ignore[attr-defined]
+    assert stock.state.best_model_checkpoint is None  # type: ignore[attr-defined]
+    assert sorted(os.listdir(tmp_path / "stock")) == ["checkpoint-8", "final.pt"]
+
+    ours = _train(tmp_path / "ours", *common, "--callback")
+    assert ours.state.best_model_checkpoint == str(  # type: ignore[attr-defined]
+        tmp_path / "ours" / "checkpoint-3")
+    assert sorted(os.listdir(tmp_path / "ours")) == ["checkpoint-3", "checkpoint-8", "final.pt"]
+    hf.verify_checkpoint(tmp_path / "ours" / "checkpoint-3")
+
+
+@pytest.mark.parametrize("door", ["callback", "owned"])
+def test_a_stale_checkpoint_in_a_reused_output_dir_keeps_the_new_runs_and_the_best(
+        tmp_path: pathlib.Path, door: str) -> None:
+    """A checkpoint-700 left by an earlier run (its mtime ahead: written on another node, or
+    synced): the stock rotation (by mtime; by number when mtimes lie within a second) protects
+    it as "most recent" and deletes every new checkpoint but the best. With the callback (or
+    the owned save) the new run keeps its newest two and the best, the stale directory is not
+    touched, and load_best_model_at_end loads the best."""
+    common = ["--save-steps", "2", "--eval-steps", "2", "--save-total-limit", "2",
+              "--greater-is-better", "--load-best", "--stale", "700"]
+    _train(tmp_path / "stock", *common)
+    assert sorted(os.listdir(tmp_path / "stock")) == ["checkpoint-2", "checkpoint-700",
+                                                      "final.pt"]
+
+    ours = tmp_path / door
+    trainer = _train(ours, *common, f"--{door}")
+    assert sorted(os.listdir(ours)) == ["checkpoint-2", "checkpoint-6", "checkpoint-700",
+                                        "checkpoint-8", "final.pt"]
+    assert trainer.state.best_model_checkpoint == str(ours / "checkpoint-2")  # type: ignore
+    best = torch.load(ours / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    assert best["state"]  # a complete checkpoint; the model loaded at the end is its weights
+    from safetensors.torch import load_file
+
+    weights = load_file(ours / "checkpoint-2" / "model.safetensors")
+    final = _final(ours)
+    assert torch.equal(final["transformer.wte.weight"], weights["transformer.wte.weight"])
+    assert not torch.equal(final["transformer.wte.weight"],
+                           load_file(ours / "checkpoint-8" / "model.safetensors")
+                           ["transformer.wte.weight"])
+    assert os.listdir(ours / "checkpoint-700") == ["config.json"]
+
+
+def test_a_flipped_byte_falls_back_with_a_warning(tmp_path: pathlib.Path) -> None:
+    for step in (2, 4):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        ckpt.mkdir()
+        (ckpt / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+        (ckpt / "sub").mkdir()
+        (ckpt / "sub" / "a.bin").write_bytes(b"x" * 10)
+        marker = hf.commit_checkpoint(ckpt, run_id="r")
+        assert set(marker.files) == {"model.safetensors", "sub/a.bin"}
+    assert hf.latest_verified(tmp_path) == str(tmp_path / "checkpoint-4")
+    path = tmp_path / "checkpoint-4" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorruptError, match="model.safetensors.*checksum"):
+        hf.verify_checkpoint(tmp_path / "checkpoint-4")
+    with pytest.warns(RuntimeWarning, match=r"checkpoint-4 \(step 4\).*checksum"):
+        assert hf.latest_verified(tmp_path) == str(tmp_path / "checkpoint-2")
+    (tmp_path / "checkpoint-2" / "sub" / "a.bin").unlink()
+    with pytest.warns(RuntimeWarning) as caught:
+        assert hf.latest_verified(tmp_path) is None
+    assert [str(w.message).count("missing") for w in caught] == [0, 1]
+
+
+@pytest.mark.parametrize("body", [
+    b"not json", b"[]", json.dumps({"format": "other"}).encode(),
+    json.dumps({"format": hf.MARKER_FORMAT, "step": 1, "algorithm": "xxh3_128",
+                "files": {"../x": {"size_bytes": 1, "checksum": "0" * 32}}}).encode(),
+    json.dumps({"format": hf.MARKER_FORMAT, "step": 1, "algorithm": "xxh3_128",
+                "files": {"x": {"size_bytes": True, "checksum": "0" * 32}}}).encode(),
+    json.dumps({"format": hf.MARKER_FORMAT, "step": -1, "algorithm": "xxh3_128",
+                "files": {}}).encode(),
+])
+def test_a_bad_marker_is_refused_by_name(tmp_path: pathlib.Path, body: bytes) -> None:
+    ckpt = tmp_path / "checkpoint-1"
+    ckpt.mkdir()
+    (ckpt / hf.MARKER_NAME).write_bytes(body)
+    with pytest.raises(SnapshotCorruptError, match=hf.MARKER_NAME):
+        hf.verify_checkpoint(ckpt)
+
+
+def test_a_fifo_marker_never_blocks(tmp_path: pathlib.Path) -> None:
+    ckpt = tmp_path / "checkpoint-1"
+    ckpt.mkdir()
+    os.mkfifo(ckpt / hf.MARKER_NAME)
+    with pytest.raises(SnapshotCorruptError, match="FIFO"):
+        hf.read_marker(ckpt)
+
+
+def test_importing_snapkeep_does_not_import_transformers() -> None:
+    code = "import sys, snapkeep; print('transformers' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                          text=True, timeout=BOUND_S)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_the_owned_async_save_killed_mid_save_resumes_bit_identical(
+        tmp_path: pathlib.Path) -> None:
+    """hf.SnapkeepTrainer writes checkpoint-N in the Trainer's layout on a background thread;
+    killed while the save of checkpoint-6 is in flight (weights written, the rest not), the
+    rerun resumes checkpoint-4 and ends bit-identical to an uninterrupted stock run."""
+    reference = _train(tmp_path / "reference")  # the stock Trainer, in this process
+    del reference
+    killed = tmp_path / "killed"
+    _kill_mid_save(killed, 6, "model", "--owned", "--save-total-limit", "2")
+    assert get_last_checkpoint(str(killed)) == str(killed / "checkpoint-6")
+    assert sorted(os.listdir(killed / "checkpoint-6")) == [
+        "config.json", "generation_config.json", "model.safetensors", "training_args.bin"]
+    out = _run(killed, "--owned", "--save-total-limit", "2", "--resume", "verified")
+    assert f"resumed-from {killed / 'checkpoint-4'}" in out
+    assert_identical(_final(killed), _final(tmp_path / "reference"))
+    assert sorted(os.listdir(killed)) == ["checkpoint-6", "checkpoint-8", "final.pt"]
+    for step in (6, 8):
+        hf.verify_checkpoint(killed / f"checkpoint-{step}")
+
+
+class _FailingAt4(hf.SnapkeepTrainer):
+    """The owned save with a background write that fails at step 4 (a full disk, say)."""
+
+    def _snapkeep_write(self, output_dir: str, step: int, *rest: object) -> None:
+        if step == 4:
+            raise OSError(28, "No space left on device (injected)")
+        super()._snapkeep_write(output_dir, step, *rest)  # type: ignore[arg-type]
+
+
+def test_a_failed_background_save_is_raised_once_at_the_next_save(
+        tmp_path: pathlib.Path) -> None:
+    from snapkeep.errors import SnapshotSaveError
+
+    model = hf_worker.GPT2LMHeadModel(hf_worker.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=hf_worker.SEQ))
+    args = hf_worker.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=8, save_steps=2, per_device_train_batch_size=4,
+        report_to=[], use_cpu=True, disable_tqdm=True, logging_strategy="no")
+    trainer = _FailingAt4(model=model, args=args, train_dataset=hf_worker.Tokens(64, 64, 1))
+    with pytest.raises(SnapshotSaveError, match="background save") as caught:
+        trainer.train()
+    assert isinstance(caught.value.__cause__, OSError)
+    assert trainer.state.global_step == 6  # raised by the save of step 6, which did not run
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+    hf.verify_checkpoint(tmp_path / "checkpoint-2")
+    trainer.wait_for_checkpoint()  # raised once: nothing left to raise
