@@ -30,16 +30,24 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import string
 import types
 import weakref
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from snapkeep._version import __version__
-from snapkeep.distributed import is_distributed
+from snapkeep.distributed import (
+    DEFAULT_SIGNALS,
+    SignalWatch,
+    describe_signal,
+    exit_cleanly_at_exit,
+    is_distributed,
+    job_rank,
+)
 from snapkeep.errors import (
     NoValidSnapshotError,
     SnapshotCorruptError,
@@ -56,6 +64,7 @@ from snapkeep.store import (
     RunLineage,
     Session,
     SnapshotStore,
+    StatusLog,
     Storage,
     describe,
     find_mismatches,
@@ -65,6 +74,7 @@ from snapkeep.store import (
 )
 from snapkeep.training import RngState
 from snapkeep.training._data_position import LoaderPosition, loader_position
+from snapkeep.training.extensions import EXIT_CODE_PREEMPTED
 from snapkeep.writing import ThreadWriter, Writer
 
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
@@ -237,6 +247,18 @@ class Checkpointer:
             order), ``writer`` cannot be given, and rank 0 locks and runs retention.
         timeout_s: bound of every collective of sharded snapshots, seconds (default 600): a
             dead rank makes the others raise ``CollectiveTimeoutError`` within it.
+        preemption: catch SIGTERM and SIGUSR1 (``True``) or the given signals (a sequence of
+            ``signal.Signals``), as ``extensions.preemption`` does for a manager: the handler
+            only records the signal; at the next :meth:`save` call (call it at every step; under
+            torch.distributed the ranks agree there, one all-reduce of one int per call) every
+            rank snapshots that step (``force``), waits until it is committed, the run status
+            becomes ``preempted`` and the process exits with ``SystemExit(143)``. Default
+            False: signals keep their default action.
+
+    The run's status is recorded in ``directory/.snapkeep/status.json`` (rank 0), as with the
+    manager's preemption extension: ``running`` from the first :meth:`load` or :meth:`save`
+    at its step, then ``preempted``, ``failed`` (the ``with`` block raised) or ``finished``
+    (:meth:`close`); ``snapkeep status DIR`` reads it.
 
     Raises:
         StoreLockedError: another live Checkpointer or trainer holds ``directory`` and this
@@ -251,6 +273,7 @@ class Checkpointer:
         rng: bool = True, weights_only: bool = True, map_location: Any = "cpu",
         storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        preemption: bool | Sequence[signal.Signals | int] = False,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or URL string, got "
@@ -284,6 +307,10 @@ class Checkpointer:
         self._map_location = map_location
         self._closed = False
         self._session: Session | None = None
+        self._status: StatusLog | None = None
+        self._watch: SignalWatch | None = None
+        self._started = False
+        self._last_step = 0  # the step of the last load or save, for the run status
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
         self._writer: Writer | None = None
@@ -317,6 +344,18 @@ class Checkpointer:
                     claim=lambda: self._claim(storage, path), shown_template=self.template,
                     lineage=RunLineage.named(RUN_ID))
                 self._session = self._sharded.session
+            groups = self._sharded.groups if self._sharded is not None else None
+            rank = groups.rank if groups is not None else job_rank()
+            self._status = StatusLog(storage, path, rank=rank,
+                                     world_size=groups.world_size if groups is not None else 1)
+            if preemption is not False:
+                signals = DEFAULT_SIGNALS if preemption is True else preemption
+                if not isinstance(signals, Sequence) or isinstance(signals, (str, bytes)):
+                    raise TypeError(f"preemption must be True, False or a sequence of signals "
+                                    f"(signal.SIGTERM, ...), got {preemption!r}")
+                self._watch = SignalWatch(signals, control=groups.control if groups else None,
+                                          rank=rank, timeout_s=timeout_s)
+                self._watch.install()
         except BaseException:
             self.close()
             raise
@@ -393,8 +432,17 @@ class Checkpointer:
         session = self._require_open()
         step = _check_step(step)
         recorded = _check_metrics(metrics)
-        if not (force or on_error or self.should_save(step)):
+        self._start(step)
+        agreed = self._watch.agree() if self._watch is not None and not on_error else 0
+        if not (force or on_error or agreed or self.should_save(step)):
             return None
+        handle = self._save(session, step, state, on_error=on_error, recorded=recorded)
+        if agreed:
+            self._preempt(step, agreed)
+        return handle
+
+    def _save(self, session: Session, step: int, state: Mapping[str, Any], *, on_error: bool,
+              recorded: dict[str, float]) -> Any:
         name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
         if self._sharded is not None:
             _refuse_plain_loaders(_check_state(state))
@@ -416,6 +464,36 @@ class Checkpointer:
         if on_error and handle is not None:
             handle.wait()
         return handle
+
+    def _start(self, step: int) -> None:
+        """Record the run as ``running`` at ``step``, once (the first load or save)."""
+        self._last_step = step
+        if not self._started and self._status is not None:
+            self._started = True
+            self._status.record("running", step)
+
+    def _preempt(self, step: int, agreed: int) -> None:
+        """A preemption was agreed at ``step`` (``agreed``: a signal and a rank that received
+        it; the snapshot taken): wait until it is committed on every rank, record ``preempted``
+        and exit with 143 (as ``extensions.preemption``)."""
+        watch = self._watch
+        if watch is None:
+            raise RuntimeError("no preemption watch")
+        name = self._template.format(_Step(step))
+        logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
+                       "for its commit, then exiting with %d", watch.rank, name, step,
+                       EXIT_CODE_PREEMPTED)
+        self.wait()  # committed on every rank (sharded: collective)
+        if self._status is not None:
+            self._status.record("preempted", step, snapshots=(name,),
+                                reason=describe_signal(agreed, watch.received))
+        self.close()
+        if self._sharded is not None and self._sharded.groups is not None:
+            exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort (-6)
+        logger.warning("rank %d: preemption snapshot of step %d committed; exiting with %d "
+                       "(run the same command again to resume from it)", watch.rank, step,
+                       EXIT_CODE_PREEMPTED)
+        raise SystemExit(EXIT_CODE_PREEMPTED)
 
     def _payload(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
         saved: dict[str, Any] = {}
@@ -519,6 +597,7 @@ class Checkpointer:
             entries = chosen
         if self._sharded is not None:  # every rank agrees (an empty listing here is not all)
             loaded = self._sharded.load(into, objects, entries, before_rng=_start_iterators)
+            self._start(int(loaded.step or 0) if loaded is not None else 0)
             if loaded is None:
                 self._nothing_to_resume()
                 return None
@@ -526,6 +605,7 @@ class Checkpointer:
         if not entries:
             self._nothing_to_resume()
             session.resume(self._no_apply, candidates=[])  # the notice
+            self._start(0)
             self._prepare_first_save(into, objects, resumed=False)
             return None
         entry = session.resume(
@@ -534,6 +614,7 @@ class Checkpointer:
             map_location=self._map_location)
         if entry is None:  # unreachable: entries is not empty
             return None
+        self._start(int(entry.step or 0))
         self._prepare_first_save(into, objects, resumed=True)
         return entry.step
 
@@ -639,7 +720,16 @@ class Checkpointer:
                 self._sharded.close()
             if self._writer is not None:
                 self._writer.finalize()
+            if self._status is not None and self._started:
+                self._status.record("finished", self._last_step)
+        except BaseException as e:
+            if self._status is not None and self._started:
+                self._status.record("failed", self._last_step,
+                                    reason=f"{type(e).__name__}: {e}".splitlines()[0][:500])
+            raise
         finally:
+            if self._watch is not None:
+                self._watch.uninstall()
             if self._session is not None:
                 self._session.close()
             if _OPEN.get(self._key) is self:
@@ -655,6 +745,9 @@ class Checkpointer:
         if exc_type is None:
             self.close()
             return
+        if self._status is not None and self._started and exc_type is not SystemExit:
+            self._status.record("failed", self._last_step,
+                                reason=f"{exc_type.__name__}: {exc}".splitlines()[0][:500])
         try:
             self.close()
         except (SnapshotError, OSError) as e:

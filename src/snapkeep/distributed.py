@@ -19,8 +19,10 @@ from snapkeep._core.distributed.groups import (
     background_groups,
     exit_cleanly_at_exit,
     is_distributed,
+    job_rank,
 )
 from snapkeep._core.distributed.launcher import end_if_orphaned
+from snapkeep._core.distributed.signals import DEFAULT_SIGNALS, SignalWatch, describe_signal
 
 _SHARDED = {
     "ShardedHandle": "sharded", "ShardedJob": "sharded", "ShardedSaver": "sharded",
@@ -33,7 +35,8 @@ _SHARDED = {
 __all__ = [
     "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
     "agree_on_resume", "all_gather", "background_groups", "end_if_orphaned",
-    "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed",
+    "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed", "DEFAULT_SIGNALS",
+    "SignalWatch", "describe_signal", "job_rank",
     *sorted(_SHARDED),
 ]
 

@@ -60,7 +60,7 @@ from snapkeep._core.resume_notice import (
     skipped_on_ranks,
 )
 from snapkeep._core.retention_check import MetricCheck
-from snapkeep._core.run_status import RunStatus
+from snapkeep._core.run_status import RunStatus, StatusLog
 from snapkeep._core.run_status import is_alive as run_is_alive
 from snapkeep._core.run_status import read_status as read_run_status
 from snapkeep._core.run_status import write_status as write_run_status
@@ -108,7 +108,7 @@ __all__ = [
     "StoreKind", "newest_valid", "require_one_kind", "run_is_alive", "Listed",
     "CandidateRefused", "Session", "RunLineage", "warn_about_existing", "MetricCheck",
     "INCOMPLETE_SHARDED", "ResumeNotice", "Skipped", "announce", "check_quiet",
-    "skipped_on_ranks",
+    "skipped_on_ranks", "StatusLog",
 ]
 
 

@@ -19,6 +19,7 @@ write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. St
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -27,6 +28,8 @@ from typing import Any
 
 from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 STATUS_NAME = "status.json"
 """File name of the status, under ``MANIFEST_DIR`` (``.snapkeep``) of the output directory."""
@@ -104,6 +107,43 @@ def write_status(storage: Storage, directory: str, *, state: str, step: int, rea
     storage.makedirs(storage.join(directory, MANIFEST_DIR))
     storage.write_bytes(status_path(storage, directory), status.to_bytes(), tag="status")
     return status
+
+
+class StatusLog:
+    """The status a door records for its run (rank 0 only; the states are agreed before they
+    are recorded): ``running`` when it starts, then ``preempted``, ``failed`` or ``finished``,
+    once. A status that cannot be written is logged, never raised: the snapshots are what
+    matter.
+
+    Args:
+        storage, directory: the output directory (``.snapkeep/status.json`` in it).
+        rank: this rank (only rank 0 writes).
+        world_size: the number of ranks, recorded.
+    """
+
+    def __init__(self, storage: Storage, directory: str, *, rank: int = 0,
+                 world_size: int = 1) -> None:
+        self.storage = storage
+        self.directory = directory
+        self.rank = rank
+        self.world_size = world_size
+        self.final: str | None = None
+
+    def record(self, state: str, step: int, **fields: Any) -> None:
+        """Record ``state`` at ``step`` (``reason``, ``snapshots``); nothing after a final
+        state (``preempted``, ``failed``, ``finished``) was recorded."""
+        if self.final is not None:
+            return
+        if state != "running":
+            self.final = state
+        if self.rank != 0:
+            return
+        try:
+            write_status(self.storage, self.directory, state=state, step=step,
+                         world_size=self.world_size, **fields)
+        except OSError as e:
+            logger.warning("rank 0: could not record the run's status %r in %s: %s", state,
+                           self.directory, e)
 
 
 def read_status(storage: Storage, directory: str) -> RunStatus | None:

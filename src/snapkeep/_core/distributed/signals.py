@@ -1,0 +1,124 @@
+"""Preemption signals for a door without a manager (the plain-loop Checkpointer): a handler only
+records the signal; at a step boundary the ranks agree whether any of them was signalled (one
+all-reduce of one integer on snapkeep's control group, bounded; a single process reads its own
+flag), so every rank snapshots the same step.
+
+The value a rank contributes is :func:`signalled` (the signal and this rank, so the maximum over
+the ranks names a signal and a rank that received it), or 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from snapkeep._core.distributed.errors import CollectiveTimeoutError
+
+logger = logging.getLogger(__name__)
+
+#: Signals a preemptible door catches by default: torchrun forwards SIGTERM to its workers;
+#: SLURM sends SIGUSR1 ahead of the time limit with ``--signal=USR1@<seconds>``.
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def signalled(signum: int, rank: int) -> int:
+    """The agreement's value from ``rank`` signalled with ``signum`` (> 0)."""
+    return (signum << 20) | (rank & 0xFFFFF)
+
+
+def describe_signal(agreed: int, received: Sequence[int]) -> str:
+    """The status's reason: the signals received here, else the one named by ``agreed``."""
+    if received:
+        return "signal " + ", ".join(sorted({_name(s) for s in received}))
+    return f"signal {_name(agreed >> 20)} on rank {agreed & 0xFFFFF}"
+
+
+def _name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def parse_signals(signals: Sequence[signal.Signals | int]) -> tuple[signal.Signals, ...]:
+    """``signals`` as ``signal.Signals``.
+
+    Raises:
+        ValueError: an unknown signal, none, or SIGKILL/SIGSTOP (they cannot be caught).
+    """
+    parsed = []
+    for sig in signals:
+        try:
+            parsed.append(signal.Signals(sig))
+        except ValueError:
+            raise ValueError(f"signals must be signal numbers such as signal.SIGTERM, got "
+                             f"{sig!r}") from None
+    if not parsed or any(s in (signal.SIGKILL, signal.SIGSTOP) for s in parsed):
+        raise ValueError(f"signals must be catchable (not SIGKILL/SIGSTOP), got {signals!r}")
+    return tuple(parsed)
+
+
+class SignalWatch:
+    """Records ``signals`` (handlers installed by :meth:`install`, main thread only) and agrees
+    across the ranks of ``control`` at :meth:`agree`.
+
+    Args:
+        signals: the signals to catch.
+        control: snapkeep's control process group (None: one process).
+        rank: this rank.
+        timeout_s: bound of the agreement, seconds (the group's own timeout applies).
+    """
+
+    def __init__(self, signals: Sequence[signal.Signals | int], *, control: Any = None,
+                 rank: int = 0, timeout_s: float = 600.0) -> None:
+        self.signals = parse_signals(signals)
+        self.control = control
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.received: list[int] = []
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def install(self) -> bool:
+        """Install the handlers; False (logged) off the main thread, where Python cannot."""
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("preemption: not on the main thread; signal handlers not installed")
+            return False
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return True
+
+    def uninstall(self) -> None:
+        """Put the previous handlers back (idempotent; main thread only)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
+        self.received.append(signum)  # only record: the boundary acts (async-signal safe)
+
+    def agree(self) -> int:
+        """0 when no rank was signalled, else a :func:`signalled` value of a rank that was
+        (collective with ``control``: every rank calls it at the same step).
+
+        Raises:
+            CollectiveTimeoutError: a rank died or did not take part in time.
+        """
+        local = signalled(self.received[0], self.rank) if self.received else 0
+        if self.control is None:
+            return local
+        flag = torch.tensor([local], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        except RuntimeError as e:
+            raise CollectiveTimeoutError(
+                f"preemption check: rank {self.rank} lost the other ranks (one died, hung for "
+                f"more than {self.timeout_s:g} s or failed outside snapkeep): {e}") from e
+        return int(flag.item())
