@@ -42,6 +42,7 @@ import torch
 from snapkeep._version import __version__
 from snapkeep.distributed import (
     DEFAULT_SIGNALS,
+    EXIT_CODE_PREEMPTED,
     SignalWatch,
     describe_signal,
     exit_cleanly_at_exit,
@@ -74,7 +75,6 @@ from snapkeep.store import (
 )
 from snapkeep.training import RngState
 from snapkeep.training._data_position import LoaderPosition, loader_position
-from snapkeep.training.extensions import EXIT_CODE_PREEMPTED
 from snapkeep.writing import ThreadWriter, Writer
 
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded

@@ -22,7 +22,12 @@ from snapkeep._core.distributed.groups import (
     job_rank,
 )
 from snapkeep._core.distributed.launcher import end_if_orphaned
-from snapkeep._core.distributed.signals import DEFAULT_SIGNALS, SignalWatch, describe_signal
+from snapkeep._core.distributed.signals import (
+    DEFAULT_SIGNALS,
+    EXIT_CODE_PREEMPTED,
+    SignalWatch,
+    describe_signal,
+)
 
 _SHARDED = {
     "ShardedHandle": "sharded", "ShardedJob": "sharded", "ShardedSaver": "sharded",
@@ -36,6 +41,7 @@ __all__ = [
     "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
     "agree_on_resume", "all_gather", "background_groups", "end_if_orphaned",
     "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed", "DEFAULT_SIGNALS",
+    "EXIT_CODE_PREEMPTED",
     "SignalWatch", "describe_signal", "job_rank",
     *sorted(_SHARDED),
 ]

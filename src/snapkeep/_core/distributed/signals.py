@@ -23,6 +23,10 @@ from snapkeep._core.distributed.errors import CollectiveTimeoutError
 
 logger = logging.getLogger(__name__)
 
+#: Exit code after a preemption snapshot (128 + SIGTERM, what a process killed by SIGTERM
+#: reports; torchrun and schedulers read it as 'terminated').
+EXIT_CODE_PREEMPTED = 143
+
 #: Signals a preemptible door catches by default: torchrun forwards SIGTERM to its workers;
 #: SLURM sends SIGUSR1 ahead of the time limit with ``--signal=USR1@<seconds>``.
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
