@@ -24,13 +24,14 @@ c. **Import cycles** among snapkeep modules, on module-level imports only: impor
    as elementary cycles (networkx), on two graphs: *strict* (``from pkg import sub`` is an edge
    to ``pkg.sub`` only: Python needs just the partly initialised parent) and *with package
    edges* (also to ``pkg``, as simpler tools draw it).
-d. **Files a save and a resume pass through**, traced (``sys.setprofile`` and
-   ``threading.setprofile`` call events) on a real tiny run: snapkeep's ``ExtensionsManager``
-   with a ``ThreadWriter`` and ``extensions.snapshot()`` every iteration. *Save*: the snapshot
-   extension's ``__call__`` (trainer thread) of the second snapshot, plus every snapkeep frame
-   on other threads until that snapshot is committed. *Resume*: the snapshot extension's
-   ``initialize`` (autoload) in a fresh manager over the same directory. Also the whole
-   iteration around each. Distinct ``src/snapkeep`` files with at least one call event.
+d. **Files a save and a resume pass through**, for the manager's door and the Checkpointer,
+   traced (``sys.setprofile`` and ``threading.setprofile`` call events) on a real tiny run:
+   snapkeep's ``ExtensionsManager`` with a ``ThreadWriter`` and ``extensions.snapshot()`` every
+   iteration. *Save*: the snapshot extension's ``__call__`` (trainer thread) of the second
+   snapshot, plus every snapkeep frame on other threads until that snapshot is committed.
+   *Resume*: the snapshot extension's ``initialize`` (autoload) in a fresh manager over the same
+   directory. Also the whole iteration around each. Distinct ``src/snapkeep`` files with at
+   least one call event.
 e. **Copies of verify / newest-valid-with-fallback / delete**, by a heuristic over function
    bodies (not a hand-maintained list; the matches are printed so a reader can judge):
    verify = computes a digest (calls a ``*digest*``/``hash_file`` function) and compares it with
@@ -379,6 +380,48 @@ def trace(src: pathlib.Path) -> dict[str, Any]:
             "save": save["call"], "resume": resume["call"]}
 
 
+def trace_checkpointer(src: pathlib.Path) -> dict[str, Any]:
+    """Files the plain-loop door passes through: ``Checkpointer.save`` (its second save, with
+    every snapkeep frame on other threads until it is committed) and ``Checkpointer.load`` in a
+    fresh Checkpointer over the same directory."""
+    sys.path.insert(0, str(src))
+    import torch
+
+    import snapkeep
+
+    def relative(files: set[str]) -> list[str]:
+        return sorted(str(pathlib.Path(f).relative_to(src / "snapkeep")) for f in files)
+
+    model = torch.nn.Linear(4, 2)
+    state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    found: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory(prefix="structure-report-") as out:
+        for measure in ("save", "resume"):
+            ckpt = snapkeep.Checkpointer(out)
+            tracer = Tracer(src)
+            sys.setprofile(tracer)
+            threading.setprofile(tracer)
+            try:
+                if measure == "save":
+                    ckpt.save(1, state).committed.result(timeout=60)
+                    tracer.reset(_codes(ckpt, "save"))
+                    tracer.window = True
+                    ckpt.save(2, state).committed.result(timeout=60)
+                else:
+                    tracer.reset(_codes(ckpt, "load"))
+                    tracer.window = True
+                    ckpt.load(into=state)
+                tracer.window = False
+                found[measure] = relative(tracer.inside | tracer.others)
+            finally:
+                sys.setprofile(None)
+                threading.setprofile(None)  # type: ignore[arg-type]
+                ckpt.close()
+    return {"checkpointer_save_files": len(found["save"]),
+            "checkpointer_resume_files": len(found["resume"]),
+            "checkpointer_save": found["save"], "checkpointer_resume": found["resume"]}
+
+
 # -- e. copies --------------------------------------------------------------------------------
 def _functions(modules: dict[str, Module]) -> Iterator[tuple[str, ast.AST]]:
     for module in modules.values():
@@ -464,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         "private_imports": private_imports(modules), "cycles": cycles(modules),
         "copies": copies(modules)}
     if not args.no_trace:
-        report["trace"] = trace(src)
+        report["trace"] = trace(src) | trace_checkpointer(src)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -500,6 +543,10 @@ def main(argv: list[str] | None = None) -> int:
               f"iteration: {t['resume_iteration_files']})")
         print(f"     save:   {' '.join(t['save'])}")
         print(f"     resume: {' '.join(t['resume'])}")
+        print(f"   Checkpointer: a save {t['checkpointer_save_files']} files, a resume "
+              f"{t['checkpointer_resume_files']}")
+        print(f"     save:   {' '.join(t['checkpointer_save'])}")
+        print(f"     resume: {' '.join(t['checkpointer_resume'])}")
     print(f"e. copies ({k['method']}): verify {k['verify']}, newest-valid-with-fallback "
           f"{k['fallback']}, delete {k['delete']}")
     for what, names in k["functions"].items():
