@@ -53,6 +53,7 @@ from snapkeep.distributed import (
 from snapkeep.retention import RetentionPolicy
 from snapkeep.store import Entry, FilenameTemplate, Storage
 from snapkeep.training import RngState
+from snapkeep.training._data_position import StatefulLoaderState, is_stateful_loader
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ class ShardedCheckpoint:
                     _model_of(value, models, key), value)
             elif isinstance(value, torch.Generator):
                 own[key] = object_to_bytes(value.get_state())
+            elif is_stateful_loader(value):  # with its geometry and sampler epoch
+                own[key] = object_to_bytes(StatefulLoaderState(key, value).state_dict())
             elif callable(getattr(value, "state_dict", None)):
                 own[key] = object_to_bytes(value.state_dict())
             else:
@@ -273,6 +276,8 @@ class ShardedCheckpoint:
             value = saved[key]
             if isinstance(obj, torch.Generator):
                 obj.set_state(value)
+            elif is_stateful_loader(obj):  # its sampler's epoch before torchdata's state
+                StatefulLoaderState(key, obj).load_state_dict(value)
             elif callable(getattr(obj, "load_state_dict", None)):
                 obj.load_state_dict(value)
             else:
