@@ -20,7 +20,7 @@ from snapkeep._core.distributed.groups import (
     exit_cleanly_at_exit,
     is_distributed,
 )
-from snapkeep._core.distributed.launcher import end_if_orphaned
+from snapkeep._core.distributed.launcher import end_if_orphaned, on_orphaned
 
 _SHARDED = {
     "ShardedHandle": "sharded", "ShardedJob": "sharded", "ShardedSaver": "sharded",
@@ -33,7 +33,7 @@ _SHARDED = {
 __all__ = [
     "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
     "agree_on_resume", "all_gather", "background_groups", "end_if_orphaned",
-    "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed",
+    "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed", "on_orphaned",
     *sorted(_SHARDED),
 ]
 
