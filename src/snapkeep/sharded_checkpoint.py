@@ -252,6 +252,12 @@ class ShardedCheckpoint:
             error = e
         exchange_outcomes(control, error, what=f"{what}: preparing to load {entry.path}",
                           timeout_s=timeout_s)
+        try:  # data loaders' positions first: loading the tensors writes into the live objects
+            self._check_loaders(entry, objects, plan, groups)
+        except Exception as e:  # exchanged below: every rank refuses together
+            error = e
+        exchange_outcomes(control, error, what=f"{what}: checking {entry.path}",
+                          timeout_s=timeout_s)
         try:
             load_sharded(self.store, entry, template, groups=groups,
                          weights_only=self._weights_only)
@@ -298,6 +304,30 @@ class ShardedCheckpoint:
             logger.warning("rank %d: %s holds no RNG state (saved with rng=False); the global "
                            "generators were not restored", self.rank, entry.path)
         return entry
+
+    def _check_loaders(self, entry: Entry, objects: Mapping[str, Any], plan: RankObjects,
+                       groups: Groups | None) -> None:
+        """Read this rank's saved values alone (a small collective DCP load of ``bytes``) and
+        raise :class:`~snapkeep.errors.StateMismatchError` when a torchdata
+        ``StatefulDataLoader``'s saved position does not fit it (its geometry changed), before
+        any tensor is loaded into the live objects (``load_sharded`` fills the live modules'
+        and optimizers' tensors in place). Every rank takes part (collective)."""
+        from snapkeep.errors import StateMismatchError
+
+        if not any(is_stateful_loader(v) for v in objects.values()):
+            return
+        values = plan.template()
+        if values:
+            load_sharded(self.store, entry, values, groups=groups,
+                         weights_only=self._weights_only)
+        problems: list[str] = []
+        for key, data in plan.loaded(values).items() if values else ():
+            if is_stateful_loader(objects.get(key)):
+                saved = object_from_bytes(data, self._weights_only)
+                problems += StatefulLoaderState(key, objects[key]).problems(saved)
+        if problems:
+            raise StateMismatchError(f"snapshot {entry.path} (step {entry.step}) does not fit: "
+                                     f"{'; '.join(problems)}. Nothing was loaded.")
 
     def wait(self) -> None:
         """Wait until the snapshot in flight is committed on every rank (its error raised)."""

@@ -11,12 +11,19 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import snapkeep
 from snapkeep import writing
-from snapkeep.errors import StateMismatchError
+from snapkeep.errors import RankFailedError, StateMismatchError
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
 from snapkeep.training._data_position import check_loaders
@@ -44,6 +51,11 @@ CHANGES = [
     (lambda: dict(dataset=_data(100), batch_size=10, sampler=_dist(100, seed=1)),
      lambda: dict(dataset=_data(100), batch_size=10, sampler=_dist(100, seed=2)),
      r"sampler.seed 1 -> 2"),
+    (lambda: dict(dataset=_data(100), batch_sampler=BatchSampler(RandomSampler(_data(100)), 10,
+                                                                 drop_last=False)),
+     lambda: dict(dataset=_data(100), batch_sampler=BatchSampler(RandomSampler(_data(100)), 11,
+                                                                 drop_last=False)),
+     r"batch_sampler.batch_size 10 -> 11"),
 ]
 
 
@@ -58,7 +70,8 @@ def _positioned(kind: type, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]
 
 @pytest.mark.parametrize("kind", [DataLoader, StatefulDataLoader], ids=["plain", "stateful"])
 @pytest.mark.parametrize(("before", "after", "named"), CHANGES,
-                         ids=["batch-size", "dataset-length", "drop-last", "sampler", "seed"])
+                         ids=["batch-size", "dataset-length", "drop-last", "sampler", "seed",
+                              "batch-sampler"])
 def test_a_geometry_change_is_refused_naming_it(kind, before, after, named):
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -114,6 +127,36 @@ def test_checkpointer_refuses_before_loading_anything(tmp_path, kind, batch_size
             pytest.raises(StateMismatchError, match=named):
         ckpt.load(into=fresh)
     assert _same(before, _model_state(fresh["model"], fresh["optim"], fresh["gen"]))
+
+
+def test_a_sharded_checkpointer_refuses_before_loading_anything(tmp_path):
+    """The sharded engine (DCP) fills the live tensors in place while it loads: the loaders'
+    positions are read and checked first."""
+    torch.manual_seed(0)
+    state = _train_state(10, 100, StatefulDataLoader)
+    del state["gen"]
+    with snapkeep.Checkpointer(tmp_path, sharded=True) as ckpt:
+        ckpt.load(into=state)
+        iterator = iter(state["loader"])
+        for step in (1, 2):
+            next(iterator)
+            state["model"](torch.ones(1, 2)).sum().backward()
+            state["optim"].step()
+            ckpt.save(step, state)
+    fresh = _train_state(11, 100, StatefulDataLoader)
+    del fresh["gen"]
+    weights = {k: v.clone() for k, v in fresh["model"].state_dict().items()}
+    with snapkeep.Checkpointer(tmp_path, sharded=True) as ckpt, \
+            pytest.raises(RankFailedError,  # as every failure of a sharded load: each rank's named
+                          match=r"StateMismatchError: .*batch_size 10 -> 11.*Nothing was loaded"):
+        ckpt.load(into=fresh)
+    assert all(torch.equal(v, fresh["model"].state_dict()[k]) for k, v in weights.items())
+    # nothing of the snapshot (2 Adam steps) reached the optimizer; DCP's state_dict API
+    # itself initializes a fresh optimizer's state with one zero-gradient step (torch's
+    # _init_optim_state): moments zero, step 1
+    for param_state in fresh["optim"].state_dict()["state"].values():
+        assert param_state["step"].item() == 1
+        assert not torch.any(param_state["exp_avg"]) and not torch.any(param_state["exp_avg_sq"])
 
 
 def _manager(out: str, batch_size: int, n: int) -> tuple[Any, Any, DataLoader]:

@@ -211,7 +211,7 @@ def _hooked_class(cls: type, *, stateful: bool) -> type:
 
 #: Sampler settings that decide which sample sits at which position of an epoch.
 _SAMPLER_SETTINGS = ("num_replicas", "shuffle", "seed", "drop_last", "replacement",
-                     "num_samples")
+                     "num_samples", "batch_size")
 
 
 def _kind_name(obj: Any) -> str:
@@ -219,13 +219,27 @@ def _kind_name(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _describe(geometry: dict[str, Any], where: str, sampler: Any) -> None:
+    """``sampler``'s kind and plain-valued settings into ``geometry`` under ``where``."""
+    if sampler is None:
+        return
+    geometry[where] = _kind_name(sampler)
+    for setting in _SAMPLER_SETTINGS:
+        try:
+            value = getattr(sampler, setting)
+        except (TypeError, AttributeError):
+            continue
+        if value is None or isinstance(value, (bool, int, str)):
+            geometry[f"{where}.{setting}"] = value
+
+
 def loader_geometry(loader: DataLoader[Any]) -> dict[str, Any]:
     """What decides which sample sits at which position of the loader's epoch: the dataset's
-    length, ``batch_size``, ``drop_last``, the sampler's and batch sampler's kinds (module and
-    class name), the sampler's settings among :data:`_SAMPLER_SETTINGS` that are plain values,
-    and the batches per epoch. Entries that cannot be known (an ``IterableDataset`` has no
-    length) are left out. Values are str, int, bool or None (load under
-    ``weights_only=True``)."""
+    length, ``batch_size``, ``drop_last``, the kinds (module and class name) of the sampler,
+    the batch sampler and a batch sampler's own sampler, their settings among
+    :data:`_SAMPLER_SETTINGS` that are plain values, and the batches per epoch. Entries that
+    cannot be known (an ``IterableDataset`` has no length) are left out. Values are str, int,
+    bool or None (load under ``weights_only=True``)."""
     geometry: dict[str, Any] = {}
     try:
         geometry["dataset length"] = len(loader.dataset)  # type: ignore[arg-type]
@@ -233,19 +247,13 @@ def loader_geometry(loader: DataLoader[Any]) -> dict[str, Any]:
         pass
     geometry["batch_size"] = loader.batch_size
     geometry["drop_last"] = bool(loader.drop_last)
-    sampler = getattr(loader, "sampler", None)
-    if sampler is not None:
-        geometry["sampler"] = _kind_name(sampler)
-        for setting in _SAMPLER_SETTINGS:
-            try:
-                value = getattr(sampler, setting)
-            except (TypeError, AttributeError):
-                continue
-            if value is None or isinstance(value, (bool, int, str)):
-                geometry[f"sampler.{setting}"] = value
+    _describe(geometry, "sampler", getattr(loader, "sampler", None))
     batch_sampler = getattr(loader, "batch_sampler", None)
     if batch_sampler is not None:
-        geometry["batch_sampler"] = _kind_name(batch_sampler)
+        _describe(geometry, "batch_sampler", batch_sampler)
+        inner = getattr(batch_sampler, "sampler", None)
+        if inner is not None and inner is not getattr(loader, "sampler", None):
+            _describe(geometry, "batch_sampler.sampler", inner)
     try:
         geometry["batches per epoch"] = len(loader)
     except TypeError:

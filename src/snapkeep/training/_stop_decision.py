@@ -14,10 +14,10 @@ the wrapped trigger is called at most once per iteration, and a snapshot first m
 (with the observation of iteration N as the snapshot sees it) and saves the trigger's state
 after it together with ``(N, decision)``. The manager's own later calls at iteration N return
 that decision (in the uninterrupted run and in the resumed one, whose restored wrapper holds
-it), so both runs make the same decisions at the same iterations. At a snapshot's iteration
-the trigger therefore sees the observation of the extensions that run before the snapshot
-extension (its priority, ``PRIORITY_SNAPSHOT``, is below the writers', editors' and readers'),
-not of those after it.
+it), so both runs make the same decisions at the same iterations. Both managers (snapkeep's
+and ppe's) evaluate every extension trigger and run every other extension of the iteration
+before the snapshot extensions, so the observation the snapshot's call sees is the iteration's
+whole observation, as the uninterrupted run's later call saw it.
 """
 
 from __future__ import annotations
