@@ -43,6 +43,28 @@ class StopDecision:
         self.trigger = trigger
         self.decided: tuple[int, bool] | None = None
 
+    def _stateful(self) -> Any:
+        """The object holding the trigger's state: ppe's manager wraps a trigger that is not
+        one of ppe's (snapkeep's ``EarlyStoppingTrigger``) in its ``_CallableTrigger``, whose
+        own ``state_dict`` is empty; the wrapped one's state is what must travel."""
+        inner = self.trigger
+        func = getattr(inner, "func", None)
+        if type(inner).__name__ == "_CallableTrigger" and callable(getattr(func, "state_dict",
+                                                                            None)):
+            return func
+        return inner
+
+    def state_dict(self) -> Any:
+        """The trigger's state (``{}`` when it keeps none)."""
+        to_state = getattr(self._stateful(), "state_dict", None)
+        return to_state() if callable(to_state) else {}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Load what :meth:`state_dict` returned (a trigger without state ignores it)."""
+        load = getattr(self._stateful(), "load_state_dict", None)
+        if callable(load):
+            load(state)
+
     def __call__(self, manager: Any) -> bool:
         iteration = int(manager.iteration)
         if self.decided is not None and self.decided[0] == iteration:
