@@ -159,31 +159,34 @@ def test_a_sharded_checkpointer_refuses_before_loading_anything(tmp_path):
         assert not torch.any(param_state["exp_avg"]) and not torch.any(param_state["exp_avg_sq"])
 
 
-def _manager(out: str, batch_size: int, n: int) -> tuple[Any, Any, DataLoader]:
+def _manager(out: str, batch_size: int, n: int, mode: str) -> tuple[Any, Any, DataLoader]:
     model = torch.nn.Linear(2, 1)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(_data(n), batch_size=batch_size, shuffle=True)
     manager = ExtensionsManager(model, {"main": optim}, 3, iters_per_epoch=len(loader),
                                 out_dir=out, writer=writing.SimpleWriter(out_dir=out))
-    manager.extend(ext.snapshot(autoload=True, loaders={"train": loader}),
+    sharded = {"snapshot_mode": ext.SnapshotMode.SHARDED} if mode == "sharded" else {}
+    manager.extend(ext.snapshot(autoload=True, loaders={"train": loader}, **sharded),
                    trigger=(4, "iteration"))
     return model, manager, loader
 
 
-def test_the_snapshot_extensions_autoload_refuses_before_loading_anything(tmp_path):
+@pytest.mark.parametrize("mode", ["single-file", "sharded"])
+def test_the_snapshot_extensions_autoload_refuses_before_loading_anything(tmp_path, mode):
     out = str(tmp_path / "run")
     torch.manual_seed(0)
-    model, manager, loader = _manager(out, 10, 100)
+    model, manager, loader = _manager(out, 10, 100, mode)
     for (x,) in loader:
         with manager.run_iteration():
             model.weight.data += x.float().mean()
         if manager.iteration == 4:
             break
+    manager.finalize()
     torch.manual_seed(1)
-    model, manager, loader = _manager(out, 11, 100)
+    model, manager, loader = _manager(out, 11, 100, mode)
     weights = model.weight.detach().clone()
     with pytest.raises(StateMismatchError, match=r"batch_size 10 -> 11.*Nothing was loaded"):
-        manager.start_extensions()
+        manager.start_extensions()  # single process: its own error (ranks: RankFailedError)
     assert torch.equal(model.weight, weights) and manager.iteration == 0
 
 

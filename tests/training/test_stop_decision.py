@@ -1,5 +1,6 @@
-"""Stop triggers decide the same after a resume (issue 25 item 4), under snapkeep's manager and
-under ppe's (which wraps snapkeep's EarlyStoppingTrigger in its ``_CallableTrigger``, whose own
+"""Stop triggers decide the same after a resume (issue 25 item 4), under snapkeep's manager
+(single-file and SHARDED snapshots: the SHARDED extension never bound its manager, so no stop
+trigger state travelled) and under ppe's (which wraps snapkeep's EarlyStoppingTrigger in its ``_CallableTrigger``, whose own
 state is empty: the trigger's state did not travel at all). In one process: a run stopped right
 after an epoch-end snapshot, then a new manager autoloads it (the kill and rerun are
 tests/integration/test_stop_trigger_kill.py)."""
@@ -27,12 +28,16 @@ def _run(out: str, kind: str, stop_at: int | None = None) -> Any:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     stop = EarlyStoppingTrigger(check_trigger=(1, "epoch"), monitor="main/loss", patience=3,
                                 max_trigger=(10, "epoch"))
-    make = ExtensionsManager if kind == "snapkeep" else ppe.training.ExtensionsManager
+    make = ExtensionsManager if kind != "ppe" else ppe.training.ExtensionsManager
     manager = make(model, {"main": optimizer}, 10, iters_per_epoch=3, stop_trigger=stop,
                    out_dir=out)
-    manager.extend(ext.snapshot(autoload=True, writer=writing.SimpleWriter(out_dir=out)),
-                   trigger=(1, "epoch"))
-    report = reporting.report if kind == "snapkeep" else ppe.reporting.report
+    if kind == "sharded":
+        manager.extend(ext.snapshot(autoload=True, snapshot_mode=ext.SnapshotMode.SHARDED),
+                       trigger=(1, "epoch"))
+    else:
+        manager.extend(ext.snapshot(autoload=True, writer=writing.SimpleWriter(out_dir=out)),
+                       trigger=(1, "epoch"))
+    report = reporting.report if kind != "ppe" else ppe.reporting.report
     while not manager.stop_trigger:
         with manager.run_iteration():
             iteration = manager.iteration + 1
@@ -44,7 +49,8 @@ def _run(out: str, kind: str, stop_at: int | None = None) -> Any:
     return manager.iteration, model.weight.detach().clone(), stop.state_dict()
 
 
-@pytest.mark.parametrize(("kind", "stopped_at"), [("snapkeep", 15), ("ppe", 12)])
+@pytest.mark.parametrize(("kind", "stopped_at"), [("snapkeep", 15), ("ppe", 12),
+                                                  ("sharded", 12)])
 def test_a_resumed_run_stops_where_the_uninterrupted_one_did(tmp_path, kind, stopped_at):
     iteration, weight, state = _run(str(tmp_path / "reference"), kind)
     assert iteration == 18

@@ -111,6 +111,14 @@ def manager_problems(manager: Any, state: Any, where: str = "") -> list[str]:
                 problems.append(f"missing {here} (snapshot has {sorted(map(str, saved))[:10]})")
                 continue
             problems += fit_problems(obj, saved[name], here)
+    return problems + extension_problems(manager, state, where)
+
+
+def extension_problems(manager: Any, state: Mapping[str, Any], where: str = "") -> list[str]:
+    """What keeps the saved ``extensions`` part of a manager snapshot from loading into the
+    manager's extensions that can tell (a ``continuation_problems(state)`` method: snapkeep's
+    snapshot extension, whose data loaders' saved positions must fit them); changes nothing."""
+    problems: list[str] = []
     saved_extensions = state.get("extensions")
     for name, entry in (getattr(manager, "_extensions", None) or {}).items():
         check = getattr(getattr(entry, "extension", None), "continuation_problems", None)

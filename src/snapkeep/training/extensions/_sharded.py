@@ -50,9 +50,14 @@ from snapkeep.distributed import (
     load_sharded,
     saved_keys,
 )
-from snapkeep.errors import RankFailedError, SnapshotError, UnsafeSnapshotError
+from snapkeep.errors import (
+    RankFailedError,
+    SnapshotError,
+    StateMismatchError,
+    UnsafeSnapshotError,
+)
 from snapkeep.retention import RetentionPolicy, best_metrics
-from snapkeep.store import ON_ERROR_SUFFIX, Entry
+from snapkeep.store import ON_ERROR_SUFFIX, Entry, describe
 from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
 from snapkeep.training.extensions._resume_notice import (
     INCOMPLETE_SHARDED,
@@ -191,6 +196,7 @@ class _ShardedSnapshot(SnapshotExtension):
             RankFailedError: loading failed on some rank (named); no rank continues.
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
+        self._bind_continuation(manager)  # stop triggers: first, as the single-file extension
         recover_before_autoload(manager)  # a memory tier resumes from RAM before storage is read
         if is_distributed():
             self._groups = background_groups(self.timeout_s)
@@ -369,6 +375,12 @@ class _ShardedSnapshot(SnapshotExtension):
         """Retention runs inside the sharded commit (rank 0); nothing to register."""
 
     # -- autoload ------------------------------------------------------------------------------
+    def _rng_enabled(self) -> bool:
+        """The global generators travel in the continuation state whatever the manager's
+        ``save_rng_state`` (as before this extension bound its manager; each rank's own
+        streams go in ``rank_state`` besides)."""
+        return True
+
     def _autoload(self, manager: Any) -> str | None:
         store = self._sharded_store_of(manager)
         groups = self._groups
@@ -410,6 +422,19 @@ class _ShardedSnapshot(SnapshotExtension):
             error = e
         _together(control, error, what=f"{what}: preparing to load {entry.path}",
                   timeout_s=timeout_s)
+        try:  # the objects alone first: loading the tensors writes into the live models
+            objects = self._layout.objects_template(template)
+            if objects:
+                load_sharded(store, entry, objects, groups=groups,
+                             weights_only=self._weights_only)
+            problems = self._layout.problems(manager, objects, self.rank) if objects else []
+            if problems:
+                raise StateMismatchError(
+                    f"snapshot {entry.path} (step {entry.step}) does not match the manager: "
+                    f"{describe(problems)}. Nothing was loaded or deleted.")
+        except Exception as e:  # exchanged below: every rank refuses together
+            error = e
+        _together(control, error, what=f"{what}: checking {entry.path}", timeout_s=timeout_s)
         try:
             load_sharded(store, entry, template, groups=groups, weights_only=self._weights_only)
             self._layout.apply_loaded(manager, template, entry, self.rank)
