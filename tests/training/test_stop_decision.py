@@ -1,9 +1,9 @@
 """Stop triggers decide the same after a resume (issue 25 item 4), under snapkeep's manager
 (single-file and SHARDED snapshots: the SHARDED extension never bound its manager, so no stop
-trigger state travelled) and under ppe's (which wraps snapkeep's EarlyStoppingTrigger in its ``_CallableTrigger``, whose own
-state is empty: the trigger's state did not travel at all). In one process: a run stopped right
-after an epoch-end snapshot, then a new manager autoloads it (the kill and rerun are
-tests/integration/test_stop_trigger_kill.py)."""
+trigger state travelled) and under ppe's (which wraps snapkeep's EarlyStoppingTrigger in its
+``_CallableTrigger``, whose own state is empty: the trigger's state did not travel at all). In
+one process: a run stopped right after an epoch-end snapshot, then a new manager autoloads it
+(the kill and rerun are tests/integration/test_stop_trigger_kill.py)."""
 
 from __future__ import annotations
 
