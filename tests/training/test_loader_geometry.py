@@ -208,7 +208,9 @@ def _epochs(loader: Any, sampler: DistributedSampler, ckpt: Any, state: Any, sta
 
 
 @pytest.mark.parametrize("kind", [DataLoader, StatefulDataLoader], ids=["plain", "stateful"])
-def test_a_distributed_samplers_epoch_is_restored_before_the_iterator_is_built(tmp_path, kind):
+@pytest.mark.parametrize("killed_at", [7, 10], ids=["inside-epoch", "epoch-end"])
+def test_a_distributed_samplers_epoch_is_restored_before_the_iterator_is_built(tmp_path, kind,
+                                                                              killed_at):
     def build() -> tuple[Any, DistributedSampler, dict[str, Any]]:
         sampler = _dist(40, shuffle=True, seed=7)  # 20 samples per rank, 5 batches per epoch
         loader = kind(_data(40), batch_size=4, sampler=sampler)
@@ -221,12 +223,12 @@ def test_a_distributed_samplers_epoch_is_restored_before_the_iterator_is_built(t
     loader, sampler, state = build()
     with snapkeep.Checkpointer(tmp_path / "run", writer=writing.SimpleWriter()) as ckpt:
         ckpt.load(into=state)
-        _epochs(loader, sampler, ckpt, state, 0, 7)  # killed inside epoch 1
+        _epochs(loader, sampler, ckpt, state, 0, killed_at)  # killed in or at the end of epoch 1
     loader, sampler, state = build()
     with snapkeep.Checkpointer(tmp_path / "run", writer=writing.SimpleWriter()) as ckpt:
         start = ckpt.load(into=state)
-        assert start == 7 and sampler.epoch == 1  # restored by the load itself
-        assert _epochs(loader, sampler, ckpt, state, start, 15) == straight[7:]
+        assert start == killed_at and sampler.epoch == 1  # restored by the load itself
+        assert _epochs(loader, sampler, ckpt, state, start, 15) == straight[killed_at:]
 
 
 def test_a_loop_that_sets_another_epoch_inside_the_resumed_one_is_told(tmp_path, caplog):

@@ -411,7 +411,7 @@ class _SamplerPosition:
         restored_global = torch.get_rng_state()  # what the snapshot restored: the loop's state
         if int(pending["batches"]) >= int(pending["length"]):
             try:
-                self._replay_epoch(saved_rng)
+                self._replay_epoch(saved_rng, pending.get("sampler_epoch"))
             finally:
                 torch.set_rng_state(restored_global)
             return self._begin(make)
@@ -442,14 +442,21 @@ class _SamplerPosition:
             self._skip, self._resume_rng = 0, None
         return _CountingIterator(iterator, epoch)
 
-    def _replay_epoch(self, rng: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
-        """The saved epoch was complete: draw its indices again so that the generators end
-        where the uninterrupted run's did (``RandomSampler``'s tail ``randperm``)."""
+    def _replay_epoch(self, rng: tuple[torch.Tensor, list[torch.Tensor]],
+                      saved_epoch: Any) -> None:
+        """The saved epoch was complete: draw its indices again (with the sampler set to that
+        epoch; the loop's next epoch is set back after) so that the generators end where the
+        uninterrupted run's did (``RandomSampler``'s tail ``randperm``)."""
         base = type(self._loader).__mro__[1]  # the user's loader class
-        indices = iter(base._index_sampler.fget(self._loader))  # type: ignore[attr-defined]
-        self._set_rng(rng)
-        for _ in indices:
-            pass
+        next_epoch = sampler_epoch(self._loader)
+        _set_sampler_epoch(self._loader, saved_epoch, self._name)
+        try:
+            indices = iter(base._index_sampler.fget(self._loader))  # type: ignore[attr-defined]
+            self._set_rng(rng)
+            for _ in indices:
+                pass
+        finally:
+            _set_sampler_epoch(self._loader, next_epoch, self._name)
 
     def sampler_started(self, epoch: _Epoch | None) -> int:
         """Called by a :class:`_SkippingIterator` before its first index; returns how many
