@@ -7,6 +7,7 @@ snapshot's own iteration never reached the restored trigger)."""
 from __future__ import annotations
 
 import pathlib
+import runpy
 
 import pytest
 
@@ -16,13 +17,15 @@ SCRIPT = pathlib.Path(__file__).with_name("stop_trigger_loop.py")
 
 
 @pytest.mark.parametrize("killed_at", [12])  # the epoch-end snapshot of epoch 4
-def test_early_stopping_stops_where_the_uninterrupted_run_did(tmp_path, killed_at):
+def test_early_stopping_stops_where_the_uninterrupted_run_did(tmp_path, killed_at, monkeypatch):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     for d in (reference, killed):
         d.mkdir()
     script = tmp_path / SCRIPT.name
     script.write_text(SCRIPT.read_text().replace("sys.argv[1]", "'.'"))
-    assert run_to_end_iterations(script, reference)[-1] == 18
+    monkeypatch.chdir(reference)  # the uninterrupted run in this process (the same ops)
+    runpy.run_path(str(script), run_name="__main__")
+    assert final_state(reference)["iteration"] == 18
     groups: list[int] = []
     kill_after(script, killed, killed_at, groups)
     assert not (killed / "final.pt").exists()
