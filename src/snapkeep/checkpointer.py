@@ -74,7 +74,12 @@ from snapkeep.store import (
     warn_user,
 )
 from snapkeep.training import RngState
-from snapkeep.training._data_position import LoaderPosition, loader_position
+from snapkeep.training._data_position import (
+    LoaderPosition,
+    StatefulLoaderState,
+    is_stateful_loader,
+    loader_position,
+)
 from snapkeep.writing import ThreadWriter, Writer
 
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
@@ -144,16 +149,21 @@ def stateful(key: str, obj: Any) -> Any:
 
     Returns an object with ``state_dict()``/``load_state_dict(state)`` to save and load
     ``obj`` through: ``obj`` itself when it has them (modules, optimizers, LR schedulers,
-    ``GradScaler``, torchdata's ``StatefulDataLoader``, your own objects); for a plain
-    ``torch.utils.data.DataLoader``, its position (epoch order and batches received, kept by
-    hooking the loader in place, as ``extensions.snapshot(loaders=...)`` does: see
-    ``snapkeep.training._data_position``). ``None`` for a value saved as is
-    (``torch.Generator`` and plain values are handled by the caller).
+    ``GradScaler``, your own objects); for torchdata's ``StatefulDataLoader``, its state plus
+    the loader's geometry and sampler epoch (``_data_position.StatefulLoaderState``); for a
+    plain ``torch.utils.data.DataLoader``, its position (epoch order and batches received, kept
+    by hooking the loader in place, as ``extensions.snapshot(loaders=...)`` does: see
+    ``snapkeep.training._data_position``). The data loaders' wrappers also have
+    ``problems(saved)``: why a saved state does not fit, checked before anything is loaded.
+    ``None`` for a value saved as is (``torch.Generator`` and plain values are handled by the
+    caller).
 
     Raises:
         TypeError: ``obj`` is a plain ``DataLoader`` over an ``IterableDataset`` (its position
             cannot be skipped to without reading it).
     """
+    if is_stateful_loader(obj):
+        return StatefulLoaderState(key, obj)
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict",
                                                                        None)):
         return obj
@@ -171,6 +181,9 @@ class _LoaderState:
 
     def state_dict(self) -> dict[str, Any]:
         return self._position.state_dict()
+
+    def problems(self, state: Any) -> list[str]:
+        return self._position.problems(state, self._key)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._position.load_state_dict(state, self._key)
@@ -682,7 +695,7 @@ class Checkpointer:
                 f"{sorted(saved)[:20]}); nothing was loaded")
         problems: list[str] = []
         for key, obj in objects.items():
-            problems += [f"[{key!r}] {p}" for p in _fit_problems(obj, saved[key])]
+            problems += [f"[{key!r}] {p}" for p in _fit_problems(obj, saved[key], key)]
         if problems:
             raise StateMismatchError(
                 f"snapshot {entry.path} (step {entry.step}) does not fit: {describe(problems)}. "
@@ -822,9 +835,14 @@ def _check_state(state: Any) -> Mapping[str, Any]:
     return state
 
 
-def _fit_problems(obj: Any, saved: Any) -> list[str]:
+def _fit_problems(obj: Any, saved: Any, key: str = "") -> list[str]:
     """What keeps ``saved`` from loading into ``obj`` (modules: keys and shapes; optimizers:
-    param groups and their sizes)."""
+    param groups and their sizes; data loaders: their position's kind and geometry, see
+    ``_data_position``); changes nothing."""
+    if isinstance(obj, torch.utils.data.DataLoader):
+        wrapper = stateful(key, obj)
+        check = getattr(wrapper, "problems", None)
+        return list(check(saved)) if callable(check) else []
     if isinstance(obj, torch.nn.Module):
         return find_mismatches(obj.state_dict(), saved)
     if isinstance(obj, torch.optim.Optimizer):

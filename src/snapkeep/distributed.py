@@ -21,7 +21,7 @@ from snapkeep._core.distributed.groups import (
     is_distributed,
     job_rank,
 )
-from snapkeep._core.distributed.launcher import end_if_orphaned
+from snapkeep._core.distributed.launcher import end_if_orphaned, on_orphaned
 from snapkeep._core.distributed.signals import (
     DEFAULT_SIGNALS,
     EXIT_CODE_PREEMPTED,
@@ -41,8 +41,7 @@ __all__ = [
     "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
     "agree_on_resume", "all_gather", "background_groups", "end_if_orphaned",
     "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed", "DEFAULT_SIGNALS",
-    "EXIT_CODE_PREEMPTED",
-    "SignalWatch", "describe_signal", "job_rank",
+    "EXIT_CODE_PREEMPTED", "SignalWatch", "describe_signal", "job_rank", "on_orphaned",
     *sorted(_SHARDED),
 ]
 

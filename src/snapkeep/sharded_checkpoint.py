@@ -50,6 +50,7 @@ from snapkeep.distributed import (
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.store import Entry, FilenameTemplate, RunLineage, Session, Storage
 from snapkeep.training import RngState
+from snapkeep.training._data_position import StatefulLoaderState, is_stateful_loader
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class ShardedCheckpoint:
                     _model_of(value, models, key), value)
             elif isinstance(value, torch.Generator):
                 own[key] = object_to_bytes(value.get_state())
+            elif is_stateful_loader(value):  # with its geometry and sampler epoch
+                own[key] = object_to_bytes(StatefulLoaderState(key, value).state_dict())
             elif callable(getattr(value, "state_dict", None)):
                 own[key] = object_to_bytes(value.state_dict())
             else:
@@ -241,9 +244,21 @@ class ShardedCheckpoint:
             applied.append(template)
 
         applied: list[dict[str, Any]] = []
+        def problems(entry: Entry, values: dict[str, Any]) -> list[str]:
+            """A torchdata StatefulDataLoader's saved position that does not fit it (its
+            geometry changed), found before any tensor is loaded into the live objects."""
+            found: list[str] = []
+            for key, data in plan.loaded(values).items() if values else ():
+                if is_stateful_loader(objects.get(key)):
+                    saved = object_from_bytes(data, self._weights_only)
+                    found += StatefulLoaderState(key, objects[key]).problems(saved)
+            return found
+
+        check_loaders = any(is_stateful_loader(v) for v in objects.values())
         entry = self.session.resume_sharded(
             groups=self.groups, rank=self.rank, build=build, apply=apply,
-            weights_only=self._weights_only, candidates=entries, incomplete=self._incomplete)
+            weights_only=self._weights_only, candidates=entries, incomplete=self._incomplete,
+            values=lambda built: plan.template(), problems=problems if check_loaders else None)
         if entry is None:
             return None
         template = applied[0]
@@ -258,6 +273,8 @@ class ShardedCheckpoint:
             value = saved[key]
             if isinstance(obj, torch.Generator):
                 obj.set_state(value)
+            elif is_stateful_loader(obj):  # its sampler's epoch before torchdata's state
+                StatefulLoaderState(key, obj).load_state_dict(value)
             elif callable(getattr(obj, "load_state_dict", None)):
                 obj.load_state_dict(value)
             else:

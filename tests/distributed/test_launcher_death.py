@@ -68,7 +68,10 @@ def test_kill_9_of_torchrun_ends_its_workers_and_the_rerun_resumes(tmp_path):
         said = job.stdout.read()  # every writer of the pipe is gone: read to its end
         # each worker ends itself with the message, none with a traceback first (a peer's
         # collective failing because the other worker already ended)
-        assert said.count("torchrun's agent") == 2 and "Traceback" not in said, said[-3000:]
+        # (this worker has extensions.preemption: each snapshots first, then exits; a rank may
+        # learn of it through the per-iteration agreement before its own watch looks)
+        assert said.count("torchrun's agent (pid") >= 1 and "Traceback" not in said, said[-3000:]
+        assert said.count("preemption snapshot of iteration") == 2, said[-3000:]
     finally:
         for pid in workers:
             if _alive(pid):
@@ -76,9 +79,12 @@ def test_kill_9_of_torchrun_ends_its_workers_and_the_rerun_resumes(tmp_path):
         if job.poll() is None:
             job.kill()
             job.communicate()
-    rerun = _torchrun(out, tmp_path / "ready2", 8)
+    preempted = run_status(str(out))  # the workers snapshotted before they ended
+    assert preempted is not None and preempted.state == "preempted", preempted
+    end = preempted.step + 3
+    rerun = _torchrun(out, tmp_path / "ready2", end)
     output = rerun.communicate(timeout=TIMEOUT_S)[0]
     assert rerun.returncode == 0, output  # not refused by the lock of a worker left behind
     recorded = run_status(str(out))
     assert recorded is not None and recorded.state == "finished", output
-    assert (out / "snapshot_iter_8").is_file()
+    assert (out / f"snapshot_iter_{end}").is_file()

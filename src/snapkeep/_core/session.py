@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes
-from snapkeep._core.errors import UnsafeSnapshotError
+from snapkeep._core.errors import StateMismatchError, UnsafeSnapshotError
 from snapkeep._core.lineage import RunLineage
 from snapkeep._core.loading import load_file
 from snapkeep._core.one_pass import one_pass_loader
@@ -45,6 +45,7 @@ from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.retention_check import MetricCheck
 from snapkeep._core.store import Entry, Retain, SnapshotStore
 from snapkeep._core.store_kinds import StoreKind
+from snapkeep._core.structure import describe
 
 logger = logging.getLogger(__name__)
 
@@ -211,14 +212,18 @@ class Session:
         apply: Callable[[Entry, dict[str, Any]], None],
         weights_only: bool = True, candidates: list[Entry] | None = None,
         incomplete: Sequence[Entry] = (),
+        values: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        problems: Callable[[Entry, dict[str, Any]], list[str]] | None = None,
     ) -> Entry | None:
         """Resume from the newest sharded snapshot every rank validates, together (collective:
         every rank calls it), in one pass: agree on it (falling back together past one any rank
         objects to: :func:`~snapkeep._core.distributed.agreement.agree_on_resume`), let every
-        rank ``build`` what to load into from the keys the snapshot holds, load through DCP into
-        it, ``apply`` it to the live objects, continue the run's lineage, and say what happened
-        on stderr once (rank 0): the snapshot resumed from, each one skipped with the ranks'
-        reasons, and ``incomplete`` directories the start-up swept.
+        rank ``build`` what to load into from the keys the snapshot holds, check the small non-
+        tensor ``values`` first (loaded alone; DCP fills live tensors in place, so a refusal
+        must come before), load through DCP into the rest, ``apply`` it to the live objects,
+        continue the run's lineage, and say what happened on stderr once (rank 0): the snapshot
+        resumed from, each one skipped with the ranks' reasons, and ``incomplete`` directories
+        the start-up swept.
 
         The validity check is the store's one (:meth:`ShardedStore.validate_part
         <snapkeep._core.distributed.sharded_store.ShardedStore.validate_part>`: the marker, this
@@ -234,6 +239,11 @@ class Session:
             weights_only: read ``.metadata`` and pickled values through the allow-list.
             candidates: the committed snapshots (default: the store's listing).
             incomplete: directories without a marker the start-up removed (named).
+            values: ``values(built) -> the part of it to load and check first`` (the saved
+                non-tensor objects: data loader positions, the manager's own state).
+            problems: ``problems(entry, loaded values) -> what keeps them from fitting the
+                live objects`` (empty: they fit); any makes every rank raise before a tensor
+                is loaded.
 
         Returns:
             The entry resumed from, or None (no rank has any snapshot).
@@ -288,6 +298,20 @@ class Session:
             error = e
         _together(control, error, what=f"{what}: preparing to load {entry.path}",
                   timeout_s=timeout_s)
+        if problems is not None:  # the small values alone first: all or nothing
+            try:
+                first = values(loaded) if values is not None else {}
+                if first:
+                    load_sharded(store, entry, first, groups=groups, weights_only=weights_only)
+                found = problems(entry, first)
+                if found:
+                    raise StateMismatchError(
+                        f"snapshot {entry.path} (step {entry.step}) does not fit: "
+                        f"{describe(found)}. Nothing was loaded or deleted.")
+            except Exception as e:  # exchanged below: every rank refuses together
+                error = e
+            _together(control, error, what=f"{what}: checking {entry.path}",
+                      timeout_s=timeout_s)
         try:
             load_sharded(store, entry, loaded, groups=groups, weights_only=weights_only)
             apply(entry, loaded)

@@ -11,7 +11,8 @@ the first ``stop_trigger`` check)::
      'loaders': {name: position},       # data loaders' positions (snapshot(loaders=...));
                                         # see _data_position
      'stop_trigger': {...},             # the manager's stop trigger state (EarlyStoppingTrigger)
-     'internal_stop_trigger': {...}}
+     'internal_stop_trigger': {...},    # ... after their call at this iteration, and
+     'stop_decisions': {'stop_trigger': (iteration, bool), ...}}   # see _stop_decision
 
 Every value loads with ``torch.load(weights_only=True)`` and compares with ``==``.
 """
@@ -32,8 +33,10 @@ from snapkeep.training._rng_state import (
     to_bytes,
     to_tensor,
 )
+from snapkeep.training._stop_decision import StopDecision, wrap_stop_triggers
 
-__all__ = ["FORMAT", "ContinuationMixin", "RngState", "capture", "check_generators", "restore"]
+__all__ = ["FORMAT", "ContinuationMixin", "RngState", "capture", "check_generators",
+           "continuation_problems", "restore"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,11 +150,18 @@ def capture(manager: Any, *, rng: bool, generators: Mapping[str, Any],
         state["rng"] = capture_rng_state()
     if generators:
         state["generators"] = {name: _capture_one(g) for name, g in generators.items()}
+    decisions: dict[str, tuple[int, bool]] = {}
     for key in ("_stop_trigger", "_internal_stop_trigger"):
         trigger = getattr(manager, key, None)
+        if isinstance(trigger, StopDecision):  # decide this iteration first: _stop_decision
+            trigger(manager)
+            if trigger.decided is not None:
+                decisions[key.lstrip("_")] = trigger.decided
         to_state = getattr(trigger, "state_dict", None)
         if callable(to_state):
             state[key.lstrip("_")] = to_state()
+    if decisions:
+        state["stop_decisions"] = decisions
     return state
 
 
@@ -170,14 +180,18 @@ def restore(manager: Any, state: Mapping[str, Any], *, rng: bool,
         ValueError: ``state`` is not a continuation state of a known format; a loader's saved
             position does not fit the registered loader.
     """
-    if state.get("format") != FORMAT:
-        raise ValueError(f"not a snapkeep continuation state (format {state.get('format')!r}, "
-                         f"expected {FORMAT!r})")
+    problems = continuation_problems(state, loaders)
+    if problems:
+        raise ValueError("; ".join(problems))
+    decisions = state.get("stop_decisions", {})
     for key in ("stop_trigger", "internal_stop_trigger"):
         trigger = getattr(manager, "_" + key, None)
         load = getattr(trigger, "load_state_dict", None)
         if key in state and callable(load):
             load(state[key])
+        if isinstance(trigger, StopDecision):
+            decided = decisions.get(key) if isinstance(decisions, Mapping) else None
+            trigger.decided = None if decided is None else (int(decided[0]), bool(decided[1]))
     saved = state.get("generators", {})
     for name, obj in generators.items():
         if name in saved:
@@ -203,6 +217,21 @@ def restore(manager: Any, state: Mapping[str, Any], *, rng: bool,
         _hint_mid_epoch(manager)
     if rng and "rng" in state:
         restore_rng_state(state["rng"])
+
+
+def continuation_problems(state: Any, loaders: Mapping[str, LoaderPosition] | None) -> list[str]:
+    """Why ``state`` (from :func:`capture`) cannot be restored exactly: an unknown format, or a
+    registered loader whose saved position does not fit it (its geometry changed). Changes
+    nothing: the snapshot extension checks this before any part of a snapshot is loaded."""
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+        return [f"not a snapkeep continuation state (format {found!r}, expected {FORMAT!r})"]
+    saved_loaders = state.get("loaders", {})
+    problems: list[str] = []
+    for name, position in (loaders or {}).items():
+        if isinstance(saved_loaders, Mapping) and name in saved_loaders:
+            problems += position.problems(saved_loaders[name], name)
+    return problems
 
 
 def _hint_mid_epoch(manager: Any) -> None:
@@ -236,8 +265,12 @@ class ContinuationMixin:
     _continuation_manager: Any = None
 
     def _bind_continuation(self, manager: Any) -> None:
-        """Remember ``manager`` (call at the start of ``initialize``, before autoload)."""
+        """Remember ``manager`` and wrap its stop triggers (``_stop_decision``) when this
+        extension carries the continuation state; call at the start of ``initialize``, before
+        anything (the memory tier, autoload) loads a snapshot."""
         self._continuation_manager = manager
+        if self._carries_continuation():
+            wrap_stop_triggers(manager)
 
     def _carries_continuation(self) -> bool:
         return self._target is None
@@ -252,6 +285,13 @@ class ContinuationMixin:
             return {}
         return capture(self._continuation_manager, rng=self._rng_enabled(),
                        generators=self._generators, loaders=self._loaders)
+
+    def continuation_problems(self, to_load: Any) -> list[str]:
+        """Why :meth:`load_state_dict` would refuse ``to_load`` (see
+        :func:`continuation_problems`); empty when it loads, or carries nothing."""
+        if not to_load or not self._carries_continuation():
+            return []
+        return continuation_problems(to_load, self._loaders)
 
     def load_state_dict(self, to_load: dict[str, Any]) -> None:
         """Restore RNG, generator, loader and stop trigger states saved by :meth:`state_dict`;

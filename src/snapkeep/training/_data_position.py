@@ -49,6 +49,18 @@ torchdata's ``StatefulDataLoader``:
     epoch's last batch starts a fresh epoch from those states instead of loading the
     finished iterator.
 
+The loader's geometry is part of the position (:func:`loader_geometry`): the dataset's length,
+the batch size, ``drop_last``, the sampler's and batch sampler's kinds and their settings
+(``DistributedSampler``'s ``num_replicas``, ``shuffle``, ``seed``, ``drop_last``;
+``RandomSampler``'s ``replacement`` and ``num_samples``) and the batches per epoch. Any change
+moves samples to other positions (a batch size of 10 -> 11 or 100 -> 95 samples keeps
+``len(loader)`` equal but skips or repeats samples), so a saved position whose geometry differs
+from the live loader's is refused, naming each change, before anything is loaded
+(:meth:`LoaderPosition.problems`). The sampler's epoch (``DistributedSampler.set_epoch``, any
+sampler with ``set_epoch`` and an ``epoch`` attribute) is saved with the position and set back
+when it loads, before any iterator of the resumed epoch is built; a loop that then sets another
+epoch for the resumed epoch is told (a warning) and the saved epoch's order is fed.
+
 An ``IterableDataset`` in a plain ``DataLoader`` is refused (skipping would mean reading the
 skipped samples); use ``StatefulDataLoader`` with a dataset that has ``state_dict``.
 
@@ -65,7 +77,9 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-__all__ = ["LOADER_KINDS", "LoaderPosition", "check_loaders", "loader_position"]
+__all__ = ["LOADER_KINDS", "LoaderPosition", "StatefulLoaderState", "check_loaders",
+           "geometry_problems", "is_stateful_loader", "loader_geometry", "loader_position",
+           "sampler_epoch"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +102,15 @@ class LoaderPosition(Protocol):
     def state_dict(self) -> dict[str, Any]:
         """The position now (values load under ``weights_only=True``)."""
 
+    def problems(self, state: Mapping[str, Any], name: str) -> list[str]:
+        """Why ``state`` cannot be loaded into this loader exactly (empty when it can); changes
+        nothing. ``load_state_dict`` raises ``ValueError`` with these."""
+
     def load_state_dict(self, state: Mapping[str, Any], name: str) -> None:
         """Resume from ``state`` at the next ``iter(loader)``.
 
         Raises:
-            ValueError: ``state`` is of another kind of loader or another length.
+            ValueError: :meth:`problems` found some (nothing was changed).
         """
 
 
@@ -191,6 +209,109 @@ def _hooked_class(cls: type, *, stateful: bool) -> type:
     return hooked
 
 
+#: Sampler settings that decide which sample sits at which position of an epoch.
+_SAMPLER_SETTINGS = ("num_replicas", "shuffle", "seed", "drop_last", "replacement",
+                     "num_samples", "batch_size")
+
+
+def _kind_name(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _describe(geometry: dict[str, Any], where: str, sampler: Any) -> None:
+    """``sampler``'s kind and plain-valued settings into ``geometry`` under ``where``."""
+    if sampler is None:
+        return
+    geometry[where] = _kind_name(sampler)
+    for setting in _SAMPLER_SETTINGS:
+        try:
+            value = getattr(sampler, setting)
+        except (TypeError, AttributeError):
+            continue
+        if value is None or isinstance(value, (bool, int, str)):
+            geometry[f"{where}.{setting}"] = value
+
+
+def loader_geometry(loader: DataLoader[Any]) -> dict[str, Any]:
+    """What decides which sample sits at which position of the loader's epoch: the dataset's
+    length, ``batch_size``, ``drop_last``, the kinds (module and class name) of the sampler,
+    the batch sampler and a batch sampler's own sampler, their settings among
+    :data:`_SAMPLER_SETTINGS` that are plain values, and the batches per epoch. Entries that
+    cannot be known (an ``IterableDataset`` has no length) are left out. Values are str, int,
+    bool or None (load under ``weights_only=True``)."""
+    geometry: dict[str, Any] = {}
+    try:
+        geometry["dataset length"] = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    geometry["batch_size"] = loader.batch_size
+    geometry["drop_last"] = bool(loader.drop_last)
+    _describe(geometry, "sampler", getattr(loader, "sampler", None))
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is not None:
+        _describe(geometry, "batch_sampler", batch_sampler)
+        inner = getattr(batch_sampler, "sampler", None)
+        if inner is not None and inner is not getattr(loader, "sampler", None):
+            _describe(geometry, "batch_sampler.sampler", inner)
+    try:
+        geometry["batches per epoch"] = len(loader)
+    except TypeError:
+        pass
+    return geometry
+
+
+def geometry_problems(saved: Any, live: Mapping[str, Any], name: str) -> list[str]:
+    """One line per entry of a saved :func:`loader_geometry` that differs from ``live``
+    (entries only one side has are not compared: an older snapkeep saved fewer)."""
+    if not isinstance(saved, Mapping):
+        return []
+    changed = [f"{key} {saved[key]!r} -> {live[key]!r}" for key in live
+               if key in saved and saved[key] != live[key]]
+    if not changed:
+        return []
+    return [f"loaders[{name!r}]: the loader's geometry changed since the snapshot "
+            f"({'; '.join(changed)}), which moves samples to other positions of the epoch "
+            "(they would be skipped or repeated); build the loader as the snapshot's run did, "
+            "or leave it out of the resumed state to start its epoch over"]
+
+
+def _sampler_of(loader: DataLoader[Any]) -> Any:
+    """The object whose ``set_epoch`` decides the epoch's order (sampler, else batch
+    sampler), or None."""
+    for owner in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        if callable(getattr(owner, "set_epoch", None)) \
+                and isinstance(getattr(owner, "epoch", None), int):
+            return owner
+    return None
+
+
+def sampler_epoch(loader: DataLoader[Any]) -> int | None:
+    """The epoch the loader's sampler was set to (``set_epoch``), or None without one."""
+    owner = _sampler_of(loader)
+    return None if owner is None else int(owner.epoch)
+
+
+def _set_sampler_epoch(loader: DataLoader[Any], epoch: Any, name: str) -> None:
+    owner = _sampler_of(loader)
+    if owner is not None and epoch is not None and int(owner.epoch) != int(epoch):
+        owner.set_epoch(int(epoch))
+
+
+def _check_sampler_epoch(loader: DataLoader[Any], epoch: Any, name: str) -> None:
+    """Before a resumed epoch's iterator is built: the loop may have set another epoch since
+    the load; the saved epoch's order is what the uninterrupted run fed, so it is set back,
+    and said."""
+    live = sampler_epoch(loader)
+    if live is None or epoch is None or live == int(epoch):
+        return
+    logger.warning("loaders[%r]: the loop set the sampler's epoch to %d, but the snapshot was "
+                   "taken inside epoch %d of it; the rest of epoch %d is fed (as the "
+                   "uninterrupted run did). Call set_epoch with the resumed epoch", name, live,
+                   int(epoch), int(epoch))
+    _set_sampler_epoch(loader, epoch, name)
+
+
 def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
     """The distinct ``torch.Generator`` objects the loader's iterator and samplers draw from."""
     found: list[torch.Generator] = []
@@ -210,6 +331,8 @@ class _Epoch:
     def __init__(self) -> None:
         self.batches = 0
         self.rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self.sampler_epoch: int | None = None  # the sampler's set_epoch at the start
+        self.started = False
 
 
 class _SamplerPosition:
@@ -222,31 +345,52 @@ class _SamplerPosition:
         self._resume_rng: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         self._skip = 0
         self._samplers: dict[int, _SkippingSampler] = {}
+        self._name = ""
 
     # -- the snapshot ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         epoch = self._current
         state: dict[str, Any] = {"kind": _PLAIN, "length": len(self._loader),
-                                 "batches": 0 if epoch is None else epoch.batches}
+                                 "batches": 0 if epoch is None else epoch.batches,
+                                 "geometry": loader_geometry(self._loader)}
+        sampler_epoch_now = sampler_epoch(self._loader) if epoch is None or not epoch.started \
+            else epoch.sampler_epoch
+        if sampler_epoch_now is not None:
+            state["sampler_epoch"] = sampler_epoch_now
         if epoch is not None and epoch.rng is not None:
             state["torch_rng"] = epoch.rng[0]
             state["generators"] = list(epoch.rng[1])
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any], name: str) -> None:
-        if state.get("kind") != _PLAIN:
-            raise ValueError(f"loaders[{name!r}]: the snapshot holds the position of a "
-                             f"{state.get('kind')!r} loader, this run registers a plain "
-                             f"DataLoader ({_PLAIN!r})")
+    def problems(self, state: Mapping[str, Any], name: str) -> list[str]:
+        if not isinstance(state, Mapping) or state.get("kind") != _PLAIN:
+            kind = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
+            return [f"loaders[{name!r}]: the snapshot holds the position of a {kind!r} loader, "
+                    f"this run registers a plain DataLoader ({_PLAIN!r})"]
+        problems = geometry_problems(state.get("geometry"), loader_geometry(self._loader), name)
         length = len(self._loader)
-        if int(state["length"]) != length:
-            raise ValueError(f"loaders[{name!r}]: the snapshot's loader had "
-                             f"{int(state['length'])} batches per epoch, this one has {length}; "
-                             f"use the same data, batch size and sampler")
-        if int(state["batches"]) > 0 and "torch_rng" not in state:
-            raise ValueError(f"loaders[{name!r}]: the snapshot records {int(state['batches'])} "
-                             "batches of an epoch but not the generator states its order "
-                             "came from, so the position cannot be restored exactly")
+        if int(state["length"]) != length and not problems:
+            problems.append(f"loaders[{name!r}]: the snapshot's loader had "
+                            f"{int(state['length'])} batches per epoch, this one has {length}; "
+                            f"use the same data, batch size and sampler")
+        batches = int(state["batches"])
+        if batches > 0 and "torch_rng" not in state:
+            problems.append(f"loaders[{name!r}]: the snapshot records {batches} batches of an "
+                            "epoch but not the generator states its order came from, so the "
+                            "position cannot be restored exactly")
+        elif batches > 0 and len(state["generators"]) != len(_generators(self._loader)):
+            problems.append(f"loaders[{name!r}]: the snapshot's loader drew from "
+                            f"{len(state['generators'])} torch.Generator objects, this one from "
+                            f"{len(_generators(self._loader))}; build the loader with the same "
+                            "sampler and generator arguments")
+        return problems
+
+    def load_state_dict(self, state: Mapping[str, Any], name: str) -> None:
+        problems = self.problems(state, name)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._name = name
+        _set_sampler_epoch(self._loader, state.get("sampler_epoch"), name)
         if int(state["batches"]) > 0:
             self._pending = state
 
@@ -262,15 +406,18 @@ class _SamplerPosition:
         if pending is None:
             return self._begin(make)
         saved_rng = (pending["torch_rng"], list(pending["generators"]))
+        if int(pending["batches"]) < int(pending["length"]):  # inside the saved epoch
+            _check_sampler_epoch(self._loader, pending.get("sampler_epoch"), self._name)
         restored_global = torch.get_rng_state()  # what the snapshot restored: the loop's state
         if int(pending["batches"]) >= int(pending["length"]):
             try:
-                self._replay_epoch(saved_rng)
+                self._replay_epoch(saved_rng, pending.get("sampler_epoch"))
             finally:
                 torch.set_rng_state(restored_global)
             return self._begin(make)
         try:
-            return self._resume(make, saved_rng, int(pending["batches"]))
+            return self._resume(make, saved_rng, int(pending["batches"]),
+                                pending.get("sampler_epoch"))
         finally:
             torch.set_rng_state(restored_global)
 
@@ -279,10 +426,13 @@ class _SamplerPosition:
         return _CountingIterator(make(), epoch)
 
     def _resume(self, make: Callable[[], Iterator[Any]],
-                rng: tuple[torch.Tensor, list[torch.Tensor]], batches: int) -> Iterator[Any]:
+                rng: tuple[torch.Tensor, list[torch.Tensor]], batches: int,
+                saved_epoch: Any) -> Iterator[Any]:
         epoch = self._current = _Epoch()
         epoch.batches = batches
         epoch.rng = rng  # the epoch's start: what a later snapshot of this epoch must record
+        epoch.sampler_epoch = None if saved_epoch is None else int(saved_epoch)
+        epoch.started = True
         self._skip, self._resume_rng = batches, rng
         try:
             iterator = make()
@@ -292,14 +442,21 @@ class _SamplerPosition:
             self._skip, self._resume_rng = 0, None
         return _CountingIterator(iterator, epoch)
 
-    def _replay_epoch(self, rng: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
-        """The saved epoch was complete: draw its indices again so that the generators end
-        where the uninterrupted run's did (``RandomSampler``'s tail ``randperm``)."""
+    def _replay_epoch(self, rng: tuple[torch.Tensor, list[torch.Tensor]],
+                      saved_epoch: Any) -> None:
+        """The saved epoch was complete: draw its indices again (with the sampler set to that
+        epoch; the loop's next epoch is set back after) so that the generators end where the
+        uninterrupted run's did (``RandomSampler``'s tail ``randperm``)."""
         base = type(self._loader).__mro__[1]  # the user's loader class
-        indices = iter(base._index_sampler.fget(self._loader))  # type: ignore[attr-defined]
-        self._set_rng(rng)
-        for _ in indices:
-            pass
+        next_epoch = sampler_epoch(self._loader)
+        _set_sampler_epoch(self._loader, saved_epoch, self._name)
+        try:
+            indices = iter(base._index_sampler.fget(self._loader))  # type: ignore[attr-defined]
+            self._set_rng(rng)
+            for _ in indices:
+                pass
+        finally:
+            _set_sampler_epoch(self._loader, next_epoch, self._name)
 
     def sampler_started(self, epoch: _Epoch | None) -> int:
         """Called by a :class:`_SkippingIterator` before its first index; returns how many
@@ -309,6 +466,7 @@ class _SamplerPosition:
             return self._skip
         if epoch is not None:
             epoch.rng = (torch.get_rng_state(), [g.get_state() for g in _generators(self._loader)])
+            epoch.sampler_epoch, epoch.started = sampler_epoch(self._loader), True
         return 0
 
     def _set_rng(self, rng: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
@@ -402,19 +560,36 @@ class _StatefulPosition:
         self._loader = loader
         self._pending_generators: list[torch.Tensor] | None = None
         self._pending_mid_epoch = False
+        self._pending_epoch: int | None = None
+        self._name = ""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": _STATEFUL, "state": self._loader.state_dict(),
-                "generators": [g.get_state() for g in _generators(self._loader)]}
+        state = {"kind": _STATEFUL, "state": self._loader.state_dict(),
+                 "generators": [g.get_state() for g in _generators(self._loader)],
+                 "geometry": loader_geometry(self._loader)}
+        epoch = sampler_epoch(self._loader)
+        if epoch is not None:
+            state["sampler_epoch"] = epoch
+        return state
+
+    def problems(self, state: Mapping[str, Any], name: str) -> list[str]:
+        if not isinstance(state, Mapping) or state.get("kind") != _STATEFUL:
+            kind = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
+            return [f"loaders[{name!r}]: the snapshot holds the position of a {kind!r} loader, "
+                    f"this run registers a StatefulDataLoader ({_STATEFUL!r})"]
+        return geometry_problems(state.get("geometry"), loader_geometry(self._loader), name)
 
     def load_state_dict(self, state: Mapping[str, Any], name: str) -> None:
-        if state.get("kind") != _STATEFUL:
-            raise ValueError(f"loaders[{name!r}]: the snapshot holds the position of a "
-                             f"{state.get('kind')!r} loader, this run registers a "
-                             f"StatefulDataLoader ({_STATEFUL!r})")
+        problems = self.problems(state, name)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self._name = name
         loader_state = state["state"]
         self._pending_generators = list(state.get("generators", []))
         self._pending_mid_epoch = not loader_state.get("_iterator_finished", False)
+        saved_epoch = state.get("sampler_epoch")
+        self._pending_epoch = None if saved_epoch is None else int(saved_epoch)
+        _set_sampler_epoch(self._loader, saved_epoch, name)  # before any iterator is built
         if self._pending_mid_epoch:
             self._loader.load_state_dict(loader_state)
 
@@ -427,6 +602,7 @@ class _StatefulPosition:
             for g, g_state in zip(generators, pending, strict=False):
                 g.set_state(g_state)
             return make()
+        _check_sampler_epoch(self._loader, self._pending_epoch, self._name)
         # torchdata's resumed iterator draws a base seed (then replaces it with the saved
         # one): the loop's global and loader generators must not see that draw
         restored_global = torch.get_rng_state()
@@ -435,3 +611,63 @@ class _StatefulPosition:
         for g, g_state in zip(generators, pending, strict=False):
             g.set_state(g_state)
         return iterator
+
+
+#: The key under which :class:`StatefulLoaderState` adds snapkeep's part to torchdata's state.
+_CHECKPOINTER_KEY = "snapkeep_position"
+
+
+class StatefulLoaderState:
+    """``state_dict``/``load_state_dict`` of torchdata's ``StatefulDataLoader`` for the
+    ``Checkpointer``: torchdata's own state plus, under ``'snapkeep_position'``, the loader's
+    geometry and its sampler's epoch (module docstring).
+
+    ``load_state_dict`` sets the sampler's epoch *before* torchdata's state is loaded, so the
+    iterator the Checkpointer builds right after the load (``_start_iterators``) orders the
+    resumed epoch as the uninterrupted run did; a state saved without snapkeep's part (older
+    snapkeep) loads as torchdata's alone.
+    """
+
+    def __init__(self, key: str, loader: Any) -> None:
+        self._key = key
+        self._loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchdata's state with ``'snapkeep_position': {'geometry', 'sampler_epoch'}``."""
+        state = dict(self._loader.state_dict())
+        position: dict[str, Any] = {"geometry": loader_geometry(self._loader)}
+        epoch = sampler_epoch(self._loader)
+        if epoch is not None:
+            position["sampler_epoch"] = epoch
+        state[_CHECKPOINTER_KEY] = position
+        return state
+
+    def problems(self, state: Any) -> list[str]:
+        """Why ``state`` cannot be loaded exactly (changes nothing)."""
+        if not isinstance(state, Mapping):
+            return [f"loaders[{self._key!r}]: the snapshot holds a {type(state).__name__}, "
+                    "not a StatefulDataLoader state"]
+        position = state.get(_CHECKPOINTER_KEY)
+        if not isinstance(position, Mapping):
+            return []
+        return geometry_problems(position.get("geometry"), loader_geometry(self._loader),
+                                 self._key)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Set the sampler's epoch, then load torchdata's state.
+
+        Raises:
+            ValueError: :meth:`problems` found some (nothing was changed).
+        """
+        problems = self.problems(state)
+        if problems:
+            raise ValueError("; ".join(problems))
+        position = state.get(_CHECKPOINTER_KEY)
+        if isinstance(position, Mapping):
+            _set_sampler_epoch(self._loader, position.get("sampler_epoch"), self._key)
+        self._loader.load_state_dict({k: v for k, v in state.items() if k != _CHECKPOINTER_KEY})
+
+
+def is_stateful_loader(obj: Any) -> bool:
+    """Whether ``obj`` is torchdata's ``StatefulDataLoader`` (or a subclass)."""
+    return isinstance(obj, DataLoader) and _is_stateful(obj)

@@ -13,6 +13,13 @@ Flow (every rank runs the extension at every iteration, after the snapshot exten
 4. a second signal meanwhile is only logged: snapshots commit atomically (temp + fsync + rename,
    a marker written last), so nothing can be half-committed by any signal, even SIGKILL.
 
+Under torchrun, the agent dies of SIGUSR1 (it does not handle it) whether the signal was sent to
+it alone or to the whole job step (SLURM's ``--signal=USR1@<s>``), and a worker whose agent is
+gone is normally ended at once (``snapkeep._core.distributed.launcher``). With this extension the
+worker instead records the agent's death as a preemption request (besides any signal it got
+itself): every rank snapshots the same iteration, the status says ``preempted`` and each exits
+with ``exit_code``; a worker still alive ``timeout_s`` after that is ended as before.
+
 With ``requeue=True`` under SLURM (``SLURM_JOB_ID`` set), rank 0 runs ``scontrol requeue`` before
 exiting, as Lightning does on SIGUSR1.
 """
@@ -39,6 +46,10 @@ SIGTERM reports; torchrun and schedulers read it as 'terminated')."""
 
 PRIORITY_PREEMPTION = extension.PRIORITY_SNAPSHOT - 100
 """Runs after the snapshot extensions of the same iteration."""
+
+_AGENT_GONE = 0x3FF
+"""What :attr:`Preemption.received` records when torchrun's agent is gone (no signal number is
+this high; it fits the 10 bits :func:`_signalled` gives a signal)."""
 
 _FAILED = 1 << 30
 """The per-iteration agreement's value from a rank whose iteration raised (its ``on_error``):
@@ -123,7 +134,10 @@ class Preemption(extension.Extension):
         from snapkeep.distributed import background_groups, is_distributed
 
         if is_distributed():
+            from snapkeep.distributed import on_orphaned
+
             self._groups = background_groups(self.timeout_s)
+            on_orphaned(self._on_agent_gone, self.timeout_s)
         if threading.current_thread() is not threading.main_thread():
             logger.warning("preemption: not on the main thread; signal handlers not installed")
         else:
@@ -163,11 +177,19 @@ class Preemption(extension.Extension):
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
         self.received.append(signum)  # only record: the boundary acts (async-signal safe)
 
+    def _on_agent_gone(self, agent_pid: int) -> None:
+        """torchrun's agent died (the launcher watch's thread): a preemption request."""
+        self.received.append(_AGENT_GONE)
+
     def finalize(self, manager: Any) -> None:
         """Record ``finished`` in the status file unless preempted or failing (rank 0), and
         restore the previous signal handlers. Idempotent."""
         if self.preempted_at is None:
             self._status.finalize(manager)
+        if self._groups is not None and self.preempted_at is None:  # preempting: the watch
+            from snapkeep.distributed import on_orphaned  # must still wait for it
+
+            on_orphaned(None)
         if threading.current_thread() is threading.main_thread():
             for sig, previous in self._previous.items():
                 signal.signal(sig, previous)
@@ -248,7 +270,7 @@ class Preemption(extension.Extension):
         rank = self._groups.rank if self._groups else 0
         logger.warning("rank %d: preemption requested (signals here: %s); snapshotting "
                        "iteration %d on every rank, then exiting with %d", rank,
-                       [signal.Signals(s).name for s in self.received] or "none", iteration,
+                       [_signal_name(s) for s in self.received] or "none", iteration,
                        self.exit_code)
         error: BaseException | None = None
         snapshots = self._snapshot_extensions(manager)
@@ -273,9 +295,8 @@ class Preemption(extension.Extension):
         self._status.preempted(
             manager, snapshots=[e._template.format(manager) for e in snapshots
                                 if e._template.parsable],
-            reason="signal " + ", ".join(sorted({signal.Signals(s).name for s in self.received}))
-            if self.received else f"signal {_signal_name(agreed >> 20)} on rank "
-                                  f"{agreed & 0xFFFFF}")
+            reason=_reason(self.received) if self.received
+            else f"{_reason([agreed >> 20])} on rank {agreed & 0xFFFFF}")
         if self.requeue and rank == 0:
             _requeue()
         if self._groups is not None:
@@ -288,7 +309,18 @@ class Preemption(extension.Extension):
         raise SystemExit(self.exit_code)
 
 
+def _reason(received: list[int]) -> str:
+    """``'signal SIGTERM'``, ``"signal SIGUSR1, torchrun's agent gone"``, ..."""
+    signals = sorted({_signal_name(s) for s in received if s != _AGENT_GONE})
+    parts = ["signal " + ", ".join(signals)] if signals else []
+    if _AGENT_GONE in received:
+        parts.append("torchrun's agent gone")
+    return ", ".join(parts)
+
+
 def _signal_name(signum: int) -> str:
+    if signum == _AGENT_GONE:
+        return "torchrun's agent gone"
     try:
         return signal.Signals(signum).name
     except ValueError:

@@ -9,7 +9,9 @@ every part of the target against the snapshot:
   belongs to a saved parameter and holds tensors of that parameter's shape;
 - a manager: the snapshot is a manager snapshot (``_start_iteration``, ``models``,
   ``optimizers`` present -- a plain model ``state_dict`` is not), and it has an entry for every
-  model, optimizer and state object the manager has;
+  model, optimizer and state object the manager has; each registered extension with a
+  ``continuation_problems(state)`` method (snapkeep's snapshot extension: its data loaders'
+  positions and geometry) accepts its saved state;
 - a dict target: every key is present and each value fits as above.
 
 Any problem raises :class:`~snapkeep.errors.StateMismatchError` naming the file and the
@@ -109,6 +111,21 @@ def manager_problems(manager: Any, state: Any, where: str = "") -> list[str]:
                 problems.append(f"missing {here} (snapshot has {sorted(map(str, saved))[:10]})")
                 continue
             problems += fit_problems(obj, saved[name], here)
+    return problems + extension_problems(manager, state, where)
+
+
+def extension_problems(manager: Any, state: Mapping[str, Any], where: str = "") -> list[str]:
+    """What keeps the saved ``extensions`` part of a manager snapshot from loading into the
+    manager's extensions that can tell (a ``continuation_problems(state)`` method: snapkeep's
+    snapshot extension, whose data loaders' saved positions must fit them); changes nothing."""
+    problems: list[str] = []
+    saved_extensions = state.get("extensions")
+    for name, entry in (getattr(manager, "_extensions", None) or {}).items():
+        check = getattr(getattr(entry, "extension", None), "continuation_problems", None)
+        saved = saved_extensions.get(name) if isinstance(saved_extensions, Mapping) else None
+        if callable(check) and isinstance(saved, Mapping):
+            problems += [f"{where}extensions[{name!r}]: {p}"
+                         for p in check(saved.get("extension"))]
     return problems
 
 

@@ -193,6 +193,7 @@ class _ShardedSnapshot(SnapshotExtension):
             RankFailedError: loading failed on some rank (named); no rank continues.
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
+        self._bind_continuation(manager)  # stop triggers: first, as the single-file extension
         recover_before_autoload(manager)  # a memory tier resumes from RAM before storage is read
         if is_distributed():
             self._groups = background_groups(self.timeout_s)
@@ -344,6 +345,12 @@ class _ShardedSnapshot(SnapshotExtension):
         """Retention runs inside the sharded commit (rank 0); nothing to register."""
 
     # -- autoload ------------------------------------------------------------------------------
+    def _rng_enabled(self) -> bool:
+        """The global generators travel in the continuation state whatever the manager's
+        ``save_rng_state`` (as before this extension bound its manager; each rank's own
+        streams go in ``rank_state`` besides)."""
+        return True
+
     def _autoload(self, manager: Any) -> str | None:
         session = self._sharded_session_of(manager)
 
@@ -353,9 +360,13 @@ class _ShardedSnapshot(SnapshotExtension):
         def apply(entry: Entry, loaded: dict[str, Any]) -> None:
             self._layout.apply_loaded(manager, loaded, entry, self.rank)
 
+        def problems(entry: Entry, values: dict[str, Any]) -> list[str]:
+            return self._layout.problems(manager, values, self.rank) if values else []
+
         entry = session.resume_sharded(groups=self._groups, rank=self.rank, build=build,
                                        apply=apply, weights_only=self._weights_only,
-                                       incomplete=self._incomplete)
+                                       incomplete=self._incomplete,
+                                       values=self._layout.objects_template, problems=problems)
         if entry is None:
             return None
         self.loaded_entry = entry

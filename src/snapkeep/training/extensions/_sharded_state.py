@@ -117,6 +117,28 @@ class ShardedStateLayout:
             template["rank_state"] = {own: b""}
         return template
 
+    def objects_template(self, template: Mapping[str, Any]) -> dict[str, Any]:
+        """The part of a :meth:`load_template` holding the non-tensor objects (the manager's
+        own state among them): small ``bytes`` entries, loadable on their own."""
+        return {k: v for k, v in template.items() if k not in ("models", "optimizers",
+                                                               "rank_state")}
+
+    def problems(self, manager: Any, loaded: dict[str, Any], rank: int) -> list[str]:
+        """What keeps the loaded :meth:`objects_template` from loading into ``manager``'s
+        extensions (``_restore.extension_problems``: the data loaders' saved positions);
+        changes nothing."""
+        from snapkeep.training.extensions._restore import extension_problems
+
+        if self.target is not None:
+            return []
+        _, _, others = self._parts(manager)
+        plan = RankObjects.of_loaded(loaded, list(others), rank)
+        data = plan.loaded(loaded).get(_MANAGER_OBJECT)
+        if data is None:
+            return []
+        state = object_from_bytes(data, self.weights_only)
+        return extension_problems(manager, state) if isinstance(state, Mapping) else []
+
     def apply_loaded(self, manager: Any, loaded: dict[str, Any], entry: Entry, rank: int) -> None:
         """Set ``manager``'s target from ``loaded`` (a filled :meth:`load_template`) of
         ``entry``."""

@@ -172,8 +172,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             SnapshotStorageError: the writer's output directory cannot be created.
             TypeError: a model holds DTensor (FSDP2) parameters: use ``SnapshotMode.SHARDED``.
         """
+        self._bind_continuation(manager)  # first: a RAM resume restores the continuation too
         recover_before_autoload(manager)  # a memory tier resumes from RAM before storage is read
-        self._bind_continuation(manager)
         refuse_dtensor_models(manager if self._target is None else self._target)
         if self.writer is None:
             self.writer = _snapkeep_writer_for(manager)
