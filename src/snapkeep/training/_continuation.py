@@ -190,8 +190,13 @@ def restore(manager: Any, state: Mapping[str, Any], *, rng: bool,
         if key in state and callable(load):
             load(state[key])
         if isinstance(trigger, StopDecision):
+            # the saved decision stands for a trigger that keeps state (its observation was
+            # consumed by the snapshot's call); a stateless one (the run length) is asked
+            # again, so a rerun with more epochs goes on instead of stopping at the snapshot
             decided = decisions.get(key) if isinstance(decisions, Mapping) else None
-            trigger.decided = None if decided is None else (int(decided[0]), bool(decided[1]))
+            keeps_state = bool(trigger.state_dict())
+            trigger.decided = None if decided is None or not keeps_state else (
+                int(decided[0]), bool(decided[1]))
     saved = state.get("generators", {})
     for name, obj in generators.items():
         if name in saved:
