@@ -61,7 +61,7 @@ def _manager(out_dir: str, rank: int, mode: str) -> int:
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tally = Tally()
-    manager = ExtensionsManager(model, optimizer, 1, iters_per_epoch=100, out_dir=out_dir,
+    manager = ExtensionsManager(model, optimizer, 1, iters_per_epoch=ITERS, out_dir=out_dir,
                                 writer=writing.SimpleWriter(out_dir=out_dir),
                                 state_objects={"tally": tally})
     manager.extend(ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, autoload=True,
