@@ -323,6 +323,7 @@ class Checkpointer:
         self._status: StatusLog | None = None
         self._watch: SignalWatch | None = None
         self._started = False
+        self._preempting = False
         self._last_step = 0  # the step of the last load or save, for the run status
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
@@ -496,6 +497,7 @@ class Checkpointer:
         logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
                        "for its commit, then exiting with %d", watch.rank, name, step,
                        EXIT_CODE_PREEMPTED)
+        self._preempting = True
         self.wait()  # committed on every rank (sharded: collective)
         if self._status is not None:
             self._status.record("preempted", step, snapshots=(name,),
@@ -742,7 +744,7 @@ class Checkpointer:
             raise
         finally:
             if self._watch is not None:
-                self._watch.uninstall()
+                self._watch.uninstall(preempting=self._preempting)
             if self._session is not None:
                 self._session.close()
             if _OPEN.get(self._key) is self:

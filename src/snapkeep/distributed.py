@@ -23,10 +23,14 @@ from snapkeep._core.distributed.groups import (
 )
 from snapkeep._core.distributed.launcher import end_if_orphaned, on_orphaned
 from snapkeep._core.distributed.signals import (
+    AGENT_GONE,
     DEFAULT_SIGNALS,
     EXIT_CODE_PREEMPTED,
     SignalWatch,
     describe_signal,
+    parse_signals,
+    signal_name,
+    signalled,
 )
 
 _SHARDED = {
@@ -42,6 +46,7 @@ __all__ = [
     "agree_on_resume", "all_gather", "background_groups", "end_if_orphaned",
     "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed", "DEFAULT_SIGNALS",
     "EXIT_CODE_PREEMPTED", "SignalWatch", "describe_signal", "job_rank", "on_orphaned",
+    "AGENT_GONE", "parse_signals", "signal_name", "signalled",
     *sorted(_SHARDED),
 ]
 

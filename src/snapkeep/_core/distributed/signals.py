@@ -20,12 +20,18 @@ import torch
 import torch.distributed as dist
 
 from snapkeep._core.distributed.errors import CollectiveTimeoutError
+from snapkeep._core.distributed.launcher import on_orphaned
 
 logger = logging.getLogger(__name__)
 
 #: Exit code after a preemption snapshot (128 + SIGTERM, what a process killed by SIGTERM
 #: reports; torchrun and schedulers read it as 'terminated').
 EXIT_CODE_PREEMPTED = 143
+
+#: What a watch records when torchrun's agent is gone (a preemption request: SIGUSR1 from
+#: SLURM's ``--signal`` kills an agent that does not forward it); no signal number is this
+#: high, and it fits the 10 bits :func:`signalled` gives a signal.
+AGENT_GONE = 0x3FF
 
 #: Signals a preemptible door catches by default: torchrun forwards SIGTERM to its workers;
 #: SLURM sends SIGUSR1 ahead of the time limit with ``--signal=USR1@<seconds>``.
@@ -38,13 +44,21 @@ def signalled(signum: int, rank: int) -> int:
 
 
 def describe_signal(agreed: int, received: Sequence[int]) -> str:
-    """The status's reason: the signals received here, else the one named by ``agreed``."""
-    if received:
-        return "signal " + ", ".join(sorted({_name(s) for s in received}))
-    return f"signal {_name(agreed >> 20)} on rank {agreed & 0xFFFFF}"
+    """The status's reason: the signals received here (``'signal SIGTERM'``, ``"signal
+    SIGUSR1, torchrun's agent gone"``), else the one ``agreed`` names with its rank."""
+    if not received:
+        return f"{describe_signal(0, [agreed >> 20])} on rank {agreed & 0xFFFFF}"
+    names = sorted({signal_name(s) for s in received if s != AGENT_GONE})
+    parts = ["signal " + ", ".join(names)] if names else []
+    if AGENT_GONE in received:
+        parts.append("torchrun's agent gone")
+    return ", ".join(parts)
 
 
-def _name(signum: int) -> str:
+def signal_name(signum: int) -> str:
+    """``'SIGTERM'``; ``"torchrun's agent gone"`` for :data:`AGENT_GONE`."""
+    if signum == AGENT_GONE:
+        return "torchrun's agent gone"
     try:
         return signal.Signals(signum).name
     except ValueError:
@@ -90,7 +104,11 @@ class SignalWatch:
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> bool:
-        """Install the handlers; False (logged) off the main thread, where Python cannot."""
+        """Install the handlers; False (logged) off the main thread, where Python cannot.
+        Under torchrun with ``control``, the agent's death counts as a request too
+        (:func:`~snapkeep._core.distributed.launcher.on_orphaned`, bounded by ``timeout_s``)."""
+        if self.control is not None:
+            on_orphaned(self._on_agent_gone, self.timeout_s)
         if threading.current_thread() is not threading.main_thread():
             logger.warning("preemption: not on the main thread; signal handlers not installed")
             return False
@@ -98,8 +116,12 @@ class SignalWatch:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return True
 
-    def uninstall(self) -> None:
-        """Put the previous handlers back (idempotent; main thread only)."""
+    def uninstall(self, *, preempting: bool = False) -> None:
+        """Put the previous handlers back (idempotent; main thread only); unless
+        ``preempting`` (the agent watch must still wait for the snapshot), end at once again
+        when torchrun's agent dies."""
+        if self.control is not None and not preempting:
+            on_orphaned(None)
         if threading.current_thread() is threading.main_thread():
             for sig, previous in self._previous.items():
                 signal.signal(sig, previous)
@@ -107,6 +129,9 @@ class SignalWatch:
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
         self.received.append(signum)  # only record: the boundary acts (async-signal safe)
+
+    def _on_agent_gone(self, agent_pid: int) -> None:
+        self.received.append(AGENT_GONE)  # the launcher watch's thread: only record
 
     def agree(self) -> int:
         """0 when no rank was signalled, else a :func:`signalled` value of a rank that was

@@ -35,32 +35,27 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+from snapkeep.distributed import (
+    AGENT_GONE,
+    EXIT_CODE_PREEMPTED,
+    describe_signal,
+    parse_signals,
+    signal_name,
+    signalled,
+)
 from snapkeep.training import extension
 from snapkeep.training.extensions._run_status import StatusRecorder
 
 logger = logging.getLogger(__name__)
 
-EXIT_CODE_PREEMPTED = 143
-"""Default exit code after a preemption snapshot (128 + SIGTERM, what a process killed by
-SIGTERM reports; torchrun and schedulers read it as 'terminated')."""
-
 PRIORITY_PREEMPTION = extension.PRIORITY_SNAPSHOT - 100
 """Runs after the snapshot extensions of the same iteration."""
-
-_AGENT_GONE = 0x3FF
-"""What :attr:`Preemption.received` records when torchrun's agent is gone (no signal number is
-this high; it fits the 10 bits :func:`_signalled` gives a signal)."""
 
 _FAILED = 1 << 30
 """The per-iteration agreement's value from a rank whose iteration raised (its ``on_error``):
 the other ranks then gather its error and raise :class:`~snapkeep.errors.RankFailedError`.
-Above every :func:`_signalled` value, so the maximum over the ranks reports the failure."""
-
-
-def _signalled(signum: int, rank: int) -> int:
-    """The agreement's value from ``rank`` signalled with ``signum`` (0 < value < _FAILED): the
-    maximum over the ranks names one signal and a rank that received it."""
-    return (signum << 20) | (rank & 0xFFFFF)
+Above every ``snapkeep.distributed.signalled`` value, so the maximum over the ranks reports
+the failure."""
 
 
 def preemption(
@@ -99,22 +94,14 @@ class Preemption(extension.Extension):
 
     def __init__(self, *, signals: Sequence[signal.Signals | int], exit_code: int,
                  timeout_s: float, requeue: bool) -> None:
-        parsed = []
-        for sig in signals:
-            try:
-                parsed.append(signal.Signals(sig))
-            except ValueError:
-                raise ValueError(f"signals must be signal numbers such as signal.SIGTERM, got "
-                                 f"{sig!r}") from None
-        if not parsed or any(s in (signal.SIGKILL, signal.SIGSTOP) for s in parsed):
-            raise ValueError(f"signals must be catchable (not SIGKILL/SIGSTOP), got {signals!r}")
+        parsed = parse_signals(signals)
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) \
                 or not 0 <= exit_code <= 255:
             raise ValueError(f"exit_code must be an int in 0..255, got {exit_code!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
                 or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        self.signals = tuple(parsed)
+        self.signals = parsed
         self.exit_code = exit_code
         self.timeout_s = float(timeout_s)
         self.requeue = requeue
@@ -179,7 +166,7 @@ class Preemption(extension.Extension):
 
     def _on_agent_gone(self, agent_pid: int) -> None:
         """torchrun's agent died (the launcher watch's thread): a preemption request."""
-        self.received.append(_AGENT_GONE)
+        self.received.append(AGENT_GONE)
 
     def finalize(self, manager: Any) -> None:
         """Record ``finished`` in the status file unless preempted or failing (rank 0), and
@@ -226,11 +213,12 @@ class Preemption(extension.Extension):
         self._preempt(manager, requested)
 
     def _agree(self, manager: Any) -> int:
-        """0 when no rank was signalled, else a :func:`_signalled` value of some rank that was.
+        """0 when no rank was signalled, else a ``snapkeep.distributed.signalled`` value of
+        some rank that was.
         Raises :class:`~snapkeep.errors.RankFailedError` when a rank reports its failure
         instead (see :meth:`on_error`)."""
         rank = self._groups.rank if self._groups else 0
-        local = _signalled(self.received[0], rank) if self.received else 0
+        local = signalled(self.received[0], rank) if self.received else 0
         if self._groups is None:
             return local
         value = self._all_reduce(local)
@@ -270,7 +258,7 @@ class Preemption(extension.Extension):
         rank = self._groups.rank if self._groups else 0
         logger.warning("rank %d: preemption requested (signals here: %s); snapshotting "
                        "iteration %d on every rank, then exiting with %d", rank,
-                       [_signal_name(s) for s in self.received] or "none", iteration,
+                       [signal_name(s) for s in self.received] or "none", iteration,
                        self.exit_code)
         error: BaseException | None = None
         snapshots = self._snapshot_extensions(manager)
@@ -295,8 +283,7 @@ class Preemption(extension.Extension):
         self._status.preempted(
             manager, snapshots=[e._template.format(manager) for e in snapshots
                                 if e._template.parsable],
-            reason=_reason(self.received) if self.received
-            else f"{_reason([agreed >> 20])} on rank {agreed & 0xFFFFF}")
+            reason=describe_signal(agreed, self.received))
         if self.requeue and rank == 0:
             _requeue()
         if self._groups is not None:
@@ -307,24 +294,6 @@ class Preemption(extension.Extension):
                        "(run the same command again to resume from it)", rank, iteration,
                        self.exit_code)
         raise SystemExit(self.exit_code)
-
-
-def _reason(received: list[int]) -> str:
-    """``'signal SIGTERM'``, ``"signal SIGUSR1, torchrun's agent gone"``, ..."""
-    signals = sorted({_signal_name(s) for s in received if s != _AGENT_GONE})
-    parts = ["signal " + ", ".join(signals)] if signals else []
-    if _AGENT_GONE in received:
-        parts.append("torchrun's agent gone")
-    return ", ".join(parts)
-
-
-def _signal_name(signum: int) -> str:
-    if signum == _AGENT_GONE:
-        return "torchrun's agent gone"
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
 
 
 def _failed_at(manager: Any) -> str:
