@@ -284,7 +284,7 @@ def test_a_trigger_waits_for_the_ram_snapshot_in_flight(
     tier(manager)  # step 1, held in flight
     _step(manager, model)
     second = threading.Thread(target=tier, args=(manager,))
-    with caplog.at_level("DEBUG", logger="snapkeep.training.extensions._memory_tier"):
+    with caplog.at_level("DEBUG", logger="snapkeep._core.memory_tier"):
         second.start()
         second.join(0.5)
         assert second.is_alive()  # waiting for step 1
