@@ -67,6 +67,7 @@ from snapkeep._core.resume_notice import (
     Skipped,
     announce,
     check_quiet,
+    say,
     skipped_on_ranks,
 )
 from snapkeep._core.retention_check import MetricCheck
@@ -120,7 +121,7 @@ __all__ = [
     "INCOMPLETE_SHARDED", "ResumeNotice", "Skipped", "announce", "check_quiet",
     "skipped_on_ranks",
     "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
-    "local_shards", "state_bytes",
+    "local_shards", "state_bytes", "say",
 ]
 
 

@@ -162,11 +162,23 @@ class Restored:
         step: the step every rank resumed from.
         source: where this rank's state came from: ``'own'`` or ``'peer<R>'``.
         storage_step: the newest step listed on storage, over all ranks (None: none).
+        sources: every rank's source, by rank (the same on every rank).
     """
 
     step: int
     source: str
     storage_step: int | None
+    sources: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """Where the ranks' states came from, in words: ``'own copy'`` (one rank), ``'own
+        copies'``, or ``'own copies; rank 1 from rank 0's peer copy'``."""
+        if len(self.sources) <= 1:
+            return "own copy" if self.source == "own" else \
+                f"rank {self.source[4:]}'s peer copy"
+        taken = [f"rank {r} from rank {s[4:]}'s peer copy" for r, s in enumerate(self.sources)
+                 if s != "own"]
+        return "; ".join(["own copies", *taken] if len(taken) < len(self.sources) else taken)
 
     @property
     def newer_than_storage(self) -> bool:
@@ -252,7 +264,8 @@ class TierEngine:
         self.world = 1
         self.groups: Any = None
         self.restored: Restored | None = None
-        #: why the last :meth:`recover` resumed nothing from RAM (None: it did, or none ran)
+        #: why the last :meth:`recover` resumed nothing from RAM (None: it resumed, none ran,
+        #: or a first run: nothing held in RAM nor listed on storage)
         self.fallback: str | None = None
         self.disabled: str | None = None  # why this rank's tier cannot be used (logged once)
         self.opened = False
@@ -414,9 +427,13 @@ class TierEngine:
         while True:
             plan = _plan(everyone, self.world, self._stride, excluded, floor)
             if plan is None:
-                self.fallback = (f"no step in RAM at or after storage's ({floor}) on every "
-                                 f"rank" + (f" ({'; '.join(refused)})" if refused else ""))
-                logger.info("memory tier: %s; resuming from storage", self.fallback)
+                held = any(i["own"] is not None or i["held"] for i in everyone)
+                reason = ("no step held in RAM by every rank" + (
+                    "" if floor is None else f" is at least storage's newest (step {floor})")
+                    + (f" ({'; '.join(refused)})" if refused else ""))
+                logger.info("memory tier: %s; resuming from storage", reason)
+                # nothing held anywhere nor on storage (a first run): nothing to say
+                self.fallback = reason if held or refused or floor is not None else None
                 return None
             step, sources = plan
             error = self._fetch(step, sources, everyone, control, kept)
@@ -481,7 +498,8 @@ class TierEngine:
                 logger.warning("memory tier: could not record the tier's owner: %s", e)
         logger.info("memory tier: rank %d resumed step %d from %s RAM (storage: %s)",
                     self.rank, step, source, floor)
-        self.restored = Restored(step=step, source=source, storage_step=floor)
+        self.restored = Restored(step=step, source=source, storage_step=floor,
+                                 sources=tuple(_source_name(r, h) for r, h in enumerate(sources)))
         return self.restored
 
     def _fetch(self, step: int, sources: list[int], everyone: list[dict[str, Any]],
