@@ -63,7 +63,6 @@ from snapkeep.store import (
     find_mismatches,
     lookalike_message,
     resolve_storage,
-    say,
     state_bytes,
     tier_dir,
     warn_user,
@@ -500,14 +499,9 @@ class Checkpointer:
                               step=step)
                 self._apply(objects, into, self._check_format(entry, tree), entry)
             restored = tier.recover(max(steps, default=None), apply)
-        where = tier_dir(tier.tier.root, tier.job)
+        tier.announce()
         if restored is None:
-            if tier.fallback is not None:
-                say(f"memory tier ({where}): {tier.fallback}; resuming from storage",
-                    rank=tier.rank)
             return None
-        say(f"resuming from RAM step {restored.step} ({restored.describe()}; storage's newest: "
-            f"{restored.storage_step}) in {where}", rank=tier.rank)
         if restored.newer_than_storage:  # persisted first, as the snapshot extension does
             session = self._require_open()
             handle = self._save_to_storage(session, restored.step, into, {}, on_error=False)
@@ -586,9 +580,17 @@ class Checkpointer:
         arriving while the buffers are still being prepared waits for them. Storage is not
         read again for this.
 
+        With ``memory``, RAM is tried first (unless ``step`` is given): the newest step every
+        rank holds in RAM (or a peer holds for it), at least storage's newest, is verified and
+        loaded without opening a storage snapshot, and said on stderr (rank 0:
+        ``snapkeep: resuming from RAM step N (own copy; storage's newest: M) in <tier>``); a
+        step newer than storage's is saved to storage before this returns. When RAM lacks it,
+        one stderr line says why and storage is used as above.
+
         Args:
             into: the same mapping as given to :meth:`save` (its keys select what is loaded).
-            step: load exactly this step (no fallback); default the newest valid one.
+            step: load exactly this step from storage (no fallback, RAM not tried); default the
+                newest valid one.
 
         Returns:
             The step loaded, or ``None`` (one log line says so; files that look like snapshots

@@ -55,6 +55,7 @@ from snapkeep._core.memory_tier import (
     copy_into_live,
     flat_keys,
     local_shards,
+    newest_listed_step,
     state_bytes,
 )
 from snapkeep._core.name_check import misnamed_reason
@@ -121,7 +122,7 @@ __all__ = [
     "INCOMPLETE_SHARDED", "ResumeNotice", "Skipped", "announce", "check_quiet",
     "skipped_on_ranks",
     "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
-    "local_shards", "state_bytes", "say",
+    "local_shards", "state_bytes", "say", "newest_listed_step",
 ]
 
 

@@ -89,7 +89,9 @@ from snapkeep._core.memory_store import (
     tier_dir,
     write_owner,
 )
+from snapkeep._core.resume_notice import say
 from snapkeep._core.staging import BufferSet
+from snapkeep._core.store import SnapshotStore
 from snapkeep._core.store_kinds import CandidateRefused, Listed, newest_valid
 from snapkeep._core.ticket import StagedLoan
 
@@ -239,6 +241,28 @@ def copy_into_live(template: dict[str, Any], state: dict[str, Any]) -> None:
     place, and set its other leaves to ``state``'s (checked by :func:`check_into_live`
     first)."""
     _copy_into(template, state)
+
+
+def newest_listed_step(storage: Any, directory: str, template: Any, *,
+                       sharded: bool) -> int | None:
+    """The newest step that ``template``'s snapshots in ``directory`` list (names and commit
+    markers only: no snapshot opened): committed sharded directories when ``sharded``, else
+    single files and the template's directories. What a RAM step competes with at recovery.
+
+    Raises:
+        SnapshotStorageError: the storage cannot be listed.
+    """
+    if sharded:
+        from snapkeep._core.distributed.sharded_store import ShardedStore
+
+        steps = [e.step for e in ShardedStore(storage, directory, template).entries()]
+    else:
+        store = SnapshotStore(storage, directory, template)
+        steps = [e.step for e in store.entries()]
+        parsed = [store.template.parse(n) for n in store.storage.list_dirs(store.directory)]
+        steps += [int(k[0]) for k in parsed if k]  # sharded snapshots' directories
+    known = [s for s in steps if s is not None]
+    return max(known) if known else None
 
 
 class TierEngine:
@@ -501,6 +525,21 @@ class TierEngine:
         self.restored = Restored(step=step, source=source, storage_step=floor,
                                  sources=tuple(_source_name(r, h) for r, h in enumerate(sources)))
         return self.restored
+
+    def announce(self, *, quiet: bool = False) -> None:
+        """Say on stderr (rank 0, unless ``quiet``; logged at INFO on every rank) what the
+        last :meth:`recover` did, as the storage resume notice does: ``snapkeep: resuming from
+        RAM step N (own copy; storage's newest: M) in <tier>``, or why RAM was not used
+        (``snapkeep: memory tier (<tier>): <reason>; resuming from storage``); nothing on a
+        first run."""
+        where = tier_dir(self.tier.root, self.job)
+        if self.restored is not None:
+            r = self.restored
+            say(f"resuming from RAM step {r.step} ({r.describe()}; storage's newest: "
+                f"{r.storage_step}) in {where}", quiet=quiet, rank=self.rank)
+        elif self.fallback is not None:
+            say(f"memory tier ({where}): {self.fallback}; resuming from storage", quiet=quiet,
+                rank=self.rank)
 
     def _fetch(self, step: int, sources: list[int], everyone: list[dict[str, Any]],
                control: Any, kept: dict[tuple[int, int], Any]) -> str | None:
@@ -914,4 +953,4 @@ def _write(data: bytes, f: Any) -> None:
 
 
 __all__ = ["MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live",
-           "flat_keys", "local_shards", "state_bytes"]
+           "flat_keys", "local_shards", "newest_listed_step", "state_bytes"]

@@ -1,21 +1,17 @@
 """The memory tier for ppe's manager: an adapter on the core engine
-(:class:`snapkeep.store.TierEngine`, whose module docstring says what the tier keeps, where, and
-how it recovers). Use it beside an autoloading snapshot extension::
+(:class:`snapkeep.store.TierEngine`; its module docstring says what the tier keeps, where, and
+how it recovers). Use it beside an autoloading snapshot extension, registered after it::
 
     manager.extend(extensions.snapshot(autoload=True), trigger=(1000, "iteration"))
     manager.extend(extensions.memory_tier(MemoryTier(every=50, replicas=1)))
 
-What this adapter adds to the engine: the manager's state tree (``manager.state_dict()``; with
-SHARDED snapshots each rank's part of what the SHARDED extension saves, its DTensors' local
-shards, :meth:`~._sharded._ShardedSnapshot.memory_state`), the storage step (the listing of the
-snapshot extensions' templates; nothing opened), and the apply: ``manager.load_state_dict`` in
-place, or for SHARDED the RAM shards checked against the live local shards (same keys, shapes,
-dtypes; else every rank resumes from storage, which reshards) and copied into them. No second
-staging: at an iteration where a snapshot extension also saved the whole manager, the tier
-borrows its writer's staged copy (:meth:`snapkeep.writing.Writer.lend_staged`); so extend the
-manager with the tier after the snapshot extension (it runs at ``PRIORITY_SNAPSHOT``). When the
-RAM step is newer than storage, the snapshot extension persists it first. ``finalize`` after the
-stop trigger fired removes the rank's tier; a crashed or killed run leaves it for its restart.
+The adapter gives the engine the manager's state (``manager.state_dict()``; with SHARDED
+snapshots this rank's local shards, :meth:`~._sharded._ShardedSnapshot.memory_state`), the
+storage step, the apply (``manager.load_state_dict`` in place; SHARDED: the shards checked
+against the live ones, else storage reshards, then copied into them), and the staged copy of a
+snapshot extension's writer at the same iteration (no second staging). A RAM step newer than
+storage is persisted by the snapshot extension; ``finalize`` after the stop trigger fired
+removes the rank's tier, a crashed or killed run leaves it for its restart.
 """
 
 from __future__ import annotations
@@ -28,11 +24,11 @@ from snapkeep.staging import StagedLoan, into_existing_state, optimizers_in
 from snapkeep.store import (
     MemoryTier,
     Restored,
-    SnapshotStore,
     TierEngine,
     check_into_live,
     copy_into_live,
     flat_keys,
+    newest_listed_step,
     resolve_storage,
     state_bytes,
 )
@@ -125,6 +121,7 @@ class _MemoryTierExtension(extension.Extension):
 
         self.restored = engine.recover(self._storage_step(manager, snapshots), apply,
                                        prepare=prepare if sharded is not None else None)
+        engine.announce()
         if self.restored is not None:
             setattr(manager, RESTORED_ATTRIBUTE, self.restored)
 
@@ -145,22 +142,13 @@ class _MemoryTierExtension(extension.Extension):
                 continue
             try:
                 storage, directory = storage_for(manager.out)
-                if callable(getattr(snap, "memory_state", None)):  # committed directories
-                    from snapkeep.distributed import ShardedStore
-
-                    steps = [e.step for e in ShardedStore(storage, directory, template).entries()]
-                else:
-                    store = SnapshotStore(storage, directory, template)
-                    steps = [e.step for e in store.entries()]
-                    parsed = [store.template.parse(n)
-                              for n in store.storage.list_dirs(store.directory)]
-                    steps += [int(k[0]) for k in parsed if k]  # sharded snapshots' directories
+                step = newest_listed_step(storage, directory, template, sharded=callable(
+                    getattr(snap, "memory_state", None)))  # committed directories
             except Exception as e:  # an unreachable store: RAM can still be used
                 logger.warning("memory tier: could not list %s: %s", template, e)
                 continue
-            known = [s for s in steps if s is not None]
-            if known:
-                newest = max(known) if newest is None else max(newest, *known)
+            if step is not None:
+                newest = step if newest is None else max(newest, step)
         return newest
 
     def __call__(self, manager: Any) -> None:
