@@ -1,7 +1,8 @@
 """``snapkeep.Checkpointer(..., memory=MemoryTier(...))`` in one process: what RAM lacks falls
 back to storage and says why, a corrupt RAM copy is never loaded, a resume from RAM newer than
 storage persists it first, and ``close`` removes the tier only when storage holds its newest
-step. (The kill -9 and torchrun scenarios: tests/distributed/test_checkpointer_memory.py.)"""
+step. (The kill -9 and torchrun scenarios: tests/distributed/test_checkpointer_memory_kill.py.)
+"""
 
 from __future__ import annotations
 

@@ -755,7 +755,8 @@ class Checkpointer:
 
     def _close_tier(self) -> None:
         """Close the memory tier: its tier is removed when the loop did not raise and storage
-        holds its newest RAM step (nothing in RAM is newer); else kept for the next run."""
+        holds the newest step this session kept in (or resumed from) RAM; else kept for the
+        next run."""
         tier = self._tier
         if tier is None:
             return
@@ -766,12 +767,13 @@ class Checkpointer:
                 newest = self.latest_step() if self._session is not None else None
             except Exception:  # unreachable storage: keep the tier
                 newest = None
-            finished = tier.last_step is None or (newest is not None
-                                                  and newest >= tier.last_step)
-            if not finished:
+            # the newest step this session put in RAM or resumed from it (then persisted)
+            ram = tier.last_step if tier.last_step is not None else (
+                None if tier.restored is None else tier.restored.step)
+            finished = ram is not None and newest is not None and newest >= ram
+            if ram is not None and not finished:
                 logger.info("memory tier: RAM step %s is newer than storage's %s: kept in %s "
-                            "for the next run", tier.last_step, newest,
-                            tier_dir(tier.tier.root, tier.job))
+                            "for the next run", ram, newest, tier_dir(tier.tier.root, tier.job))
         tier.close(finished=finished, failed=self._failed)
 
     def _release(self) -> None:

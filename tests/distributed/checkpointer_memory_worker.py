@@ -1,4 +1,5 @@
-"""The worker of test_checkpointer_memory.py: ``checkpointer_memory_worker.py BASE ITERS KILL_AT``.
+"""The worker of test_checkpointer_memory_kill.py:
+``checkpointer_memory_worker.py BASE ITERS KILL_AT``.
 
 A plain loop saved by ``snapkeep.Checkpointer(BASE/ckpt, keep=2, every=4,
 memory=MemoryTier(every=2, replicas=1, root=BASE/shm))``: an MLP with dropout, Adam, a StepLR
