@@ -103,7 +103,8 @@ def child(contender: str, work: str, shm: str, state_gib: float, triggers: int,
         tier.wait()
     writer.wait()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    borrowed = contender in CONTENDERS[2:] and tier._buffers is None
+    borrowed = contender in CONTENDERS[2:] and tier.engine is not None \
+        and tier.engine._buffers is None
     manager.finalize()
     return {"calls_s": calls, "spills_s": spills, "cpu_s": cpu, "wall_s": wall,
             "triggers": triggers,

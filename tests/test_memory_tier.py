@@ -131,7 +131,8 @@ def test_configuration_errors_name_the_argument() -> None:
         ext.memory_tier(3)  # type: ignore[arg-type]
 
 
-def test_restart_resumes_from_ram_reads_no_storage_and_persists_first(tmp_path: Path) -> None:
+def test_restart_resumes_from_ram_reads_no_storage_and_persists_first(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     out, root = tmp_path / "out", tmp_path / "shm"
     manager, model = _killed_at(out, root, 5)  # RAM at 2, 4; storage at 3; then it "dies"
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -140,10 +141,14 @@ def test_restart_resumes_from_ram_reads_no_storage_and_persists_first(tmp_path: 
     assert sorted(os.listdir(out)) == [".snapkeep", "snapshot_iter_3"]
 
     reads = _StorageReads(out)
+    capfd.readouterr()
     resumed, model2, tier = _with_tier(out, root)
     resumed.start_extensions()
     reads.active = False
     assert resumed.iteration == 4
+    said = [line for line in capfd.readouterr().err.splitlines() if "resuming" in line]
+    assert said == [f"snapkeep: resuming from RAM step 4 (own copy; storage's newest: 3) in "
+                    f"{tier_dir(str(root), job)}"]  # one line, as a storage resume says
     assert reads.reads == []
     assert tier.restored is not None and tier.restored.source == "own"
     assert tier.restored.storage_step == 3
@@ -284,7 +289,7 @@ def test_a_trigger_waits_for_the_ram_snapshot_in_flight(
     tier(manager)  # step 1, held in flight
     _step(manager, model)
     second = threading.Thread(target=tier, args=(manager,))
-    with caplog.at_level("DEBUG", logger="snapkeep.training.extensions._memory_tier"):
+    with caplog.at_level("DEBUG", logger="snapkeep._core.memory_tier"):
         second.start()
         second.join(0.5)
         assert second.is_alive()  # waiting for step 1

@@ -89,7 +89,7 @@ def test_a_step_both_take_is_staged_once_and_resumed_from(tmp_path: Path,
     _train(manager, model, 6)
     tier.wait()
     writer.wait()
-    assert tier._buffers is None  # the tier never staged a copy of its own
+    assert tier.engine._buffers is None  # the tier never staged a copy of its own
     step, ram = _ram(out, root)
     assert step == 6
     assert_identical(ram, torch.load(out / "snapshot_iter_6", weights_only=True))
@@ -116,12 +116,12 @@ def test_a_step_only_the_tier_takes_is_staged_by_the_tier(tmp_path: Path) -> Non
     manager, model, tier = _run(out, root, writer, every=2, storage_every=4)
     _train(manager, model, 2)  # the tier alone
     tier.wait()
-    assert tier._buffers is not None
-    buffers = tier._buffers
+    assert tier.engine._buffers is not None
+    buffers = tier.engine._buffers
     _train(manager, model, 4)  # both: borrowed
     tier.wait()
     writer.wait()
-    assert tier._buffers is buffers  # its own buffers were not used again at step 4
+    assert tier.engine._buffers is buffers  # its own buffers were not used again at step 4
     step, ram = _ram(out, root)
     assert step == 4
     assert_identical(ram, torch.load(out / "snapshot_iter_4", weights_only=True))
@@ -142,7 +142,7 @@ def test_the_tier_stages_its_own_copy_when_there_is_none_to_borrow(
         _train(manager, model, 3)
     tier.wait()
     writer.wait()
-    assert tier._buffers is not None
+    assert tier.engine._buffers is not None
     assert ("registered before the snapshot extension" in caplog.text) == (
         case != "SimpleWriter")
     assert_identical(_ram(out, root)[1], torch.load(out / "snapshot_iter_3", weights_only=True))

@@ -62,15 +62,19 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     FilenameTemplate,
+    MemoryTier,
     RunLineage,
     Session,
     SnapshotStore,
     StatusLog,
     Storage,
+    TierEngine,
     describe,
     find_mismatches,
     lookalike_message,
     resolve_storage,
+    state_bytes,
+    tier_dir,
     warn_user,
 )
 from snapkeep.training import RngState
@@ -260,6 +264,14 @@ class Checkpointer:
             order), ``writer`` cannot be given, and rank 0 locks and runs retention.
         timeout_s: bound of every collective of sharded snapshots, seconds (default 600): a
             dead rank makes the others raise ``CollectiveTimeoutError`` within it.
+        memory: keep the state in node RAM too (:class:`~snapkeep.store.MemoryTier`, also
+            ``snapkeep.MemoryTier``): every ``memory.every`` steps :meth:`save` stages this
+            rank's state (sharded: its local shards; or borrows the copy the writer staged at
+            the same step) and a background thread commits it to ``memory.root`` (a tmpfs,
+            default ``/dev/shm``) and copies it to ``memory.replicas`` peer ranks; :meth:`load`
+            resumes from RAM first when every rank can (own copy, else a peer's; verified) and
+            its step is at least storage's, reading no storage snapshot. See
+            :mod:`snapkeep._core.memory_tier` (what it holds, its size check, cleanup).
         preemption: catch SIGTERM and SIGUSR1 (``True``) or the given signals (a sequence of
             ``signal.Signals``), as ``extensions.preemption`` does for a manager: the handler
             only records the signal; at the next :meth:`save` call (call it at every step; under
@@ -285,7 +297,7 @@ class Checkpointer:
         every: int | None = None, template: str = "ckpt_{step}", writer: Writer | None = None,
         rng: bool = True, weights_only: bool = True, map_location: Any = "cpu",
         storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S, memory: MemoryTier | None = None,
         preemption: bool | Sequence[signal.Signals | int] = False,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
@@ -302,6 +314,9 @@ class Checkpointer:
             sharded = is_distributed()
         if not isinstance(sharded, bool):
             raise TypeError(f"sharded must be True, False or None (auto), got {sharded!r}")
+        if memory is not None and not isinstance(memory, MemoryTier):
+            raise TypeError(f"memory must be a snapkeep.MemoryTier(every=..., ...) or None, got "
+                            f"{memory!r}")
         if writer is not None and not isinstance(writer, Writer):
             raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
                             f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
@@ -319,6 +334,8 @@ class Checkpointer:
         self._weights_only = weights_only
         self._map_location = map_location
         self._closed = False
+        self._failed = False  # closed while the loop raised: the memory tier is kept
+        self._tier: TierEngine | None = None
         self._session: Session | None = None
         self._status: StatusLog | None = None
         self._watch: SignalWatch | None = None
@@ -358,6 +375,10 @@ class Checkpointer:
                     claim=lambda: self._claim(storage, path), shown_template=self.template,
                     lineage=RunLineage.named(RUN_ID))
                 self._session = self._sharded.session
+            if memory is not None:  # the training's identity: this directory and template
+                self._tier = TierEngine(memory, directory=self._location if "://" in
+                                        self._location else os.path.abspath(path),
+                                        template=self.template)
             groups = self._sharded.groups if self._sharded is not None else None
             rank = groups.rank if groups is not None else job_rank()
             self._status = StatusLog(storage, path, rank=rank,
@@ -448,15 +469,23 @@ class Checkpointer:
         recorded = _check_metrics(metrics)
         self._start(step)
         agreed = self._watch.agree() if self._watch is not None and not on_error else 0
+        tier = self._tier
+        to_ram = tier is not None and not on_error and step % tier.tier.every == 0
+        if to_ram:
+            self._open_tier(state)
         if not (force or on_error or agreed or self.should_save(step)):
+            if to_ram:
+                self._save_to_ram(step, state, None)
             return None
-        handle = self._save(session, step, state, on_error=on_error, recorded=recorded)
+        handle = self._save_to_storage(session, step, state, recorded, on_error=on_error)
+        if to_ram:
+            self._save_to_ram(step, state, handle)
         if agreed:
             self._preempt(step, agreed)
         return handle
 
-    def _save(self, session: Session, step: int, state: Mapping[str, Any], *, on_error: bool,
-              recorded: dict[str, float]) -> Any:
+    def _save_to_storage(self, session: Session, step: int, state: Mapping[str, Any],
+                         recorded: dict[str, float], *, on_error: bool) -> Any:
         name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
         if self._sharded is not None:
             _refuse_plain_loaders(_check_state(state))
@@ -510,6 +539,65 @@ class Checkpointer:
                        EXIT_CODE_PREEMPTED)
         raise SystemExit(EXIT_CODE_PREEMPTED)
 
+    # -- the memory tier -------------------------------------------------------------------------
+    def _ram_tree(self, step: int, state: Mapping[str, Any]) -> Any:
+        """What the memory tier keeps of ``state``: the snapshot's payload (single file), or
+        this rank's local shards of it (sharded)."""
+        if self._sharded is not None:
+            return self._sharded.memory_state(state)
+        return self._payload(step, state)
+
+    def _open_tier(self, state: Mapping[str, Any]) -> None:
+        """Open the memory tier (collective when sharded), sized for ``state``; once."""
+        tier = self._tier
+        if tier is not None and not tier.opened:
+            tier.open(state_bytes(self._ram_tree(0, _check_state(state))))
+
+    def _save_to_ram(self, step: int, state: Mapping[str, Any], handle: Any) -> None:
+        """Keep ``state`` at ``step`` in RAM, borrowing the writer's staged copy of the same
+        step (``handle``'s) when it has one."""
+        tier, writer = self._tier, self._writer
+        if tier is None:
+            return
+        borrow = None
+        if writer is not None and handle is not None:
+            def borrow() -> Any:
+                return writer.lend_staged(handle)
+        tier.save(step, lambda: self._ram_tree(step, state), borrow=borrow)
+
+    def _load_from_ram(self, into: MutableMapping[str, Any], objects: Mapping[str, Any],
+                       entries: list[Entry]) -> int | None:
+        """Resume from the memory tier when every rank can (see :meth:`load`); the step, or
+        None (the reason said on stderr; storage is used)."""
+        tier = self._tier
+        if tier is None:
+            return None
+        self._open_tier(into)
+        steps = [e.step for e in entries if e.step is not None]
+        sharded = self._sharded
+        if sharded is not None:
+            def apply(tree: Any, step: int, path: str) -> None:
+                sharded.memory_apply(into, objects, tree, step, path,
+                                     before_rng=_start_iterators)
+            restored = tier.recover(max(steps, default=None), apply,
+                                    prepare=lambda tree: sharded.memory_prepare(objects, tree))
+        else:
+            def apply(tree: Any, step: int, path: str) -> None:
+                entry = Entry(name=path.rsplit("/", 1)[-1], path=path, key=(float(step),),
+                              step=step)
+                self._apply(objects, into, self._check_format(entry, tree), entry)
+            restored = tier.recover(max(steps, default=None), apply)
+        tier.announce()
+        if restored is None:
+            return None
+        if restored.newer_than_storage:  # persisted first, as the snapshot extension does
+            session = self._require_open()
+            handle = self._save_to_storage(session, restored.step, into, {}, on_error=False)
+            if handle is not None and self._sharded is None:
+                handle.wait()
+            self.wait()
+        return restored.step
+
     def _payload(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
         saved: dict[str, Any] = {}
         for key, value in _check_state(state).items():
@@ -538,6 +626,8 @@ class Checkpointer:
             self._sharded.wait()
         elif self._writer is not None:
             self._writer.wait(timeout_s)
+        if self._tier is not None:
+            self._tier.wait()
 
     # -- listing and loading -------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -578,9 +668,17 @@ class Checkpointer:
         arriving while the buffers are still being prepared waits for them. Storage is not
         read again for this.
 
+        With ``memory``, RAM is tried first (unless ``step`` is given): the newest step every
+        rank holds in RAM (or a peer holds for it), at least storage's newest, is verified and
+        loaded without opening a storage snapshot, and said on stderr (rank 0:
+        ``snapkeep: resuming from RAM step N (own copy; storage's newest: M) in <tier>``); a
+        step newer than storage's is saved to storage before this returns. When RAM lacks it,
+        one stderr line says why and storage is used as above.
+
         Args:
             into: the same mapping as given to :meth:`save` (its keys select what is loaded).
-            step: load exactly this step (no fallback); default the newest valid one.
+            step: load exactly this step from storage (no fallback, RAM not tried); default the
+                newest valid one.
 
         Returns:
             The step loaded, or ``None`` (one log line says so; files that look like snapshots
@@ -602,6 +700,11 @@ class Checkpointer:
             stateful(key, value)  # hooks a plain DataLoader before its first iter
         self.wait()  # a snapshot still in flight is a candidate too
         entries = self._sharded.entries() if self._sharded is not None else self._store.entries()
+        if step is None and self._tier is not None:
+            from_ram = self._load_from_ram(into, objects, entries)
+            if from_ram is not None:
+                self._prepare_first_save(into, objects, resumed=True)
+                return from_ram
         if step is not None:
             step = _check_step(step)
             chosen = [e for e in entries if e.step == step]
@@ -743,12 +846,42 @@ class Checkpointer:
                                     reason=f"{type(e).__name__}: {e}".splitlines()[0][:500])
             raise
         finally:
-            if self._watch is not None:
-                self._watch.uninstall(preempting=self._preempting)
-            if self._session is not None:
-                self._session.close()
-            if _OPEN.get(self._key) is self:
-                del _OPEN[self._key]
+            try:
+                self._close_tier()
+            finally:
+                if self._watch is not None:
+                    self._watch.uninstall(preempting=self._preempting)
+                self._release()
+
+    def _close_tier(self) -> None:
+        """Close the memory tier: its tier is removed when the loop did not raise and storage
+        holds the newest step this session kept in (or resumed from) RAM; else kept for the
+        next run."""
+        tier = self._tier
+        if tier is None:
+            return
+        finished = False
+        if not self._failed and tier.opened:
+            tier.wait()
+            try:
+                newest = self.latest_step() if self._session is not None else None
+            except Exception:  # unreachable storage: keep the tier
+                newest = None
+            # the newest step this session put in RAM or resumed from it (then persisted)
+            ram = tier.last_step if tier.last_step is not None else (
+                None if tier.restored is None else tier.restored.step)
+            finished = ram is not None and newest is not None and newest >= ram
+            if ram is not None and not finished:
+                logger.info("memory tier: RAM step %s is newer than storage's %s: kept in %s "
+                            "for the next run", ram, newest, tier_dir(tier.tier.root, tier.job))
+        tier.close(finished=finished, failed=self._failed)
+
+    def _release(self) -> None:
+        """Release the directory lock and this process's registration."""
+        if self._session is not None:
+            self._session.close()
+        if _OPEN.get(self._key) is self:
+            del _OPEN[self._key]
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -760,6 +893,7 @@ class Checkpointer:
         if exc_type is None:
             self.close()
             return
+        self._failed = True
         if self._status is not None and self._started and exc_type is not SystemExit:
             self._status.record("failed", self._last_step,
                                 reason=f"{exc_type.__name__}: {exc}".splitlines()[0][:500])

@@ -48,7 +48,17 @@ from snapkeep.distributed import (
     optimizer_module,
 )
 from snapkeep.retention import RetentionPolicy, best_metrics
-from snapkeep.store import Entry, FilenameTemplate, RunLineage, Session, Storage
+from snapkeep.store import (
+    Entry,
+    FilenameTemplate,
+    RunLineage,
+    Session,
+    Storage,
+    check_into_live,
+    copy_into_live,
+    flat_keys,
+    local_shards,
+)
 from snapkeep.training import RngState
 from snapkeep.training._data_position import StatefulLoaderState, is_stateful_loader
 
@@ -112,6 +122,16 @@ class ShardedCheckpoint:
         """Stage this rank's part of ``state`` and commit it in the background; returns the
         handle (``staged`` done, ``committed`` when the marker is durable). ``metrics``:
         recorded in the marker's manifest (KeepBest ranks by them)."""
+        tree = self.tree(state)
+        self._check_retention_input(name, step, dict(metrics or {}))
+        job = ShardedJob(name=name, step=step, run_id=self.session.lineage.run_id,
+                         metrics=dict(metrics or {}), version=version)
+        handle = self.saver.save(tree, job)
+        self._last = (self.store.path_of(name), handle)
+        return handle
+
+    def tree(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's DCP state of ``state`` (the layout in the module docstring)."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -138,12 +158,7 @@ class ShardedCheckpoint:
         if self._rng:
             tree["rank_state"] = {f"rank{self.rank}": object_to_bytes(
                 {"rng": RngState().state_dict()})}
-        self._check_retention_input(name, step, dict(metrics or {}))
-        job = ShardedJob(name=name, step=step, run_id=self.session.lineage.run_id,
-                         metrics=dict(metrics or {}), version=version)
-        handle = self.saver.save(tree, job)
-        self._last = (self.store.path_of(name), handle)
-        return handle
+        return tree
 
     def _check_retention_input(self, name: str, step: int, metrics: dict[str, float]) -> None:
         """The retention input check before anything is staged: rank 0 (which runs retention)
@@ -198,57 +213,26 @@ class ShardedCheckpoint:
             RankFailedError: preparing or loading failed on some rank (named); every rank
                 raises, before anything was applied to the live objects.
         """
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        models = {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
         values = [k for k, v in objects.items()
                   if not isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
-        plan = RankObjects.of(set(), [], self.rank)
+        plans: list[RankObjects] = []
 
         def build(entry: Entry, keys: set[str]) -> dict[str, Any]:
-            nonlocal plan
-            template: dict[str, Any] = {
-                "models": {k: get_model_state_dict(m) for k, m in models.items()},
-                "optimizers": {k: get_optimizer_state_dict(_model_of(o, models, k), o)
-                               for k, o in objects.items()
-                               if isinstance(o, torch.optim.Optimizer)},
-            }
-            own = f"rank{self.rank}"
-            if f"rank_state.{own}" in keys:
-                template["rank_state"] = {own: b""}
-            plan = RankObjects.of(keys, values, self.rank)
-            # a snapshot from before values were per rank keeps data loaders and generators
-            # in rank_state.rank<r>: those are found there (or warned about) once it is loaded
-            before = not any(k.startswith("rank_objects.") for k in keys)
-            missing = [k for k in plan.missing
-                       if not (before and isinstance(objects[k], (torch.utils.data.DataLoader,
-                                                                  torch.Generator)))]
-            if missing:
-                raise KeyError(f"snapshot {entry.path} holds no {missing} of rank {self.rank}; "
-                               "nothing was loaded")
-            template.update(plan.template())
+            template, plan = self._template(objects, keys, f"snapshot {entry.path}")
+            plans[:] = [plan]
             return template
 
         def apply(entry: Entry, template: dict[str, Any]) -> None:
-            for key, model in models.items():
-                set_model_state_dict(model, template["models"][key])
-            for key, optim in objects.items():
-                if isinstance(optim, torch.optim.Optimizer):
-                    set_optimizer_state_dict(_model_of(optim, models, key), optim,
-                                             template["optimizers"][key])
+            self._set_sharded(objects, template)
             applied.append(template)
 
         applied: list[dict[str, Any]] = []
-        def problems(entry: Entry, values: dict[str, Any]) -> list[str]:
+
+        def problems(entry: Entry, loaded: dict[str, Any]) -> list[str]:
             """A torchdata StatefulDataLoader's saved position that does not fit it (its
             geometry changed), found before any tensor is loaded into the live objects."""
             found: list[str] = []
-            for key, data in plan.loaded(values).items() if values else ():
+            for key, data in plans[0].loaded(loaded).items() if loaded else ():
                 if is_stateful_loader(objects.get(key)):
                     saved = object_from_bytes(data, self._weights_only)
                     found += StatefulLoaderState(key, objects[key]).problems(saved)
@@ -258,10 +242,71 @@ class ShardedCheckpoint:
         entry = self.session.resume_sharded(
             groups=self.groups, rank=self.rank, build=build, apply=apply,
             weights_only=self._weights_only, candidates=entries, incomplete=self._incomplete,
-            values=lambda built: plan.template(), problems=problems if check_loaders else None)
+            values=lambda built: plans[0].template(),
+            problems=problems if check_loaders else None)
         if entry is None:
             return None
-        template = applied[0]
+        self._set_values(into, objects, entry, applied[0], plans[0], values, before_rng)
+        return entry
+
+    def _template(self, objects: Mapping[str, Any], keys: set[str],
+                  what: str) -> tuple[dict[str, Any], RankObjects]:
+        """What a snapshot (or RAM snapshot: ``what``) holding the flattened ``keys`` loads
+        into on this rank: DCP's state dicts of the live modules and optimizers, and this
+        rank's values; with the plan of its per-rank values.
+
+        Raises:
+            KeyError: it holds no value of a key of ``objects`` for this rank.
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        models = {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
+        values = [k for k, v in objects.items()
+                  if not isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
+        template: dict[str, Any] = {
+            "models": {k: get_model_state_dict(m) for k, m in models.items()},
+            "optimizers": {k: get_optimizer_state_dict(_model_of(o, models, k), o)
+                           for k, o in objects.items()
+                           if isinstance(o, torch.optim.Optimizer)},
+        }
+        own = f"rank{self.rank}"
+        if f"rank_state.{own}" in keys:
+            template["rank_state"] = {own: b""}
+        plan = RankObjects.of(keys, values, self.rank)
+        # a snapshot from before values were per rank keeps data loaders and generators
+        # in rank_state.rank<r>: those are found there (or warned about) once it is loaded
+        before = not any(k.startswith("rank_objects.") for k in keys)
+        missing = [k for k in plan.missing
+                   if not (before and isinstance(objects[k], (torch.utils.data.DataLoader,
+                                                              torch.Generator)))]
+        if missing:
+            raise KeyError(f"{what} holds no {missing} of rank {self.rank}; nothing was loaded")
+        template.update(plan.template())
+        return template, plan
+
+    @staticmethod
+    def _set_sharded(objects: Mapping[str, Any], template: dict[str, Any]) -> None:
+        """Set the modules and optimizers of ``objects`` from a filled template."""
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        models = {k: v for k, v in objects.items() if isinstance(v, torch.nn.Module)}
+        for key, model in models.items():
+            set_model_state_dict(model, template["models"][key])
+        for key, optim in objects.items():
+            if isinstance(optim, torch.optim.Optimizer):
+                set_optimizer_state_dict(_model_of(optim, models, key), optim,
+                                         template["optimizers"][key])
+
+    def _set_values(self, into: MutableMapping[str, Any], objects: Mapping[str, Any],
+                    entry: Entry, template: dict[str, Any], plan: RankObjects,
+                    values: list[str], before_rng: Callable[[Mapping[str, Any]], None]) -> None:
+        """Set this rank's values, data positions and generators from a filled template."""
         rank_bytes = template.get("rank_state", {}).get(f"rank{self.rank}")
         rank_state = object_from_bytes(rank_bytes, self._weights_only) if rank_bytes else {}
         saved = {k: object_from_bytes(data, self._weights_only)
@@ -294,7 +339,37 @@ class ShardedCheckpoint:
         elif no_rng:
             logger.warning("rank %d: %s holds no RNG state (saved with rng=False); the global "
                            "generators were not restored", self.rank, entry.path)
-        return entry
+
+    # -- the memory tier -------------------------------------------------------------------------
+    def memory_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's RAM snapshot of ``state`` for the memory tier: :meth:`tree` with every
+        DTensor replaced by its local shard (a view, no copy)."""
+        return local_shards(self.tree(state))
+
+    def memory_prepare(self, objects: Mapping[str, Any], state: dict[str, Any]) -> Any:
+        """Check ``state`` (this rank's RAM snapshot) against the live state of ``objects``
+        (same keys, each tensor the shape and dtype of the live local shard) and return what
+        :meth:`memory_apply` takes.
+
+        Raises:
+            ValueError, KeyError: the differences (another world size, sharding or model).
+        """
+        template, plan = self._template(objects, flat_keys(state), "the RAM snapshot")
+        check_into_live(template, state)
+        return template, plan, state
+
+    def memory_apply(self, into: MutableMapping[str, Any], objects: Mapping[str, Any],
+                     prepared: Any, step: int, path: str, *,
+                     before_rng: Callable[[Mapping[str, Any]], None]) -> None:
+        """Copy a RAM snapshot checked by :meth:`memory_prepare` into the live local shards
+        in place, then set ``objects`` from it as :meth:`load` does."""
+        template, plan, state = prepared
+        copy_into_live(template, state)
+        self._set_sharded(objects, template)
+        values = [k for k, v in objects.items()
+                  if not isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
+        entry = Entry(name=path.rsplit("/", 1)[-1], path=path, key=(float(step),), step=step)
+        self._set_values(into, objects, entry, template, plan, values, before_rng)
 
     def wait(self) -> None:
         """Wait until the snapshot in flight is committed on every rank (its error raised)."""

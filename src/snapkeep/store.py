@@ -47,6 +47,17 @@ from snapkeep._core.memory_store import (
     tier_dir,
     write_owner,
 )
+from snapkeep._core.memory_tier import (
+    MemoryTier,
+    Restored,
+    TierEngine,
+    check_into_live,
+    copy_into_live,
+    flat_keys,
+    local_shards,
+    newest_listed_step,
+    state_bytes,
+)
 from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.one_pass import one_pass_loader
@@ -57,6 +68,7 @@ from snapkeep._core.resume_notice import (
     Skipped,
     announce,
     check_quiet,
+    say,
     skipped_on_ranks,
 )
 from snapkeep._core.retention_check import MetricCheck
@@ -109,6 +121,8 @@ __all__ = [
     "CandidateRefused", "Session", "RunLineage", "warn_about_existing", "MetricCheck",
     "INCOMPLETE_SHARDED", "ResumeNotice", "Skipped", "announce", "check_quiet",
     "skipped_on_ranks", "StatusLog",
+    "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
+    "local_shards", "state_bytes", "say", "newest_listed_step",
 ]
 
 

@@ -171,7 +171,7 @@ def main() -> None:
             snapshot.wait()  # storage's step 3 committed (a background commit)
         manager.writer.wait()  # a ThreadWriter's commit of step 4 (distributed-lent)
         with open(os.path.join(base, f"train_rank{rank}.json"), "w") as f:
-            json.dump({"tier_staged_own": tier._buffers is not None}, f)
+            json.dump({"tier_staged_own": tier.engine._buffers is not None}, f)
         dist.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
     persisted = sorted(n for n in os.listdir(storage) if n.startswith("snapshot_"))

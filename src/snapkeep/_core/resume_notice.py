@@ -93,3 +93,17 @@ def check_quiet(quiet: object) -> bool:
         raise TypeError(f"quiet must be True or False, got {quiet!r}")
     return quiet
 
+
+
+def say(text: str, *, quiet: bool = False, rank: int | None = None,
+        stream: TextIO | None = None) -> None:
+    """Write one line ``snapkeep: <text>`` on ``stream`` (default ``sys.stderr``, flushed) when
+    ``rank`` (default :func:`job_rank`) is 0 and not ``quiet``, as :func:`announce`; log it at
+    INFO on every rank (the memory tier's resume and fallback lines)."""
+    rank = job_rank() if rank is None else rank
+    logger.info("rank %d: %s", rank, text)
+    if quiet or rank != 0:
+        return
+    out = sys.stderr if stream is None else stream
+    out.write(f"{PREFIX}{text}\n")
+    out.flush()
