@@ -70,7 +70,7 @@ def _final(out: pathlib.Path) -> dict[str, torch.Tensor]:
 def test_kill_mid_save_stock_resumes_the_broken_directory_latest_verified_the_complete_one(
         tmp_path: pathlib.Path) -> None:
     reference = tmp_path / "reference"
-    _train(reference, "--callback")  # in this process: the same bits as a worker's run
+    _run(reference, "--callback")
     killed = tmp_path / "killed"
     _kill_mid_save(killed, 6, "optimizer", "--callback")  # optimizer.pt half written
 
@@ -218,8 +218,8 @@ def test_the_owned_async_save_killed_mid_save_resumes_bit_identical(
     """hf.SnapkeepTrainer writes checkpoint-N in the Trainer's layout on a background thread;
     killed while the save of checkpoint-6 is in flight (weights written, the rest not), the
     rerun resumes checkpoint-4 and ends bit-identical to an uninterrupted stock run."""
-    reference = _train(tmp_path / "reference")  # the stock Trainer, in this process
-    del reference
+    _run(tmp_path / "reference")  # the stock Trainer, in a worker as the killed runs (the
+    # test process's thread count would change the float sums)
     killed = tmp_path / "killed"
     _kill_mid_save(killed, 6, "model", "--owned", "--save-total-limit", "2")
     assert get_last_checkpoint(str(killed)) == str(killed / "checkpoint-6")
