@@ -40,6 +40,13 @@ What they change (each from Lightning's own code, 2.4-2.6):
   restarts a plain ``DataLoader`` mid-epoch from the start of its order, so a mid-epoch
   snapshot resumes with a different data order: save at epoch ends for bit-identical runs.
 
+- **Preemption.** On SIGTERM Lightning raises ``SIGTERMException`` at the next batch; snapkeep's
+  :class:`ModelCheckpoint` then saves a snapshot of that step (as ``save_on_exception=True``
+  would) and ``teardown`` commits it before the exception leaves ``fit`` (a ``SystemExit``
+  without a code: exit status 0, Lightning's). Lightning's SLURM handler (SIGUSR1 with
+  auto-requeue) saves ``hpc_ckpt_N.ckpt`` and requeues at once: such saves return only once
+  committed. Both snapshots are mid-epoch: they resume, but not bit-identically (see above).
+
 Scope: :class:`SnapkeepCheckpointIO` is called on global rank 0 only, as every
 ``CheckpointIO``; sharded strategies (FSDP, DeepSpeed, ModelParallel) bypass ``CheckpointIO``
 and so this door (use :class:`snapkeep.Checkpointer` with ``sharded=True`` there).
@@ -62,6 +69,7 @@ from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from snapkeep.errors import SnapshotCorruptError, SnapshotTimeoutError, StoreLockedError
 from snapkeep.store import (
@@ -91,6 +99,11 @@ _ALIAS_MAX_BYTES = 4096
 #: The store's template: it keys the directory lock and the sweep of temp files. Lightning's
 #: names come from no template, so the snapshots are listed from their manifests.
 _TEMPLATE = FilenameTemplate("lightning-{.iteration}.ckpt")
+
+
+#: Lightning's SLURM handler (SIGUSR1) saves ``hpc_ckpt_N.ckpt`` and requeues the job at once:
+#: those saves return only once committed.
+_HPC_PREFIX = "hpc_ckpt_"
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -125,9 +138,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
         writer: the snapkeep writer that stages and commits (no ``out_dir`` of its own);
             default a :class:`~snapkeep.writing.ThreadWriter` (a CPU copy into reused buffers,
             written on a background thread, one snapshot in flight: a save waits for the
-            previous commit). ``SimpleWriter()`` saves synchronously. Finalized by
-            :meth:`teardown`? No: :meth:`teardown` only waits; the writer is reused by the next
-            ``fit``, and finalized when this object is garbage-collected or by :meth:`close`.
+            previous commit). ``SimpleWriter()`` saves synchronously. :meth:`teardown` only
+            waits (the writer serves the next ``fit`` too); :meth:`close` finalizes it.
         storage_options: fsspec options (endpoint, credentials) for URL paths (``s3://``)
             when ``writer`` is not given. Object-store saves stream the staged tensors to one
             upload; no second in-memory copy of the whole checkpoint is made.
@@ -260,6 +272,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
         if handle is not None:
             with self._guard:
                 self._last_handle = handle
+            if name.startswith(_HPC_PREFIX):
+                handle.wait()  # Lightning requeues the SLURM job right after this save
         with self._guard:  # a full save replaces an alias of the same name
             self._aliases.pop(found.store.storage.join(found.store.directory, name), None)
 
@@ -547,6 +561,22 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if previous and previous != filepath and self._should_remove_checkpoint(
                 trainer, previous, filepath):
             self._remove_checkpoint(trainer, previous)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """As Lightning's; on SIGTERM (Lightning's ``SIGTERMException``, raised at the next
+        batch after the signal) a snapshot of the current step is saved even without
+        ``save_on_exception=True``; ``teardown`` (run by Lightning before the exception leaves
+        ``fit``) commits it. The exception is a ``SystemExit`` without a code (exit status 0)."""
+        if isinstance(exception, SIGTERMException) and _snapkeep_io(trainer) is not None \
+                and not self.save_on_exception \
+                and self._last_global_step_saved != trainer.global_step:
+            self.save_on_exception = True
+            try:
+                super().on_exception(trainer, pl_module, exception)
+            finally:
+                self.save_on_exception = False
+            return
+        super().on_exception(trainer, pl_module, exception)
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         io = _snapkeep_io(trainer)

@@ -97,6 +97,38 @@ def test_killed_mid_save_and_at_a_random_step_then_rerun_ends_bit_identical(
     assert_identical(_final(tmp_path / "ref"), _final(tmp_path / "b"))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(3 * BOUND_S)
+def test_sigterm_commits_a_snapshot_of_the_step_before_the_process_exits(
+        tmp_path: pathlib.Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step ") and int(line.split()[1]) >= 12:
+                os.kill(proc.pid, signal.SIGTERM)
+                break
+        # Lightning's SIGTERMException is a SystemExit without a code: status 0, after teardown
+        assert proc.wait(timeout=BOUND_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    ckpts = tmp_path / "ckpts"
+    io = SnapkeepCheckpointIO()
+    try:
+        newest = io.entries(str(ckpts))[-1]
+        assert newest.step is not None and newest.step >= 12 and newest.step % 8 != 0
+        assert json.loads((ckpts / "last.ckpt").read_bytes())["target"] == newest.name
+        assert not (tmp_path / "final.pt").exists()  # it left fit by the exception
+        assert io.load_checkpoint(str(ckpts / "last.ckpt"))["global_step"] == newest.step
+    finally:
+        io.close()
+
+
 def _flip_middle_byte(path: pathlib.Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
