@@ -268,3 +268,34 @@ def test_fabric_saves_and_loads_through_it(tmp_path: pathlib.Path) -> None:
     fabric.load(path, {"model": model})
     assert torch.equal(model.weight, before)
     io.close()
+
+
+def test_on_an_object_store_the_alias_the_removal_and_the_fallback_work(
+        tmp_path: pathlib.Path) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"memory://lightning-{tmp_path.name}"
+    io = SnapkeepCheckpointIO()
+    try:
+        for step in (8, 16):
+            io.save_checkpoint({"global_step": step, "w": torch.full((1000,), float(step))},
+                               f"{root}/epoch={step // 8 - 1}-step={step}.ckpt")
+        io.link(f"{root}/epoch=1-step=16.ckpt", f"{root}/last.ckpt")
+        io.wait()
+        assert json.loads(fs.cat(f"{root}/last.ckpt"))["target"] == "epoch=1-step=16.ckpt"
+        newest = f"{root}/epoch=1-step=16.ckpt"
+        data = bytearray(fs.cat(newest))
+        data[len(data) // 2] ^= 0xFF
+        fs.pipe(newest, bytes(data))
+        with pytest.warns(RuntimeWarning, match="epoch=1-step=16.ckpt failed verification.*"
+                                                "epoch=0-step=8.ckpt \\(step 8\\)"):
+            loaded = io.load_checkpoint(f"{root}/last.ckpt")
+        assert loaded["global_step"] == 8 and torch.equal(loaded["w"], torch.full((1000,), 8.0))
+        io.remove_checkpoint(f"{root}/epoch=0-step=8.ckpt")
+        io.wait()
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [
+            ".snapkeep", "epoch=1-step=16.ckpt", "last.ckpt"]
+    finally:
+        io.close()
+        fs.rm(root, recursive=True)
