@@ -113,7 +113,7 @@ def _split(path: str) -> tuple[str, str]:
     return directory or ".", name
 
 
-#: (directory URL, lock key) -> the SnapkeepCheckpointIO of this process holding it: the store
+#: directory URL -> the SnapkeepCheckpointIO of this process holding it: the store
 #: lock (flock) refuses other processes; within one process two IOs on one directory are refused
 #: here (as two open Checkpointers are).
 _OPEN: weakref.WeakValueDictionary[str, SnapkeepCheckpointIO] = weakref.WeakValueDictionary()
