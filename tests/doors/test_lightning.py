@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -27,6 +28,8 @@ import torch
 pytest.importorskip("lightning")
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 from snapkeep.errors import StoreLockedError  # noqa: E402
 from snapkeep.lightning import ALIAS_FORMAT, ModelCheckpoint, SnapkeepCheckpointIO  # noqa: E402
@@ -227,6 +230,57 @@ def test_last_never_names_an_uncommitted_file_and_removal_waits_for_the_commit(
     # and "last" loads the snapshot it names, verified
     loaded = SnapkeepCheckpointIO().load_checkpoint(ckpts / "last.ckpt")
     assert loaded["global_step"] == 24
+
+
+class _GatedTorchIO(TorchCheckpointIO):
+    """Lightning's TorchCheckpointIO whose second and later saves wait for ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.saves = 0
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        self.saves += 1
+        if self.saves > 1 and not self.gate.wait(30):
+            raise TimeoutError("gate never opened")
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class _SeeStockWindow(pl.Callback):
+    def __init__(self, io: _GatedTorchIO, ckpts: pathlib.Path) -> None:
+        self.io, self.ckpts = io, ckpts
+        self.seen: list[str] | None = None
+        self.last_resolves = True
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch == 2:  # epoch 1's save is held in the async thread
+            self.seen = sorted(os.listdir(self.ckpts))
+            self.last_resolves = os.path.exists(self.ckpts / "last.ckpt")
+            self.io.gate.set()
+
+
+def test_stock_async_io_points_last_at_an_unwritten_file_and_deletes_the_old_one_first(
+        tmp_path: pathlib.Path) -> None:
+    """The contrast: Lightning's AsyncCheckpointIO with its ModelCheckpoint, the same hold."""
+    gated = _GatedTorchIO()
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()  # else the link of epoch 0 fails at once: its directory does not exist yet
+    see = _SeeStockWindow(gated, ckpts)
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        max_epochs=3, accelerator="cpu", enable_progress_bar=False, logger=False,
+        enable_model_summary=False, plugins=[AsyncCheckpointIO(gated)],
+        default_root_dir=tmp_path,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=ckpts, save_last="link"), see])
+    try:
+        trainer.fit(lightning_worker.make_module(), lightning_worker.loader())
+    finally:
+        gated.gate.set()
+    # while epoch 1's save was in flight: epoch 0's checkpoint was already deleted and last.ckpt
+    # was a link to the file not yet written -- no durable checkpoint at all in that window
+    assert see.seen == ["last.ckpt"], see.seen
+    assert not see.last_resolves
 
 
 def test_a_second_trainer_on_the_directory_is_refused(tmp_path: pathlib.Path) -> None:
