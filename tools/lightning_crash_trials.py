@@ -13,6 +13,10 @@ of moment:
 - ``step``: right after a random optimizer step (1-47), mid-epoch or just after a save began;
 - ``in-save``: the k-th save (k random, 1-6) kills itself half-way through its temp file.
 
+With ``--from-step 9`` every kill comes after the first save began (the time delay counts
+from step 9, steps are drawn from 9-47, in-save kills from saves 2-6), so a rerun has a
+committed snapshot to resume from unless that first save was still in flight.
+
 Then the directory is checked before the rerun: every snapshot with a manifest verifies (no torn
 file under a final name) and ``last.ckpt`` names a committed snapshot. The rerun must print the
 snapshot it restored (or start fresh when none was committed) and end with the reference's
@@ -55,11 +59,12 @@ def _identical(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _kill(out: str, kind: str, rng: random.Random, duration_s: float) -> str:
-    """Start the worker on ``out`` and SIGKILL it at a moment of ``kind``; describe it."""
+def _kill(out: str, kind: str, rng: random.Random, duration_s: float, first: int) -> str:
+    """Start the worker on ``out`` and SIGKILL it at a moment of ``kind``, from step ``first``
+    on (the ``time`` delay counts from that step, up to ``duration_s``); describe it."""
     extra: list[str] = []
     if kind == "in-save":
-        k = rng.randint(1, 6)
+        k = rng.randint(1 if first <= 1 else 2, 6)
         extra = ["--kill-in-save", str(k)]
         what = f"in save {k}"
     proc = subprocess.Popen([sys.executable, WORKER, out, *extra], env=_env(),
@@ -68,13 +73,16 @@ def _kill(out: str, kind: str, rng: random.Random, duration_s: float) -> str:
     try:
         if kind == "time":
             delay = rng.uniform(0.0, duration_s)
-            what = f"after {delay:.2f} s"
+            what = f"{delay:.2f} s after step {first}"
+            for line in proc.stdout if first > 0 else ():
+                if line.startswith("step ") and int(line.split()[1]) >= first:
+                    break
             try:
                 proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
         elif kind == "step":
-            step = rng.randint(1, 47)
+            step = rng.randint(max(first, 1), 47)
             what = f"after step {step}"
             for line in proc.stdout:
                 if line.startswith("step ") and int(line.split()[1]) >= step:
@@ -122,16 +130,26 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=50)
     parser.add_argument("--seed", type=int, default=26)
     parser.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
+    parser.add_argument("--from-step", type=int, default=0,
+                        help="kill only from this step on (9: after the first save began; "
+                             "in-save kills then pick saves 2-6); default 0: from the start")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = args.dir or tempfile.mkdtemp(prefix="lightning-trials-")
     started = time.monotonic()
-    reference = subprocess.run([sys.executable, WORKER, os.path.join(root, "ref")], env=_env(),
-                               capture_output=True, text=True, timeout=BOUND_S)
-    duration_s = time.monotonic() - started
-    if reference.returncode != 0:
-        print(reference.stderr)
+    reference = subprocess.Popen([sys.executable, WORKER, os.path.join(root, "ref")], env=_env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert reference.stdout is not None
+    for line in reference.stdout:  # the time kills draw from the run's time after from_step
+        if line.startswith("step ") and int(line.split()[1]) >= args.from_step:
+            started = time.monotonic()
+            break
+    reference.stdout.read()
+    if reference.wait(timeout=BOUND_S) != 0:
+        print("the uninterrupted run failed")
         return 2
+    reference.stdout.close()
+    duration_s = time.monotonic() - started
     expected = torch.load(os.path.join(root, "ref", "final.pt"), weights_only=True)
     kinds = ("time", "step", "in-save")
     tally = {"trials": 0, "resumed_verified": 0, "fresh_start": 0, "identical": 0,
@@ -139,7 +157,7 @@ def main() -> int:
     for trial in range(args.trials):
         kind = kinds[trial % len(kinds)]
         out = os.path.join(root, f"t{trial:03d}")
-        moment = _kill(out, kind, rng, duration_s)
+        moment = _kill(out, kind, rng, duration_s, args.from_step)
         ckpts = os.path.join(out, "ckpts")
         torn = os.path.isdir(ckpts) and any(".snapkeep-tmp." in n for n in os.listdir(ckpts))
         tally["mid_save_kills"] += int(torn)
