@@ -1,0 +1,347 @@
+"""The Lightning door (issue 26): a real ``Trainer`` fit on CPU through
+``SnapkeepCheckpointIO`` + snapkeep's ``ModelCheckpoint``, killed (SIGKILL mid-save and at a
+random step) and rerun with ``ckpt_path="last"``, ends bit-identical to an uninterrupted run;
+a flipped byte in the newest checkpoint falls back with a warning where stock Lightning loads
+or raises; a commit held back shows ``last`` never names an uncommitted file and the top-k
+removal waits for the commit. The 50-trial version is ``tools/lightning_crash_trials.py``.
+
+Lightning restarts a plain DataLoader mid-epoch from the start of its order, so exactness is
+tested at the boundary it supports: snapshots at epoch ends (the worker's ModelCheckpoint);
+the kills land anywhere, mid-epoch and mid-save included."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+
+from snapkeep.errors import StoreLockedError  # noqa: E402
+from snapkeep.lightning import ALIAS_FORMAT, ModelCheckpoint, SnapkeepCheckpointIO  # noqa: E402
+from snapkeep.writing import ThreadWriter  # noqa: E402
+from support.killing import BOUND_S, assert_identical, env  # noqa: E402
+from support.writer_gates import EventGate  # noqa: E402
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import lightning_worker  # noqa: E402
+
+WORKER = HERE / "lightning_worker.py"
+
+
+def _run(out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(WORKER), str(out), *extra], env=env(),
+                          capture_output=True, text=True, timeout=BOUND_S)
+
+
+def _kill_after_step(out: pathlib.Path, step: int) -> None:
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(out)], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step ") and int(line.split()[1]) >= step:
+                os.kill(proc.pid, signal.SIGKILL)
+                break
+        assert proc.wait(timeout=BOUND_S) in (-signal.SIGKILL, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _final(out: pathlib.Path) -> Any:
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(6 * BOUND_S)
+def test_killed_mid_save_then_at_a_random_step_then_rerun_ends_bit_identical(
+        tmp_path: pathlib.Path) -> None:
+    rng = random.Random(os.environ.get("SNAPKEEP_TEST_SEED", "26"))
+    threads = torch.get_num_threads()  # the uninterrupted run, here, as the workers run
+    torch.set_num_threads(1)
+    try:
+        assert lightning_worker.main([str(tmp_path / "ref")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = tmp_path / "run"
+    # 1. mid-save: the k-th save SIGKILLs the process half-way through its temp file
+    k = rng.randint(2, 5)
+    mid_save = _run(out, "--kill-in-save", str(k))
+    assert mid_save.returncode == -signal.SIGKILL, mid_save.stderr
+    assert any(".snapkeep-tmp." in n for n in os.listdir(out / "ckpts"))  # killed in the write
+    # 2. the rerun resumes from the newest committed snapshot (step 8 (k-1)); it is killed in
+    # turn at a random later step (mid-epoch, or with a save in flight)
+    resumed = 8 * (k - 1)
+    _kill_after_step(out, rng.randint(resumed + 1, 47))
+    # 3. the last rerun runs to the end, bit-identical to the uninterrupted run
+    rerun = _run(out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "Restored all states from the checkpoint at " in rerun.stderr
+    assert_identical(_final(tmp_path / "ref"), _final(out))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * BOUND_S)
+def test_sigterm_commits_a_snapshot_of_the_step_before_the_process_exits(
+        tmp_path: pathlib.Path) -> None:
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step ") and int(line.split()[1]) >= 12:
+                os.kill(proc.pid, signal.SIGTERM)
+                break
+        # Lightning's SIGTERMException is a SystemExit without a code: status 0, after teardown
+        assert proc.wait(timeout=BOUND_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    ckpts = tmp_path / "ckpts"
+    io = SnapkeepCheckpointIO()
+    try:
+        newest = io.entries(str(ckpts))[-1]
+        assert newest.step is not None and newest.step >= 12 and newest.step % 8 != 0
+        assert json.loads((ckpts / "last.ckpt").read_bytes())["target"] == newest.name
+        assert not (tmp_path / "final.pt").exists()  # it left fit by the exception
+        assert io.load_checkpoint(str(ckpts / "last.ckpt"))["global_step"] == newest.step
+    finally:
+        io.close()
+
+
+def _flip_middle_byte(path: pathlib.Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_with_a_warning(
+        tmp_path: pathlib.Path) -> None:
+    epochs = ["--epochs", "3"]
+    assert lightning_worker.main([str(tmp_path / "ref"), *epochs]) == 0
+    reference = _final(tmp_path / "ref")
+
+    # snapkeep: the newest snapshot (step 24) is corrupt; the rerun warns, naming it and the
+    # snapshot it loads instead (step 16), trains the last epoch again and ends identical
+    out = tmp_path / "snapkeep"
+    assert lightning_worker.main([str(out), *epochs]) == 0
+    newest = out / "ckpts" / "epoch=2-step=24.ckpt"
+    _flip_middle_byte(newest)
+    os.remove(out / "final.pt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert lightning_worker.main([str(out), *epochs]) == 0
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    fallback = [m for m in messages if "failed verification" in m]
+    assert len(fallback) == 1, messages
+    assert str(newest) in fallback[0] and "epoch=1-step=16.ckpt (step 16)" in fallback[0]
+    assert_identical(reference, _final(out))
+
+    # stock Lightning (TorchCheckpointIO, its ModelCheckpoint): the same flip in the file it
+    # resumes from (last.ckpt, the newest by mtime) is either loaded as is -- torch.load checks
+    # no checksum -- or raises; it never falls back to the previous checkpoint
+    stock = tmp_path / "stock"
+    assert lightning_worker.main([str(stock), *epochs, "--stock"]) == 0
+    _flip_middle_byte(stock / "ckpts" / "last.ckpt")
+    os.remove(stock / "final.pt")
+    try:
+        lightning_worker.main([str(stock), *epochs, "--stock"])
+    except Exception as e:  # noqa: BLE001  (stock raised: the run cannot resume)
+        assert not (stock / "final.pt").exists(), e
+    else:  # loaded the damaged weights silently: ends different from the reference
+        with pytest.raises(AssertionError):
+            assert_identical(reference, _final(stock))
+
+
+class _HoldSecondCommit(pl.Callback):
+    """At the start of epoch 2, with the snapshot of epoch 1 held in its write: check what is on
+    disk, then let the commit through and check again."""
+
+    def __init__(self, gate: EventGate, io: SnapkeepCheckpointIO, ckpts: pathlib.Path) -> None:
+        self.gate, self.io, self.ckpts = gate, io, ckpts
+        self.checked = False
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch != 2:
+            return
+        self.gate.wait_entered()  # epoch 0's save (let through before fit)
+        self.gate.wait_entered()  # epoch 1's save, held
+        files = sorted(n for n in os.listdir(self.ckpts) if ".snapkeep-tmp." not in n)
+        # the held snapshot is not there under its name; top-k has not removed the old one;
+        # last still names the committed one
+        assert files == [".snapkeep", "epoch=0-step=8.ckpt", "last.ckpt"], files
+        assert self._last_target() == "epoch=0-step=8.ckpt"
+        self.gate.open()
+        self.io.wait(30)
+        files = sorted(os.listdir(self.ckpts))
+        assert files == [".snapkeep", "epoch=1-step=16.ckpt", "last.ckpt"], files
+        assert self._last_target() == "epoch=1-step=16.ckpt"
+        self.checked = True
+
+    def _last_target(self) -> str:
+        record = json.loads((self.ckpts / "last.ckpt").read_bytes())
+        assert record["format"] == ALIAS_FORMAT
+        return str(record["target"])
+
+
+def test_last_never_names_an_uncommitted_file_and_removal_waits_for_the_commit(
+        tmp_path: pathlib.Path) -> None:
+    gate = EventGate()
+    io = SnapkeepCheckpointIO(ThreadWriter(savefun=gate.savefun))
+    ckpts = tmp_path / "ckpts"
+    hold = _HoldSecondCommit(gate, io, ckpts)
+    try:
+        gate.release()  # epoch 0's save goes through
+        torch.manual_seed(0)
+        trainer = pl.Trainer(
+            max_epochs=3, accelerator="cpu", enable_progress_bar=False, logger=False,
+            enable_model_summary=False, plugins=[io], default_root_dir=tmp_path,
+            callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True), hold])
+        trainer.fit(lightning_worker.make_module(), lightning_worker.loader())
+    finally:
+        gate.close()
+        io.close()
+    assert hold.checked
+    assert sorted(os.listdir(ckpts)) == [".snapkeep", "epoch=2-step=24.ckpt", "last.ckpt"]
+    # the last reference costs no second write: the alias record is a few dozen bytes
+    assert (ckpts / "last.ckpt").stat().st_size < 200
+    # and "last" loads the snapshot it names, verified
+    loaded = SnapkeepCheckpointIO().load_checkpoint(ckpts / "last.ckpt")
+    assert loaded["global_step"] == 24
+
+
+class _GatedTorchIO(TorchCheckpointIO):
+    """Lightning's TorchCheckpointIO whose second and later saves wait for ``gate``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.saves = 0
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        self.saves += 1
+        if self.saves > 1 and not self.gate.wait(30):
+            raise TimeoutError("gate never opened")
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+class _SeeStockWindow(pl.Callback):
+    def __init__(self, io: _GatedTorchIO, ckpts: pathlib.Path) -> None:
+        self.io, self.ckpts = io, ckpts
+        self.seen: list[str] | None = None
+        self.last_resolves = True
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch == 2:  # epoch 1's save is held in the async thread
+            self.seen = sorted(os.listdir(self.ckpts))
+            self.last_resolves = os.path.exists(self.ckpts / "last.ckpt")
+            self.io.gate.set()
+
+
+def test_stock_async_io_points_last_at_an_unwritten_file_and_deletes_the_old_one_first(
+        tmp_path: pathlib.Path) -> None:
+    """The contrast: Lightning's AsyncCheckpointIO with its ModelCheckpoint, the same hold."""
+    gated = _GatedTorchIO()
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()  # else the link of epoch 0 fails at once: its directory does not exist yet
+    see = _SeeStockWindow(gated, ckpts)
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        max_epochs=3, accelerator="cpu", enable_progress_bar=False, logger=False,
+        enable_model_summary=False, plugins=[AsyncCheckpointIO(gated)],
+        default_root_dir=tmp_path,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=ckpts, save_last="link"), see])
+    try:
+        trainer.fit(lightning_worker.make_module(), lightning_worker.loader())
+    finally:
+        gated.gate.set()
+    # while epoch 1's save was in flight: epoch 0's checkpoint was already deleted and last.ckpt
+    # was a link to the file not yet written -- no durable checkpoint at all in that window
+    assert see.seen == ["last.ckpt"], see.seen
+    assert not see.last_resolves
+
+
+def test_a_second_trainer_on_the_directory_is_refused(tmp_path: pathlib.Path) -> None:
+    first, second = SnapkeepCheckpointIO(), SnapkeepCheckpointIO()
+    first.open(str(tmp_path))
+    try:
+        with pytest.raises(StoreLockedError, match="another SnapkeepCheckpointIO"):
+            second.save_checkpoint({"global_step": 1, "w": torch.ones(2)},
+                                   str(tmp_path / "x.ckpt"))
+        assert not (tmp_path / "x.ckpt").exists()
+        first.teardown()  # released: the second one may take it
+        second.open(str(tmp_path))
+    finally:
+        first.close()
+        second.close()
+
+
+def test_fabric_saves_and_loads_through_it(tmp_path: pathlib.Path) -> None:
+    from lightning.fabric import Fabric
+
+    io = SnapkeepCheckpointIO()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = torch.nn.Linear(4, 2)
+    path = tmp_path / "fabric.ckpt"
+    fabric.save(path, {"model": model, "global_step": 7})
+    io.wait()
+    assert (tmp_path / ".snapkeep" / "fabric.ckpt.json").exists()
+    before = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.zero_()
+    fabric.load(path, {"model": model})
+    assert torch.equal(model.weight, before)
+    io.close()
+
+
+def test_on_an_object_store_the_alias_the_removal_and_the_fallback_work(
+        tmp_path: pathlib.Path) -> None:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    root = f"memory://lightning-{tmp_path.name}"
+    io = SnapkeepCheckpointIO()
+    try:
+        for step in (8, 16):
+            io.save_checkpoint({"global_step": step, "w": torch.full((1000,), float(step))},
+                               f"{root}/epoch={step // 8 - 1}-step={step}.ckpt")
+        io.link(f"{root}/epoch=1-step=16.ckpt", f"{root}/last.ckpt")
+        io.wait()
+        assert json.loads(fs.cat(f"{root}/last.ckpt"))["target"] == "epoch=1-step=16.ckpt"
+        newest = f"{root}/epoch=1-step=16.ckpt"
+        data = bytearray(fs.cat(newest))
+        data[len(data) // 2] ^= 0xFF
+        fs.pipe(newest, bytes(data))
+        with pytest.warns(RuntimeWarning, match="epoch=1-step=16.ckpt failed verification.*"
+                                                "epoch=0-step=8.ckpt \\(step 8\\)"):
+            loaded = io.load_checkpoint(f"{root}/last.ckpt")
+        assert loaded["global_step"] == 8 and torch.equal(loaded["w"], torch.full((1000,), 8.0))
+        io.remove_checkpoint(f"{root}/epoch=0-step=8.ckpt")
+        io.wait()
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == [
+            ".snapkeep", "epoch=1-step=16.ckpt", "last.ckpt"]
+    finally:
+        io.close()
+        fs.rm(root, recursive=True)
