@@ -8,7 +8,12 @@ The sharded names (``ShardedSaver``, ``ShardedStore``, ``load_sharded``, ...) im
 
 from typing import Any
 
-from snapkeep._core.distributed.agreement import agree_on_resume, all_gather, exchange_outcomes
+from snapkeep._core.distributed.agreement import (
+    agree_on_resume,
+    all_gather,
+    exchange_outcomes,
+    together,
+)
 from snapkeep._core.distributed.errors import (
     CollectiveTimeoutError,
     NoCommonSnapshotError,
@@ -46,7 +51,7 @@ __all__ = [
     "agree_on_resume", "all_gather", "background_groups", "end_if_orphaned",
     "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed", "DEFAULT_SIGNALS",
     "EXIT_CODE_PREEMPTED", "SignalWatch", "describe_signal", "job_rank", "on_orphaned",
-    "AGENT_GONE", "parse_signals", "signal_name", "signalled",
+    "AGENT_GONE", "parse_signals", "signal_name", "signalled", "together",
     *sorted(_SHARDED),
 ]
 

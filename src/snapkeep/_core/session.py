@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes
+from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes, together
 from snapkeep._core.errors import StateMismatchError, UnsafeSnapshotError
 from snapkeep._core.lineage import RunLineage
 from snapkeep._core.loading import load_file
@@ -296,7 +296,7 @@ class Session:
             loaded = build(entry, saved_keys(store, entry, weights_only=weights_only))
         except Exception as e:  # exchanged below: every rank fails together
             error = e
-        _together(control, error, what=f"{what}: preparing to load {entry.path}",
+        together(control, error, what=f"{what}: preparing to load {entry.path}",
                   timeout_s=timeout_s)
         if problems is not None:  # the small values alone first: all or nothing
             try:
@@ -310,14 +310,14 @@ class Session:
                         f"{describe(found)}. Nothing was loaded or deleted.")
             except Exception as e:  # exchanged below: every rank refuses together
                 error = e
-            _together(control, error, what=f"{what}: checking {entry.path}",
+            together(control, error, what=f"{what}: checking {entry.path}",
                       timeout_s=timeout_s)
         try:
             load_sharded(store, entry, loaded, groups=groups, weights_only=weights_only)
             apply(entry, loaded)
         except Exception as e:  # exchanged below
             error = e
-        _together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
+        together(control, error, what=f"{what}: loading {entry.path}", timeout_s=timeout_s)
         manifest = store.manifest(entry)
         self.lineage.continue_run(manifest.run_id if manifest is not None else None)
         logger.info("rank %d resumed from sharded snapshot %s (step %s, saved on %s rank(s))",
@@ -376,12 +376,3 @@ class Session:
         """Whether this session holds the store lock."""
         return self._lock is not None
 
-
-def _together(control: Any, error: BaseException | None, *, what: str,
-              timeout_s: float | None) -> None:
-    """Exchange this rank's outcome of ``what`` (every rank raises together); a single process
-    (no group) raises its own error with its own type (``UnsafeSnapshotError``,
-    ``StateMismatchError``)."""
-    if control is None and error is not None:
-        raise error
-    exchange_outcomes(control, error, what=what, timeout_s=timeout_s)

@@ -78,6 +78,20 @@ def exchange_outcomes(group: dist.ProcessGroup | None, error: BaseException | st
     return outcomes
 
 
+def together(group: dist.ProcessGroup | None, error: BaseException | None, *, what: str,
+             timeout_s: float | None = None) -> None:
+    """:func:`exchange_outcomes` of one step of a collective load or check; a single process
+    (no group) raises its own ``error`` with its own type (``UnsafeSnapshotError``,
+    ``StateMismatchError``), as a single-file load would.
+
+    Raises:
+        RankFailedError, CollectiveTimeoutError: see :func:`exchange_outcomes`.
+    """
+    if group is None and error is not None:
+        raise error
+    exchange_outcomes(group, error, what=what, timeout_s=timeout_s)
+
+
 def agree_on_resume(
     group: dist.ProcessGroup | None,
     listing: Sequence[tuple[tuple[float, ...], str]],

@@ -43,8 +43,8 @@ from snapkeep.distributed import (
     ShardedSaver,
     ShardedStore,
     background_groups,
-    exchange_outcomes,
     is_distributed,
+    together,
 )
 from snapkeep.errors import RankFailedError, SnapshotError
 from snapkeep.retention import RetentionPolicy, best_metrics
@@ -52,6 +52,7 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     Session,
+    local_shards,
 )
 from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
@@ -234,7 +235,7 @@ class _ShardedSnapshot(SnapshotExtension):
         the DCP state of the layout (module docstring) with every DTensor replaced by its local
         shard (``to_local()``: a view of the live shard, no copy); plain tensors and the bytes
         of non-tensor state as they are. Collective-free."""
-        return _local_shards(self._layout.state(manager, rank))
+        return local_shards(self._layout.state(manager, rank))
 
     def memory_template(self, manager: Any, keys: set[str], rank: int) -> dict[str, Any]:
         """What a RAM snapshot holding the flattened ``keys`` loads into on ``rank``: the live
@@ -302,7 +303,7 @@ class _ShardedSnapshot(SnapshotExtension):
         control = self._groups.control if self._groups else None
         timeout_s = self._groups.timeout_s if self._groups else None
         try:
-            _together(control, error, what=f"checking the retention policy before {job.name}",
+            together(control, error, what=f"checking the retention policy before {job.name}",
                       timeout_s=timeout_s)
         except RankFailedError as e:
             if error is not None:
@@ -377,29 +378,6 @@ class _ShardedSnapshot(SnapshotExtension):
 #: it is the extension's default name, under which its state is saved in a manager's state
 #: dict.
 ShardedSnapshotExtension = _ShardedSnapshot
-
-
-def _together(control: Any, error: BaseException | None, *, what: str,
-              timeout_s: float | None) -> None:
-    """Exchange this rank's outcome of ``what`` (every rank raises together); a single process
-    (no group) raises its own error with its own type (``UnsafeSnapshotError``,
-    ``StateMismatchError``)."""
-    if control is None and error is not None:
-        raise error
-    exchange_outcomes(control, error, what=what, timeout_s=timeout_s)
-
-
-def _local_shards(state: Any) -> Any:
-    """``state`` (dicts, lists, tuples) with every DTensor replaced by its local tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, DTensor):
-        return state.to_local()
-    if isinstance(state, dict):
-        return {k: _local_shards(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_local_shards(v) for v in state)
-    return state
 
 
 def _version() -> str:
