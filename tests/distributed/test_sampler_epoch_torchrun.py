@@ -67,7 +67,7 @@ def test_killed_inside_an_epoch_the_rerun_feeds_that_epochs_order(tmp_path):
     _kill_inside_epoch_1(killed / "ckpt", killed)
     assert not (killed / "final_rank0.pt").exists(), "the kill came too late"
     output = _run(killed / "ckpt", killed)
-    assert "resumed from" in output, output[-3000:]
+    assert "snapkeep: resuming from" in output, output[-3000:]
     for rank in (0, 1):
         ref = torch.load(reference / f"final_rank{rank}.pt", weights_only=True)
         got = torch.load(killed / f"final_rank{rank}.pt", weights_only=True)

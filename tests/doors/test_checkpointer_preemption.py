@@ -79,6 +79,8 @@ def test_a_signal_snapshots_the_next_step_and_the_rerun_ends_as_uninterrupted(
     assert status.reason == f"signal {sig.name}"
     result = CliRunner().invoke(cli, ["status", str(out)])
     assert result.exit_code == 75 and "preempted" in result.output, result.output
+    if sig is not signal.SIGTERM:
+        return  # the rerun is the same for either signal
     rerun = ranks.run(WORKER, 1, [str(tmp_path / "init"), str(out), str(STEPS)],
                       timeout_s=BOUND_S)[0]
     assert "resumed at 7" in rerun
