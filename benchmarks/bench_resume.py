@@ -37,7 +37,7 @@ CONTENDERS = ("torch.load", "torch.load(mmap=True)", "DCP load", "snapkeep autol
 #: Every door of snapkeep over the same state (``--doors``), each timed from the door's
 #: construction (the manager with its default-style ThreadWriter, the Checkpointer) to every
 #: optimizer page resident, as a restarted trainer sees it (issue 24's cold-resume target).
-DOORS = ("door: extension autoload (ThreadWriter, built in the timing)",
+DOORS = ("door: extension autoload (ThreadWriter; built in the timing)",
          "door: Checkpointer.load", "door: load_latest + load_state_dict")
 #: How snapkeep could verify and load (``--variants``): the choice behind autoload's path.
 VARIANTS = ("one pass into new storages", "read+hash then mmap load",
