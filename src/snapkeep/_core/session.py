@@ -164,7 +164,8 @@ class Session:
                 (``StateMismatchError``) having loaded nothing.
             candidates: the snapshots to consider (default: the store's listing).
             verify_while_loading: verify local files while they are loaded (one pass).
-            map_location, weights_only: as ``torch.load``'s (safe loading by default: see
+            map_location: as ``torch.load``'s.
+            weights_only: as ``torch.load``'s (safe loading by default: see
                 :func:`snapkeep._core.loading.load_file`).
 
         Returns:
