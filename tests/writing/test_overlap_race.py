@@ -193,7 +193,7 @@ def test_no_torn_snapshot_under_racing_hand_edits(tmp_path, writer_name, tier, o
     if tier:  # the RAM snapshots: the same steps, none torn, none staged by the tier itself
         assert ram.torn == [], f"{len(ram.torn)} torn RAM snapshots: {ram.torn[:5]}"
         assert sorted(ram.committed) == sorted(checker.committed)
-        assert memory._buffers is None
+        assert memory.engine is not None and memory.engine._buffers is None
     print(f"{writer_name}: {len(checker.committed)} committed, {len(expected_drops)} dropped, "
           f"{len(checker.torn)} torn of {SNAPSHOTS} snapshots"
           + (f"; {len(ram.committed)} RAM snapshots, {len(ram.torn)} torn" if tier else ""))

@@ -53,10 +53,8 @@ import contextlib
 import dataclasses
 import io
 import logging
-import mmap
 import os
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,6 +62,7 @@ import torch
 
 from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
 from snapkeep._core.distributed.groups import background_groups, is_distributed
+from snapkeep._core.distributed.peer import pairwise, recv_verified, send_bytes
 from snapkeep._core.errors import (
     SnapshotCorruptError,
     SnapshotSaveError,
@@ -570,7 +569,7 @@ class TierEngine:
                 except SnapshotCorruptError:
                     mapped = None
                 try:
-                    _send(b"" if mapped is None else mapped, r, control)
+                    send_bytes(b"" if mapped is None else mapped, r, control)
                 finally:
                     if mapped is not None:
                         with contextlib.suppress(BufferError):  # else closed when collected
@@ -578,7 +577,8 @@ class TierEngine:
             elif rank == r:  # received again on a replan: its holder sends it again
                 digest = everyone[holder]["held"][r][1]
                 try:
-                    kept[(step, holder)] = _recv_verified(holder, control, digest)
+                    kept[(step, holder)] = recv_verified(holder, control, digest,
+                                                         check=_check_digest)
                 except SnapshotCorruptError as e:
                     error = f"peer copy from rank {holder}: {e}"
                 except Exception as e:  # not a corrupt copy: raised on every rank when loading
@@ -683,10 +683,10 @@ class TierEngine:
                                       dtype=torch.uint8)
             got_header = torch.empty(2, dtype=torch.int64)
             got_digest = torch.empty(64, dtype=torch.uint8)
-            _pairwise(group, [header, digest], [got_header, got_digest], dst, src)
+            pairwise(group, [header, digest], [got_header, got_digest], dst, src)
             got = torch.empty(int(got_header[1]), dtype=torch.uint8)
             payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            _pairwise(group, [payload], [got], dst, src)
+            pairwise(group, [payload], [got], dst, src)
             checksum = bytes(got_digest.tolist()).decode().strip()
             if self.disabled is None:
                 MemoryStore(self.tier.root, self.job, self.rank, src).commit_bytes(
@@ -879,67 +879,6 @@ def _holder_order(rank: int, world: int, stride: int) -> list[int]:
         if h != rank and h not in seen:
             seen.append(h)
     return seen
-
-
-def _pairwise(group: Any, send: list[torch.Tensor], recv: list[torch.Tensor], dst: int,
-              src: int) -> None:
-    import torch.distributed as dist
-
-    ops = [dist.P2POp(dist.isend, t, dst, group) for t in send]
-    ops += [dist.P2POp(dist.irecv, t, src, group) for t in recv]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-
-
-def _send(payload: Any, dst: int, group: Any) -> None:
-    """Send ``payload`` (bytes, or a mapped file: sent from its pages, no copy) to ``dst``."""
-    import torch.distributed as dist
-
-    size = len(payload)
-    dist.send(torch.tensor([size], dtype=torch.int64), dst, group=group)
-    if size:
-        with warnings.catch_warnings():  # only read: no copy of a read-only buffer
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            tensor = torch.frombuffer(payload, dtype=torch.uint8)
-        dist.send(tensor, dst, group=group)
-        del tensor
-
-
-def _recv_verified(src: int, group: Any, checksum: str) -> Any:
-    """The state sent by ``src`` (``torch.load``'d, ``weights_only``, CPU), its bytes checked
-    against ``checksum`` first. The bytes land once in an anonymous memory file
-    (``memfd_create``, where the system has it), are hashed in place and loaded mapped: no copy
-    of them is made after the transfer.
-
-    Raises:
-        SnapshotCorruptError: nothing was sent, or the checksum differs.
-    """
-    import torch.distributed as dist
-
-    size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    n = int(size[0])
-    if n == 0:
-        raise SnapshotCorruptError("the holder has no copy of this step")
-    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
-        out = torch.empty(n, dtype=torch.uint8)
-        dist.recv(out, src, group=group)
-        data = out.numpy().tobytes()
-        del out
-        _check_digest(data, checksum)
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    fd = os.memfd_create("snapkeep-peer-copy")
-    try:
-        os.ftruncate(fd, n)
-        with mmap.mmap(fd, n) as buf:
-            out = torch.frombuffer(buf, dtype=torch.uint8)
-            dist.recv(out, src, group=group)
-            del out
-            _check_digest(buf, checksum)
-        return torch.load(f"/proc/self/fd/{fd}", map_location="cpu", weights_only=True,
-                          mmap=True)
-    finally:
-        os.close(fd)
 
 
 def _check_digest(data: Any, checksum: str) -> None:
