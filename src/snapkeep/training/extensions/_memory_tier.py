@@ -20,6 +20,7 @@ import logging
 import types
 from typing import Any
 
+import snapkeep.training.extensions._lineage as _lineage
 from snapkeep.staging import StagedLoan, into_existing_state, optimizers_in
 from snapkeep.store import (
     MemoryTier,
@@ -28,19 +29,12 @@ from snapkeep.store import (
     check_into_live,
     copy_into_live,
     flat_keys,
-    newest_listed_step,
-    resolve_storage,
     state_bytes,
 )
 from snapkeep.training import extension
-from snapkeep.training.extensions._lineage import SNAPSHOT_MARKER
 from snapkeep.wrapping import canonical_tree, live_tree
 
 logger = logging.getLogger(__name__)
-
-RESTORED_ATTRIBUTE = "_snapkeep_memory_restored"
-"""Set on the manager when the tier restored its state (a :class:`Restored`); the snapshot
-extension then skips its autoload and persists the step when it is newer than storage."""
 
 
 def memory_tier(tier: MemoryTier) -> _MemoryTierExtension:
@@ -55,12 +49,6 @@ def memory_tier(tier: MemoryTier) -> _MemoryTierExtension:
     return _MemoryTierExtension(tier)
 
 
-def _snapshot_extensions(manager: Any) -> list[Any]:
-    entries = getattr(manager, "_extensions", {})
-    return [e.extension for e in entries.values()
-            if getattr(getattr(e, "extension", None), SNAPSHOT_MARKER, False)]
-
-
 class _MemoryTierExtension(extension.Extension):
     """See :func:`memory_tier`."""
 
@@ -69,6 +57,7 @@ class _MemoryTierExtension(extension.Extension):
     # recover_before_autoload first
     priority = extension.PRIORITY_SNAPSHOT
     needs_model_state = True
+    _snapkeep_memory_tier = True  # _lineage.MEMORY_TIER_MARKER
 
     def __init__(self, tier: MemoryTier) -> None:
         self.tier = tier
@@ -81,7 +70,7 @@ class _MemoryTierExtension(extension.Extension):
     def initialize(self, manager: Any) -> None:  # type: ignore[override]
         """Open the engine (tmpfs check, claim, reclaim of dead jobs' tiers) and recover from
         RAM when a snapshot extension autoloads; once (the snapshot extensions call it before
-        their autoload, see :func:`recover_before_autoload`).
+        their autoload: ``_lineage.recover_before_autoload``).
 
         Raises:
             MemoryTierTooSmallError, NotPrivateError, ValueError, CollectiveTimeoutError: as
@@ -89,19 +78,18 @@ class _MemoryTierExtension(extension.Extension):
         """
         if self.engine is not None:
             return
-        snapshots = _snapshot_extensions(manager)
+        snapshots = _lineage.snapshot_extensions(manager)
         # SHARDED snapshots: each rank's RAM snapshot is its part of what they save
-        self._sharded = next((s for s in snapshots if callable(getattr(s, "memory_state", None))),
-                             None)
-        # named after the snapshot of the whole manager (a snapshot_object registered first
-        # must not move the tier)
-        named = [s for s in snapshots if getattr(s, "_target", None) is None] or snapshots
-        template = str(getattr(named[0], "filename", "")) if named else ""
+        self._sharded = next((s for s in snapshots if s.sharded_directories), None)
+        # named after (and competing with) the snapshots of the whole manager: a
+        # snapshot_object registered first must not move the tier, and a snapshot of a model
+        # alone, however new, is not a resumable step of the run
+        whole = [s for s in snapshots if s.of_manager] or snapshots
         engine = self.engine = TierEngine(self.tier, directory=str(manager.out),
-                                          template=template)
+                                          template=str(whole[0].filename) if whole else "")
         engine.open(state_bytes(canonical_tree(manager, manager.state_dict())))
         _say_if_before_snapshot(manager, self)
-        if not any(getattr(s, "autoload", False) for s in snapshots):
+        if not any(s.autoload for s in snapshots):
             return
         sharded = self._sharded
 
@@ -119,37 +107,10 @@ class _MemoryTierExtension(extension.Extension):
                 with into_existing_state(optimizers_in(manager)):  # in place where shapes
                     manager.load_state_dict(live_tree(manager, tree))  # match
 
-        self.restored = engine.recover(self._storage_step(manager, snapshots), apply,
+        steps = [s for s in (x.listed_storage_step(manager) for x in whole) if s is not None]
+        self.restored = engine.recover(max(steps, default=None), apply,
                                        prepare=prepare if sharded is not None else None)
         engine.announce()
-        if self.restored is not None:
-            setattr(manager, RESTORED_ATTRIBUTE, self.restored)
-
-    def _storage_step(self, manager: Any, snapshots: list[Any]) -> int | None:
-        """The newest step listed on storage by this rank (names only: nothing opened), of the
-        snapshots of the whole manager, which a RAM snapshot competes with (a ``snapshot_object``
-        of a model alone, however new, is not a resumable step of the run)."""
-        newest: int | None = None
-        whole = [s for s in snapshots if getattr(s, "_target", None) is None]
-        for snap in whole or snapshots:
-            writer = getattr(snap, "writer", None) or manager.writer
-            storage_for = getattr(writer, "storage_for", None)
-            if not callable(storage_for) and type(writer).__module__.startswith(
-                    "pytorch_pfn_extras."):  # ppe's default writer: the snapshot extension
-                storage_for = resolve_storage  # writes with a snapkeep one into manager.out
-            template = getattr(snap, "filename", None)
-            if not callable(storage_for) or not isinstance(template, str):
-                continue
-            try:
-                storage, directory = storage_for(manager.out)
-                step = newest_listed_step(storage, directory, template, sharded=callable(
-                    getattr(snap, "memory_state", None)))  # committed directories
-            except Exception as e:  # an unreachable store: RAM can still be used
-                logger.warning("memory tier: could not list %s: %s", template, e)
-                continue
-            if step is not None:
-                newest = step if newest is None else max(newest, step)
-        return newest
 
     def __call__(self, manager: Any) -> None:
         """Keep this rank's state in RAM (see :meth:`snapkeep.store.TierEngine.save`),
@@ -195,25 +156,14 @@ class _MemoryTierExtension(extension.Extension):
         self.engine.close(finished=finished, failed=self._failed)
 
 
-def recover_before_autoload(manager: Any) -> None:
-    """Initialize (and so recover) the manager's memory tiers now, before a snapshot
-    extension's autoload reads storage: the snapshot extensions call it first thing in their
-    ``initialize`` (the tier runs after them, see the module docstring)."""
-    for entry in list(getattr(manager, "_extensions", {}).values()):
-        tier = getattr(entry, "extension", None)
-        if isinstance(tier, _MemoryTierExtension):
-            tier.initialize(manager)
-
-
 def _say_if_before_snapshot(manager: Any, tier: _MemoryTierExtension) -> None:
     """Log (info) when the tier was registered before a snapshot extension of the whole
     manager: it then runs first at a step both take and stages its own copy."""
-    order = [getattr(e, "extension", None) for e in getattr(manager, "_extensions", {}).values()]
+    order = _lineage.registered_extensions(manager)
     if not any(x is tier for x in order):
         return
     after = order[[x is tier for x in order].index(True) + 1:]
-    if any(getattr(x, SNAPSHOT_MARKER, False) and getattr(x, "_target", True) is None
-           for x in after):
+    if any(getattr(x, _lineage.SNAPSHOT_MARKER, False) and x.of_manager for x in after):
         logger.info("memory tier: registered before the snapshot extension, so a step both "
                     "take is staged twice; extend the manager with the tier after the snapshot")
 
@@ -221,12 +171,11 @@ def _say_if_before_snapshot(manager: Any, tier: _MemoryTierExtension) -> None:
 def _borrow(manager: Any) -> StagedLoan | None:
     """The staged copy of this iteration's state that a snapshot extension's writer took (a
     snapshot of the whole manager, fired earlier in this iteration), lent; None when none did."""
-    for snap in _snapshot_extensions(manager):
-        lend = getattr(snap, "lend_staged", None)
-        loan = lend(manager) if callable(lend) else None
+    for snap in _lineage.snapshot_extensions(manager):
+        loan = snap.lend_staged(manager)
         if loan is not None:
             return loan
     return None
 
 
-__all__ = ["MemoryTier", "RESTORED_ATTRIBUTE", "Restored", "memory_tier"]
+__all__ = ["MemoryTier", "Restored", "memory_tier"]

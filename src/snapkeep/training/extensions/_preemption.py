@@ -44,6 +44,7 @@ from snapkeep.distributed import (
     signalled,
 )
 from snapkeep.training import extension
+from snapkeep.training.extensions._lineage import snapshot_extensions
 from snapkeep.training.extensions._run_status import StatusRecorder
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class Preemption(extension.Extension):
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
         self._watch_snapshots(manager)
-        self._status.start(manager, self._snapshot_extensions(manager),
+        self._status.start(manager, snapshot_extensions(manager),
                            rank=self._groups.rank if self._groups else 0,
                            world_size=self._groups.world_size if self._groups else 1)
 
@@ -183,17 +184,10 @@ class Preemption(extension.Extension):
         self._previous.clear()
 
     # -- the snapshot extensions -------------------------------------------------------------------
-    def _snapshot_extensions(self, manager: Any) -> list[Any]:
-        from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
-
-        entries = getattr(manager, "_extensions", {})
-        return [e.extension for e in entries.values()
-                if isinstance(getattr(e, "extension", None), SnapshotExtension)]
-
     def _watch_snapshots(self, manager: Any) -> None:
         """Remember the iteration of each snapshot extension's last snapshot, so a preemption at
         an iteration already snapshotted by its trigger does not save it twice."""
-        for ext in self._snapshot_extensions(manager):
+        for ext in snapshot_extensions(manager):
             if getattr(ext, "_snapkeep_preemption_watch", False):
                 continue
             make = ext._make_snapshot
@@ -261,7 +255,7 @@ class Preemption(extension.Extension):
                        [signal_name(s) for s in self.received] or "none", iteration,
                        self.exit_code)
         error: BaseException | None = None
-        snapshots = self._snapshot_extensions(manager)
+        snapshots = snapshot_extensions(manager)
         if not snapshots:
             logger.error("preemption: the manager has no snapshot extension; exiting without "
                          "a snapshot")
@@ -281,8 +275,7 @@ class Preemption(extension.Extension):
                            "snapshot; ignored (the snapshot is committed)", rank,
                            len(self.received) - 1)
         self._status.preempted(
-            manager, snapshots=[e._template.format(manager) for e in snapshots
-                                if e._template.parsable],
+            manager, snapshots=[n for n in (e.snapshot_name(manager) for e in snapshots) if n],
             reason=describe_signal(agreed, self.received))
         if self.requeue and rank == 0:
             _requeue()

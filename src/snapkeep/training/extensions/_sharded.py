@@ -36,6 +36,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import snapkeep.training.extensions._lineage as _lineage
 from snapkeep.distributed import (
     Groups,
     ShardedJob,
@@ -54,7 +55,6 @@ from snapkeep.store import (
     Session,
     local_shards,
 )
-from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
 from snapkeep.training.extensions._snapshot_extension import SnapshotExtension, observed_metrics
 from snapkeep.writing import Writer as _SnapkeepWriter
@@ -124,6 +124,8 @@ def sharded_snapshot(
 
 class _ShardedSnapshot(SnapshotExtension):
     """See :func:`sharded_snapshot`."""
+
+    sharded_directories = True
 
     def __init__(self, *, timeout_s: float = DEFAULT_TIMEOUT_S, saver_rank: int | None = None,
                  savefun: Any = None, map_location: Any = "cpu", **kwargs: Any) -> None:
@@ -195,7 +197,7 @@ class _ShardedSnapshot(SnapshotExtension):
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
         self._bind_continuation(manager)  # stop triggers: first, as the single-file extension
-        recover_before_autoload(manager)  # a memory tier resumes from RAM before storage is read
+        restored = _lineage.recover_before_autoload(manager)  # a memory tier resumes from RAM
         if is_distributed():
             self._groups = background_groups(self.timeout_s)
         session = self._sharded_session_of(manager)
@@ -208,7 +210,6 @@ class _ShardedSnapshot(SnapshotExtension):
         if not session.opened:  # rank 0 runs the store's start-up; every rank hears
             session.open(opener=self.rank == 0, control=control, timeout_s=timeout_s,
                          before_sweep=note_incomplete)
-        restored = getattr(manager, RESTORED_ATTRIBUTE, None)  # the memory tier resumed it
         try:
             loaded = self._autoload(manager) if self.autoload and restored is None else None
             if self.autoload and restored is not None:

@@ -39,12 +39,13 @@ from snapkeep.store import (
     SnapshotStore,
     check_quiet,
     check_writable,
+    newest_listed_step,
+    resolve_storage,
     warn_about_existing,
     warn_user,
 )
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training._data_position import check_loaders
-from snapkeep.training.extensions._memory_tier import RESTORED_ATTRIBUTE, recover_before_autoload
 from snapkeep.wrapping import canonical_tree, dtensor_models, live_tree
 from snapkeep.writing import Writer as _SnapkeepWriter
 
@@ -78,6 +79,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
     priority = extension.PRIORITY_SNAPSHOT
     needs_model_state = True
     _snapkeep_snapshot_extension = True  # _lineage.SNAPSHOT_MARKER
+    #: whether the snapshots are DCP directories (``SnapshotMode.SHARDED``), not single files
+    sharded_directories = False
 
     def __init__(
         self, target: Any = None, condition: Any = None, writer: Any = None,
@@ -156,6 +159,39 @@ class _Snapshot(ContinuationMixin, extension.Extension):
     def _lineage(self) -> frozenset[str | None]:
         return self._shared.members
 
+    @property
+    def of_manager(self) -> bool:
+        """Whether this extension snapshots the whole manager (``snapshot``), not a target
+        (``snapshot_object``)."""
+        return self._target is None
+
+    def snapshot_name(self, manager: Any) -> str | None:
+        """The name of this iteration's snapshot (None for a callable ``filename``)."""
+        return self._template.format(manager) if self._template.parsable else None
+
+    def listed_storage_step(self, manager: Any) -> int | None:
+        """The newest step among this extension's committed snapshots listed in storage (names
+        only: nothing is opened); callable before ``initialize`` picked the writer (the memory
+        tier compares it with its RAM step). None when there is none, the writer is not a
+        snapkeep one, the template is callable, or the storage cannot be listed (logged)."""
+        writer = self.writer if self.writer is not None else manager.writer
+        storage_for: Callable[[str], tuple[Any, str]]
+        if isinstance(writer, _SnapkeepWriter):
+            storage_for = writer.storage_for
+        elif type(writer).__module__.startswith("pytorch_pfn_extras."):
+            storage_for = resolve_storage  # initialize writes with a snapkeep one into out
+        else:
+            return None
+        if not self._template.parsable:
+            return None
+        try:
+            storage, directory = storage_for(manager.out)
+            return newest_listed_step(storage, directory, str(self.filename),
+                                      sharded=self.sharded_directories)
+        except Exception as e:  # an unreachable store: the memory tier can still be used
+            logger.warning("could not list %s in %s: %s", self.filename, manager.out, e)
+            return None
+
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self, manager: Any) -> str | None:  # type: ignore[override]
         """Resolve the writer, lock the store, sweep it and autoload (returns the loaded file
@@ -173,7 +209,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             TypeError: a model holds DTensor (FSDP2) parameters: use ``SnapshotMode.SHARDED``.
         """
         self._bind_continuation(manager)  # first: a RAM resume restores the continuation too
-        recover_before_autoload(manager)  # a memory tier resumes from RAM before storage is read
+        restored = _lineage.recover_before_autoload(manager)  # a memory tier resumes from RAM
         refuse_dtensor_models(manager if self._target is None else self._target)
         if self.writer is None:
             self.writer = _snapkeep_writer_for(manager)
@@ -192,7 +228,6 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                 if session is not None and not session.opened:
                     session.open()  # lock, list once, kind check, sweep (the one start-up)
             loaded = None
-            restored = getattr(manager, RESTORED_ATTRIBUTE, None)  # the memory tier resumed it
             if self.autoload and restored is None:
                 loaded = self._autoload(manager)
             elif self.autoload and restored is not None:
