@@ -41,10 +41,7 @@ import torch
 
 from snapkeep._version import __version__
 from snapkeep.distributed import (
-    DEFAULT_SIGNALS,
     EXIT_CODE_PREEMPTED,
-    SignalWatch,
-    describe_signal,
     exit_cleanly_at_exit,
     is_distributed,
     job_rank,
@@ -63,15 +60,16 @@ from snapkeep.store import (
     Entry,
     FilenameTemplate,
     MemoryTier,
+    RunControl,
     RunLineage,
     Session,
     SnapshotStore,
-    StatusLog,
     Storage,
     TierEngine,
     describe,
     find_mismatches,
     lookalike_message,
+    preemption_signals,
     resolve_storage,
     state_bytes,
     tier_dir,
@@ -337,11 +335,7 @@ class Checkpointer:
         self._failed = False  # closed while the loop raised: the memory tier is kept
         self._tier: TierEngine | None = None
         self._session: Session | None = None
-        self._status: StatusLog | None = None
-        self._watch: SignalWatch | None = None
-        self._started = False
-        self._preempting = False
-        self._last_step = 0  # the step of the last load or save, for the run status
+        self._run: RunControl | None = None  # the run status and preemption hook
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
         self._writer: Writer | None = None
@@ -380,17 +374,11 @@ class Checkpointer:
                                         self._location else os.path.abspath(path),
                                         template=self.template)
             groups = self._sharded.groups if self._sharded is not None else None
-            rank = groups.rank if groups is not None else job_rank()
-            self._status = StatusLog(storage, path, rank=rank,
-                                     world_size=groups.world_size if groups is not None else 1)
-            if preemption is not False:
-                signals = DEFAULT_SIGNALS if preemption is True else preemption
-                if not isinstance(signals, Sequence) or isinstance(signals, (str, bytes)):
-                    raise TypeError(f"preemption must be True, False or a sequence of signals "
-                                    f"(signal.SIGTERM, ...), got {preemption!r}")
-                self._watch = SignalWatch(signals, control=groups.control if groups else None,
-                                          rank=rank, timeout_s=timeout_s)
-                self._watch.install()
+            self._run = self._session.track_run(
+                rank=groups.rank if groups is not None else job_rank(),
+                world_size=groups.world_size if groups is not None else 1,
+                signals=preemption_signals(preemption),
+                control=groups.control if groups else None, timeout_s=timeout_s)
         except BaseException:
             self.close()
             raise
@@ -467,8 +455,9 @@ class Checkpointer:
         session = self._require_open()
         step = _check_step(step)
         recorded = _check_metrics(metrics)
-        self._start(step)
-        agreed = self._watch.agree() if self._watch is not None and not on_error else 0
+        run = self._run_of()
+        run.at(step)
+        agreed = run.agree() if not on_error else 0
         tier = self._tier
         to_ram = tier is not None and not on_error and step % tier.tier.every == 0
         if to_ram:
@@ -508,36 +497,28 @@ class Checkpointer:
             handle.wait()
         return handle
 
-    def _start(self, step: int) -> None:
-        """Record the run as ``running`` at ``step``, once (the first load or save)."""
-        self._last_step = step
-        if not self._started and self._status is not None:
-            self._started = True
-            self._status.record("running", step)
+    def _run_of(self) -> RunControl:
+        run = self._run
+        if run is None:
+            raise RuntimeError("the Checkpointer is closed")
+        return run
 
     def _preempt(self, step: int, agreed: int) -> None:
         """A preemption was agreed at ``step`` (``agreed``: a signal and a rank that received
         it; the snapshot taken): wait until it is committed on every rank, record ``preempted``
         and exit with 143 (as ``extensions.preemption``)."""
-        watch = self._watch
-        if watch is None:
-            raise RuntimeError("no preemption watch")
+        run = self._run_of()
         name = self._template.format(_Step(step))
         logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
-                       "for its commit, then exiting with %d", watch.rank, name, step,
+                       "for its commit, then exiting with %d", run.rank, name, step,
                        EXIT_CODE_PREEMPTED)
-        self._preempting = True
+        run.preempting = True
         self.wait()  # committed on every rank (sharded: collective)
-        if self._status is not None:
-            self._status.record("preempted", step, snapshots=(name,),
-                                reason=describe_signal(agreed, watch.received))
+        run.preempted(step, name, agreed)
         self.close()
         if self._sharded is not None and self._sharded.groups is not None:
             exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort (-6)
-        logger.warning("rank %d: preemption snapshot of step %d committed; exiting with %d "
-                       "(run the same command again to resume from it)", watch.rank, step,
-                       EXIT_CODE_PREEMPTED)
-        raise SystemExit(EXIT_CODE_PREEMPTED)
+        run.exit_preempted(step)
 
     # -- the memory tier -------------------------------------------------------------------------
     def _ram_tree(self, step: int, state: Mapping[str, Any]) -> Any:
@@ -715,7 +696,7 @@ class Checkpointer:
             entries = chosen
         if self._sharded is not None:  # every rank agrees (an empty listing here is not all)
             loaded = self._sharded.load(into, objects, entries, before_rng=_start_iterators)
-            self._start(int(loaded.step or 0) if loaded is not None else 0)
+            self._run_of().at(int(loaded.step or 0) if loaded is not None else 0)
             if loaded is None:
                 self._nothing_to_resume()
                 return None
@@ -723,7 +704,7 @@ class Checkpointer:
         if not entries:
             self._nothing_to_resume()
             session.resume(self._no_apply, candidates=[])  # the notice
-            self._start(0)
+            self._run_of().at(0)
             self._prepare_first_save(into, objects, resumed=False)
             return None
         entry = session.resume(
@@ -732,7 +713,7 @@ class Checkpointer:
             map_location=self._map_location)
         if entry is None:  # unreachable: entries is not empty
             return None
-        self._start(int(entry.step or 0))
+        self._run_of().at(int(entry.step or 0))
         self._prepare_first_save(into, objects, resumed=True)
         return entry.step
 
@@ -838,20 +819,17 @@ class Checkpointer:
                 self._sharded.close()
             if self._writer is not None:
                 self._writer.finalize()
-            if self._status is not None and self._started:
-                self._status.record("finished", self._last_step)
+            if self._run is not None:
+                self._run.finished()
         except BaseException as e:
-            if self._status is not None and self._started:
-                self._status.record("failed", self._last_step,
-                                    reason=f"{type(e).__name__}: {e}".splitlines()[0][:500])
+            if self._run is not None:
+                self._run.failed(e)
             raise
         finally:
             try:
                 self._close_tier()
             finally:
-                if self._watch is not None:
-                    self._watch.uninstall(preempting=self._preempting)
-                self._release()
+                self._release()  # the lock, and the preemption hook's signal handlers
 
     def _close_tier(self) -> None:
         """Close the memory tier: its tier is removed when the loop did not raise and storage
@@ -894,9 +872,8 @@ class Checkpointer:
             self.close()
             return
         self._failed = True
-        if self._status is not None and self._started and exc_type is not SystemExit:
-            self._status.record("failed", self._last_step,
-                                reason=f"{exc_type.__name__}: {exc}".splitlines()[0][:500])
+        if self._run is not None and exc_type is not SystemExit:
+            self._run.failed(f"{exc_type.__name__}: {exc}")
         try:
             self.close()
         except (SnapshotError, OSError) as e:

@@ -6,10 +6,11 @@ sharded directories, :class:`~snapkeep._core.store_kinds.StoreKind`), and calls,
 on the training thread::
 
     session.open()                      # once: list, kind check, lock, sweep (one order)
+    run = session.track_run(...)        # the run status (+ preemption hook), when recorded
     session.resume(load, apply)         # at most once (single files; sharded: its own agreement)
     retain = session.retention(...)     # before each save: the retention input check
     ...                                 # the writer stages and commits; ``retain`` runs after
-    session.close()                     # idempotent: the lock is released
+    session.close()                     # idempotent: the lock is released, handlers put back
 
 so that every door has the same start-up, the same lineage (what retention may count and
 delete), the same refusal of a misspelled ``KeepBest`` metric before anything is deleted, and
@@ -43,6 +44,7 @@ from snapkeep._core.resume_notice import (
 )
 from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.retention_check import MetricCheck
+from snapkeep._core.run_control import RunControl
 from snapkeep._core.store import Entry, Retain, SnapshotStore
 from snapkeep._core.store_kinds import StoreKind
 from snapkeep._core.structure import describe
@@ -75,6 +77,7 @@ class Session:
         self._metric_check = MetricCheck(policy)
         self._lock: Any = None
         self.opened = False
+        self.run: RunControl | None = None
 
     def __repr__(self) -> str:
         return f"Session({self.store!r}, lineage={self.lineage.run_id})"
@@ -365,12 +368,29 @@ class Session:
         :meth:`retention`."""
         self._metric_check.before_save(self.store, self.lineage.members, name, step, metrics)
 
+    # -- the run ----------------------------------------------------------------------------------
+    def track_run(self, *, rank: int = 0, world_size: int = 1, signals: Sequence[int] = (),
+                  control: Any = None, timeout_s: float = 600.0) -> RunControl:
+        """Record this run's status in the store's directory and, with ``signals``, install the
+        preemption hook (see :mod:`snapkeep._core.run_control`, whose :class:`RunControl`
+        this returns and keeps as :attr:`run`; the arguments are its own)."""
+        self.run = RunControl(self.store.storage, self.store.directory, rank=rank,
+                              world_size=world_size, signals=signals, control=control,
+                              timeout_s=timeout_s)
+        self.run.install()
+        return self.run
+
     # -- close ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the lock (idempotent). Pending saves are the writer's: wait for them first."""
+        """Release the lock and put the preemption hook's signal handlers back (idempotent).
+        Pending saves are the writer's: wait for them first."""
         lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
+        try:
+            if self.run is not None:
+                self.run.close()
+        finally:
+            if lock is not None:
+                lock.release()
 
     @property
     def locked(self) -> bool:
