@@ -29,8 +29,19 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes, together
-from snapkeep._core.errors import StateMismatchError, UnsafeSnapshotError
+from snapkeep._core.distributed.agreement import (
+    agree_on_resume,
+    all_gather,
+    broadcast_object,
+    exchange_outcomes,
+    together,
+)
+from snapkeep._core.errors import (
+    SnapshotCorruptError,
+    SnapshotStorageError,
+    StateMismatchError,
+    UnsafeSnapshotError,
+)
 from snapkeep._core.lineage import RunLineage
 from snapkeep._core.loading import load_file
 from snapkeep._core.one_pass import one_pass_loader
@@ -208,6 +219,130 @@ class Session:
         self.lineage.adopt(store, candidates, entry)
         announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
                                      skipped=tuple(skipped)), quiet=self.quiet)
+        return entry
+
+    def resume_agreed(
+        self, apply: Callable[[Entry, Any], None], *, control: Any, rank: int, saver_rank: int,
+        timeout_s: float | None = None, candidates: list[Entry] | None = None,
+        map_location: Any = "cpu", weights_only: bool = True,
+    ) -> Entry | None:
+        """Resume from the single-file snapshot the saver rank verifies, on every rank
+        together (collective on ``control``: every rank calls it), for replicated training whose
+        snapshots one rank writes (ppe's ``_DistributedSnapshot``):
+
+        1. every rank lists its directory (``candidates``); the candidates are the union,
+           newest first;
+        2. the saver rank verifies each (the store's one check: checksum, decode, misnamed)
+           until one passes; one it lacks or cannot verify is skipped by every rank together;
+        3. every other rank uses its own copy when that verifies, else receives the saver
+           rank's verified bytes (one broadcast): node-local directories work;
+        4. every rank loads it safely and ``apply``-s it; the outcomes are exchanged, so a rank
+           that fails makes every rank raise the same error naming it.
+
+        Then the lineage is continued and the resume said on stderr once (rank 0), with the
+        ranks' reasons for each snapshot skipped.
+
+        Args:
+            apply: ``apply(entry, state)`` loads ``state`` into the live objects or raises
+                having loaded nothing.
+            control: snapkeep's control process group (None: one process).
+            rank: this rank.
+            saver_rank: the rank whose snapshots are the truth.
+            timeout_s: the group's timeout (for the error messages), seconds.
+            candidates: this rank's snapshots (default: its store's listing).
+            map_location: as ``torch.load``'s.
+            weights_only: as ``torch.load``'s.
+
+        Returns:
+            The entry resumed from (the same on every rank), or None when no rank has one.
+
+        Raises:
+            NoCommonSnapshotError: snapshot files exist but the saver rank can verify none.
+            RankFailedError: loading or applying failed on some rank (named, on every rank).
+            CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
+        """
+        store = self.store
+        if not isinstance(store, SnapshotStore):
+            raise TypeError(f"{self!r}: resume_agreed() is for single-file stores")
+        entries = store.entries() if candidates is None else candidates
+        by_name = {e.name: e for e in entries}
+        # the same on every rank (node-local directories differ): the messages must be equal
+        what = f"resuming {store.template.template!r} (saver rank {saver_rank})"
+
+        def entry_of(name: str) -> Entry:
+            found = by_name.get(name)
+            if found is not None:
+                return found
+            key = store.template.parse(name) or ()
+            return Entry(name=name, path=store.storage.join(store.directory, name), key=key,
+                         step=int(key[0]) if key else None)
+
+        def load(entry: Entry, data: bytes | None) -> Any:
+            return load_file(store.storage, entry.path, map_location=map_location,
+                             weights_only=weights_only, data=data)
+
+        verified: dict[str, bytes | None] = {}
+
+        def check(name: str) -> str | None:
+            if rank != saver_rank:
+                return None  # uses its own verified copy or receives the saver rank's bytes
+            entry = by_name.get(name)
+            if entry is None:
+                return "not found on the saver rank"
+            data = None if store.storage.is_local else store.storage.read_bytes(entry.path)
+            try:
+                store.validate(entry, load, data)
+            except SnapshotCorruptError as e:
+                return str(e)
+            verified[name] = data
+            return None
+
+        skipped: list[Skipped] = []
+        chosen = agree_on_resume(
+            control, [(e.key, e.name) for e in entries], check, what=what, timeout_s=timeout_s,
+            required=rank == saver_rank,
+            on_skip=lambda name, reasons: skipped.append(
+                skipped_on_ranks(name, entry_of(name).step, reasons)))
+        notice = ResumeNotice(directory=store.directory, template=self.shown_template,
+                              skipped=tuple(skipped))
+        if chosen is None:
+            announce(notice, quiet=self.quiet, rank=rank)
+            return None
+        entry = entry_of(chosen)
+        own_ok = rank == saver_rank
+        if rank != saver_rank and chosen in by_name:
+            try:
+                store.verify(entry)
+                own_ok = store.manifest(entry) is not None
+            except (SnapshotCorruptError, SnapshotStorageError) as e:
+                logger.warning("rank %d: own copy of %s unusable (%s); receiving the saver rank's",
+                               rank, entry.path, e)
+        data = verified.get(chosen) if rank == saver_rank else None
+        if any(all_gather(control, not own_ok, what=f"{what}: locating {chosen}",
+                          timeout_s=timeout_s)):
+            error: BaseException | None = None
+            payload = data
+            if rank == saver_rank and payload is None:
+                try:
+                    payload = store.storage.read_bytes(entry.path)
+                except OSError as e:
+                    error = e
+            exchange_outcomes(control, error, what=f"{what}: reading {chosen} on the saver rank",
+                              timeout_s=timeout_s)
+            received = broadcast_object(control, payload, src=saver_rank)
+            if not own_ok:
+                data = received
+                logger.info("rank %d: received %s (%d bytes) from saver rank %d", rank, chosen,
+                            len(data or b""), saver_rank)
+        error = None
+        try:
+            apply(entry, load(entry, data))
+        except Exception as e:  # exchanged: every rank raises the same error naming this rank
+            error = e
+        exchange_outcomes(control, error, what=f"{what}: loading {chosen}", timeout_s=timeout_s)
+        self.lineage.adopt(store, entries or [entry], entry)
+        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
+                 quiet=self.quiet, rank=rank)
         return entry
 
     def resume_sharded(

@@ -51,6 +51,16 @@ def all_gather(group: dist.ProcessGroup | None, value: Any, *, what: str,
     return out
 
 
+def broadcast_object(group: dist.ProcessGroup | None, value: Any, *, src: int) -> Any:
+    """Rank ``src``'s ``value`` on every rank of ``group`` (a picklable object: bytes of a
+    snapshot included); ``value`` as is without a group."""
+    if group is None:
+        return value
+    box: list[Any] = [value]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def exchange_outcomes(group: dist.ProcessGroup | None, error: BaseException | str | None, *,
                       what: str, timeout_s: float | None = None) -> list[Any]:
     """Tell every rank whether this rank's part of ``what`` succeeded; raise on every rank if

@@ -20,30 +20,21 @@ different iterations. Here, on snapkeep's ``control`` group (bounded by ``timeou
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed
-import torch.distributed as dist
 
 from snapkeep.distributed import (
-    agree_on_resume,
     all_gather,
     background_groups,
     exchange_outcomes,
 )
-from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep.store import (
     Entry,
-    ResumeNotice,
-    Skipped,
     SnapshotStore,
-    announce,
-    load_file,
-    skipped_on_ranks,
 )
 from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
@@ -134,7 +125,8 @@ class _DistributedSnapshot(SnapshotExtension):
         restore_rng_state(per_rank[self._rank])
 
     def _autoload(self, manager: Any) -> str | None:
-        """Autoload with every rank agreeing (see the module docstring); collective.
+        """Autoload with every rank agreeing (the module docstring's steps:
+        :meth:`snapkeep.store.Session.resume_agreed`); collective.
 
         Returns:
             The loaded snapshot's name (the same on every rank), or None when no rank has one.
@@ -144,100 +136,19 @@ class _DistributedSnapshot(SnapshotExtension):
             RankFailedError: loading or applying failed on some rank (named, on every rank).
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
-        store = self._store_of(manager)
-        if store is None:
+        session = self._session_of(manager)
+        if session is None:
+            self._store_of(manager)  # says why there is no autoload
             return None
         groups = background_groups(self.timeout_s)
-        group, timeout_s, rank = groups.control, groups.timeout_s, groups.rank
-        saver = self._saver_rank
-        entries = store.entries()
-        by_name = {e.name: e for e in entries}
-        # the same on every rank (node-local directories differ): the error messages must be equal
-        what = f"resuming {store.template.template!r} (saver rank {saver})"
-
-        def entry_of(name: str) -> Entry:
-            found = by_name.get(name)
-            if found is not None:
-                return found
-            key = store.template.parse(name) or ()
-            return Entry(name=name, path=store.storage.join(store.directory, name), key=key,
-                         step=int(key[0]) if key else None)
-
-        verified: dict[str, bytes | None] = {}
-
-        def loader(entry: Entry, data: bytes | None) -> Any:
-            return load_file(store.storage, entry.path, map_location=self._map_location,
-                             weights_only=self._weights_only, data=data)
-
-        def check(name: str) -> str | None:
-            if rank != saver:
-                return None  # uses its own verified copy or receives the saver rank's bytes
-            entry = by_name.get(name)
-            if entry is None:
-                return "not found on the saver rank"
-            data = None if store.storage.is_local else store.storage.read_bytes(entry.path)
-            try:  # the store's one validity check (checksum, decode, misnamed), as autoload's
-                store.validate(entry, loader, data)
-            except SnapshotCorruptError as e:
-                return str(e)
-            verified[name] = data
-            return None
-
-        skipped: list[Skipped] = []
-
-        def on_skip(name: str, reasons: dict[int, str]) -> None:
-            skipped.append(skipped_on_ranks(name, entry_of(name).step, reasons))
-
-        chosen = agree_on_resume(group, [(e.key, e.name) for e in entries], check, what=what,
-                                 timeout_s=timeout_s, required=rank == saver, on_skip=on_skip)
-        notice = ResumeNotice(directory=store.directory, template=str(store.template.template),
-                              skipped=tuple(skipped))
-        if chosen is None:
-            announce(notice, quiet=self._quiet, rank=rank)
-            return None
-        entry = entry_of(chosen)
-        # 3. a copy of its own, or the saver rank's bytes
-        own_ok = rank == saver
-        if rank != saver and chosen in by_name:
-            try:
-                store.verify(entry)
-                own_ok = store.manifest(entry) is not None
-            except (SnapshotCorruptError, SnapshotStorageError) as e:
-                logger.warning("rank %d: own copy of %s unusable (%s); receiving the saver rank's",
-                               rank, entry.path, e)
-        needs = all_gather(group, not own_ok, what=f"{what}: locating {chosen}",
-                           timeout_s=timeout_s)
-        data: bytes | None = verified.get(chosen) if rank == saver else None
-        if any(needs):
-            error: BaseException | None = None
-            payload: bytes | None = None
-            if rank == saver:
-                try:
-                    payload = data if data is not None else store.storage.read_bytes(entry.path)
-                except OSError as e:
-                    error = e
-            exchange_outcomes(group, error, what=f"{what}: reading {chosen} on the saver rank",
-                              timeout_s=timeout_s)
-            box: list[Any] = [payload]
-            dist.broadcast_object_list(box, src=saver, group=group)
-            if not own_ok:
-                data = box[0]
-                logger.info("rank %d: received %s (%d bytes) from saver rank %d", rank, chosen,
-                            len(data or b""), saver)
-        # 4. load and apply on every rank; fail together
-        error = None
         target = manager if self._target is None else self._target
-        try:
-            state = load_file(store.storage, entry.path, map_location=self._map_location,
-                              weights_only=self._weights_only, data=data)
-            self._apply(target, state, entry)
-        except Exception as e:  # exchanged: every rank raises the same error naming this rank
-            error = e
-        exchange_outcomes(group, error, what=f"{what}: loading {chosen}", timeout_s=timeout_s)
+        entry = session.resume_agreed(
+            lambda e, state: self._apply(target, state, e), control=groups.control,
+            rank=groups.rank, saver_rank=self._saver_rank, timeout_s=groups.timeout_s,
+            map_location=self._map_location, weights_only=self._weights_only)
+        if entry is None:
+            return None
         self.loaded_entry = entry
-        self._shared.adopt(store, entries or [entry], entry)
-        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
-                 quiet=self._quiet, rank=rank)
         return entry.name
 
     def _choose(self, store: SnapshotStore) -> list[Entry] | None:
