@@ -73,7 +73,7 @@ from snapkeep._core.resume_notice import (
 )
 from snapkeep._core.retention_check import MetricCheck
 from snapkeep._core.run_control import RunControl, preemption_signals
-from snapkeep._core.run_status import RunStatus, StatusLog
+from snapkeep._core.run_status import RunStatus, StatusLog, failure_reason
 from snapkeep._core.run_status import is_alive as run_is_alive
 from snapkeep._core.run_status import read_status as read_run_status
 from snapkeep._core.run_status import write_status as write_run_status
@@ -121,7 +121,7 @@ __all__ = [
     "StoreKind", "newest_valid", "require_one_kind", "run_is_alive", "Listed",
     "CandidateRefused", "Session", "RunLineage", "warn_about_existing", "MetricCheck",
     "INCOMPLETE_SHARDED", "ResumeNotice", "Skipped", "announce", "check_quiet",
-    "skipped_on_ranks", "StatusLog", "RunControl", "preemption_signals",
+    "skipped_on_ranks", "StatusLog", "RunControl", "preemption_signals", "failure_reason",
     "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
     "local_shards", "state_bytes", "say", "newest_listed_step",
 ]

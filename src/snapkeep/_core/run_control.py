@@ -26,7 +26,7 @@ from snapkeep._core.distributed.signals import (
     SignalWatch,
     describe_signal,
 )
-from snapkeep._core.run_status import StatusLog
+from snapkeep._core.run_status import StatusLog, failure_reason
 from snapkeep._core.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -118,12 +118,10 @@ class RunControl:
             self.status.record("finished", self.step)
 
     def failed(self, error: BaseException | str) -> None:
-        """Record ``failed`` at the last step, with the error's first line (only once the run
-        started)."""
+        """Record ``failed`` at the last step, with the error's first line (each failing rank's
+        for a ``RankFailedError``; only once the run started)."""
         if self.started:
-            text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-            self.status.record("failed", self.step, reason=text.splitlines()[0][:500]
-                               if text else "")
+            self.status.record("failed", self.step, reason=failure_reason(error))
 
     def close(self) -> None:
         """Put the previous signal handlers back (idempotent)."""

@@ -109,6 +109,21 @@ def write_status(storage: Storage, directory: str, *, state: str, step: int, rea
     return status
 
 
+def failure_reason(error: BaseException | str) -> str:
+    """The ``reason`` of a ``failed`` status: the error's type and first line (at most 500
+    characters); a :class:`~snapkeep._core.distributed.errors.RankFailedError` (an error on
+    another rank, or on several) gives each failing rank's error instead."""
+    from snapkeep._core.distributed.errors import RankFailedError
+
+    if isinstance(error, RankFailedError):
+        text = "; ".join(f"rank {r}: {m}" for r, m in sorted(error.failed.items()))
+    elif isinstance(error, BaseException):
+        text = f"{type(error).__name__}: {error}"
+    else:
+        text = error
+    return text.splitlines()[0][:500] if text else ""
+
+
 class StatusLog:
     """The status a door records for its run (rank 0 only; the states are agreed before they
     are recorded): ``running`` when it starts, then ``preempted``, ``failed`` or ``finished``,
