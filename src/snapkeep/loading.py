@@ -16,8 +16,8 @@ from typing import Any
 from snapkeep._core.store_kinds import skip_message
 from snapkeep.store import (
     Entry,
+    Session,
     SnapshotStore,
-    load_file,
     lookalike_message,
     newest_valid,
     resolve_storage,
@@ -114,11 +114,9 @@ def load_latest(
     except ValueError as e:
         raise ValueError(f"load_latest: template {template!r} is malformed: {e}") from e
 
-    def loader(entry: Entry, data: bytes | None) -> Any:
-        return load_file(storage, entry.path, map_location=map_location,
-                         weights_only=weights_only, data=data)
-
-    found = store.load_newest(loader)
+    # the engine's read: verified while loaded (one read of a local file), fallback warned
+    found = Session(store, quiet=True).read_newest(map_location=map_location,
+                                                   weights_only=weights_only)
     if found is None:
         sharded = _load_newest_sharded(
             storage, directory, template, map_location=map_location, weights_only=weights_only,

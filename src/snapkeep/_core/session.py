@@ -189,16 +189,56 @@ class Session:
             NoValidSnapshotError: snapshots exist but none is valid (each reason listed).
             StateMismatchError, UnsafeSnapshotError: from ``apply`` / ``load``; nothing loaded.
         """
-        store = self.store
-        if not isinstance(store, SnapshotStore):
-            raise TypeError(f"{self!r}: resume() is for single-file stores; sharded snapshots "
-                            "resume through their cross-rank agreement")
+        store = self._single_file("resume")
         candidates = store.entries() if candidates is None else candidates
         notice = ResumeNotice(directory=store.directory, template=self.shown_template)
         if not candidates:
             announce(notice, quiet=self.quiet)
             return None
         skipped: list[Skipped] = []
+        found = self.read_newest(check=check, candidates=candidates,
+                                 verify_while_loading=verify_while_loading,
+                                 map_location=map_location, weights_only=weights_only,
+                                 on_skip=lambda e, why: skipped.append(
+                                     Skipped(name=e.name, step=e.step, reason=why)))
+        if found is None:
+            return None
+        entry, state = found
+        apply(entry, state)
+        self.lineage.adopt(store, candidates, entry)
+        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
+                                     skipped=tuple(skipped)), quiet=self.quiet)
+        return entry
+
+    def read_newest(
+        self, *, check: Callable[[Entry, Any], Any] | None = None,
+        candidates: list[Entry] | None = None, verify_while_loading: bool = True,
+        map_location: Any = "cpu", weights_only: bool = True,
+        on_skip: Callable[[Entry, str], None] | None = None,
+    ) -> tuple[Entry, Any] | None:
+        """The newest valid single-file snapshot and its state, verified while it is loaded (one
+        read of a local file), falling back past each one that fails: what :meth:`resume`
+        applies, and what the read-only doors (:func:`snapkeep.load_latest`) return. Nothing is
+        locked, applied or announced.
+
+        Args:
+            check: ``check(entry, state) -> state`` (the door's format check), as ``resume``'s.
+            candidates: the snapshots to consider (default: the store's listing).
+            verify_while_loading: verify local files while they are loaded (one pass).
+            map_location: as ``torch.load``'s.
+            weights_only: as ``torch.load``'s.
+            on_skip: ``on_skip(entry, reason)`` for each snapshot skipped (default: a
+                ``RuntimeWarning`` naming it).
+
+        Returns:
+            ``(entry, state)``, or None when there is no snapshot at all.
+
+        Raises:
+            NoValidSnapshotError: snapshots exist but none is valid (each reason listed).
+            UnsafeSnapshotError: the newest valid one needs ``weights_only=False``.
+            SnapshotStorageError: the storage could not be reached.
+        """
+        store = self._single_file("read_newest")
         checked = check or (lambda entry, state: state)
 
         def load(entry: Entry, data: bytes | None) -> Any:  # the file's bytes: remote stores
@@ -209,17 +249,15 @@ class Session:
         one_pass = one_pass_loader(store, load, checked,
                                    weights_only=weights_only, map_location=map_location
                                    ) if verify_while_loading else None
-        found = store.load_newest(load, candidates=candidates, one_pass=one_pass,
-                                  on_skip=lambda e, why: skipped.append(
-                                      Skipped(name=e.name, step=e.step, reason=why)))
-        if found is None:
-            return None
-        entry, state = found
-        apply(entry, state)
-        self.lineage.adopt(store, candidates, entry)
-        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
-                                     skipped=tuple(skipped)), quiet=self.quiet)
-        return entry
+        return store.load_newest(load, candidates=candidates, one_pass=one_pass,
+                                 on_skip=on_skip)
+
+    def _single_file(self, what: str) -> SnapshotStore:
+        store = self.store
+        if not isinstance(store, SnapshotStore):
+            raise TypeError(f"{self!r}: {what}() is for single-file stores; sharded snapshots "
+                            "resume through their cross-rank agreement (resume_sharded)")
+        return store
 
     def resume_agreed(
         self, apply: Callable[[Entry, Any], None], *, control: Any, rank: int, saver_rank: int,
@@ -261,9 +299,7 @@ class Session:
             RankFailedError: loading or applying failed on some rank (named, on every rank).
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
-        store = self.store
-        if not isinstance(store, SnapshotStore):
-            raise TypeError(f"{self!r}: resume_agreed() is for single-file stores")
+        store = self._single_file("resume_agreed")
         entries = store.entries() if candidates is None else candidates
         by_name = {e.name: e for e in entries}
         # the same on every rank (node-local directories differ): the messages must be equal
