@@ -53,6 +53,12 @@ from snapkeep.errors import (
     StateMismatchError,
     StoreLockedError,
 )
+from snapkeep.layout import (
+    LoaderPosition,
+    StatefulLoaderState,
+    is_stateful_loader,
+    loader_position,
+)
 from snapkeep.retention import KeepLatest, RetentionPolicy
 from snapkeep.staging import into_existing_state
 from snapkeep.store import (
@@ -76,12 +82,6 @@ from snapkeep.store import (
     warn_user,
 )
 from snapkeep.training import RngState
-from snapkeep.training._data_position import (
-    LoaderPosition,
-    StatefulLoaderState,
-    is_stateful_loader,
-    loader_position,
-)
 from snapkeep.writing import ThreadWriter, Writer
 
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
@@ -152,10 +152,10 @@ def stateful(key: str, obj: Any) -> Any:
     Returns an object with ``state_dict()``/``load_state_dict(state)`` to save and load
     ``obj`` through: ``obj`` itself when it has them (modules, optimizers, LR schedulers,
     ``GradScaler``, your own objects); for torchdata's ``StatefulDataLoader``, its state plus
-    the loader's geometry and sampler epoch (``_data_position.StatefulLoaderState``); for a
+    the loader's geometry and sampler epoch (``snapkeep.layout.StatefulLoaderState``); for a
     plain ``torch.utils.data.DataLoader``, its position (epoch order and batches received, kept
     by hooking the loader in place, as ``extensions.snapshot(loaders=...)`` does: see
-    ``snapkeep.training._data_position``). The data loaders' wrappers also have
+    ``snapkeep._core.data_position``). The data loaders' wrappers also have
     ``problems(saved)``: why a saved state does not fit, checked before anything is loaded.
     ``None`` for a value saved as is (``torch.Generator`` and plain values are handled by the
     caller).

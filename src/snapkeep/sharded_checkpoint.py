@@ -47,6 +47,7 @@ from snapkeep.distributed import (
     object_to_bytes,
     optimizer_module,
 )
+from snapkeep.layout import StatefulLoaderState, is_stateful_loader
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.store import (
     Entry,
@@ -60,7 +61,6 @@ from snapkeep.store import (
     local_shards,
 )
 from snapkeep.training import RngState
-from snapkeep.training._data_position import StatefulLoaderState, is_stateful_loader
 
 logger = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import snapkeep
 from snapkeep import writing
 from snapkeep.errors import StateMismatchError
+from snapkeep.layout import check_loaders
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
-from snapkeep.training._data_position import check_loaders
 
 
 def _data(n: int) -> TensorDataset:

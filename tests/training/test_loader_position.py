@@ -22,8 +22,8 @@ from torch.utils.data import (
     TensorDataset,
 )
 
+from snapkeep.layout import check_loaders
 from snapkeep.training import extensions
-from snapkeep.training._data_position import check_loaders
 
 DATA = TensorDataset(torch.arange(11))
 EPOCHS = 2

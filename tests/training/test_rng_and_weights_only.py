@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import snapkeep
+from snapkeep.layout import restore_rng_state
 from snapkeep.training import Extension, extensions, triggers
-from snapkeep.training._rng_state import restore_rng_state
 
 
 def _draw():
@@ -75,7 +75,7 @@ def test_old_snapkeep_state_with_top_level_rng_still_loads(make_manager):
     state = make_manager().state_dict()
     state.pop("ppe_version")
     state["_snapkeep_version"] = snapkeep.__version__
-    from snapkeep.training._rng_state import capture_rng_state
+    from snapkeep.layout import capture_rng_state
 
     state["_rng_state"] = capture_rng_state()
     expected = torch.rand(3).tolist()
@@ -96,7 +96,7 @@ def test_save_rng_state_false_neither_saves_nor_restores(make_manager):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
 def test_cuda_state_without_cuda_is_skipped_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="snapkeep.training._rng_state"):
+    with caplog.at_level(logging.WARNING, logger="snapkeep._core.rng_state"):
         restore_rng_state({"cuda": [torch.zeros(16, dtype=torch.uint8)]})
     assert "CUDA is not available" in caplog.text
 

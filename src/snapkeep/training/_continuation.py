@@ -9,7 +9,7 @@ the first ``stop_trigger`` check)::
      'rng': {...},                      # see _rng_state.capture_rng_state; absent when disabled
      'generators': {name: state},       # objects the loop registered (snapshot(generators=...))
      'loaders': {name: position},       # data loaders' positions (snapshot(loaders=...));
-                                        # see _data_position
+                                        # see snapkeep._core.data_position
      'stop_trigger': {...},             # the manager's stop trigger state (EarlyStoppingTrigger)
      'internal_stop_trigger': {...},    # ... after their call at this iteration, and
      'stop_decisions': {'stop_trigger': (iteration, bool), ...}}   # see _stop_decision
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from snapkeep.training._data_position import LoaderPosition
-from snapkeep.training._rng_state import (
+from snapkeep.layout import (
+    LoaderPosition,
     capture_rng_state,
     restore_rng_state,
     to_bytes,
@@ -141,7 +141,7 @@ def capture(manager: Any, *, rng: bool, generators: Mapping[str, Any],
         manager: snapkeep's or ppe's manager (its stop triggers are read when present).
         rng: include Python's, NumPy's, torch's CPU and CUDA global generator states.
         generators: objects registered by the loop, by name.
-        loaders: data loader positions by name (``_data_position.check_loaders``).
+        loaders: data loader positions by name (``snapkeep.layout.check_loaders``).
     """
     state: dict[str, Any] = {"format": FORMAT}
     if loaders:  # first: a loader's state_dict may draw (torchdata's builds an iterator)
@@ -321,7 +321,7 @@ class RngState:
     """
 
     def state_dict(self) -> dict[str, Any]:
-        """The states (see ``snapkeep.training._rng_state.capture_rng_state``)."""
+        """The states (see ``snapkeep._core.rng_state.capture_rng_state``)."""
         return capture_rng_state()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -23,8 +23,8 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from snapkeep.layout import restore_rng_state
 from snapkeep.store import user_stacklevel
-from snapkeep.training._rng_state import restore_rng_state
 from snapkeep.wrapping import live_state
 
 if TYPE_CHECKING:

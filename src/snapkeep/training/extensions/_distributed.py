@@ -32,11 +32,11 @@ from snapkeep.distributed import (
     background_groups,
     exchange_outcomes,
 )
+from snapkeep.layout import capture_rng_state, restore_rng_state
 from snapkeep.store import (
     Entry,
     SnapshotStore,
 )
-from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
 
 logger = logging.getLogger(__name__)

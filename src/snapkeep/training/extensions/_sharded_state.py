@@ -24,8 +24,8 @@ from snapkeep.distributed import (
     object_to_bytes,
     optimizer_module,
 )
+from snapkeep.layout import capture_rng_state, restore_rng_state
 from snapkeep.store import Entry
-from snapkeep.training._rng_state import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 

@@ -140,7 +140,7 @@ def snapshot(
             the loop has received) is saved; after a resume the loop's next ``iter(loader)``
             continues the epoch where it stopped, with the same batches in the same order, so
             ``for batch in loader`` ends with the manager's epoch. The loader object is hooked
-            in place (see ``snapkeep.training._data_position``). snapkeep addition; manager
+            in place (see ``snapkeep._core.data_position``). snapkeep addition; manager
             snapshots only.
         timeout_s: with ``saver_rank`` or ``SHARDED``: bound in seconds (default 600) of every
             collective snapkeep makes; a rank that fails raises the same error on every rank,

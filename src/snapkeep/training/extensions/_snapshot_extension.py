@@ -22,6 +22,7 @@ import snapkeep.training.extension as extension
 import snapkeep.training.extensions._lineage as _lineage
 import snapkeep.training.extensions._restore as _restore
 from snapkeep.errors import SnapshotError
+from snapkeep.layout import check_loaders
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
 from snapkeep.staging import (
     StagedLoan,
@@ -45,7 +46,6 @@ from snapkeep.store import (
     warn_user,
 )
 from snapkeep.training._continuation import ContinuationMixin, check_generators
-from snapkeep.training._data_position import check_loaders
 from snapkeep.wrapping import canonical_tree, dtensor_models, live_tree
 from snapkeep.writing import Writer as _SnapkeepWriter
 

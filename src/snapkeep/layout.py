@@ -1,0 +1,16 @@
+"""What a snapshot holds beyond modules and optimizers, written once in the engine for every
+door (public names): the data loader's position (:mod:`snapkeep._core.data_position`: batches
+consumed, the loader's generators, its geometry and sampler epoch) and the global random number
+generators (:mod:`snapkeep._core.rng_state`: Python, NumPy, torch CPU and CUDA)."""
+
+from snapkeep._core.data_position import (
+    LoaderPosition,
+    StatefulLoaderState,
+    check_loaders,
+    is_stateful_loader,
+    loader_position,
+)
+from snapkeep._core.rng_state import capture_rng_state, restore_rng_state, to_bytes, to_tensor
+
+__all__ = ["LoaderPosition", "StatefulLoaderState", "capture_rng_state", "check_loaders",
+           "is_stateful_loader", "loader_position", "restore_rng_state", "to_bytes", "to_tensor"]
