@@ -951,7 +951,7 @@ def _check_state(state: Any) -> Mapping[str, Any]:
 def _fit_problems(obj: Any, saved: Any, key: str = "") -> list[str]:
     """What keeps ``saved`` from loading into ``obj`` (modules: keys and shapes; optimizers:
     param groups and their sizes; data loaders: their position's kind and geometry, see
-    ``_data_position``); changes nothing."""
+    ``snapkeep.layout``); changes nothing."""
     if isinstance(obj, torch.utils.data.DataLoader):
         wrapper = stateful(key, obj)
         check = getattr(wrapper, "problems", None)
