@@ -35,7 +35,7 @@ docs: $(VENV)/.installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d $(DOCS_SITE)
 
 test: $(VENV)/.installed lint docs
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 -q --durations=20
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_stall.py
