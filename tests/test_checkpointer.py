@@ -3,6 +3,7 @@ lock, retention, checksums with fallback, all-or-nothing loads, first runs and t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -212,16 +213,16 @@ def test_load_is_all_or_nothing(tmp_path: Any) -> None:
         assert str(other[key].state_dict()) == str(sd), key
 
 
-def test_first_run_returns_none_and_names_lookalike_files(tmp_path: Any,
-                                                          caplog: Any) -> None:
+def test_first_run_returns_none_and_names_lookalike_files(tmp_path: Any, caplog: Any,
+                                                          capfd: Any) -> None:
     model = torch.nn.Linear(2, 2)
     with caplog.at_level(logging.WARNING, logger="snapkeep"):
         with snapkeep.Checkpointer(tmp_path / "new" / "run") as ckpt:
             assert ckpt.load(into={"model": model}) is None
             assert ckpt.latest_step() is None
-    assert [r.getMessage() for r in caplog.records] == [
-        f"no snapshot of 'ckpt_{{step}}' in {tmp_path / 'new' / 'run'}: nothing to resume, "
-        "starting fresh"]
+    assert caplog.records == []  # said once, on stderr (not also as a log warning)
+    assert capfd.readouterr().err == (
+        f"snapkeep: no snapshot of 'ckpt_{{step}}' in {tmp_path / 'new' / 'run'}, starting fresh\n")
     for step in (100, 200):
         torch.save({"w": 1}, tmp_path / f"{step}.pt")
     with snapkeep.Checkpointer(tmp_path) as ckpt:
@@ -398,3 +399,67 @@ def test_a_checkpointer_never_lists_its_directory_between_saves(
             assert (listings.get(out, 0), listings.get(out + "/.snapkeep", 0)) == opened
         assert opened[1] == 1, listings
         assert ckpt.all_steps() == [first + 2, first + 3]
+
+
+# -- input a new user typed (found by a fresh-user trial) ---------------------------------------
+
+
+@dataclasses.dataclass
+class Cfg:
+    lr: float = 0.1
+
+
+def test_a_value_load_would_refuse_is_refused_at_save_and_nothing_is_written(tmp_path):
+    """A dataclass in the state: load() (weights_only=True) could never resume it, so save
+    raises TypeError naming the key before anything is written (before: the snapshot
+    committed, ``snapkeep verify`` said autoload would resume from it, and the rerun's load
+    raised UnsafeSnapshotError)."""
+    model = torch.nn.Linear(2, 2)
+    with snapkeep.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"model": model, "cfg": dataclasses.asdict(Cfg())})  # the fix it names
+        for bad, where in (({"cfg": Cfg()}, "'cfg'"), ({"extra": [1, {"x": object()}]},
+                                                       "'extra/1/x'"),
+                           ({"lock": __import__("threading").Lock()}, "'lock'")):
+            with pytest.raises(TypeError, match=f"state\\['{list(bad)[0]}'\\].*at {where}.*"
+                                                "weights_only=False"):
+                ckpt.save(2, {"model": model, **bad})
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["ckpt_1"]
+    with snapkeep.Checkpointer(tmp_path, weights_only=False) as ckpt:  # the opt-in saves it
+        ckpt.save(3, {"model": model, "cfg": Cfg()})
+    with snapkeep.Checkpointer(tmp_path, weights_only=False) as ckpt:
+        into = {"model": torch.nn.Linear(2, 2), "cfg": None}
+        assert ckpt.load(into=into) == 3
+
+
+@pytest.mark.parametrize("timeout_s, error", [("60", TypeError), (True, TypeError),
+                                              (-1, ValueError), (0, ValueError),
+                                              (float("nan"), ValueError),
+                                              (float("inf"), ValueError)])
+def test_a_bad_timeout_is_refused_naming_it(tmp_path, timeout_s, error):
+    with pytest.raises(error, match="timeout_s must be a finite number of seconds > 0"):
+        snapkeep.Checkpointer(tmp_path, timeout_s=timeout_s)
+    from snapkeep.training import extensions
+
+    with pytest.raises(error, match="timeout_s must be a finite number of seconds > 0"):
+        extensions.snapshot(timeout_s=timeout_s)
+    assert not os.listdir(tmp_path)
+
+
+def test_a_file_as_the_directory_is_named_as_the_output_directory(tmp_path):
+    path = tmp_path / "afile"
+    path.write_text("x")
+    with pytest.raises(snapkeep.SnapshotStorageError) as info:
+        snapkeep.Checkpointer(path)
+    message = str(info.value)
+    assert f"output directory {str(path)!r} cannot be used" in message
+    assert "out_dir" not in message and message.count("hoose") <= 1
+    assert path.read_text() == "x"
+
+
+def test_a_first_run_says_starting_fresh_once(tmp_path):
+    code = ("import snapkeep, torch\nm = torch.nn.Linear(2, 2)\n"
+            f"with snapkeep.Checkpointer({str(tmp_path)!r}) as c:\n"
+            "    c.load(into={'m': m})\n    c.save(1, {'m': m})\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stderr.count("starting fresh") == 1, out.stderr

@@ -280,7 +280,7 @@ ERRORS = {
         "A new worker starts with the next snapshot")),
     "StoreLockedError": Row(snapkeep.StoreLockedError, store_locked, (
         "in use by another trainer", "pid", "Stop the other trainer",
-        "another out_dir or filename template")),
+        "another output directory or filename template")),
     "ManifestError": Row(snapkeep.errors.ManifestError, bad_manifest, (
         "manifest.json", "required field 'name' is missing")),
     "StagingRaceError": Row(snapkeep.StagingRaceError, staging_race, (
@@ -307,7 +307,7 @@ WARNINGS = {
         "snapshot_iter_1 (step 1) has no checksum manifest", "loaded completely")),
     "existing snapshots, autoload=False": Row(UserWarning, already_holds, (
         "already holds 2 snapshot(s)", "autoload=False",
-        "use another out_dir or autoload=True to resume")),
+        "use another output directory or autoload=True to ")),
 }
 
 RESUME_NOTICES = {  # autoload's skips: lines of its resume notice on stderr, not warnings

@@ -111,8 +111,11 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
             try:
                 lock = store.lock(existing_only=True)
             except StoreLockedError as e:
-                raise CheckFailed(f"not pruning {directory}: {e}. Stop that trainer first (its "
-                                  "own retention keeps the directory pruned)") from e
+                holder = e.holder or "holder unknown"
+                raise CheckFailed(
+                    f"not pruning {directory}: a live trainer holds it ({holder}); its own "
+                    "retention keeps the directory pruned. Stop that trainer first, or let its "
+                    "keep=/n_retains do the pruning") from e
             if lock is not None:
                 held.callback(lock.release)
         entries = store.entries()

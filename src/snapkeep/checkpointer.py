@@ -72,6 +72,7 @@ from snapkeep.store import (
     SnapshotStore,
     Storage,
     TierEngine,
+    check_timeout_s,
     describe,
     find_mismatches,
     lookalike_message,
@@ -79,6 +80,7 @@ from snapkeep.store import (
     resolve_storage,
     state_bytes,
     tier_dir,
+    unloadable_value,
     warn_user,
 )
 from snapkeep.training import RngState
@@ -308,6 +310,7 @@ class Checkpointer:
         for name, value in (("rng", rng), ("weights_only", weights_only)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
+        timeout_s = check_timeout_s(timeout_s)  # type: ignore[assignment]
         if sharded is None:
             sharded = is_distributed()
         if not isinstance(sharded, bool):
@@ -478,6 +481,7 @@ class Checkpointer:
         name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
         if self._sharded is not None:
             _refuse_plain_loaders(_check_state(state))
+            self._refuse_unloadable(self._payload(step, state))
             for key, value in _check_state(state).items():
                 stateful(key, value)
             sharded_handle = self._sharded.save(name, step, state, __version__,
@@ -486,10 +490,11 @@ class Checkpointer:
                 sharded_handle.committed.result()
             return sharded_handle
         writer: Any = self._writer  # not sharded: a writer
+        tree = self._payload(step, state)
+        self._refuse_unloadable(tree)
         # the retention input check (a KeepBest metric no snapshot records: ValueError, nothing
         # written or deleted), then the retention stage the writer runs after the commit
         retain = session.retention(name, step, recorded, on_error=on_error)
-        tree = self._payload(step, state)
         extra: dict[str, Any] = {"step": step, "retain": retain,  # snapkeep's writer extras
                                  "metrics": recorded, "run_id": session.lineage.run_id}
         handle = writer(name, self._location, tree, **extra)
@@ -578,6 +583,24 @@ class Checkpointer:
                 handle.wait()
             self.wait()
         return restored.step
+
+    def _refuse_unloadable(self, tree: dict[str, Any]) -> None:
+        """TypeError before anything is written when ``load`` (``weights_only=True``) could
+        not load a value of the snapshot: a run must never save snapshots it cannot resume."""
+        if not self._weights_only:
+            return
+        where = unloadable_value(tree.get("state"))
+        if where is None:
+            return
+        key = where.split("/")[0]
+        value = tree["state"].get(key) if where != "<root>" else None
+        raise TypeError(
+            f"state[{key!r}] ({type(value).__name__}; at {where!r}) holds an object that "
+            "load(), which loads with torch.load(weights_only=True), would refuse, so no "
+            "snapshot of it could be resumed; nothing was saved. Save tensors, numbers, "
+            "strings and containers of them (an object's state_dict() or "
+            "dataclasses.asdict()), or pass weights_only=False to the Checkpointer to save and "
+            "load arbitrary objects (trusted files only)")
 
     def _payload(self, step: int, state: Mapping[str, Any]) -> dict[str, Any]:
         saved: dict[str, Any] = {}
@@ -758,8 +781,8 @@ class Checkpointer:
                                     self._location)
         if message is not None:
             _warn(message)
-        logger.warning("no snapshot of %r in %s: nothing to resume, starting fresh",
-                       self.template, self._location)
+        logger.debug("no snapshot of %r in %s: nothing to resume (said on stderr)",
+                     self.template, self._location)
 
     @staticmethod
     def _check_format(entry: Entry, payload: Any) -> Any:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from snapkeep._core.lineage import RunLineage, warn_about_existing
-from snapkeep._core.loading import load_file
+from snapkeep._core.loading import load_file, unloadable_value
 from snapkeep._core.lock import StoreLock
 from snapkeep._core.lookalikes import lookalike_message
 from snapkeep._core.manifest import (
@@ -61,7 +61,7 @@ from snapkeep._core.memory_tier import (
 from snapkeep._core.name_check import misnamed_reason
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.one_pass import one_pass_loader
-from snapkeep._core.preflight import check_writable
+from snapkeep._core.preflight import check_timeout_s, check_writable
 from snapkeep._core.resume_notice import (
     INCOMPLETE_SHARDED,
     ResumeNotice,
@@ -115,8 +115,10 @@ __all__ = [
     "DECODE_ERRORS", "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest",
     "ManifestError",
     "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
+    "unloadable_value",
     "manifest_path", "one_pass_loader", "open_store", "read_manifest", "resolve_storage",
-    "check_writable", "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus",
+    "check_writable", "check_timeout_s",
+    "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus",
     "read_run_status", "write_run_status", "run_status", "lookalike_message", "SaveHandle",
     "StoreKind", "newest_valid", "require_one_kind", "run_is_alive", "Listed",
     "CandidateRefused", "Session", "RunLineage", "warn_about_existing", "MetricCheck",

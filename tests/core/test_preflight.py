@@ -34,8 +34,8 @@ def test_unwritable_local_directory(tmp_path: Path, read_only: bool, allowed: bo
                        statvfs=_statvfs(read_only))
     assert info.value.errno == code and info.value.filename == str(tmp_path)
     message = str(info.value)
-    assert f"out_dir {str(tmp_path)!r} is not writable" in message and reason in message
-    assert "pass another out_dir" in message
+    assert f"output directory {str(tmp_path)!r} is not writable" in message and reason in message
+    assert "choose another directory" in message
     assert list(tmp_path.iterdir()) == []
 
 

@@ -74,7 +74,7 @@ def test_a_corrupt_file_falls_back_and_none_valid_is_an_error(tmp_path):
 def test_sharded_rejects_savefun_and_bad_timeouts():
     with pytest.raises(TypeError, match="savefun cannot be given"):
         ext.snapshot(torch.save, snapshot_mode=ext.SnapshotMode.SHARDED)
-    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
         ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, timeout_s=-1)
     with pytest.raises(ValueError, match="needs a string filename template"):
         ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, filename=lambda m: "x")

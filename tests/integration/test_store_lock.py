@@ -80,7 +80,7 @@ def test_a_second_trainer_is_refused_naming_the_holder(tmp_path, holder):
         manager.start_extensions()
     message = str(info.value)
     assert f"pid {holder.pid} on host {socket.gethostname()}, since " in message
-    assert "UTC" in message and "another out_dir" in message
+    assert "UTC" in message and "another output directory" in message
     assert manager.iteration == 0  # refused before autoload: nothing loaded
     assert listing(tmp_path) == before  # nothing written or deleted
     assert isinstance(info.value, snapkeep.SnapshotError)

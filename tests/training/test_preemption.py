@@ -81,7 +81,7 @@ def test_a_preemption_at_a_snapshot_iteration_saves_it_once(tmp_path):
     ({"signals": (signal.SIGKILL,)}, "signals must be catchable"),
     ({"signals": ("TERM",)}, "signals must be signal numbers"),
     ({"exit_code": 256}, "exit_code must be an int in 0..255"),
-    ({"timeout_s": 0}, "timeout_s must be a positive number"),
+    ({"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):

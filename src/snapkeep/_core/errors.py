@@ -73,7 +73,14 @@ class UnsafeSnapshotError(SnapshotError, pickle.UnpicklingError):
 
 
 class StoreLockedError(SnapshotError, RuntimeError):
-    """Another live trainer holds the lock of this output directory and filename template."""
+    """Another live trainer holds the lock of this output directory and filename template.
+
+    Attributes:
+        holder: who holds it (``'pid 123 on host h since 2026-12-03 19:00:00 UTC'``; empty
+            when that could not be read).
+    """
+
+    holder = ""
 
 
 class MemoryTierTooSmallError(SnapshotError, ValueError):

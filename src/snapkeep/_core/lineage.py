@@ -84,5 +84,6 @@ def warn_about_existing(store: SnapshotStore, run_id: str) -> None:
         f"{store.template.template!r} (steps {entries[0].step}..{entries[-1].step}, run ids "
         f"{', '.join(run_ids[:5])}) and autoload=False: this run (run id {run_id}) "
         "starts fresh. Retention will not delete them, but a snapshot of this run with the "
-        "same name replaces the old file; use another out_dir or autoload=True to resume.")
+        "same name replaces the old file; use another output directory or autoload=True to "
+        "resume.")
     warn_user(message, UserWarning)  # once, at the user's call site; no duplicate log line

@@ -15,6 +15,7 @@ uses this module for the files that path does not take.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import logging
@@ -103,6 +104,65 @@ def load_file(
             ) from e
         raise SnapshotCorruptError(
             f"{path} is not a well-formed snapshot (corrupt: {e})") from e
+
+
+#: Leaf types every ``weights_only`` load accepts: not pickled to check them.
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype,
+                 torch.device, torch.Size)
+_CONTAINERS = (dict, collections.OrderedDict, list, tuple)
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    if type(node) in (dict, collections.OrderedDict):
+        return list(node.items())
+    if type(node) in (list, tuple):
+        return list(enumerate(node))
+    return []
+
+
+def _suspects(tree: Any, path: tuple[str, ...], out: list[tuple[tuple[str, ...], Any]]) -> None:
+    """Key paths and values of ``tree``'s leaves of other than plain types, and of containers
+    of other than plain types (a dict subclass), in order."""
+    if type(tree) in _PLAIN_LEAVES or isinstance(tree, torch.Tensor):
+        return  # (exact types: an IntEnum or a str subclass pickles as its class)
+    if type(tree) not in _CONTAINERS:
+        out.append((path, tree))
+        return
+    for key, value in _children(tree):
+        if type(tree) in (dict, collections.OrderedDict) and type(key) not in _PLAIN_LEAVES:
+            out.append((path + (str(key),), key))
+        _suspects(value, path + (str(key),), out)
+
+
+def _loads_safely(value: Any) -> bool:
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+    except Exception:  # not even picklable (a local class, a lock): it cannot be saved either
+        return False
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError:
+        return False
+    return True
+
+
+def unloadable_value(tree: Any) -> str | None:
+    """Where ``tree`` holds a value that :func:`load_file` with ``weights_only=True`` (the
+    default of every door's load) would refuse, as a key path (``"cfg"``, ``"extra/0"``); None
+    when all of it loads. Checked before a snapshot is written, so that a run never saves
+    snapshots it cannot resume from. Tensors, numbers, strings, bytes, dtypes, devices and
+    sizes in plain dicts, lists and tuples are accepted without pickling; each other value is
+    tried alone through ``torch.save`` and a ``weights_only`` load (snapkeep's allow-list
+    included)."""
+    suspects: list[tuple[tuple[str, ...], Any]] = []
+    _suspects(tree, (), suspects)
+    for path, value in suspects:
+        if not _loads_safely(value):
+            return "/".join(path) or "<root>"
+    return None
 
 
 def _load_mapped(path: str, *, map_location: Any, weights_only: bool) -> Any:

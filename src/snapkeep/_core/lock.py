@@ -122,14 +122,16 @@ class StoreLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            holder = _describe(_read_holder(fd))
             os.close(fd)
-            raise StoreLockedError(
+            error = StoreLockedError(
                 f"snapshots of {template!r} in {where!r} are in use by another trainer "
-                f"({_describe(holder)}; lock file {path}). Two trainers on one out_dir and "
+                f"({holder}; lock file {path}). Two trainers on one output directory and "
                 "template would delete and overwrite each other's snapshots. Stop the other "
-                "trainer (or wait for it to finish), or give this run another out_dir or "
-                "filename template. A killed trainer never holds this lock.") from None
+                "trainer (or wait for it to finish), or give this run another output directory "
+                "or filename template. A killed trainer never holds this lock.")
+            error.holder = holder
+            raise error from None
         except OSError as e:
             os.close(fd)
             raise SnapshotStorageError(

@@ -12,6 +12,25 @@ from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.storage import Storage
 
 
+def check_timeout_s(timeout_s: object, *, none_ok: bool = False) -> float | None:
+    """``timeout_s`` as a float, or an error naming the argument: a finite number of seconds
+    > 0 (an int or a float; ``None`` too when ``none_ok``).
+
+    Raises:
+        TypeError: not a number (a str, a bool).
+        ValueError: not finite or not > 0 (0, negative, NaN, infinity).
+    """
+    accepted = "a finite number of seconds > 0" + (" or None" if none_ok else "")
+    if timeout_s is None and none_ok:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be {accepted}, got {type(timeout_s).__name__} "
+                        f"{timeout_s!r}")
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"timeout_s must be {accepted}, got {timeout_s!r}")
+    return float(timeout_s)
+
+
 def check_writable(
     storage: Storage, directory: str, *,
     access: Callable[[str, int], bool] = os.access,
@@ -42,6 +61,6 @@ def check_writable(
     else:
         return
     raise SnapshotStorageError(
-        f"out_dir {storage.url(directory)!r} is not writable: {reason}, so every snapshot would "
-        "fail. Fix its permissions or mount, or pass another out_dir",
+        f"output directory {storage.url(directory)!r} is not writable: {reason}, so every "
+        "snapshot would fail. Fix its permissions or mount, or choose another directory",
         errno=code, filename=storage.url(directory))

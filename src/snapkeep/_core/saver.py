@@ -59,6 +59,7 @@ from snapkeep._core.executors import Runner
 from snapkeep._core.exit_drain import DrainedAtExit
 from snapkeep._core.job import CommitRecord, SaveJob
 from snapkeep._core.overlap import PendingVerdict
+from snapkeep._core.preflight import check_timeout_s
 from snapkeep._core.staging import BufferSet, StageStats
 from snapkeep._core.store import Retain
 from snapkeep._core.ticket import SaveHandle, Slot, StagedLoan, Ticket
@@ -95,11 +96,7 @@ class Saver(DrainedAtExit):
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
         if on_full not in ON_FULL_POLICIES:
             raise ValueError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
-        if timeout_s is not None and (isinstance(timeout_s, bool)
-                                      or not isinstance(timeout_s, (int, float))
-                                      or not timeout_s > 0 or timeout_s == float("inf")):
-            raise ValueError(
-                f"timeout_s must be a finite number of seconds > 0 or None, got {timeout_s!r}")
+        check_timeout_s(timeout_s, none_ok=True)
         self.runner = runner
         self.max_pending = max_pending
         self.on_full = on_full

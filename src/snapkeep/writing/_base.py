@@ -126,8 +126,9 @@ class Writer:
             storage.makedirs(path)
         except SnapshotStorageError as e:
             raise SnapshotStorageError(
-                f"out_dir {storage.url(path)!r} cannot be used for snapshots: {e}. Choose a "
-                "writable directory (a local path or an fsspec URL) for out_dir",
+                f"output directory {storage.url(path)!r} cannot be used for snapshots: {e}"
+                + ("" if "; choose" in str(e) else
+                   ". Choose a writable directory (a local path or an fsspec URL)"),
                 errno=e.errno, filename=path, size_bytes=0,
             ) from e
         storage.remove_stale_temps(path)

@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from snapkeep._core.distributed.launcher import watch_launcher
+from snapkeep._core.preflight import check_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +130,7 @@ def background_groups(timeout_s: float) -> Groups:
         RuntimeError: torch.distributed is not initialized.
         ValueError: ``timeout_s`` is not a positive number.
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    check_timeout_s(timeout_s)
     require_initialized("snapkeep's distributed snapshots")
     watch_launcher()  # a worker orphaned by a killed torchrun ends instead of holding the lock
     with _lock:

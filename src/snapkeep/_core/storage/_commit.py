@@ -129,7 +129,8 @@ def storage_error(
         hint = "; free space on that filesystem or lower n_retains"
     elif code in (errno_mod.EACCES, errno_mod.EPERM, errno_mod.EROFS) or \
             isinstance(exc, PermissionError):
-        hint = "; choose a writable out_dir or check the credentials in storage_options"
+        hint = ("; choose a writable output directory or check the credentials in "
+                "storage_options")
     elif "Credentials" in type(exc).__name__:
         hint = ("; pass credentials in storage_options (for s3fs: key and secret) or configure "
                 "the backend's usual credential sources")

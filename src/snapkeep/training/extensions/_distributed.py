@@ -36,6 +36,7 @@ from snapkeep.layout import capture_rng_state, restore_rng_state
 from snapkeep.store import (
     Entry,
     SnapshotStore,
+    check_timeout_s,
 )
 from snapkeep.training.extensions._snapshot_extension import SnapshotExtension
 
@@ -52,10 +53,7 @@ class _DistributedSnapshot(SnapshotExtension):
     def __init__(self, *, saver_rank: int, timeout_s: float | None = None, **kwargs: Any
                  ) -> None:
         super().__init__(**kwargs)
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
-                timeout_s, (int, float)) or timeout_s <= 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        self.timeout_s = 600.0 if timeout_s is None else float(timeout_s)
+        self.timeout_s = check_timeout_s(timeout_s, none_ok=True) or 600.0
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
             raise RuntimeError(
                 "snapshot(saver_rank=...) requires torch.distributed to be initialized "

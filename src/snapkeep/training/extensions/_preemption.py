@@ -43,6 +43,7 @@ from snapkeep.distributed import (
     signal_name,
     signalled,
 )
+from snapkeep.store import check_timeout_s
 from snapkeep.training import extension
 from snapkeep.training.extensions._lineage import snapshot_extensions
 from snapkeep.training.extensions._run_status import StatusRecorder
@@ -99,9 +100,7 @@ class Preemption(extension.Extension):
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) \
                 or not 0 <= exit_code <= 255:
             raise ValueError(f"exit_code must be an int in 0..255, got {exit_code!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout_s(timeout_s)
         self.signals = parsed
         self.exit_code = exit_code
         self.timeout_s = float(timeout_s)

@@ -53,6 +53,7 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     Session,
+    check_timeout_s,
     local_shards,
 )
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
@@ -132,10 +133,7 @@ class _ShardedSnapshot(SnapshotExtension):
         if savefun is not None:
             raise TypeError("snapshot_mode=SHARDED writes through torch.distributed.checkpoint; "
                             "savefun cannot be given")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or timeout_s <= 0:
-            raise ValueError(
-                f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        check_timeout_s(timeout_s)
         super().__init__(**kwargs)
         if not self._template.parsable:
             raise ValueError(

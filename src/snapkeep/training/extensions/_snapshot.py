@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from snapkeep.retention import RetentionPolicy
+from snapkeep.store import check_timeout_s
 from snapkeep.training.extensions._find import (
     find_latest_snapshot,
     find_snapshot_files,
@@ -170,6 +171,7 @@ def snapshot(
     """
     if savefun is not None and writer is not None:
         raise TypeError("savefun and writer arguments cannot be specified together.")
+    check_timeout_s(timeout_s, none_ok=True)  # (used with saver_rank or SHARDED)
     kwargs: dict[str, Any] = dict(
         target=target, condition=condition, writer=writer, filename=filename,
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
