@@ -429,7 +429,7 @@ def test_unwritable_out_dir_names_out_dir(saved, where):
     out, before = saved
     victim = out / "snapshot_iter_1"
     bad = victim / "sub" if where == "under-a-file" else victim
-    with pytest.raises(SnapshotStorageError, match=rf"out_dir '{bad}'") as info:
+    with pytest.raises(SnapshotStorageError, match=rf"output directory '{bad}'") as info:
         Run(bad)
     assert isinstance(info.value, OSError)  # `except OSError` keeps working
     assert contents(out) == before
@@ -442,7 +442,7 @@ def test_unwritable_writer_out_dir_fails_before_training(saved):
     run.manager.extend(
         ext.snapshot(writer=writing.SimpleWriter(out_dir=str(bad)), n_retains=1),
         trigger=(1, "iteration"))
-    with pytest.raises(SnapshotStorageError, match=rf"out_dir '{bad}'"):
+    with pytest.raises(SnapshotStorageError, match=rf"output directory '{bad}'"):
         run.train(1)
     assert contents(out) == before
 

@@ -42,6 +42,7 @@ from snapkeep.store import (
     check_writable,
     newest_listed_step,
     resolve_storage,
+    unloadable_value,
     warn_about_existing,
     warn_user,
 )
@@ -338,6 +339,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             return
         state = self._state(manager)
         filename = self._template.format(manager)
+        self._refuse_unloadable(state, filename)
         extra: dict[str, Any] = {}
         if on_error:
             filename += ON_ERROR_SUFFIX
@@ -371,6 +373,21 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         finally:
             if isinstance(writer, _SnapkeepWriter):
                 writer.disarm_overlap()  # never left armed for a direct writer call
+
+    def _refuse_unloadable(self, state: Any, filename: str) -> None:
+        """TypeError before anything is written when autoload (``weights_only=True``) could not
+        load a value of the snapshot: a run must never save snapshots it cannot resume from
+        (a ``savefun`` of the user's chooses its own format: not checked)."""
+        if not self._weights_only or self._savefun is not None:
+            return
+        where = unloadable_value(state)
+        if where is not None:
+            raise TypeError(
+                f"snapshot {filename}: {where!r} holds an object that autoload, which loads with "
+                "torch.load(weights_only=True), would refuse, so this snapshot could never be "
+                "resumed; nothing was saved. Keep tensors, numbers, strings and containers of "
+                "them in state_dict()s, or pass extensions.snapshot(weights_only=False) to save "
+                "and load arbitrary objects (trusted files only)")
 
     def lend_staged(self, manager: Any) -> StagedLoan | None:
         """The copy of the manager's state this extension's writer staged at this iteration,
