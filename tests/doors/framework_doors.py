@@ -1,0 +1,155 @@
+"""The framework doors' rows of the door x guarantee matrix (``test_matrix.py``): Lightning and
+the Hugging Face Trainer, each driven as its users drive it, resuming first, saving a snapshot
+at every step with a ``val_loss`` metric, under snapkeep's retention (``keep=``).
+
+The rows have the matrix's door interface (``name``, ``sharded``, ``snapshot_name``, ``train``,
+``hold_code``), duck-typed (``test_matrix`` imports this module; a subclass of its ``Door``
+would import it back). ``skips``: scenario -> why it cannot apply to the door (skipped with that
+reason by ``conftest.py``).
+
+Also a worker, for the preemption tests (a real signal to a real Trainer process)::
+
+    python framework_doors.py lightning DIR STOP [--every N] [--sleep-s S]
+
+prints ``step N`` after each optimizer step (flushed) and writes ``DIR/final.pt`` (the model's
+state) at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import pathlib
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from snapkeep.retention import RetentionPolicy
+
+X = torch.linspace(-1, 1, 24).reshape(6, 4)
+
+
+def val_loss(step: int) -> float:
+    return 1.0 / (1 + step)
+
+
+@contextlib.contextmanager
+def _quiet_framework(*loggers: str) -> Iterator[None]:
+    """The framework's own INFO lines and warnings off, as a user silences them, so that
+    snapkeep's notices are what stderr shows."""
+    saved = [(name, logging.getLogger(name).level) for name in loggers]
+    for name in loggers:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for name, level in saved:
+            logging.getLogger(name).setLevel(level)
+
+
+# -- Lightning -------------------------------------------------------------------------------------
+def _lightning_module(sleep_s: float = 0.0) -> Any:
+    import lightning.pytorch as pl
+
+    class Tiny(pl.LightningModule):
+        """One batch per epoch; the input is the step's (as the matrix's plain loops), so a
+        resume at any step is at an epoch boundary, where Lightning continues exactly."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            step = self.global_step + 1
+            self.log("val_loss", val_loss(step), on_step=True, on_epoch=False)
+            return self.net(X[step % 6]).pow(2).sum()
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if sleep_s:
+                print(f"step {self.global_step}", flush=True)
+                time.sleep(sleep_s)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(1, 1)),
+                                               batch_size=1)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Tiny()
+
+
+def train_lightning(directory: pathlib.Path | str, stop: int, *,
+                    keep: RetentionPolicy | None = None, every: int = 1,
+                    sleep_s: float = 0.0) -> torch.nn.Module:
+    """Lightning's Trainer with snapkeep's CheckpointIO and ModelCheckpoint (names
+    ``ckpt_<step>``, every ``every`` steps), resumed with ``ckpt_path="last"``."""
+    import lightning.pytorch as pl
+
+    from snapkeep.lightning import ModelCheckpoint, SnapkeepCheckpointIO
+
+    with _quiet_framework("lightning.pytorch", "lightning.fabric"):
+        module = _lightning_module(sleep_s)
+        checkpoint = ModelCheckpoint(dirpath=directory, filename="ckpt_{step}",
+                                     auto_insert_metric_name=False, every_n_train_steps=every,
+                                     save_top_k=-1, enable_version_counter=False)
+        checkpoint.FILE_EXTENSION = ""  # Lightning's documented knob: names end in the step
+        io = SnapkeepCheckpointIO(keep=keep)
+        trainer = pl.Trainer(
+            max_steps=stop, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            callbacks=[checkpoint], plugins=[io], default_root_dir=directory)
+        try:
+            trainer.fit(module, ckpt_path="last")
+        finally:
+            io.close()
+    return module.net
+
+
+class LightningDoor:
+    name = "lightning"
+    sharded = False
+    skips: dict[str, str] = {}
+
+    def snapshot_name(self, step: int) -> str:
+        return f"ckpt_{step}"
+
+    def train(self, directory: pathlib.Path, stop: int, *,
+              keep: RetentionPolicy | None = None) -> torch.nn.Module:
+        return train_lightning(directory, stop, keep=keep)
+
+    hold_code = ("from snapkeep.lightning import SnapkeepCheckpointIO\n"
+                 "held = SnapkeepCheckpointIO()\n"
+                 "held.open(DIR, template='ckpt_{step}')\n")
+
+
+class HFDoor(LightningDoor):  # placeholder until the HF row lands
+    name = "hf"
+    skips = {"*": ""}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("door", choices=["lightning"])
+    parser.add_argument("directory")
+    parser.add_argument("stop", type=int)
+    parser.add_argument("--every", type=int, default=1)
+    parser.add_argument("--sleep-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = train_lightning(args.directory, args.stop, every=args.every, sleep_s=args.sleep_s)
+    torch.save(model.state_dict(), os.path.join(args.directory, "final.pt"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
