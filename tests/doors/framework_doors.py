@@ -9,10 +9,10 @@ reason by ``conftest.py``).
 
 Also a worker, for the preemption tests (a real signal to a real Trainer process)::
 
-    python framework_doors.py lightning DIR STOP [--every N] [--sleep-s S]
+    python framework_doors.py lightning DIR STOP [--every N] [--pause-at K]
 
-prints ``step N`` after each optimizer step (flushed) and writes ``DIR/final.pt`` (the model's
-state) at the end.
+saves every ``N`` steps; after step ``K`` prints ``step K`` (flushed) and waits for a line on
+stdin (the test signals it meanwhile); writes ``DIR/final.pt`` (the model's state) at the end.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import logging
 import os
 import pathlib
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -56,7 +55,7 @@ def _quiet_framework(*loggers: str) -> Iterator[None]:
 
 
 # -- Lightning -------------------------------------------------------------------------------------
-def _lightning_module(sleep_s: float = 0.0) -> Any:
+def _lightning_module(pause_at: int = 0) -> Any:
     import lightning.pytorch as pl
 
     class Tiny(pl.LightningModule):
@@ -74,9 +73,9 @@ def _lightning_module(sleep_s: float = 0.0) -> Any:
             return self.net(X[step % 6]).pow(2).sum()
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if sleep_s:
+            if self.global_step == pause_at:
                 print(f"step {self.global_step}", flush=True)
-                time.sleep(sleep_s)
+                sys.stdin.readline()  # the test signals this process, then lets it go on
 
         def train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(1, 1)),
@@ -90,7 +89,7 @@ def _lightning_module(sleep_s: float = 0.0) -> Any:
 
 def train_lightning(directory: pathlib.Path | str, stop: int, *,
                     keep: RetentionPolicy | None = None, every: int = 1,
-                    sleep_s: float = 0.0) -> torch.nn.Module:
+                    pause_at: int = 0) -> torch.nn.Module:
     """Lightning's Trainer with snapkeep's CheckpointIO and ModelCheckpoint (names
     ``ckpt_<step>``, every ``every`` steps), resumed with ``ckpt_path="last"``."""
     import lightning.pytorch as pl
@@ -98,7 +97,7 @@ def train_lightning(directory: pathlib.Path | str, stop: int, *,
     from snapkeep.lightning import ModelCheckpoint, SnapkeepCheckpointIO
 
     with _quiet_framework("lightning.pytorch", "lightning.fabric"):
-        module = _lightning_module(sleep_s)
+        module = _lightning_module(pause_at)
         checkpoint = ModelCheckpoint(dirpath=directory, filename="ckpt_{step}",
                                      auto_insert_metric_name=False, every_n_train_steps=every,
                                      save_top_k=-1, enable_version_counter=False)
@@ -143,10 +142,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("directory")
     parser.add_argument("stop", type=int)
     parser.add_argument("--every", type=int, default=1)
-    parser.add_argument("--sleep-s", type=float, default=0.0)
+    parser.add_argument("--pause-at", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    model = train_lightning(args.directory, args.stop, every=args.every, sleep_s=args.sleep_s)
+    model = train_lightning(args.directory, args.stop, every=args.every,
+                            pause_at=args.pause_at)
     torch.save(model.state_dict(), os.path.join(args.directory, "final.pt"))
     return 0
 

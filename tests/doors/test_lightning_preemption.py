@@ -1,0 +1,71 @@
+"""The Lightning door's preemption through snapkeep's agreement (issue 26, as the Checkpointer's
+``preemption=True``): a real SIGTERM or SIGUSR1 to a real Trainer process becomes a committed
+snapshot of the next step, the run status ``preempted`` and exit code 143; the rerun with
+``ckpt_path="last"`` resumes from it and ends bit-identical to the uninterrupted run. Before,
+Lightning's own path saved at its ``SIGTERMException`` and exited 0, and ``snapkeep status``
+had nothing to say about a Lightning directory."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytest.importorskip("lightning")
+
+import snapkeep  # noqa: E402
+from snapkeep.cli import cli  # noqa: E402
+from support.killing import BOUND_S, env  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import framework_doors  # noqa: E402
+
+WORKER = HERE / "framework_doors.py"
+STEPS = 8
+
+
+def test_a_signal_commits_the_next_step_says_preempted_and_the_rerun_ends_identical(
+        tmp_path: Path) -> None:
+    """SIGTERM (torchrun forwards it; SIGUSR1 takes the same path: the Checkpointer's tests run
+    both through the one ``SignalWatch``)."""
+    sig = signal.SIGTERM
+    out = tmp_path / "run"
+    # saves only every 100 steps: the one snapshot is the preemption's
+    proc = subprocess.Popen([sys.executable, str(WORKER), "lightning", str(out), str(STEPS),
+                             "--every", "100", "--pause-at", "3"], env=env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "step 3"
+        proc.send_signal(sig)  # recorded by the handler; agreed at the end of step 4
+        _, err = proc.communicate("go\n", timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert sorted(p.name for p in out.iterdir()) == [".snapkeep", "ckpt_4"]  # committed
+    status = snapkeep.store.run_status(str(out))
+    assert status is not None and status.state == "preempted" and status.step == 4
+    assert status.snapshots == ("ckpt_4",) and status.reason == f"signal {sig.name}"
+    result = CliRunner().invoke(cli, ["status", str(out)])
+    assert result.exit_code == 75 and "preempted" in result.output, result.output
+    rerun = subprocess.run([sys.executable, str(WORKER), "lightning", str(out), str(STEPS),
+                            "--every", "100"], env=env(), capture_output=True, text=True,
+                           timeout=BOUND_S)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"snapkeep: resuming from ckpt_4 (step 4) in {out}" in rerun.stderr
+    status = snapkeep.store.run_status(str(out))
+    assert status is not None and status.state == "finished" and status.step == STEPS
+    reference = framework_doors.train_lightning(tmp_path / "straight", STEPS, every=100)
+    resumed = torch.load(out / "final.pt", weights_only=True)
+    assert not torch.equal(resumed["weight"], framework_doors._lightning_module().net.weight)
+    assert torch.equal(resumed["weight"], reference.weight)
+    assert torch.equal(resumed["bias"], reference.bias)
