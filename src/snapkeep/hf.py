@@ -31,8 +31,7 @@ import logging
 import math
 import os
 import re
-import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transformers import (
@@ -52,8 +51,17 @@ from snapkeep._core.manifest import (
 )
 from snapkeep._version import __version__
 from snapkeep.errors import SnapshotCorruptError, SnapshotStorageError
-from snapkeep.retention import KeepLatest, SnapshotInfo, plan_deletions
-from snapkeep.store import Storage, resolve_storage, warn_user
+from snapkeep.retention import KeepLatest, RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep.store import (
+    MANIFEST_DIR,
+    Entry,
+    FilenameTemplate,
+    Session,
+    StatusLog,
+    Storage,
+    StoreLock,
+    resolve_storage,
+)
 
 __all__ = [
     "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "CheckpointMarker", "FileRecord",
@@ -333,59 +341,178 @@ def _checkpoints(storage: Storage, output_dir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def latest_verified(output_dir: str | os.PathLike[str]) -> str | None:
+#: The store's template: ``checkpoint-N`` (the lock's key, the notices' name).
+TEMPLATE = "checkpoint-{step}"
+_TEMPLATE = FilenameTemplate("checkpoint-{.iteration}")
+
+
+class CheckpointDirs:
+    """The ``checkpoint-N`` directories of one output directory as a snapshot store of the
+    engine (:class:`snapkeep.store.StoreKind`): listed by N, each committed by its marker,
+    locked as the other kinds (``.snapkeep/``, one trainer per output directory), retained
+    after each commit. The Trainer writes them in place (nothing of snapkeep's own to sweep);
+    a directory without a valid marker is never counted, deleted or moved.
+
+    Args:
+        storage: where they live.
+        directory: the Trainer's ``output_dir`` on ``storage``.
+    """
+
+    template = _TEMPLATE
+
+    def __init__(self, storage: Storage, directory: str) -> None:
+        self.storage = storage
+        self.directory = directory
+
+    def __repr__(self) -> str:
+        return f"CheckpointDirs({self.storage.url(self.directory)!r})"
+
+    def hold_listing(self) -> None:
+        """Nothing held: the Trainer writes the directories, snapkeep only their markers."""
+
+    def check_kind(self) -> None:
+        """One kind only: ``checkpoint-N`` directories."""
+
+    def lock(self) -> StoreLock | None:
+        """The one-trainer lock of the output directory (None on object stores)."""
+        if not self.storage.is_local:
+            return None
+        return StoreLock.acquire(self.storage.join(self.directory, MANIFEST_DIR), TEMPLATE,
+                                 self.storage.url(self.directory), key=_TEMPLATE.lock_key)
+
+    def sweep(self, lineage: frozenset[str | None] | None = None) -> list[str]:
+        """Nothing: an unmarked directory may be the stock Trainer's (never removed)."""
+        return []
+
+    def entries(self) -> list[Entry]:
+        """The ``checkpoint-N`` directories, oldest (lowest N) first; not verified."""
+        return [Entry(name=name, path=self.storage.join(self.directory, name),
+                      key=(float(step),), step=step)
+                for step, name in reversed(_checkpoints(self.storage, self.directory))]
+
+    def manifest(self, entry: Entry) -> CheckpointMarker | None:
+        """The marker of ``entry`` as recorded (None when it has none or an invalid one)."""
+        try:
+            return read_marker(entry.path)
+        except SnapshotCorruptError:
+            return None
+
+    def verify(self, entry: Entry) -> CheckpointMarker:
+        """:func:`verify_checkpoint` of ``entry`` (``SnapshotCorruptError`` when it fails)."""
+        return verify_checkpoint(entry.path)
+
+    def delete(self, entry: Entry, *, by: str = "snapkeep") -> bool:
+        """Delete one checkpoint: its marker first (uncommitted), then the directory; False,
+        logged, on failure."""
+        try:
+            try:
+                self.storage.remove(self.storage.join(entry.path, MARKER_NAME))
+            except FileNotFoundError:
+                pass
+            self.storage.remove_tree(entry.path)
+        except OSError as e:
+            logger.warning("snapkeep: %s could not delete %s: %s", by, entry.path, e)
+            return False
+        logger.info("snapkeep: %s deleted %s", by, entry.path)
+        return True
+
+    def retain(self, policy: RetentionPolicy, lineage: frozenset[str | None] | set[str | None],
+               *, protect: Sequence[str | None] = ()) -> list[Entry]:
+        """Delete the committed checkpoints of ``lineage`` that ``policy`` does not keep (by
+        the markers' metrics), never the newest committed one (of any lineage), one named in
+        ``protect`` (names or paths), one without a valid marker or of another lineage.
+        Markers are read, not verified. A failed delete is logged.
+
+        Returns:
+            The entries deleted.
+        """
+        ours: list[SnapshotInfo] = []
+        by_name: dict[str, Entry] = {}
+        newest: str | None = None
+        for entry in self.entries():
+            marker = self.manifest(entry)
+            if marker is None:
+                continue
+            newest = entry.name
+            if marker.run_id in lineage:
+                by_name[entry.name] = entry
+                ours.append(SnapshotInfo(name=entry.name, key=entry.key, step=entry.step,
+                                         metrics=dict(marker.metrics)))
+        kept = [newest] + [os.path.basename(os.path.normpath(p)) for p in protect if p]
+        return [by_name[name] for name in plan_deletions(policy, ours,
+                                                         protect=[k for k in kept if k])
+                if self.delete(by_name[name], by="retention")]
+
+
+def _session(output_dir: str | os.PathLike[str], *, policy: RetentionPolicy | None = None,
+             quiet: bool = False) -> Session:
+    storage, path = _storage(output_dir)
+    return Session(CheckpointDirs(storage, path), policy=policy, quiet=quiet,
+                   shown_template=TEMPLATE)
+
+
+def latest_verified(output_dir: str | os.PathLike[str], *, quiet: bool = False) -> str | None:
     """The newest ``checkpoint-N`` in ``output_dir`` (highest N, never mtime) whose marker
     verifies; pass it as ``trainer.train(resume_from_checkpoint=...)``.
 
-    A directory that does not verify (no marker: a save killed midway; a truncated or changed
-    file) is skipped with a ``RuntimeWarning`` naming it and why, and the next lower N is tried.
-    Skipped directories are left as they are (not deleted or moved; see the module docstring).
+    The engine session's resume choice (as every door's): the newest one that verifies, said
+    on stderr (rank 0: ``snapkeep: resuming from checkpoint-N (step N) in DIR``), each one
+    skipped named with why (no marker: a save killed midway; a truncated or changed file), or
+    that the run starts fresh. Skipped directories are left as they are (not deleted or
+    moved; see the module docstring).
 
     Args:
         output_dir: the Trainer's ``args.output_dir`` (a local path).
+        quiet: no notice on stderr (still logged at INFO).
 
     Returns:
         The directory's path, or ``None`` when none verifies or there is none (the Trainer
-        then starts from scratch; the warnings name what was skipped).
+        then starts from scratch; the notice names what was skipped).
 
     Raises:
         SnapshotStorageError: the storage could not be reached.
     """
-    storage, path = _storage(output_dir)
-    for step, name in _checkpoints(storage, path):
-        candidate = storage.join(path, name)
-        try:
-            verify_checkpoint(candidate)
-        except SnapshotCorruptError as e:
-            warn_user(f"snapkeep: skipping {candidate} (step {step}) for resume: {e}",
-                      RuntimeWarning)
-            continue
-        logger.info("snapkeep: newest verified checkpoint in %s is %s", path, candidate)
-        return candidate
-    return None
+    session = _session(output_dir, quiet=quiet)
+    store: Any = session.store
+    if not store.storage.isdir(store.directory):
+        session.choose(store.verify, candidates=[])
+        return None
+    entry = session.choose(store.verify)
+    return None if entry is None else str(entry.path)
 
 
 # -- the callback --------------------------------------------------------------------------------
 class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
-    """Commits every ``checkpoint-N`` the Trainer saves, and rotates them safely.
+    """Commits every ``checkpoint-N`` the Trainer saves, and rotates them safely, through the
+    engine session (:class:`snapkeep.store.Session`, as every door: lock, lineage, the
+    retention input check, retention after the commit).
 
     ``Trainer(..., callbacks=[SnapkeepCallback()])``. On the process that saves
     (``args.should_save``):
 
+    - ``on_train_begin``: the output directory is opened: created, and locked (``.snapkeep/``,
+      one trainer per output directory: a second one gets
+      :class:`~snapkeep.errors.StoreLockedError` naming the first); the run status
+      (``.snapkeep/status.json``, ``snapkeep status DIR``) becomes ``running``, and
+      ``finished`` at ``on_train_end``.
     - ``on_save`` (the Trainer calls it after the whole directory, ``trainer_state.json``
-      included, is written): :func:`commit_checkpoint`.
+      included, is written): :func:`commit_checkpoint`, its marker recording the numbers
+      logged at that step (``state.log_history``) and the best metric.
     - ``on_step_end`` when a save follows at a step whose directory already exists (a resumed
       run saving N again): its old marker is removed first, so a directory being overwritten
       never carries a marker that describes other bytes.
-    - ``save_total_limit``: at ``on_train_begin`` the callback takes the limit over (it sets
-      ``args.save_total_limit`` to ``None`` so the Trainer's own rotation, which runs *before*
-      ``on_save`` and orders by mtime or number, deletes nothing) and after each commit keeps
-      the newest ``limit`` committed checkpoints of this run plus, always, the newest committed
-      one and ``state.best_model_checkpoint``. It never deletes a directory without a marker
-      (a foreign or half-written one) or one committed by another run (a stale
+    - retention: ``keep`` (snapkeep's policy), else ``save_total_limit``: at ``on_train_begin``
+      the callback takes the limit over (it sets ``args.save_total_limit`` to ``None`` so the
+      Trainer's own rotation, which runs *before* ``on_save`` and orders by mtime or number,
+      deletes nothing) and after each commit keeps what the policy keeps among this run's
+      committed checkpoints plus, always, the newest committed one and
+      ``state.best_model_checkpoint``. It never deletes a directory without a marker (a
+      foreign or half-written one) or one committed by another run (a stale
       ``checkpoint-700`` in a reused ``output_dir``). A failed delete is logged, not raised.
-      At the end of training with ``save_total_limit=1`` the Trainer would delete all but the
-      best; here the newest committed one stays too (so the run can be resumed).
+      A ``KeepBest`` metric no checkpoint records raises ``ValueError`` before the commit,
+      before anything is deleted. At the end of training with ``save_total_limit=1`` the
+      Trainer would delete all but the best; here the newest committed one stays too (so the
+      run can be resumed).
     - ``on_evaluate`` (``save_best=True``): an evaluation that finds a new best
       ``metric_for_best_model`` at a step that is not a save step (``save_steps`` not a
       multiple of ``eval_steps``: transformers #39476) makes the Trainer save that step too,
@@ -399,22 +526,69 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         output_dir: where the checkpoints are; default ``args.output_dir`` (hyperparameter
             search runs, which save into ``output_dir/run-<id>``, are not handled).
         save_best: save a new best at a step that is not a save step (see above).
+        keep: snapkeep's retention policy (an int N keeps the newest N; a policy from
+            :mod:`snapkeep.retention`, ``KeepBest`` ranking by the markers' metrics); default
+            ``save_total_limit``'s newest N.
 
     Raises:
-        TypeError: ``save_best`` is not a bool.
+        TypeError: ``save_best`` is not a bool, or ``keep`` not an int or a policy.
+        ValueError: ``keep`` < 1.
     """
 
     def __init__(self, *, output_dir: str | os.PathLike[str] | None = None,
-                 save_best: bool = True) -> None:
+                 save_best: bool = True, keep: int | RetentionPolicy | None = None) -> None:
         if not isinstance(save_best, bool):
             raise TypeError(f"save_best must be True or False, got {save_best!r}")
+        if keep is not None and (isinstance(keep, bool) or not (
+                isinstance(keep, int) or callable(getattr(keep, "select", None)))):
+            raise TypeError(f"keep must be an int >= 1, a policy from snapkeep.retention, or "
+                            f"None, got {keep!r}")
+        if isinstance(keep, int) and keep < 1:
+            raise ValueError(f"keep must be >= 1 (None: save_total_limit's), got {keep}")
         self.save_best = save_best
+        self.keep: RetentionPolicy | None = KeepLatest(keep) if isinstance(keep, int) else keep
         self._output_dir = None if output_dir is None else os.fspath(output_dir)
         self.save_total_limit: int | None = None
-        self.run_id: str | None = None
+        self.session: Session | None = None
+        self.status: StatusLog | None = None
+
+    @property
+    def output_dir(self) -> str | None:
+        """The ``output_dir`` given (None: ``args.output_dir``)."""
+        return self._output_dir
+
+    @property
+    def run_id(self) -> str | None:
+        """The run id recorded in this run's markers (None before training begins)."""
+        return None if self.session is None else self.session.lineage.run_id
 
     def _dir(self, args: TrainingArguments) -> str:
         return self._output_dir if self._output_dir is not None else str(args.output_dir)
+
+    def open(self, output_dir: str | os.PathLike[str] | None = None) -> Session:
+        """Open the output directory (``on_train_begin`` does, on the process that saves):
+        create it and take its lock.
+
+        Raises:
+            StoreLockedError: another live trainer holds it (its pid named).
+            SnapshotStorageError: it cannot be created or written.
+        """
+        directory = os.fspath(output_dir) if output_dir is not None else self._output_dir
+        if directory is None:
+            raise ValueError("open() needs the output_dir (none was given to the callback)")
+        self.close()
+        policy = self.keep if self.keep is not None else (
+            KeepLatest(self.save_total_limit) if self.save_total_limit else None)
+        session = _session(directory, policy=policy)
+        session.open()
+        self.session = session
+        return session
+
+    def close(self) -> None:
+        """Release the output directory's lock (idempotent)."""
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
@@ -423,16 +597,28 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             args.save_total_limit = None
             logger.info("snapkeep: rotation of %s (save_total_limit=%s) runs after each commit",
                         self._dir(args), self.save_total_limit)
-        self.run_id = None
+        directory = self._dir(args)
+        if args.should_save:
+            session = self.open(directory)
+        else:  # the other ranks: the lineage only
+            session = self.session = _session(directory)
         if state.global_step > 0:  # resumed: inherit the lineage of the checkpoint resumed
-            storage, path = _storage(self._dir(args))
-            try:
-                marker = read_marker(storage.join(path, f"checkpoint-{state.global_step}"))
-            except SnapshotCorruptError:
-                marker = None
-            self.run_id = marker.run_id if marker is not None else None
-        if self.run_id is None:
-            self.run_id = uuid.uuid4().hex
+            store: Any = session.store
+            marker = store.manifest(Entry(
+                name=f"checkpoint-{state.global_step}", step=state.global_step,
+                path=store.storage.join(store.directory, f"checkpoint-{state.global_step}"),
+                key=(float(state.global_step),)))
+            session.lineage.continue_run(marker.run_id if marker is not None else None)
+        storage, path = _storage(directory)
+        self.status = StatusLog(storage, path, rank=args.process_index,
+                                world_size=args.world_size)
+        self.status.record("running", state.global_step)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        if self.status is not None:
+            self.status.record("finished", state.global_step)
+        self.close()
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, metrics: Mapping[str, float] | None = None,
@@ -476,53 +662,64 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
                            "search run saves elsewhere: pass SnapkeepCallback(output_dir=...))",
                            checkpoint)
             return
-        metrics = {} if state.best_metric is None else {"best_metric": state.best_metric}
+        metrics = self.check_retention(state)
         commit_checkpoint(checkpoint, step=state.global_step, run_id=self.run_id,
                           metrics=metrics)
-        self._rotate(storage, path, state)
+        self.retain(state)
 
-    def _rotate(self, storage: Storage, output_dir: str, state: TrainerState) -> None:
-        if self.save_total_limit is not None and self.run_id is not None:
-            rotate(storage, output_dir, limit=self.save_total_limit, run_id=self.run_id,
-                   protect=[f"checkpoint-{state.global_step}", state.best_model_checkpoint])
+    def check_retention(self, state: TrainerState) -> dict[str, float]:
+        """The metrics of the checkpoint of ``state.global_step`` (:func:`step_metrics`),
+        after the session's retention input check (before it is committed).
+
+        Raises:
+            ValueError: a ``KeepBest`` metric no checkpoint of this run records; nothing
+                committed or deleted.
+        """
+        metrics = step_metrics(state)
+        if self.session is not None:
+            self.session.check_retention_input(f"checkpoint-{state.global_step}",
+                                               state.global_step, metrics)
+        return metrics
+
+    def retain(self, state: TrainerState) -> list[str]:
+        """Retention after a commit (see the class docstring); the paths deleted."""
+        session = self.session
+        if session is None or session.policy is None:
+            return []
+        store: Any = session.store
+        deleted = store.retain(session.policy, session.lineage.members,
+                               protect=[f"checkpoint-{state.global_step}",
+                                        state.best_model_checkpoint])
+        return [e.path for e in deleted]
+
+
+def step_metrics(state: TrainerState) -> dict[str, float]:
+    """What a checkpoint's marker records: the finite numbers logged at its step
+    (``state.log_history`` entries of ``state.global_step``: ``loss``, ``eval_loss``, what
+    ``trainer.log`` was given) and the Trainer's ``best_metric``."""
+    metrics: dict[str, float] = {}
+    for record in state.log_history:
+        if isinstance(record, Mapping) and record.get("step") == state.global_step:
+            metrics.update({str(k): float(v) for k, v in record.items()
+                            if k != "step" and _is_number(v)})
+    if state.best_metric is not None and _is_number(state.best_metric):
+        metrics["best_metric"] = float(state.best_metric)
+    return metrics
 
 
 def rotate(storage: Storage, output_dir: str, *, limit: int, run_id: str,
            protect: list[str | None]) -> list[str]:
     """Delete committed checkpoints of lineage ``run_id`` beyond the newest ``limit`` (by N),
     never the newest committed one (of any lineage), nor the directories named in
-    ``protect`` (names or paths), nor a directory without a valid marker or of another lineage.
-    Markers are read, not verified (files are not hashed). A failed delete is logged.
+    ``protect`` (names or paths), nor a directory without a valid marker or of another lineage
+    (:meth:`CheckpointDirs.retain` with ``KeepLatest(limit)``). A failed delete is logged.
 
     Returns:
         The paths deleted.
     """
-    ours: list[SnapshotInfo] = []
-    newest_committed: str | None = None
-    for step, name in _checkpoints(storage, output_dir):
-        try:
-            marker = read_marker(storage.join(output_dir, name))
-        except SnapshotCorruptError:
-            continue
-        if marker is None:
-            continue
-        newest_committed = newest_committed or name
-        if marker.run_id == run_id:
-            ours.append(SnapshotInfo(name=name, key=(float(step),), step=step))
-    kept = [newest_committed] + [os.path.basename(os.path.normpath(p)) for p in protect if p]
-    deleted = []
-    for name in plan_deletions(KeepLatest(limit), ours, protect=[k for k in kept if k]):
-        doomed = storage.join(output_dir, name)
-        try:
-            storage.remove(storage.join(doomed, MARKER_NAME))  # uncommitted first
-            storage.remove_tree(doomed)
-        except OSError as e:
-            logger.warning("snapkeep: could not delete %s (rotation, save_total_limit=%d): %s",
-                           doomed, limit, e)
-            continue
-        logger.info("snapkeep: deleted %s (save_total_limit=%d)", doomed, limit)
-        deleted.append(doomed)
-    return deleted
+    deleted = CheckpointDirs(storage, output_dir).retain(KeepLatest(limit), {run_id},
+                                                         protect=protect)
+    return [e.path for e in deleted]
 
 
 # -- the owned, asynchronous save ----------------------------------------------------------------
@@ -562,9 +759,12 @@ class SnapkeepSaveMixin:
 
         super().__init__(*args, **kwargs)
         trainer: Any = self
+        given = [c for c in trainer.callback_handler.callbacks
+                 if isinstance(c, SnapkeepCallback)]
         while any(isinstance(c, SnapkeepCallback) for c in trainer.callback_handler.callbacks):
             trainer.callback_handler.remove_callback(SnapkeepCallback)
-        self._snapkeep_callback = _OwnedCallback()  # rotation limit and lineage, as the callback
+        # the session (lock, lineage, retention, status) as the callback's, with its settings
+        self._snapkeep_callback = _OwnedCallback.like(given[0] if given else None)
         trainer.add_callback(self._snapkeep_callback)
         self._snapkeep_buffers = BufferSet()
         self._snapkeep_pool = concurrent.futures.ThreadPoolExecutor(
@@ -611,8 +811,9 @@ class SnapkeepSaveMixin:
             SnapkeepCallback.on_save(self._snapkeep_callback, trainer.args, trainer.state,
                                      trainer.control)
             return
+        metrics = self._snapkeep_callback.check_retention(trainer.state)  # before staging
         job = self._snapkeep_stage(trainer)
-        self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)
+        self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job, metrics)
 
     def _snapkeep_stage(self, trainer: Any) -> tuple[Any, ...]:
         import copy
@@ -653,7 +854,8 @@ class SnapkeepSaveMixin:
         return (output_dir, step, staged, scheduler, scaler_state, rng, copy.deepcopy(state))
 
     def _snapkeep_write(self, output_dir: str, step: int, staged: dict[str, Any],
-                        scheduler: Any, scaler: Any, rng: Any, state: Any) -> None:
+                        scheduler: Any, scaler: Any, rng: Any, state: Any,
+                        metrics: Mapping[str, float] | None = None) -> None:
         import torch
         from transformers.trainer import (
             OPTIMIZER_NAME,
@@ -677,9 +879,8 @@ class SnapkeepSaveMixin:
         torch.save(rng, os.path.join(output_dir, "rng_state.pth"))
         state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
         callback = self._snapkeep_callback
-        metrics = {} if state.best_metric is None else {"best_metric": state.best_metric}
         commit_checkpoint(path, step=step, run_id=callback.run_id, metrics=metrics)
-        callback._rotate(storage, storage.dirname(path), state)
+        callback.retain(state)
 
     def _load_best_model(self) -> None:
         self.wait_for_checkpoint()
@@ -687,22 +888,53 @@ class SnapkeepSaveMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train``, then a wait for the last checkpoint to commit (its error
-        raised; see :meth:`wait_for_checkpoint`)."""
+        raised; see :meth:`wait_for_checkpoint`); then the run status becomes ``finished``
+        (``failed`` when either raised) and the output directory's lock is released."""
+        callback = self._snapkeep_callback
+        trainer: Any = self
         try:
-            result = super().train(*args, **kwargs)  # type: ignore[misc]
-        except BaseException:
+            try:
+                result = super().train(*args, **kwargs)  # type: ignore[misc]
+            except BaseException as e:
+                try:
+                    self.wait_for_checkpoint()
+                except Exception as save_error:  # the training error wins; the save's logged
+                    logger.error("snapkeep: a background checkpoint save also failed: %s",
+                                 save_error)
+                if callback.status is not None and not isinstance(e, KeyboardInterrupt):
+                    callback.status.record("failed", trainer.state.global_step,
+                                           reason=f"{type(e).__name__}: {e}"
+                                           .splitlines()[0][:500])
+                raise
             try:
                 self.wait_for_checkpoint()
-            except Exception as e:  # the training error wins; the save's is logged
-                logger.error("snapkeep: a background checkpoint save also failed: %s", e)
-            raise
-        self.wait_for_checkpoint()
-        return result
+            except Exception as e:
+                if callback.status is not None:
+                    callback.status.record("failed", trainer.state.global_step,
+                                           reason=f"{type(e).__name__}: {e}"
+                                           .splitlines()[0][:500])
+                raise
+            if callback.status is not None:
+                callback.status.record("finished", trainer.state.global_step)
+            return result
+        finally:
+            callback.close()
 
 
 class _OwnedCallback(SnapkeepCallback):
-    """The mixin's half of :class:`SnapkeepCallback`: the rotation limit and the lineage at
-    ``on_train_begin``; the mixin commits and rotates from its writer thread."""
+    """The mixin's half of :class:`SnapkeepCallback`: the session (lock, lineage, retention,
+    status) from ``on_train_begin``; the mixin commits and rotates from its writer thread, and
+    records the end of the run once the last commit is done."""
+
+    @classmethod
+    def like(cls, given: SnapkeepCallback | None) -> _OwnedCallback:
+        """One with the settings of the callback the user gave (or the defaults)."""
+        if given is None:
+            return cls()
+        return cls(output_dir=given.output_dir, save_best=given.save_best, keep=given.keep)
+
+    def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the mixin's train(): after the last commit
 
     def on_step_end(self, *args: Any, **kwargs: Any) -> None:
         return None
