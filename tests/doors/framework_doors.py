@@ -54,7 +54,7 @@ def _quiet_framework(*loggers: str) -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
-# -- Lightning -------------------------------------------------------------------------------------
+# -- Lightning -----------------------------------------------------------------------------------
 def _lightning_module(pause_at: int = 0) -> Any:
     import lightning.pytorch as pl
 
@@ -131,9 +131,87 @@ class LightningDoor:
                  "held.open(DIR, template='ckpt_{step}')\n")
 
 
-class HFDoor(LightningDoor):  # placeholder until the HF row lands
+# -- Hugging Face ---------------------------------------------------------------------------------
+def _hf_model() -> Any:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class TinyConfig(PretrainedConfig):  # type: ignore[misc]
+        model_type = "snapkeep-tiny"
+
+    class Tiny(PreTrainedModel):  # type: ignore[misc]
+        """A Linear(4, 2) as a ``PreTrainedModel`` (built in code: no hub download), its loss
+        the matrix's plain loops' one."""
+
+        config_class = TinyConfig
+
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            self.net = torch.nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": self.net(x).pow(2).sum()}
+
+    torch.manual_seed(0)
+    return Tiny(TinyConfig())
+
+
+class _Inputs(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return len(X)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": X[i]}
+
+
+def train_hf(directory: pathlib.Path | str, stop: int, *,
+             keep: RetentionPolicy | None = None) -> torch.nn.Module:
+    """The Trainer with snapkeep's owned, asynchronous save (``SnapkeepTrainer``, its
+    ``SnapkeepCallback`` giving ``keep``), saving ``checkpoint-N`` every step with ``val_loss``
+    logged at each, resumed with ``resume_from_checkpoint=latest_verified(...)``."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import TrainerCallback, TrainingArguments
+
+    from snapkeep import hf
+
+    class LogValLoss(TrainerCallback):  # type: ignore[misc]
+        trainer: Any = None
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.trainer.log({"val_loss": val_loss(state.global_step)})
+
+    with _quiet_framework("transformers"):
+        args = TrainingArguments(
+            output_dir=str(directory), max_steps=stop, per_device_train_batch_size=1,
+            optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", save_strategy="steps",
+            save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+            logging_strategy="no", seed=0, dataloader_num_workers=0)
+        log = LogValLoss()
+        trainer = hf.SnapkeepTrainer(model=_hf_model(), args=args, train_dataset=_Inputs(),
+                                     callbacks=[hf.SnapkeepCallback(keep=keep), log])
+        log.trainer = trainer
+        trainer.train(resume_from_checkpoint=hf.latest_verified(directory))
+    return trainer.model.net
+
+
+class HFDoor:
     name = "hf"
-    skips = {"*": ""}
+    sharded = True  # its snapshots are directories (checkpoint-N), each with a marker
+    skips = {
+        "test_the_reading_doors_agree_with_the_training_door":
+            "load_latest reads snapkeep's own snapshots; the Trainer reads its checkpoint-N "
+            "directories itself (resume_from_checkpoint=latest_verified(...))",
+    }
+
+    def snapshot_name(self, step: int) -> str:
+        return f"checkpoint-{step}"
+
+    def train(self, directory: pathlib.Path, stop: int, *,
+              keep: RetentionPolicy | None = None) -> torch.nn.Module:
+        return train_hf(directory, stop, keep=keep)
+
+    hold_code = ("from snapkeep.hf import SnapkeepCallback\n"
+                 "held = SnapkeepCallback(output_dir=DIR)\n"
+                 "held.open()\n")
 
 
 def main(argv: list[str]) -> int:
