@@ -126,9 +126,11 @@ class LightningDoor:
               keep: RetentionPolicy | None = None) -> torch.nn.Module:
         return train_lightning(directory, stop, keep=keep)
 
-    hold_code = ("from snapkeep.lightning import SnapkeepCheckpointIO\n"
-                 "held = SnapkeepCheckpointIO()\n"
-                 "held.open(DIR, template='ckpt_{step}')\n")
+    #: the session ``SnapkeepCheckpointIO.open(DIR, template='ckpt_{step}')`` opens (the same
+    #: store lock), without importing Lightning in the holder (seconds)
+    hold_code = ("from snapkeep.store import Session, open_store\n"
+                 "held = Session(open_store(DIR, 'ckpt_{.iteration}'))\n"
+                 "held.open()\n")
 
 
 # -- Hugging Face ---------------------------------------------------------------------------------
@@ -209,8 +211,10 @@ class HFDoor:
               keep: RetentionPolicy | None = None) -> torch.nn.Module:
         return train_hf(directory, stop, keep=keep)
 
-    hold_code = ("from snapkeep.hf import SnapkeepCallback\n"
-                 "held = SnapkeepCallback(output_dir=DIR)\n"
+    #: the session ``SnapkeepCallback(output_dir=DIR).open()`` opens, without importing
+    #: transformers in the holder (seconds)
+    hold_code = ("from snapkeep.store import CheckpointDirs, Session, resolve_storage\n"
+                 "held = Session(CheckpointDirs(*resolve_storage(DIR)))\n"
                  "held.open()\n")
 
 
