@@ -441,8 +441,8 @@ class SnapkeepSaveMixin:
                                      trainer.control)
             return
         metrics = self._snapkeep_callback.check_retention(trainer.state)  # before staging
-        job = self._snapkeep_stage(trainer)
-        self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job, metrics)
+        job = (*self._snapkeep_stage(trainer), metrics)
+        self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)
 
     def _snapkeep_stage(self, trainer: Any) -> tuple[Any, ...]:
         import copy

@@ -70,6 +70,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -724,7 +725,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if sorted(set(re.findall(r"\{([^{}:!]+)", filename))) != ["step"]:
             return None
         sentinel = 987_654_321_987
-        name = os.path.basename(self.format_checkpoint_name({"step": sentinel}))
+        name = os.path.basename(self.format_checkpoint_name({"step": torch.tensor(sentinel)}))
         if name.count(str(sentinel)) != 1 or "{" in name or "}" in name:
             return None
         return name.replace(str(sentinel), "{step}")
