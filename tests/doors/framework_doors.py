@@ -23,6 +23,7 @@ import logging
 import os
 import pathlib
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -75,7 +76,13 @@ def _lightning_module(pause_at: int = 0) -> Any:
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             if self.global_step == pause_at:
                 print(f"step {self.global_step}", flush=True)
-                sys.stdin.readline()  # the test signals this process, then lets it go on
+                go = os.environ.get("SNAPKEEP_TEST_GO")
+                if go is None:
+                    sys.stdin.readline()  # the test signals this process, then lets it go on
+                    return
+                deadline = time.monotonic() + 120  # ranks under torchrun: a file, bounded
+                while not os.path.exists(go) and time.monotonic() < deadline:
+                    time.sleep(0.02)
 
         def train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(1, 1)),
@@ -89,7 +96,7 @@ def _lightning_module(pause_at: int = 0) -> Any:
 
 def train_lightning(directory: pathlib.Path | str, stop: int, *,
                     keep: RetentionPolicy | None = None, every: int = 1,
-                    pause_at: int = 0) -> torch.nn.Module:
+                    pause_at: int = 0, devices: int = 1) -> torch.nn.Module:
     """Lightning's Trainer with snapkeep's CheckpointIO and ModelCheckpoint (names
     ``ckpt_<step>``, every ``every`` steps), resumed with ``ckpt_path="last"``."""
     import lightning.pytorch as pl
@@ -104,7 +111,8 @@ def train_lightning(directory: pathlib.Path | str, stop: int, *,
         checkpoint.FILE_EXTENSION = ""  # Lightning's documented knob: names end in the step
         io = SnapkeepCheckpointIO(keep=keep)
         trainer = pl.Trainer(
-            max_steps=stop, max_epochs=-1, accelerator="cpu", devices=1, logger=False,
+            max_steps=stop, max_epochs=-1, accelerator="cpu", devices=devices, logger=False,
+            strategy="ddp" if devices > 1 else "auto",
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
             callbacks=[checkpoint], plugins=[io], default_root_dir=directory)
         try:
@@ -225,11 +233,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("stop", type=int)
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--pause-at", type=int, default=0)
+    parser.add_argument("--devices", type=int, default=1, help="ranks (under torchrun: DDP)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = train_lightning(args.directory, args.stop, every=args.every,
-                            pause_at=args.pause_at)
-    torch.save(model.state_dict(), os.path.join(args.directory, "final.pt"))
+                            pause_at=args.pause_at, devices=args.devices)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(model.state_dict(), os.path.join(args.directory, "final.pt"))
     return 0
 
 

@@ -7,6 +7,7 @@ had nothing to say about a Lightning directory."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -67,5 +68,57 @@ def test_a_signal_commits_the_next_step_says_preempted_and_the_rerun_ends_identi
     reference = framework_doors.train_lightning(tmp_path / "straight", STEPS, every=100)
     resumed = torch.load(out / "final.pt", weights_only=True)
     assert not torch.equal(resumed["weight"], framework_doors._lightning_module().net.weight)
+    assert torch.equal(resumed["weight"], reference.weight)
+    assert torch.equal(resumed["bias"], reference.bias)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * BOUND_S)
+def test_under_torchrun_a_signal_to_one_rank_preempts_every_rank(tmp_path: Path) -> None:
+    """DDP on CPU (gloo), 2 ranks under ``torchrun --standalone``: SIGTERM to rank 1 alone;
+    both ranks agree at the next batch end, the snapshot of that step is committed, the status
+    names the signal and the rank, every rank exits 143; the rerun of the same command resumes
+    from it and ends bit-identical to an uninterrupted run (the ranks see the same batch, so
+    the one-process run is the reference). About 30 s: two torchrun launches."""
+    import psutil
+
+    from support import ranks
+
+    out, go = tmp_path / "run", tmp_path / "go"
+    args = ["lightning", str(out), str(STEPS), "--every", "100", "--devices", "2"]
+    proc = ranks.torchrun(WORKER, [*args, "--pause-at", "3"], env={"SNAPKEEP_TEST_GO": str(go)})
+    try:
+        assert proc.stdout is not None
+        seen = ""
+        while seen.count("step 3") < 2:  # both ranks paused after step 3
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        rank1 = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if p.environ().get("RANK") == "1"]
+        assert len(rank1) == 1
+        rank1[0].send_signal(signal.SIGTERM)
+        go.touch()
+        output = seen + proc.communicate(timeout=BOUND_S)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert output.count("exitcode  : 143") == 2, output  # torchrun's report of each rank
+    assert sorted(p.name for p in out.iterdir()) == [".snapkeep", "ckpt_4"]
+    status = snapkeep.store.run_status(str(out))
+    assert status is not None and status.state == "preempted" and status.step == 4
+    assert status.reason == "signal SIGTERM on rank 1" and status.world_size == 2
+    rerun = ranks.torchrun(WORKER, args)
+    try:
+        output = rerun.communicate(timeout=BOUND_S)[0]
+    finally:
+        if rerun.poll() is None:
+            os.killpg(rerun.pid, signal.SIGKILL)
+            rerun.communicate()
+    assert rerun.returncode == 0, output
+    assert f"snapkeep: resuming from ckpt_4 (step 4) in {out}" in output
+    reference = framework_doors.train_lightning(tmp_path / "straight", STEPS, every=100)
+    resumed = torch.load(out / "final.pt", weights_only=True)
     assert torch.equal(resumed["weight"], reference.weight)
     assert torch.equal(resumed["bias"], reference.bias)
