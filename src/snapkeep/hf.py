@@ -52,7 +52,7 @@ from snapkeep._core.marked_dirs import (
     read_marker,
     verify_checkpoint,
 )
-from snapkeep.retention import KeepLatest, RetentionPolicy
+from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
 from snapkeep.store import Entry, Session, StatusLog, Storage, resolve_storage
 
 __all__ = [
@@ -168,14 +168,8 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
                  save_best: bool = True, keep: int | RetentionPolicy | None = None) -> None:
         if not isinstance(save_best, bool):
             raise TypeError(f"save_best must be True or False, got {save_best!r}")
-        if keep is not None and (isinstance(keep, bool) or not (
-                isinstance(keep, int) or callable(getattr(keep, "select", None)))):
-            raise TypeError(f"keep must be an int >= 1, a policy from snapkeep.retention, or "
-                            f"None, got {keep!r}")
-        if isinstance(keep, int) and keep < 1:
-            raise ValueError(f"keep must be >= 1 (None: save_total_limit's), got {keep}")
+        self.keep = keep_policy(keep)
         self.save_best = save_best
-        self.keep: RetentionPolicy | None = KeepLatest(keep) if isinstance(keep, int) else keep
         self._output_dir = None if output_dir is None else os.fspath(output_dir)
         self.save_total_limit: int | None = None
         self.session: Session | None = None
@@ -386,6 +380,8 @@ class SnapkeepSaveMixin:
 
         from snapkeep.staging import BufferSet
 
+        self._snapkeep_pending: Any = None
+        self._snapkeep_told = False
         super().__init__(*args, **kwargs)
         trainer: Any = self
         given = [c for c in trainer.callback_handler.callbacks
@@ -398,7 +394,6 @@ class SnapkeepSaveMixin:
         self._snapkeep_buffers = BufferSet()
         self._snapkeep_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="snapkeep-hf")
-        self._snapkeep_pending: Any = None
 
     def _snapkeep_owned(self) -> bool:
         from transformers import PreTrainedModel
@@ -408,7 +403,7 @@ class SnapkeepSaveMixin:
         plain = (args.world_size <= 1 and not trainer.is_deepspeed_enabled
                  and not trainer.is_fsdp_enabled and not args.save_only_model
                  and not args.push_to_hub and isinstance(trainer.model, PreTrainedModel))
-        if not plain and not getattr(self, "_snapkeep_told", False):
+        if not plain and not self._snapkeep_told:
             logger.info("snapkeep: this Trainer setup saves synchronously (stock save, then the "
                         "commit marker)")
             self._snapkeep_told = True
@@ -422,7 +417,7 @@ class SnapkeepSaveMixin:
         """
         from snapkeep.errors import SnapshotSaveError
 
-        pending = getattr(self, "_snapkeep_pending", None)
+        pending = self._snapkeep_pending
         if pending is None:
             return
         self._snapkeep_pending = None

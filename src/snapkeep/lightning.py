@@ -85,7 +85,7 @@ from snapkeep.distributed import (
     is_distributed,
 )
 from snapkeep.errors import SnapshotCorruptError, SnapshotTimeoutError, StoreLockedError
-from snapkeep.retention import KeepLatest, RetentionPolicy
+from snapkeep.retention import RetentionPolicy, keep_policy
 from snapkeep.store import (
     MANIFEST_DIR,
     Entry,
@@ -204,21 +204,6 @@ class _Directory:
         self.key = store.storage.url(store.directory)
 
 
-def _policy(keep: Any) -> RetentionPolicy | None:
-    if keep is None:
-        return None
-    if isinstance(keep, bool) or not (isinstance(keep, int) or callable(getattr(keep, "select",
-                                                                                None))):
-        raise TypeError(f"keep must be an int >= 1, a policy from snapkeep.retention, or None, "
-                        f"got {keep!r}")
-    if isinstance(keep, int):
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (None keeps all), got {keep}")
-        return KeepLatest(keep)
-    policy: RetentionPolicy = keep
-    return policy
-
-
 def _finite_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The one-number values of Lightning's ``callback_metrics`` (tensors or numbers) that are
     finite, as floats."""
@@ -285,7 +270,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
         for name, value in (("weights_only", weights_only), ("quiet", quiet)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
-        self._policy = _policy(keep)
+        self._policy = keep_policy(keep)
         self._writer = writer if writer is not None else ThreadWriter(
             storage_options=storage_options)
         self._weights_only = weights_only
