@@ -25,27 +25,36 @@ What they change (each from Lightning's own code, 2.4-2.6):
   uncommitted file. ``load_checkpoint`` resolves it; ``torch.load`` does not (load the file
   it names). When no snapshot of the step exists (a top-k that did not keep it), ``last.ckpt``
   is written in full, once, as Lightning does.
-- **``ckpt_path="last"`` resolves by step, and the load verifies.** Lightning takes the newest
-  ``last*`` file by mtime and never checks it. snapkeep's :class:`ModelCheckpoint` resolves
-  ``"last"`` to the snapshot with the highest step recorded in its manifest, and
-  ``load_checkpoint`` checks it against its checksum: a corrupt or truncated file is skipped
-  with a ``RuntimeWarning`` naming it and the snapshot loaded instead, the next older one that
-  verifies (:class:`~snapkeep.errors.NoValidSnapshotError` when none does; nothing deleted).
-- **One trainer per directory.** The first save into a directory takes its lock
-  (``.snapkeep/``, ``flock``; :class:`~snapkeep.errors.StoreLockedError` names the holder);
-  ``teardown`` waits for pending commits and releases it.
+- **``ckpt_path="last"`` resolves by step, and the load is the engine's resume.** Lightning
+  takes the newest ``last*`` file by mtime and never checks it. snapkeep's
+  :class:`ModelCheckpoint` resolves ``"last"`` to the snapshot with the highest step, and
+  ``load_checkpoint`` resumes through the engine session
+  (:meth:`snapkeep.store.Session.resume`, the Checkpointer's): verified against its checksum
+  while it loads, safely unpickled, said on stderr (``snapkeep: resuming from NAME (step N) in
+  DIR``); a corrupt or truncated file is skipped, named on stderr with why, and the next older
+  one that verifies is loaded instead (:class:`~snapkeep.errors.NoValidSnapshotError` when none
+  does; nothing deleted).
+- **One trainer per directory.** The directory is opened as the Checkpointer opens its own
+  (:meth:`snapkeep.store.Session.open`: created, checked writable, locked in ``.snapkeep/``,
+  temp files of a killed writer swept) at ``setup`` (or the first save):
+  :class:`~snapkeep.errors.StoreLockedError` names the holder, and ``snapkeep prune`` refuses
+  while it runs; ``teardown`` waits for pending commits and releases it.
+- **snapkeep's retention and metrics.** ``SnapkeepCheckpointIO(keep=...)`` retains after each
+  commit as the Checkpointer's ``keep`` (its lineage: only this door's snapshots, never the
+  newest; a misspelled ``KeepBest`` metric refused before anything is written or deleted);
+  each manifest records Lightning's ``callback_metrics`` of its step.
 - **Exact continuation at epoch boundaries.** snapkeep's :class:`ModelCheckpoint` keeps the
   global random generators (Python, NumPy, torch) in its callback state, so a run resumed
   from an end-of-epoch snapshot draws the same shuffles and dropout masks. Lightning itself
   restarts a plain ``DataLoader`` mid-epoch from the start of its order, so a mid-epoch
   snapshot resumes with a different data order: save at epoch ends for bit-identical runs.
-
-- **Preemption.** On SIGTERM Lightning raises ``SIGTERMException`` at the next batch; snapkeep's
-  :class:`ModelCheckpoint` then saves a snapshot of that step (as ``save_on_exception=True``
-  would) and ``teardown`` commits it before the exception leaves ``fit`` (a ``SystemExit``
-  without a code: exit status 0, Lightning's). Lightning's SLURM handler (SIGUSR1 with
-  auto-requeue) saves ``hpc_ckpt_N.ckpt`` and requeues at once: such saves return only once
-  committed. Both snapshots are mid-epoch: they resume, but not bit-identically (see above).
+- **Preemption through snapkeep's agreement** (``ModelCheckpoint(preemption=True)``, the
+  default): SIGTERM and SIGUSR1 are recorded by the Checkpointer's
+  :class:`~snapkeep.distributed.SignalWatch` (replacing Lightning's handlers while fitting);
+  at the next training batch end every rank agrees, the snapshot of that step is committed,
+  the run status (``.snapkeep/status.json``, ``snapkeep status``) becomes ``preempted`` and
+  every rank exits with 143. The run status is kept otherwise too: ``running``, then
+  ``finished`` or ``failed``.
 
 Scope: :class:`SnapkeepCheckpointIO` is called on global rank 0 only, as every
 ``CheckpointIO``; sharded strategies (FSDP, DeepSpeed, ModelParallel) bypass ``CheckpointIO``
