@@ -868,7 +868,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
         ``SIGTERMException``, raised at the next batch after the signal) a snapshot of the
         current step is saved even without ``save_on_exception=True``; ``teardown`` (run by
         Lightning before the exception leaves ``fit``) commits it: a ``SystemExit`` without a
-        code (exit status 0)."""
+        code (exit status 0); the run status becomes ``preempted`` once it is committed.
+        (Lightning calls callbacks' ``teardown`` only when ``fit`` ends without an exception.)"""
         if self._preempting:
             return
         self._uninstall()
@@ -884,5 +885,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 super().on_exception(trainer, pl_module, exception)
             finally:
                 self.save_on_exception = False
-            return
-        super().on_exception(trainer, pl_module, exception)
+        else:
+            super().on_exception(trainer, pl_module, exception)
+        io = _snapkeep_io(trainer)
+        if isinstance(exception, SIGTERMException) and io is not None \
+                and self._status is not None:  # 'preempted' once its snapshot is committed
+            if trainer.is_global_zero:
+                io.wait()
+            saved = os.path.basename(self._last_checkpoint_saved or "")
+            self._status.record("preempted", trainer.global_step,
+                                snapshots=(saved,) if saved else (),
+                                reason="signal SIGTERM (Lightning's SIGTERMException)")

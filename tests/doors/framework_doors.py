@@ -96,7 +96,8 @@ def _lightning_module(pause_at: int = 0) -> Any:
 
 def train_lightning(directory: pathlib.Path | str, stop: int, *,
                     keep: RetentionPolicy | None = None, every: int = 1,
-                    pause_at: int = 0, devices: int = 1) -> torch.nn.Module:
+                    pause_at: int = 0, devices: int = 1, preemption: bool = True,
+                    callbacks: tuple[Any, ...] = ()) -> torch.nn.Module:
     """Lightning's Trainer with snapkeep's CheckpointIO and ModelCheckpoint (names
     ``ckpt_<step>``, every ``every`` steps), resumed with ``ckpt_path="last"``."""
     import lightning.pytorch as pl
@@ -107,14 +108,15 @@ def train_lightning(directory: pathlib.Path | str, stop: int, *,
         module = _lightning_module(pause_at)
         checkpoint = ModelCheckpoint(dirpath=directory, filename="ckpt_{step}",
                                      auto_insert_metric_name=False, every_n_train_steps=every,
-                                     save_top_k=-1, enable_version_counter=False)
+                                     save_top_k=-1, enable_version_counter=False,
+                                     preemption=preemption)
         checkpoint.FILE_EXTENSION = ""  # Lightning's documented knob: names end in the step
         io = SnapkeepCheckpointIO(keep=keep)
         trainer = pl.Trainer(
             max_steps=stop, max_epochs=-1, accelerator="cpu", devices=devices, logger=False,
             strategy="ddp" if devices > 1 else "auto",
             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-            callbacks=[checkpoint], plugins=[io], default_root_dir=directory)
+            callbacks=[checkpoint, *callbacks], plugins=[io], default_root_dir=directory)
         try:
             trainer.fit(module, ckpt_path="last")
         finally:

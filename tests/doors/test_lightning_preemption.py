@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,6 +71,28 @@ def test_a_signal_commits_the_next_step_says_preempted_and_the_rerun_ends_identi
     assert not torch.equal(resumed["weight"], framework_doors._lightning_module().net.weight)
     assert torch.equal(resumed["weight"], reference.weight)
     assert torch.equal(resumed["bias"], reference.bias)
+
+
+def test_without_snapkeeps_preemption_lightnings_sigterm_path_still_says_preempted(
+        tmp_path: Path) -> None:
+    """``ModelCheckpoint(preemption=False)``: Lightning's own SIGTERM handling (its
+    ``SIGTERMException``, a ``SystemExit`` without a code); the snapshot of that step is still
+    committed, and the run status says ``preempted`` (not ``finished``)."""
+    import lightning.pytorch as pl
+
+    class SignalAt3(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler: raised next batch
+
+    with pytest.raises(SystemExit) as exited:
+        framework_doors.train_lightning(tmp_path, STEPS, every=100, preemption=False,
+                                        callbacks=(SignalAt3(),))
+    assert exited.value.code is None
+    status = snapkeep.store.run_status(str(tmp_path))
+    assert status is not None and status.state == "preempted", status
+    assert status.snapshots == (f"ckpt_{status.step}",) and 3 <= status.step < STEPS
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".snapkeep", f"ckpt_{status.step}"]
 
 
 @pytest.mark.slow
