@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+import signal
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from transformers import (
@@ -51,6 +52,16 @@ from snapkeep._core.marked_dirs import (
     commit_checkpoint,
     read_marker,
     verify_checkpoint,
+)
+from snapkeep.distributed import (
+    DEFAULT_SIGNALS,
+    EXIT_CODE_PREEMPTED,
+    SignalWatch,
+    background_groups,
+    describe_signal,
+    exit_cleanly_at_exit,
+    is_distributed,
+    parse_signals,
 )
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
 from snapkeep.store import Entry, Session, StatusLog, Storage, resolve_storage
@@ -158,14 +169,25 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         keep: snapkeep's retention policy (an int N keeps the newest N; a policy from
             :mod:`snapkeep.retention`, ``KeepBest`` ranking by the markers' metrics); default
             ``save_total_limit``'s newest N.
+        preemption: catch SIGTERM and SIGUSR1 (``True``) or the given signals (a sequence of
+            ``signal.Signals``) while training, as the Checkpointer's ``preemption``: the
+            handler only records the signal; at the next step end every rank agrees (one
+            all-reduce of one int on snapkeep's own gloo group), the Trainer saves that step
+            and stops, and once its checkpoint is committed the run status becomes
+            ``preempted`` and the process exits with ``SystemExit(143)``. Default False:
+            signals keep their default action.
+        timeout_s: bound of that agreement between ranks, seconds (default 600).
 
     Raises:
-        TypeError: ``save_best`` is not a bool, or ``keep`` not an int or a policy.
-        ValueError: ``keep`` < 1.
+        TypeError: ``save_best`` is not a bool, ``keep`` not an int or a policy, or
+            ``preemption`` not a bool or a sequence of signals.
+        ValueError: ``keep`` < 1; a signal that cannot be caught (SIGKILL, SIGSTOP).
     """
 
     def __init__(self, *, output_dir: str | os.PathLike[str] | None = None,
-                 save_best: bool = True, keep: int | RetentionPolicy | None = None) -> None:
+                 save_best: bool = True, keep: int | RetentionPolicy | None = None,
+                 preemption: bool | Sequence[signal.Signals | int] = False,
+                 timeout_s: float = 600.0) -> None:
         if not isinstance(save_best, bool):
             raise TypeError(f"save_best must be True or False, got {save_best!r}")
         self.keep = keep_policy(keep)
@@ -174,6 +196,18 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         self.save_total_limit: int | None = None
         self.session: Session | None = None
         self.status: StatusLog | None = None
+        if preemption is True:
+            self.signals: tuple[signal.Signals | int, ...] = DEFAULT_SIGNALS
+        elif preemption is False:
+            self.signals = ()
+        elif isinstance(preemption, Sequence) and not isinstance(preemption, (str, bytes)):
+            self.signals = parse_signals(preemption)
+        else:
+            raise TypeError(f"preemption must be True, False or a sequence of signals "
+                            f"(signal.SIGTERM, ...), got {preemption!r}")
+        self.timeout_s = float(timeout_s)
+        self.watch: SignalWatch | None = None
+        self.preempted = 0  # the agreed signal (signalled(...)) once preempted
 
     @property
     def output_dir(self) -> str | None:
@@ -208,7 +242,10 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         return session
 
     def close(self) -> None:
-        """Release the output directory's lock (idempotent)."""
+        """Release the output directory's lock and the preemption handlers (idempotent)."""
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            watch.uninstall()
         session, self.session = self.session, None
         if session is not None:
             session.close()
@@ -236,12 +273,40 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         self.status = StatusLog(storage, path, rank=args.process_index,
                                 world_size=args.world_size)
         self.status.record("running", state.global_step)
+        self.preempted = 0
+        if self.signals and self.watch is None:
+            groups = background_groups(self.timeout_s) if is_distributed() else None
+            self.watch = SignalWatch(self.signals, control=groups.control if groups else None,
+                                     rank=args.process_index, timeout_s=self.timeout_s)
+            self.watch.install()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
-        if self.status is not None:
-            self.status.record("finished", state.global_step)
-        self.close()
+        self.end(state.global_step)
+
+    def end(self, step: int) -> None:
+        """The run's end, once its last checkpoint is committed: the status ``finished`` (or,
+        after an agreed preemption, ``preempted``, and ``SystemExit(143)``); the lock
+        released."""
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            watch.uninstall(preempting=bool(self.preempted))
+        try:
+            if self.preempted and self.status is not None:
+                self.status.record("preempted", step, snapshots=(f"checkpoint-{step}",),
+                                   reason=describe_signal(self.preempted,
+                                                          watch.received if watch else []))
+            elif self.status is not None:
+                self.status.record("finished", step)
+        finally:
+            self.close()
+        if self.preempted:
+            logger.warning("snapkeep: preemption checkpoint-%d committed; exiting with %d (run "
+                           "the same command again to resume from it)", step,
+                           EXIT_CODE_PREEMPTED)
+            if is_distributed():
+                exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort
+            raise SystemExit(EXIT_CODE_PREEMPTED)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, metrics: Mapping[str, float] | None = None,
@@ -263,6 +328,20 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
+        if self.watch is not None and not self.preempted:
+            agreed = self.watch.agree()  # every rank, every step: one int
+            if agreed:  # every rank saves this step, then training stops (see end())
+                logger.warning("snapkeep: preemption requested at step %d; saving "
+                               "checkpoint-%d, then exiting with %d", state.global_step,
+                               state.global_step, EXIT_CODE_PREEMPTED)
+                self.preempted = agreed
+                control.should_save = True
+                control.should_training_stop = True
+        self.uncommit(args, state, control)
+
+    def uncommit(self, args: TrainingArguments, state: TrainerState,
+                 control: TrainerControl) -> None:
+        """Before the Trainer saves a step whose directory exists: its old marker removed."""
         if not (control.should_save and args.should_save):
             return
         storage, path = _storage(self._dir(args))
@@ -538,8 +617,7 @@ class SnapkeepSaveMixin:
                                            reason=f"{type(e).__name__}: {e}"
                                            .splitlines()[0][:500])
                 raise
-            if callback.status is not None:
-                callback.status.record("finished", trainer.state.global_step)
+            callback.end(trainer.state.global_step)  # finished; or preempted: SystemExit(143)
             return result
         finally:
             callback.close()
@@ -555,13 +633,14 @@ class _OwnedCallback(SnapkeepCallback):
         """One with the settings of the callback the user gave (or the defaults)."""
         if given is None:
             return cls()
-        return cls(output_dir=given.output_dir, save_best=given.save_best, keep=given.keep)
+        return cls(output_dir=given.output_dir, save_best=given.save_best, keep=given.keep,
+                   preemption=given.signals or False, timeout_s=given.timeout_s)
 
     def on_train_end(self, *args: Any, **kwargs: Any) -> None:
         return None  # the mixin's train(): after the last commit
 
-    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    def uncommit(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the owned write uncommits a directory it saves again itself
 
     def on_save(self, *args: Any, **kwargs: Any) -> None:
         return None

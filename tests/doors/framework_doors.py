@@ -176,7 +176,8 @@ class _Inputs(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 def train_hf(directory: pathlib.Path | str, stop: int, *,
-             keep: RetentionPolicy | None = None) -> torch.nn.Module:
+             keep: RetentionPolicy | None = None, every: int = 1, preemption: bool = False,
+             callbacks: tuple[Any, ...] = ()) -> torch.nn.Module:
     """The Trainer with snapkeep's owned, asynchronous save (``SnapkeepTrainer``, its
     ``SnapkeepCallback`` giving ``keep``), saving ``checkpoint-N`` every step with ``val_loss``
     logged at each, resumed with ``resume_from_checkpoint=latest_verified(...)``."""
@@ -195,11 +196,13 @@ def train_hf(directory: pathlib.Path | str, stop: int, *,
         args = TrainingArguments(
             output_dir=str(directory), max_steps=stop, per_device_train_batch_size=1,
             optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", save_strategy="steps",
-            save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+            save_steps=every, report_to=[], use_cpu=True, disable_tqdm=True,
             logging_strategy="no", seed=0, dataloader_num_workers=0)
         log = LogValLoss()
         trainer = hf.SnapkeepTrainer(model=_hf_model(), args=args, train_dataset=_Inputs(),
-                                     callbacks=[hf.SnapkeepCallback(keep=keep), log])
+                                     callbacks=[hf.SnapkeepCallback(keep=keep,
+                                                                    preemption=preemption),
+                                                log, *callbacks])
         log.trainer = trainer
         trainer.train(resume_from_checkpoint=hf.latest_verified(directory))
     return trainer.model.net

@@ -271,3 +271,35 @@ def test_a_failed_background_save_is_raised_once_at_the_next_save(
     assert sorted(os.listdir(tmp_path)) == [".snapkeep", "checkpoint-2"]
     hf.verify_checkpoint(tmp_path / "checkpoint-2")
     trainer.wait_for_checkpoint()  # raised once: nothing left to raise
+
+
+def test_preemption_commits_the_step_says_preempted_exits_143_and_the_rerun_is_identical(
+        tmp_path: pathlib.Path) -> None:
+    """``SnapkeepCallback(preemption=True)`` with the owned save: a real SIGTERM to this
+    process after step 3 is agreed at that step's end, checkpoint-3 is saved and committed,
+    the status says ``preempted`` and ``train()`` raises ``SystemExit(143)``; the rerun from it
+    (``latest_verified``) ends bit-identical to an uninterrupted run."""
+    import framework_doors
+    from transformers import TrainerCallback
+
+    import snapkeep
+
+    class SignalAt3(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # recorded by snapkeep's handler
+
+    with pytest.raises(SystemExit) as exited:
+        framework_doors.train_hf(tmp_path, 8, every=100, preemption=True,
+                                 callbacks=(SignalAt3(),))
+    assert exited.value.code == 143
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "checkpoint-3"]
+    hf.verify_checkpoint(tmp_path / "checkpoint-3")
+    status = snapkeep.store.run_status(str(tmp_path))
+    assert status is not None and status.state == "preempted" and status.step == 3
+    assert status.snapshots == ("checkpoint-3",) and status.reason == "signal SIGTERM"
+    resumed = framework_doors.train_hf(tmp_path, 8, every=100)
+    reference = framework_doors.train_hf(tmp_path / "straight", 8, every=100)
+    assert torch.equal(resumed.weight, reference.weight)
+    assert torch.equal(resumed.bias, reference.bias)
+
