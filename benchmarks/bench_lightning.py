@@ -23,8 +23,13 @@ memory above the live state (anonymous RSS of the process, sampled every 20 ms f
 save to the end of the drain), median over rounds; the drain at teardown; each median divided by
 snapkeep's.
 
+With ``--device cuda`` the state lives on the GPU and each plugin's peak GPU memory above the
+state (``torch.cuda.max_memory_allocated``, reset before the first save) is reported too: the
+figure of issue 26 (``AsyncCheckpointIO`` clones every tensor on the GPU; snapkeep stages into
+pinned host buffers). Not measured on the benchmarks' VM (no GPU): see the README's lower bound.
+
 Usage: ``python benchmarks/bench_lightning.py --model-mib 96 --saves 5 --rounds 2``
-(3 x 96 MiB = 288 MiB of state).
+(3 x 96 MiB = 288 MiB of state) [``--device cuda``].
 """
 
 from __future__ import annotations
@@ -52,12 +57,13 @@ LABELS = {"torch": "TorchCheckpointIO", "async": "AsyncCheckpointIO",
           "snapkeep": "SnapkeepCheckpointIO"}
 
 
-def _checkpoint(model_mib: int) -> dict[str, Any]:
-    """A Lightning-shaped checkpoint: 8 parameters, Adam's two moments for each."""
+def _checkpoint(model_mib: int, device: str = "cpu") -> dict[str, Any]:
+    """A Lightning-shaped checkpoint: 8 parameters, Adam's two moments for each, on
+    ``device``."""
     numel = model_mib * MIB // 4 // 8
-    params = {f"layer{i}.weight": torch.randn(numel) for i in range(8)}
-    state = {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(numel),
-                 "exp_avg_sq": torch.rand(numel)} for i in range(8)}
+    params = {f"layer{i}.weight": torch.randn(numel, device=device) for i in range(8)}
+    state = {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn(numel, device=device),
+                 "exp_avg_sq": torch.rand(numel, device=device)} for i in range(8)}
     return {"epoch": 0, "global_step": 10, "pytorch-lightning_version": "2.6",
             "state_dict": params,
             "optimizer_states": [{"state": state, "param_groups": [
@@ -89,9 +95,14 @@ def _tensors(checkpoint: dict[str, Any]) -> list[torch.Tensor]:
 
 def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    checkpoint = _checkpoint(args.model_mib)
+    cuda = args.device.startswith("cuda")
+    checkpoint = _checkpoint(args.model_mib, args.device)
     tensors = _tensors(checkpoint)
     io = _plugin(args.child)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    gpu_base = torch.cuda.memory_allocated() if cuda else 0
     memory = TreeMemory()
     base = memory.current_bytes(refresh=True)
     memory.start_window()
@@ -113,8 +124,10 @@ def child(args: argparse.Namespace) -> None:
     io.teardown()
     drain_s = time.perf_counter() - start
     memory.end_window()
+    gpu_peak = torch.cuda.max_memory_allocated() - gpu_base if cuda else 0
     print(json.dumps({"stalls": stalls, "drain_s": drain_s,
-                      "extra_peak_bytes": memory.peak_bytes - base}))
+                      "extra_peak_bytes": memory.peak_bytes - base,
+                      "extra_gpu_peak_bytes": gpu_peak}))
     memory.close()
 
 
@@ -125,6 +138,8 @@ def main() -> None:
     parser.add_argument("--gap-steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--device", default="cpu", help="where the state lives (cuda: GPU "
+                        "memory above the state reported too)")
     parser.add_argument("--child", choices=PLUGINS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -143,7 +158,7 @@ def main() -> None:
             run = subprocess.run(
                 [sys.executable, __file__, "--child", name, "--dir", directory,
                  "--model-mib", str(args.model_mib), "--saves", str(args.saves),
-                 "--gap-steps", str(args.gap_steps)],
+                 "--gap-steps", str(args.gap_steps), "--device", args.device],
                 env=env, capture_output=True, text=True, check=False)
             if run.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{run.stderr[-3000:]}")
@@ -161,19 +176,24 @@ def main() -> None:
         first = statistics.median(r["stalls"][0] for r in runs)
         peak = statistics.median(r["extra_peak_bytes"] for r in runs) / MIB
         drain = statistics.median(r["drain_s"] for r in runs)
+        gpu = statistics.median(r["extra_gpu_peak_bytes"] for r in runs) / MIB
         medians[name] = (stall, peak)
         rows.append({"plugin": LABELS[name], "stall": stall, "first": first, "peak": peak,
-                     "drain": drain})
+                     "drain": drain, "gpu": gpu})
     for row, name in zip(rows, PLUGINS, strict=True):
         row["stall_x"] = medians[name][0] / medians["snapkeep"][0]
         row["peak_x"] = medians[name][1] / max(medians["snapkeep"][1], 1.0)
     print(f"state {state_mib} MiB ({args.model_mib} MiB of parameters + Adam), "
           f"{args.saves} saves x {args.rounds} rounds (ABBA), {args.gap_steps} in-place steps "
-          f"between saves; {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
-    print(table(rows, [("plugin", "plugin", "s"), ("stall", "stall/save s (median)", ".3f"),
-                       ("stall_x", "x snapkeep", ".1f"), ("first", "first save s", ".3f"),
-                       ("peak", "peak host MiB above state", ".0f"),
-                       ("peak_x", "x snapkeep", ".2f"), ("drain", "teardown s", ".2f")]))
+          f"between saves; {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+          f"state on {args.device}")
+    columns = [("plugin", "plugin", "s"), ("stall", "stall/save s (median)", ".3f"),
+               ("stall_x", "x snapkeep", ".1f"), ("first", "first save s", ".3f"),
+               ("peak", "peak host MiB above state", ".0f"),
+               ("peak_x", "x snapkeep", ".2f"), ("drain", "teardown s", ".2f")]
+    if args.device.startswith("cuda"):
+        columns.append(("gpu", "peak GPU MiB above state", ".0f"))
+    print(table(rows, columns))
 
 
 if __name__ == "__main__":

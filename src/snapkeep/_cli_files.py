@@ -34,11 +34,14 @@ from snapkeep.errors import (
 from snapkeep.store import (
     DECODE_ERRORS,
     MANIFEST_DIR,
+    CheckpointDirs,
+    CheckpointMarker,
     Entry,
     Manifest,
     ManifestError,
     SnapshotStore,
     Storage,
+    is_marker,
     load_file,
     manifest_path,
     misnamed_reason,
@@ -253,7 +256,11 @@ def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
     except ValueError:  # fields in the template's directory part: no sharded snapshot has it
         return []
     rows = []
+    marked = CheckpointDirs(store.storage, store.directory)
     for entry in sharded.entries():
+        if _is_marked(store.storage, entry.path):  # the Hugging Face door's checkpoint-N
+            rows.append(_marked_row(marked, entry))
+            continue
         manifest = sharded.manifest(entry)
         size = sum(r.size_bytes for r in manifest.files.values()) if manifest else 0
         try:  # the store's check, as autoload's: every file, then the metadata's allow-list
@@ -269,6 +276,29 @@ def sharded_rows(store: SnapshotStore) -> list[tuple[Entry, int, Status]]:
         rows.append((entry, size, Status(
             status="ok", detail=f"sharded (DCP): {files} files from {world} rank(s)")))
     return rows
+
+
+def _is_marked(storage: Storage, path: str) -> bool:
+    """Whether the directory ``path`` is committed by a marked directory's marker (bounded
+    read of a regular file only)."""
+    from snapkeep.distributed import MARKER_NAME
+
+    try:
+        return is_marker(storage.read_bytes(storage.join(path, MARKER_NAME),
+                                            max_bytes=MAX_MANIFEST_BYTES))
+    except (OSError, ValueError):
+        return False
+
+
+def _marked_row(marked: CheckpointDirs, entry: Entry) -> tuple[Entry, int, Status]:
+    """``(entry, size in bytes, status)`` of one marked directory, every file verified."""
+    try:
+        marker = marked.verify(entry)
+    except SnapshotCorruptError as e:
+        return entry, 0, Status(status="corrupt", detail=str(e))
+    size = sum(r.size_bytes for r in marker.files.values())
+    return entry, size, Status(status="ok", detail=f"directory: {len(marker.files)} files "
+                               "committed by their marker")
 
 
 def manifest_of(storage: Storage, path: str) -> Manifest | None:
@@ -317,8 +347,12 @@ def _sharded_templates(storage: Storage, directory: str, found: list[str]) -> No
             if file_kind(storage, child) != "directory" or file_kind(storage, marker) != "file" \
                     or storage.size(marker) > MAX_MANIFEST_BYTES:
                 continue
-            manifest = ShardedManifest.from_bytes(storage.read_bytes(marker))
-        except (OSError, ValueError, UnicodeDecodeError, TypeError, KeyError):
+            data = storage.read_bytes(marker)
+            # a marked directory's (the Hugging Face door's checkpoint-N), or a sharded one's
+            manifest: Any = CheckpointMarker.from_bytes(data) if is_marker(data) \
+                else ShardedManifest.from_bytes(data)
+        except (OSError, ValueError, UnicodeDecodeError, TypeError, KeyError,
+                SnapshotCorruptError):
             continue
         template = _as_template(name, manifest.step)
         if template not in found:

@@ -59,7 +59,7 @@ from snapkeep.layout import (
     is_stateful_loader,
     loader_position,
 )
-from snapkeep.retention import KeepLatest, RetentionPolicy
+from snapkeep.retention import RetentionPolicy, keep_policy
 from snapkeep.staging import into_existing_state
 from snapkeep.store import (
     ON_ERROR_SUFFIX,
@@ -303,7 +303,7 @@ class Checkpointer:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or URL string, got "
                             f"{type(directory).__name__}")
-        self._policy = _policy(keep)
+        self._policy = keep_policy(keep)
         if every is not None and (isinstance(every, bool) or not isinstance(every, int)
                                   or every < 1):
             raise ValueError(f"every must be an int >= 1 (steps) or None, got {every!r}")
@@ -917,21 +917,6 @@ class Checkpointer:
     def writer(self) -> Writer | None:
         """The writer (read-only); None for sharded snapshots."""
         return self._writer
-
-
-def _policy(keep: Any) -> RetentionPolicy | None:
-    if keep is None:
-        return None
-    if isinstance(keep, bool) or not (isinstance(keep, int) or callable(getattr(keep, "select",
-                                                                                None))):
-        raise TypeError(f"keep must be an int >= 1, a policy from snapkeep.retention, or None, "
-                        f"got {keep!r}")
-    if isinstance(keep, int):
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1 (None keeps all), got {keep}")
-        return KeepLatest(keep)
-    policy: RetentionPolicy = keep
-    return policy
 
 
 def _check_step(step: Any) -> int:

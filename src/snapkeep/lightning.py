@@ -25,27 +25,36 @@ What they change (each from Lightning's own code, 2.4-2.6):
   uncommitted file. ``load_checkpoint`` resolves it; ``torch.load`` does not (load the file
   it names). When no snapshot of the step exists (a top-k that did not keep it), ``last.ckpt``
   is written in full, once, as Lightning does.
-- **``ckpt_path="last"`` resolves by step, and the load verifies.** Lightning takes the newest
-  ``last*`` file by mtime and never checks it. snapkeep's :class:`ModelCheckpoint` resolves
-  ``"last"`` to the snapshot with the highest step recorded in its manifest, and
-  ``load_checkpoint`` checks it against its checksum: a corrupt or truncated file is skipped
-  with a ``RuntimeWarning`` naming it and the snapshot loaded instead, the next older one that
-  verifies (:class:`~snapkeep.errors.NoValidSnapshotError` when none does; nothing deleted).
-- **One trainer per directory.** The first save into a directory takes its lock
-  (``.snapkeep/``, ``flock``; :class:`~snapkeep.errors.StoreLockedError` names the holder);
-  ``teardown`` waits for pending commits and releases it.
+- **``ckpt_path="last"`` resolves by step, and the load is the engine's resume.** Lightning
+  takes the newest ``last*`` file by mtime and never checks it. snapkeep's
+  :class:`ModelCheckpoint` resolves ``"last"`` to the snapshot with the highest step, and
+  ``load_checkpoint`` resumes through the engine session
+  (:meth:`snapkeep.store.Session.resume`, the Checkpointer's): verified against its checksum
+  while it loads, safely unpickled, said on stderr (``snapkeep: resuming from NAME (step N) in
+  DIR``); a corrupt or truncated file is skipped, named on stderr with why, and the next older
+  one that verifies is loaded instead (:class:`~snapkeep.errors.NoValidSnapshotError` when none
+  does; nothing deleted).
+- **One trainer per directory.** The directory is opened as the Checkpointer opens its own
+  (:meth:`snapkeep.store.Session.open`: created, checked writable, locked in ``.snapkeep/``,
+  temp files of a killed writer swept) at ``setup`` (or the first save):
+  :class:`~snapkeep.errors.StoreLockedError` names the holder, and ``snapkeep prune`` refuses
+  while it runs; ``teardown`` waits for pending commits and releases it.
+- **snapkeep's retention and metrics.** ``SnapkeepCheckpointIO(keep=...)`` retains after each
+  commit as the Checkpointer's ``keep`` (its lineage: only this door's snapshots, never the
+  newest; a misspelled ``KeepBest`` metric refused before anything is written or deleted);
+  each manifest records Lightning's ``callback_metrics`` of its step.
 - **Exact continuation at epoch boundaries.** snapkeep's :class:`ModelCheckpoint` keeps the
   global random generators (Python, NumPy, torch) in its callback state, so a run resumed
   from an end-of-epoch snapshot draws the same shuffles and dropout masks. Lightning itself
   restarts a plain ``DataLoader`` mid-epoch from the start of its order, so a mid-epoch
   snapshot resumes with a different data order: save at epoch ends for bit-identical runs.
-
-- **Preemption.** On SIGTERM Lightning raises ``SIGTERMException`` at the next batch; snapkeep's
-  :class:`ModelCheckpoint` then saves a snapshot of that step (as ``save_on_exception=True``
-  would) and ``teardown`` commits it before the exception leaves ``fit`` (a ``SystemExit``
-  without a code: exit status 0, Lightning's). Lightning's SLURM handler (SIGUSR1 with
-  auto-requeue) saves ``hpc_ckpt_N.ckpt`` and requeues at once: such saves return only once
-  committed. Both snapshots are mid-epoch: they resume, but not bit-identically (see above).
+- **Preemption through snapkeep's agreement** (``ModelCheckpoint(preemption=True)``, the
+  default): SIGTERM and SIGUSR1 are recorded by the Checkpointer's
+  :class:`~snapkeep.distributed.SignalWatch` (replacing Lightning's handlers while fitting);
+  at the next training batch end every rank agrees, the snapshot of that step is committed,
+  the run status (``.snapkeep/status.json``, ``snapkeep status``) becomes ``preempted`` and
+  every rank exits with 143. The run status is kept otherwise too: ``running``, then
+  ``finished`` or ``failed``.
 
 Scope: :class:`SnapkeepCheckpointIO` is called on global rank 0 only, as every
 ``CheckpointIO``; sharded strategies (FSDP, DeepSpeed, ModelParallel) bypass ``CheckpointIO``
@@ -61,26 +70,41 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
+import signal
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from snapkeep.distributed import (
+    DEFAULT_SIGNALS,
+    EXIT_CODE_PREEMPTED,
+    SignalWatch,
+    background_groups,
+    describe_signal,
+    exit_cleanly_at_exit,
+    is_distributed,
+)
 from snapkeep.errors import SnapshotCorruptError, SnapshotTimeoutError, StoreLockedError
+from snapkeep.retention import RetentionPolicy, keep_policy
 from snapkeep.store import (
     MANIFEST_DIR,
     Entry,
     FilenameTemplate,
     ManifestError,
     Retain,
+    RunLineage,
+    Session,
     SnapshotStore,
-    StoreLock,
-    load_file,
+    StatusLog,
     manifest_path,
     read_manifest,
     warn_user,
@@ -88,17 +112,23 @@ from snapkeep.store import (
 from snapkeep.training import RngState
 from snapkeep.writing import ThreadWriter, Writer
 
-__all__ = ["ALIAS_FORMAT", "ModelCheckpoint", "SnapkeepCheckpointIO"]
+__all__ = ["ALIAS_FORMAT", "RUN_ID", "ModelCheckpoint", "SnapkeepCheckpointIO"]
 
 logger = logging.getLogger(__name__)
 
 #: The ``format`` of an alias record (``last.ckpt`` naming a committed snapshot).
 ALIAS_FORMAT = "snapkeep.lightning.alias/1"
+#: The run id in the manifest of every snapshot this door commits: retention (``keep=``) counts
+#: and deletes only snapshots recording it, never another tool's file or junk named alike.
+RUN_ID = "lightning"
 #: An alias record is read only when the file is at most this many bytes.
 _ALIAS_MAX_BYTES = 4096
-#: The store's template: it keys the directory lock and the sweep of temp files. Lightning's
-#: names come from no template, so the snapshots are listed from their manifests.
+#: The store's template when the names carry more than the step (Lightning's default
+#: ``'{epoch}-{step}'``, metrics): it keys the directory lock and the sweep of temp files, and
+#: the snapshots are listed from their manifests.
 _TEMPLATE = FilenameTemplate("lightning-{.iteration}.ckpt")
+#: Default bound of the preemption agreement between ranks (seconds).
+_TIMEOUT_S = 600.0
 
 
 #: Lightning's SLURM handler (SIGUSR1) saves ``hpc_ckpt_N.ckpt`` and requeues the job at once:
@@ -113,116 +143,46 @@ def _split(path: str) -> tuple[str, str]:
     return directory or ".", name
 
 
-#: directory URL -> the SnapkeepCheckpointIO of this process holding it: the store
-#: lock (flock) refuses other processes; within one process two IOs on one directory are refused
-#: here (as two open Checkpointers are).
-_OPEN: weakref.WeakValueDictionary[str, SnapkeepCheckpointIO] = weakref.WeakValueDictionary()
-
-
-class _Directory:
-    """One checkpoint directory: its store and, once saved into, its lock."""
-
-    def __init__(self, store: SnapshotStore) -> None:
-        self.store = store
-        self.lock: StoreLock | None = None
-        self.locked = False
-
-
-class SnapkeepCheckpointIO(CheckpointIO):
-    """A Lightning ``CheckpointIO`` that saves through snapkeep (see the module docstring).
-
-    Pass it as ``Trainer(plugins=[SnapkeepCheckpointIO()])`` or
-    ``Fabric(plugins=[SnapkeepCheckpointIO()])``. Lightning calls it on global rank 0 only.
-
-    Args:
-        writer: the snapkeep writer that stages and commits (no ``out_dir`` of its own);
-            default a :class:`~snapkeep.writing.ThreadWriter` (a CPU copy into reused buffers,
-            written on a background thread, one snapshot in flight: a save waits for the
-            previous commit). ``SimpleWriter()`` saves synchronously. :meth:`teardown` only
-            waits (the writer serves the next ``fit`` too); :meth:`close` finalizes it.
-        storage_options: fsspec options (endpoint, credentials) for URL paths (``s3://``)
-            when ``writer`` is not given. Object-store saves stream the staged tensors to one
-            upload; no second in-memory copy of the whole checkpoint is made.
-        weights_only: how ``load_checkpoint`` unpickles when Lightning passes ``None``
-            (default True: tensors, containers and primitive values only, plus snapkeep's
-            allow-list; pass False only for trusted files holding other objects).
+def _step_template(template: str) -> FilenameTemplate:
+    """``'ckpt_{step}'`` (a name with one ``{step}`` field, as the Checkpointer's) as the
+    store's template (``'ckpt_{.iteration}'``).
 
     Raises:
-        TypeError: ``writer`` is not a snapkeep writer, or ``weights_only`` not a bool.
-        ValueError: ``writer`` has an ``out_dir`` of its own.
+        ValueError: ``template`` has no ``{step}`` field or another field.
     """
+    fields = re.findall(r"\{([^{}]*)\}", template)
+    if fields != ["step"]:
+        raise ValueError(f"template must hold exactly one {{step}} field and no other "
+                         f"('ckpt_{{step}}'), got {template!r}")
+    head, _, tail = template.partition("{step}")
+    escaped = [part.replace("{", "{{").replace("}", "}}") for part in (head, tail)]
+    return FilenameTemplate(f"{escaped[0]}{{.iteration}}{escaped[1]}")
 
-    def __init__(self, writer: Writer | None = None, *,
-                 storage_options: Mapping[str, Any] | None = None,
-                 weights_only: bool = True) -> None:
-        if writer is not None and not isinstance(writer, Writer):
-            raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
-                            f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
-        if writer is not None and writer.out_dir:
-            raise ValueError(f"writer has out_dir {writer.out_dir!r}; Lightning names each "
-                             "checkpoint's directory: pass a writer without out_dir")
-        if not isinstance(weights_only, bool):
-            raise TypeError(f"weights_only must be True or False, got {weights_only!r}")
-        self._writer = writer if writer is not None else ThreadWriter(
-            storage_options=storage_options)
-        self._weights_only = weights_only
-        self._directories: dict[str, _Directory] = {}
-        self._guard = threading.RLock()
-        self._idle = threading.Condition(self._guard)
-        self._last_handle: Any = None
-        # actions waiting for a commit, per handle: (priority, action); aliases run first
-        self._waiting: dict[int, list[tuple[int, Callable[[], None]]]] = {}
-        self._aliases: dict[str, str] = {}  # alias path -> the snapshot path it names
-        self._doomed: set[str] = set()  # removals held back while an alias names them
-        self._closed = False
 
-    # -- directories ---------------------------------------------------------------------------
-    def _directory(self, directory: str, *, lock: bool) -> _Directory:
-        with self._guard:
-            found = self._directories.get(directory)
-            if found is None:
-                storage, path = self._writer.storage_for(directory)
-                found = _Directory(SnapshotStore(storage, path, _TEMPLATE))
-                self._directories[directory] = found
-            if lock and not found.locked:
-                storage, path = found.store.storage, found.store.directory
-                storage.makedirs(path)
-                key = storage.url(path)
-                other = _OPEN.get(key)
-                if other is not None and other is not self:
-                    raise StoreLockedError(
-                        f"{storage.url(path)!r} is in use by another SnapkeepCheckpointIO of "
-                        "this process; two on one directory would delete each other's "
-                        "checkpoints. teardown() or close() the other one first")
-                found.lock = found.store.lock()
-                _OPEN[key] = self  # None on object stores (nothing locked)
-                found.locked = True
-                found.store.sweep()  # temp files of a killed writer
-            return found
+class _LightningStore(SnapshotStore):
+    """A Lightning directory's snapshot store: the names its template parses (junk named
+    alike included, so a resume skips it, naming it) and every other file whose manifest
+    records a step (Lightning's names need not hold it: ``'{epoch}-{val_loss:.2f}'``)."""
 
-    def open(self, directory: str) -> None:
-        """Create ``directory``, take its lock and remove temp files a killed run left there
-        (done by the first save into it otherwise; :class:`ModelCheckpoint` calls it in
-        ``setup`` so a second trainer is refused before it trains).
-
-        Raises:
-            StoreLockedError: another live process holds the directory.
-            SnapshotStorageError: it cannot be created.
-        """
-        self._directory(os.fspath(directory), lock=True)
-
-    def entries(self, directory: str) -> list[Entry]:
-        """The snapkeep snapshots in ``directory`` (files with a manifest recording a step),
-        oldest first by that step, then name. Not verified; alias records and files without a
-        manifest (written by another ``CheckpointIO``) are not listed."""
-        store = self._directory(os.fspath(directory), lock=False).store
-        storage = store.storage
-        files = set(storage.list_names(store.directory))
-        manifest_dir = storage.join(store.directory, MANIFEST_DIR)
-        found = []
-        for name in storage.list_names(manifest_dir):
+    def entries(self) -> list[Entry]:
+        found = {e.path: e for e in super().entries()}
+        storage = self.storage
+        manifest_dir = storage.join(self.directory, MANIFEST_DIR)
+        try:
+            manifests = storage.list_names(manifest_dir)
+        except FileNotFoundError:
+            manifests = []
+        files: set[str] | None = None
+        for name in manifests:
+            if not name.endswith(".json"):
+                continue
             snapshot = name[:-len(".json")]
-            if not name.endswith(".json") or snapshot not in files:
+            path = storage.join(self.directory, snapshot)
+            if path in found:
+                continue
+            if files is None:
+                files = set(storage.list_names(self.directory))
+            if snapshot not in files:
                 continue
             try:
                 manifest = read_manifest(storage, storage.join(manifest_dir, name))
@@ -231,23 +191,202 @@ class SnapkeepCheckpointIO(CheckpointIO):
                 continue
             if manifest is None or manifest.step is None or manifest.name != snapshot:
                 continue
-            found.append(Entry(name=snapshot, path=storage.join(store.directory, snapshot),
-                               key=(float(manifest.step),), step=manifest.step))
-        found.sort(key=lambda e: (e.key, e.name))
-        return found
+            found[path] = Entry(name=snapshot, path=path, key=(float(manifest.step),),
+                                step=manifest.step)
+        return sorted(found.values(), key=lambda e: (e.key, e.name))
 
-    def newest(self, directory: str) -> str | None:
+
+#: directory URL -> the SnapkeepCheckpointIO of this process holding it: the store
+#: lock (flock) refuses other processes; within one process two IOs on one directory are refused
+#: here (as two open Checkpointers are).
+_OPEN: weakref.WeakValueDictionary[str, SnapkeepCheckpointIO] = weakref.WeakValueDictionary()
+
+
+class _Directory:
+    """One checkpoint directory: its store and the engine session on it (opened, with the
+    lock, by the first save or :meth:`SnapkeepCheckpointIO.open`)."""
+
+    def __init__(self, store: _LightningStore, session: Session, template: str | None) -> None:
+        self.store = store
+        self.session = session
+        self.template = template
+        self.key = store.storage.url(store.directory)
+
+
+def _finite_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The one-number values of Lightning's ``callback_metrics`` (tensors or numbers) that are
+    finite, as floats."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if hasattr(value, "numel") and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if math.isfinite(float(value)):
+            out[str(key)] = float(value)
+    return out
+
+
+class SnapkeepCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves through snapkeep (see the module docstring).
+
+    Pass it as ``Trainer(plugins=[SnapkeepCheckpointIO()])`` or
+    ``Fabric(plugins=[SnapkeepCheckpointIO()])``. Lightning calls it on global rank 0 only.
+
+    Each directory it saves into is an engine session (:class:`snapkeep.store.Session`, as the
+    Checkpointer's): the first save (or :meth:`open`) creates the directory, takes its lock,
+    and removes what a killed writer left; a load verifies, falls back, loads safely and says
+    what it resumed from on stderr; ``keep`` retains after each commit.
+
+    Args:
+        writer: the snapkeep writer that stages and commits (no ``out_dir`` of its own);
+            default a :class:`~snapkeep.writing.ThreadWriter` (a CPU copy into reused buffers,
+            written on a background thread, one snapshot in flight: a save waits for the
+            previous commit). ``SimpleWriter()`` saves synchronously. :meth:`teardown` only
+            waits (the writer serves the next ``fit`` too); :meth:`close` finalizes it.
+        keep: snapkeep's retention after each commit, as the Checkpointer's ``keep``: an int N
+            keeps the newest N by step; a policy from :mod:`snapkeep.retention` (``KeepBest``
+            ranks by the metrics :class:`ModelCheckpoint` records: Lightning's
+            ``callback_metrics``); ``None`` (default) deletes nothing (Lightning's own
+            ``save_top_k`` still removes through :meth:`remove_checkpoint`). Only snapshots
+            this door committed are counted or deleted, never the newest one. A ``KeepBest``
+            metric no snapshot records raises ``ValueError`` at the save, before anything is
+            written or deleted.
+        storage_options: fsspec options (endpoint, credentials) for URL paths (``s3://``)
+            when ``writer`` is not given. Object-store saves stream the staged tensors to one
+            upload; no second in-memory copy of the whole checkpoint is made.
+        weights_only: how ``load_checkpoint`` unpickles when Lightning passes ``None``
+            (default True: tensors, containers and primitive values only, plus snapkeep's
+            allow-list; pass False only for trusted files holding other objects).
+        quiet: no resume notice on stderr (it is still logged at INFO).
+
+    Raises:
+        TypeError: ``writer`` is not a snapkeep writer, ``keep`` not an int or policy, or
+            ``weights_only``/``quiet`` not a bool.
+        ValueError: ``writer`` has an ``out_dir`` of its own; ``keep`` < 1.
+    """
+
+    def __init__(self, writer: Writer | None = None, *,
+                 keep: int | RetentionPolicy | None = None,
+                 storage_options: Mapping[str, Any] | None = None,
+                 weights_only: bool = True, quiet: bool = False) -> None:
+        if writer is not None and not isinstance(writer, Writer):
+            raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
+                            f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
+        if writer is not None and writer.out_dir:
+            raise ValueError(f"writer has out_dir {writer.out_dir!r}; Lightning names each "
+                             "checkpoint's directory: pass a writer without out_dir")
+        for name, value in (("weights_only", weights_only), ("quiet", quiet)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
+        self._policy = keep_policy(keep)
+        self._writer = writer if writer is not None else ThreadWriter(
+            storage_options=storage_options)
+        self._weights_only = weights_only
+        self._quiet = quiet
+        self._directories: dict[str, _Directory] = {}
+        self._guard = threading.RLock()
+        self._idle = threading.Condition(self._guard)
+        self._last_handle: Any = None
+        # actions waiting for a commit, per handle: (priority, action); aliases run first
+        self._waiting: dict[int, list[tuple[int, Callable[[], None]]]] = {}
+        self._aliases: dict[str, str] = {}  # alias path -> the snapshot path it names
+        self._doomed: set[str] = set()  # removals held back while an alias names them
+        self._metrics: dict[str, dict[str, float]] = {}  # path -> metrics of its next save
+        self._closed = False
+
+    # -- directories ---------------------------------------------------------------------------
+    def _directory(self, directory: str, *, lock: bool, template: str | None = None
+                   ) -> _Directory:
+        with self._guard:
+            found = self._directories.get(directory)
+            if found is None or (template is not None and template != found.template
+                                 and not found.session.opened):
+                storage, path = self._writer.storage_for(directory)
+                store = _LightningStore(storage, path, _TEMPLATE if template is None
+                                        else _step_template(template))
+                lineage = found.session.lineage if found is not None \
+                    else RunLineage.named(RUN_ID)
+                session = Session(store, policy=self._policy, lineage=lineage,
+                                  quiet=self._quiet, shown_template=template or "*.ckpt")
+                found = _Directory(store, session, template)
+                self._directories[directory] = found
+            if lock and not found.session.opened:
+                claimed = found
+                found.session.open(claim=lambda: self._claim(claimed))
+            return found
+
+    def _claim(self, found: _Directory) -> None:
+        """Refuse a second IO of this process on the directory (the lock refuses other
+        processes), and register this one."""
+        other = _OPEN.get(found.key)
+        if other is not None and other is not self:
+            raise StoreLockedError(
+                f"{found.key!r} is in use by another SnapkeepCheckpointIO of this process; two "
+                "on one directory would delete each other's checkpoints. teardown() or close() "
+                "the other one first")
+        _OPEN[found.key] = self
+
+    def open(self, directory: str, *, template: str | None = None) -> None:
+        """Open ``directory`` as the Checkpointer opens its own (the engine session's start-up):
+        create it, take its lock and remove temp files a killed run left there (done by the
+        first save into it otherwise; :class:`ModelCheckpoint` calls it in ``setup`` so a
+        second trainer is refused before it trains).
+
+        Args:
+            directory: the checkpoint directory (a local path or fsspec URL).
+            template: the checkpoints' name with its step as ``{step}`` (``'ckpt_{step}'``,
+                ``'step={step}.ckpt'``), when the names carry nothing else; then the lock is
+                the one ``snapkeep prune`` checks and junk named alike is skipped by name.
+                :class:`ModelCheckpoint` passes it when its ``filename`` allows.
+
+        Raises:
+            StoreLockedError: another live trainer holds the directory.
+            SnapshotStorageError: it cannot be created or written.
+            ValueError: ``template`` holds no ``{step}`` or another field.
+        """
+        self._directory(os.fspath(directory), lock=True, template=template)
+
+    def entries(self, directory: str) -> list[Entry]:
+        """The snapshots in ``directory``, oldest first by step, then name: files with a
+        snapkeep manifest recording a step, and files the open template names. Not
+        verified; alias records and files of another ``CheckpointIO`` are not listed."""
+        return self._directory(os.fspath(directory), lock=False).store.entries()
+
+    def newest(self, directory: str, *, template: str | None = None) -> str | None:
         """The path of the snapshot with the highest step in ``directory`` (None when there is
-        none); :meth:`load_checkpoint` verifies it and falls back from it."""
+        none; ``template`` as :meth:`open`'s); :meth:`load_checkpoint` verifies it and falls
+        back from it."""
         self.wait()
-        found = self.entries(directory)
-        return found[-1].path if found else None
+        found = self._directory(os.fspath(directory), lock=False, template=template)
+        entries = found.store.entries()
+        return entries[-1].path if entries else None
+
+    def announce_fresh(self, directory: str) -> None:
+        """Say on stderr (rank 0) that ``directory`` holds nothing to resume from (the
+        session's notice: ``snapkeep: no snapshot of ... starting fresh``)."""
+        session = self._directory(os.fspath(directory), lock=False).session
+        session.resume(_nothing_to_apply, candidates=[])
+
+    def record_metrics(self, path: Any, metrics: Mapping[str, Any]) -> None:
+        """Record ``metrics`` (finite one-number values) in the manifest of the next save to
+        ``path`` (:class:`ModelCheckpoint` passes Lightning's ``callback_metrics``); retention
+        (``keep=KeepBest(...)``) ranks by them and ``snapkeep ls`` shows them."""
+        with self._guard:
+            self._metrics[os.fspath(path)] = _finite_metrics(metrics)
+
+    def status_log(self, directory: str, *, rank: int, world_size: int) -> StatusLog:
+        """The run status of ``directory`` (``.snapkeep/status.json``; written on rank 0):
+        what ``snapkeep status DIR`` reads."""
+        storage, path = self._writer.storage_for(os.fspath(directory))
+        return StatusLog(storage, path, rank=rank, world_size=world_size)
 
     # -- CheckpointIO ----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` (a CPU copy into reused buffers) and commit it to ``path`` in
-        the background with its checksum manifest; returns once staged.
+        the background with its checksum manifest; returns once staged. After the commit,
+        retention (``keep``) runs.
 
         Args:
             checkpoint: Lightning's checkpoint dict (tensors on any device, plain values).
@@ -258,6 +397,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
             TypeError: ``storage_options`` given (as ``TorchCheckpointIO``).
             SnapshotSaveError: an earlier background save failed (raised once, cause chained).
             StoreLockedError: another process holds the directory.
+            ValueError: a ``KeepBest`` metric of ``keep`` is recorded by no snapshot of this
+                run, this one included; nothing is written or deleted.
         """
         if storage_options is not None:
             raise TypeError("SnapkeepCheckpointIO.save_checkpoint takes no storage_options; "
@@ -266,9 +407,16 @@ class SnapkeepCheckpointIO(CheckpointIO):
         found = self._directory(directory, lock=True)
         step = checkpoint.get("global_step")
         step = step if isinstance(step, int) and not isinstance(step, bool) else None
-        retain = Retain(store=found.store)  # records the commit; Lightning's top-k retains
+        with self._guard:
+            metrics = self._metrics.pop(os.fspath(path), {})
+        session = found.session
+        # the retention input check (a KeepBest metric no snapshot records: ValueError before
+        # anything is written or deleted), then the Retain stage the writer runs after the commit
+        retain = session.retention(name, step, metrics) if step is not None \
+            else Retain(store=found.store)
         writer: Any = self._writer  # snapkeep's writers take these extras (as the Checkpointer)
-        handle = writer(name, directory, checkpoint, step=step, retain=retain)
+        handle = writer(name, directory, checkpoint, step=step, retain=retain, metrics=metrics,
+                        run_id=session.lineage.run_id)
         if handle is not None:
             with self._guard:
                 self._last_handle = handle
@@ -280,10 +428,12 @@ class SnapkeepCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load the checkpoint at ``path`` (an alias record is resolved to the snapshot it
-        names) after checking it against its manifest. A snapshot that fails (corrupt,
-        truncated, missing) is skipped with a ``RuntimeWarning`` naming it and the snapshot
-        loaded instead: the next older one (by step) that verifies. A file without a manifest
-        (written by another ``CheckpointIO``) is loaded as is, unverified (logged).
+        names) through the engine session's resume: checked against its manifest while it
+        loads, safely unpickled, and said on stderr (rank 0: ``snapkeep: resuming from NAME
+        (step N) in DIR``). A snapshot that fails (corrupt, truncated, missing, not a
+        checkpoint) is skipped, named on stderr with why, and the next older one (by step)
+        that verifies is loaded instead. A file no snapkeep manifest describes (written by
+        another ``CheckpointIO``) loads unverified, with a warning.
 
         Args:
             path: the checkpoint (or alias) to load.
@@ -303,45 +453,32 @@ class SnapkeepCheckpointIO(CheckpointIO):
         weights_only = self._weights_only if weights_only is None else bool(weights_only)
         location = "cpu" if map_location is None else map_location
         directory, name = _split(os.fspath(path))
-        store = self._directory(directory, lock=False).store
+        found = self._directory(directory, lock=False)
+        store = found.store
         storage = store.storage
         requested = storage.join(store.directory, name)
         target = self._resolve_alias(store, requested)
-        entries = self.entries(directory)
+        entries = store.entries()
         chosen = next((e for e in entries if e.path == target), None)
         if chosen is None:
-            if storage.exists(target):
-                logger.info("%s has no snapkeep manifest: loaded unverified", target)
-                return dict(load_file(storage, target, map_location=location,
-                                      weights_only=weights_only))
-            if target == requested or not entries:
+            if storage.exists(target):  # another CheckpointIO's file: loaded unverified
+                candidates = [Entry(name=storage.basename(target), path=target, key=(),
+                                    step=None)]
+            elif target == requested or not entries:
                 raise FileNotFoundError(f"checkpoint not found: {target}")
-            # an alias naming a deleted snapshot: fall back from the newest at or below its step
-            candidates = entries
+            else:  # an alias naming a deleted snapshot: the newest at or below its step
+                candidates = entries
         else:
             candidates = [e for e in entries if e.key <= chosen.key and e.path != chosen.path]
             candidates.append(chosen)
-        skipped: list[str] = []
-
-        def loader(entry: Entry, data: bytes | None) -> Any:
-            state = load_file(storage, entry.path, map_location=location,
-                              weights_only=weights_only, data=data)
-            if not isinstance(state, Mapping):
-                raise SnapshotCorruptError(f"{entry.path} is not a Lightning checkpoint (a "
-                                           f"{type(state).__name__}, not a dict)")
-            return state
-
-        found = store.load_newest(loader, candidates=candidates,
-                                  on_skip=lambda e, why: skipped.append(f"{e.path}: {why}"))
-        if found is None:  # unreachable: candidates is not empty
+        loaded: dict[str, Any] = {}
+        entry = found.session.resume(lambda e, state: loaded.update(state=state),
+                                     check=_check_checkpoint, candidates=candidates,
+                                     weights_only=weights_only, map_location=location)
+        if entry is None:  # unreachable: candidates is not empty
             raise FileNotFoundError(f"checkpoint not found: {target}")
-        entry, state = found
-        if entry.path != target:
-            warn_user(f"checkpoint {target} failed verification ({'; '.join(skipped) or 'missing'}"
-                      f"); loaded {entry.path} (step {entry.step}) instead, the newest older "
-                      "snapshot that verifies", RuntimeWarning)
-        logger.info("loaded %s (step %s), verified", entry.path, entry.step)
-        return dict(state)
+        logger.info("loaded %s (step %s)", entry.path, entry.step)
+        return dict(loaded["state"])
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at ``path`` with its manifest, once every save made before
@@ -384,15 +521,12 @@ class SnapkeepCheckpointIO(CheckpointIO):
         try:
             self.wait()
         finally:
-            with self._guard:
-                for found in self._directories.values():
-                    if found.lock is not None:
-                        found.lock.release()
-                    if found.locked:
-                        key = found.store.storage.url(found.store.directory)
-                        if _OPEN.get(key) is self:
-                            del _OPEN[key]
-                    found.lock, found.locked = None, False
+            with self._guard:  # the next fit opens them again (a new session each)
+                directories, self._directories = list(self._directories.values()), {}
+                for found in directories:
+                    found.session.close()
+                    if _OPEN.get(found.key) is self:
+                        del _OPEN[found.key]
 
     def close(self) -> None:
         """:meth:`teardown`, then finalize the writer; idempotent."""
@@ -510,27 +644,107 @@ class SnapkeepCheckpointIO(CheckpointIO):
             logger.warning("SnapkeepCheckpointIO garbage-collected with saves pending")
 
 
+def _check_checkpoint(entry: Entry, state: Any) -> Any:
+    """``state`` when it is a checkpoint dict, else ``SnapshotCorruptError`` (skipped)."""
+    if not isinstance(state, Mapping):
+        raise SnapshotCorruptError(f"{entry.path} is not a Lightning checkpoint (a "
+                                   f"{type(state).__name__}, not a dict)")
+    return state
+
+
+def _nothing_to_apply(entry: Entry, state: Any) -> None:
+    raise AssertionError(f"nothing to apply on a first run, got {entry!r}")
+
+
 def _snapkeep_io(trainer: Any) -> SnapkeepCheckpointIO | None:
     io = getattr(trainer.strategy, "checkpoint_io", None)
     return io if isinstance(io, SnapkeepCheckpointIO) else None
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
-    """Lightning's ``ModelCheckpoint`` (same arguments) made safe with
-    :class:`SnapkeepCheckpointIO` (see the module docstring): ``save_last`` (``True`` or
-    ``"link"``) writes an alias record after the commit instead of a second full copy,
-    ``ckpt_path="last"`` resolves to the snapshot with the highest step, removals wait for the
-    commit (in the IO), the directory is locked at ``setup``, and the global random generators
-    are kept in the callback state (exact continuation from end-of-epoch snapshots).
+    """Lightning's ``ModelCheckpoint`` made safe with :class:`SnapkeepCheckpointIO` (see the
+    module docstring): ``save_last`` (``True`` or ``"link"``) writes an alias record after the
+    commit instead of a second full copy, ``ckpt_path="last"`` resolves to the snapshot with the
+    highest step, removals wait for the commit (in the IO), the directory is opened (locked) at
+    ``setup``, the global random generators are kept in the callback state (exact continuation
+    from end-of-epoch snapshots), each snapshot's manifest records Lightning's
+    ``callback_metrics`` (for ``keep=KeepBest(...)``), the run status is kept in
+    ``.snapkeep/status.json``, and a preemption signal ends the run with a committed snapshot.
+
+    Args:
+        *args: Lightning's ``ModelCheckpoint`` arguments.
+        preemption: catch SIGTERM and SIGUSR1 (``True``, default) or the given signals (a
+            sequence of ``signal.Signals``) while fitting, as the Checkpointer's
+            ``preemption``: the handler only records the signal (it replaces Lightning's own
+            SIGTERM handling and its SLURM requeue); at the end of the next training batch the
+            ranks agree (one all-reduce of one int on snapkeep's own gloo group), a snapshot of
+            that step is saved and committed, the run status becomes ``preempted`` and every
+            rank exits with ``SystemExit(143)``
+            (:data:`~snapkeep.distributed.EXIT_CODE_PREEMPTED`). ``False``: Lightning's
+            handling (a snapshot of the step at its ``SIGTERMException``, exit status 0).
+        timeout_s: bound of that agreement between ranks, seconds (default 600).
+        **kwargs: Lightning's ``ModelCheckpoint`` keyword arguments.
 
     With another ``CheckpointIO`` it behaves as Lightning's, plus the random generators.
+
+    Raises:
+        TypeError: ``preemption`` is not a bool or a sequence of signals.
+        ValueError: a signal cannot be caught (SIGKILL, SIGSTOP) or is unknown.
     """
+
+    def __init__(self, *args: Any, preemption: bool | Sequence[signal.Signals | int] = True,
+                 timeout_s: float = _TIMEOUT_S, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if preemption is True:
+            self._signals: tuple[signal.Signals | int, ...] = DEFAULT_SIGNALS
+        elif preemption is False:
+            self._signals = ()
+        elif isinstance(preemption, Sequence) and not isinstance(preemption, (str, bytes)):
+            SignalWatch(preemption)  # the signals checked (ValueError) before training
+            self._signals = tuple(preemption)
+        else:
+            raise TypeError(f"preemption must be True, False or a sequence of signals "
+                            f"(signal.SIGTERM, ...), got {preemption!r}")
+        self._timeout_s = float(timeout_s)
+        self._watch: SignalWatch | None = None
+        self._status: StatusLog | None = None
+        self._preempting = False
+
+    # -- start-up and resume ----------------------------------------------------------------------
+    def step_template(self) -> str | None:
+        """The checkpoints' names with their step as ``{step}`` (``'ckpt_{step}'``,
+        ``'step={step}.ckpt'``), when ``filename`` formats nothing but the step; else None
+        (``'{epoch}-{step}'``, metrics: the snapshots are listed from their manifests)."""
+        filename = self.filename or "{epoch}-{step}"
+        if sorted(set(re.findall(r"\{([^{}:!]+)", filename))) != ["step"]:
+            return None
+        sentinel = 987_654_321_987
+        name = os.path.basename(self.format_checkpoint_name({"step": torch.tensor(sentinel)}))
+        if name.count(str(sentinel)) != 1 or "{" in name or "}" in name:
+            return None
+        return name.replace(str(sentinel), "{step}")
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         io = _snapkeep_io(trainer)
-        if io is not None and trainer.is_global_zero and stage == "fit" and self.dirpath:
-            io.open(os.fspath(self.dirpath))
+        if io is None or stage != "fit" or not self.dirpath:
+            return
+        directory = os.fspath(self.dirpath)
+        if trainer.is_global_zero:
+            io.open(directory, template=self.step_template())
+        self._status = io.status_log(directory, rank=trainer.global_rank,
+                                     world_size=trainer.world_size)
+        self._status.record("running", trainer.global_step)
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        io = _snapkeep_io(trainer)
+        if io is None or not self.dirpath:
+            return super()._find_last_checkpoints(trainer)
+        newest = io.newest(os.fspath(self.dirpath), template=self.step_template())
+        if newest is None:
+            io.announce_fresh(os.fspath(self.dirpath))
+            return set()
+        return {newest}
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -542,6 +756,13 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "snapkeep_rng"})
         if rng is not None:
             RngState().load_state_dict(rng)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        io = _snapkeep_io(trainer)
+        if io is not None and trainer.is_global_zero:
+            io.record_metrics(filepath, trainer.callback_metrics)
+        super()._save_checkpoint(trainer, filepath)
 
     def _save_last_checkpoint(self, trainer: Any, monitor_candidates: dict[str, Any]) -> None:
         io = _snapkeep_io(trainer)
@@ -562,11 +783,100 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 trainer, previous, filepath):
             self._remove_checkpoint(trainer, previous)
 
+    # -- preemption and the run status -----------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Install the preemption handlers (after Lightning's own, which they replace while
+        fitting)."""
+        super().on_train_start(trainer, pl_module)
+        if not self._signals or _snapkeep_io(trainer) is None or self._watch is not None:
+            return
+        groups = background_groups(self._timeout_s) if is_distributed() else None
+        self._watch = SignalWatch(self._signals, control=groups.control if groups else None,
+                                  rank=trainer.global_rank, timeout_s=self._timeout_s)
+        self._watch.install()
+        self._preempting = False
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        watch = self._watch
+        if watch is None:
+            return
+        agreed = watch.agree()  # every rank, every batch: one int
+        if agreed:
+            self._preempt(trainer, agreed)
+
+    def _preempt(self, trainer: Any, agreed: int) -> None:
+        """Every rank agreed on a preemption at this step: snapshot it (unless this step's
+        snapshot was just saved), wait until it is committed, record ``preempted`` and exit
+        with 143, as the Checkpointer's preemption."""
+        watch = self._watch
+        io = _snapkeep_io(trainer)
+        if watch is None or io is None:
+            raise RuntimeError("no preemption watch")
+        step = trainer.global_step
+        self._preempting = True
+        candidates = self._monitor_candidates(trainer)
+        if self._last_global_step_saved != step:
+            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))
+            if self.save_last:
+                self._save_last_checkpoint(trainer, candidates)
+        name = os.path.basename(self._last_checkpoint_saved or "")
+        logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
+                       "for its commit, then exiting with %d", watch.rank, name, step,
+                       EXIT_CODE_PREEMPTED)
+        if trainer.is_global_zero:
+            io.wait()
+        trainer.strategy.barrier("snapkeep-preemption")  # committed before any rank leaves
+        if self._status is not None:
+            self._status.record("preempted", step, snapshots=(name,) if name else (),
+                                reason=describe_signal(agreed, watch.received))
+        self._uninstall(preempting=True)
+        if trainer.world_size > 1:
+            exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort (-6)
+        logger.warning("rank %d: preemption snapshot of step %d committed; exiting with %d "
+                       "(run the same command again to resume from it)", watch.rank, step,
+                       EXIT_CODE_PREEMPTED)
+        raise SystemExit(EXIT_CODE_PREEMPTED)
+
+    def _uninstall(self, *, preempting: bool = False) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.uninstall(preempting=preempting)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._uninstall()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._uninstall(preempting=self._preempting)
+        if stage == "fit" and self._status is not None and not self._preempting:
+            io = _snapkeep_io(trainer)
+            if io is not None and trainer.is_global_zero:
+                try:
+                    io.wait()
+                except Exception as e:  # recorded, then raised by the IO's own teardown
+                    self._status.record("failed", trainer.global_step,
+                                        reason=f"{type(e).__name__}: {e}".splitlines()[0][:500])
+            self._status.record("finished", trainer.global_step)
+        self._status = None
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        """As Lightning's; on SIGTERM (Lightning's ``SIGTERMException``, raised at the next
-        batch after the signal) a snapshot of the current step is saved even without
-        ``save_on_exception=True``; ``teardown`` (run by Lightning before the exception leaves
-        ``fit``) commits it. The exception is a ``SystemExit`` without a code (exit status 0)."""
+        """As Lightning's; the run status becomes ``failed`` (not on a preemption). Without
+        snapkeep's preemption (``preemption=False``), on SIGTERM (Lightning's
+        ``SIGTERMException``, raised at the next batch after the signal) a snapshot of the
+        current step is saved even without ``save_on_exception=True``; ``teardown`` (run by
+        Lightning before the exception leaves ``fit``) commits it: a ``SystemExit`` without a
+        code (exit status 0); the run status becomes ``preempted`` once it is committed.
+        (Lightning calls callbacks' ``teardown`` only when ``fit`` ends without an exception.)"""
+        if self._preempting:
+            return
+        self._uninstall()
+        if self._status is not None and not isinstance(exception, SIGTERMException):
+            self._status.record("failed", trainer.global_step,
+                                reason=f"{type(exception).__name__}: {exception}"
+                                .splitlines()[0][:500])
         if isinstance(exception, SIGTERMException) and _snapkeep_io(trainer) is not None \
                 and not self.save_on_exception \
                 and self._last_global_step_saved != trainer.global_step:
@@ -575,12 +885,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 super().on_exception(trainer, pl_module, exception)
             finally:
                 self.save_on_exception = False
-            return
-        super().on_exception(trainer, pl_module, exception)
-
-    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        else:
+            super().on_exception(trainer, pl_module, exception)
         io = _snapkeep_io(trainer)
-        if io is None or not self.dirpath:
-            return super()._find_last_checkpoints(trainer)
-        newest = io.newest(os.fspath(self.dirpath))
-        return {newest} if newest is not None else set()
+        if isinstance(exception, SIGTERMException) and io is not None \
+                and self._status is not None:  # 'preempted' once its snapshot is committed
+            if trainer.is_global_zero:
+                io.wait()
+            saved = os.path.basename(self._last_checkpoint_saved or "")
+            self._status.record("preempted", trainer.global_step,
+                                snapshots=(saved,) if saved else (),
+                                reason="signal SIGTERM (Lightning's SIGTERMException)")

@@ -10,10 +10,11 @@ from snapkeep._core.retention import (
     SnapshotInfo,
     best_metrics,
     check_metrics,
+    keep_policy,
     plan_deletions,
 )
 
 __all__ = [
     "AnyOf", "KeepBest", "KeepEvery", "KeepLatest", "RetentionPolicy", "SnapshotInfo",
-    "best_metrics", "check_metrics", "plan_deletions",
+    "best_metrics", "check_metrics", "keep_policy", "plan_deletions",
 ]

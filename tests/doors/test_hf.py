@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def _final(out: pathlib.Path) -> dict[str, torch.Tensor]:
 
 
 def test_kill_mid_save_stock_resumes_the_broken_directory_latest_verified_the_complete_one(
-        tmp_path: pathlib.Path) -> None:
+        tmp_path: pathlib.Path, capfd: Any) -> None:
     reference = tmp_path / "reference"
     _run(reference, "--callback")
     killed = tmp_path / "killed"
@@ -78,8 +79,11 @@ def test_kill_mid_save_stock_resumes_the_broken_directory_latest_verified_the_co
     assert get_last_checkpoint(str(killed)) == str(broken)  # stock: by number, not content
     assert not (broken / "trainer_state.json").exists()
     assert not (broken / hf.MARKER_NAME).exists()
-    with pytest.warns(RuntimeWarning, match=r"skipping .*checkpoint-6 \(step 6\).*no commit"):
-        assert hf.latest_verified(killed) == str(killed / "checkpoint-4")
+    capfd.readouterr()
+    assert hf.latest_verified(killed) == str(killed / "checkpoint-4")
+    err = capfd.readouterr().err  # the engine session's resume notice, as every door's
+    assert err.startswith(f"snapkeep: resuming from checkpoint-4 (step 4) in {killed}\n"), err
+    assert "snapkeep: skipped checkpoint-6 (step 6): " in err and "no commit marker" in err
 
     out = _run(killed, "--callback", "--resume", "verified")
     assert f"resumed-from {killed / 'checkpoint-4'}" in out
@@ -90,15 +94,17 @@ def test_kill_mid_save_stock_resumes_the_broken_directory_latest_verified_the_co
 
 
 def test_kill_after_the_trainer_finished_before_the_marker_is_not_resumed(
-        tmp_path: pathlib.Path) -> None:
+        tmp_path: pathlib.Path, capfd: Any) -> None:
     """Every file the Trainer writes is there (trainer_state.json last), the marker is not: the
     directory is not committed (its files may not be durable), so the one before is resumed."""
     _kill_mid_save(tmp_path, 4, "state", "--callback")
     assert (tmp_path / "checkpoint-4" / "trainer_state.json").exists()
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-4")
-    with pytest.warns(RuntimeWarning, match="checkpoint-4"):
-        assert hf.latest_verified(tmp_path) == str(tmp_path / "checkpoint-2")
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]  # nothing removed
+    capfd.readouterr()
+    assert hf.latest_verified(tmp_path) == str(tmp_path / "checkpoint-2")
+    assert "snapkeep: skipped checkpoint-4 (step 4)" in capfd.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "checkpoint-2",
+                                            "checkpoint-4"]  # nothing removed
 
 
 def _train(out: pathlib.Path, *args: str) -> object:
@@ -121,7 +127,8 @@ def test_a_new_best_between_save_steps_is_saved_and_kept(tmp_path: pathlib.Path)
     ours = _train(tmp_path / "ours", *common, "--callback")
     assert ours.state.best_model_checkpoint == str(  # type: ignore[attr-defined]
         tmp_path / "ours" / "checkpoint-3")
-    assert sorted(os.listdir(tmp_path / "ours")) == ["checkpoint-3", "checkpoint-8", "final.pt"]
+    assert sorted(os.listdir(tmp_path / "ours")) == [".snapkeep", "checkpoint-3", "checkpoint-8",
+                                                     "final.pt"]
     hf.verify_checkpoint(tmp_path / "ours" / "checkpoint-3")
 
 
@@ -141,8 +148,8 @@ def test_a_stale_checkpoint_in_a_reused_output_dir_keeps_the_new_runs_and_the_be
 
     ours = tmp_path / door
     trainer = _train(ours, *common, f"--{door}")
-    assert sorted(os.listdir(ours)) == ["checkpoint-2", "checkpoint-6", "checkpoint-700",
-                                        "checkpoint-8", "final.pt"]
+    assert sorted(os.listdir(ours)) == [".snapkeep", "checkpoint-2", "checkpoint-6",
+                                        "checkpoint-700", "checkpoint-8", "final.pt"]
     assert trainer.state.best_model_checkpoint == str(ours / "checkpoint-2")  # type: ignore
     best = torch.load(ours / "checkpoint-2" / "optimizer.pt", weights_only=True)
     assert best["state"]  # a complete checkpoint; the model loaded at the end is its weights
@@ -157,7 +164,7 @@ def test_a_stale_checkpoint_in_a_reused_output_dir_keeps_the_new_runs_and_the_be
     assert os.listdir(ours / "checkpoint-700") == ["config.json"]
 
 
-def test_a_flipped_byte_falls_back_with_a_warning(tmp_path: pathlib.Path) -> None:
+def test_a_flipped_byte_falls_back_with_a_warning(tmp_path: pathlib.Path, capfd: Any) -> None:
     for step in (2, 4):
         ckpt = tmp_path / f"checkpoint-{step}"
         ckpt.mkdir()
@@ -173,12 +180,17 @@ def test_a_flipped_byte_falls_back_with_a_warning(tmp_path: pathlib.Path) -> Non
     path.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorruptError, match="model.safetensors.*checksum"):
         hf.verify_checkpoint(tmp_path / "checkpoint-4")
-    with pytest.warns(RuntimeWarning, match=r"checkpoint-4 \(step 4\).*checksum"):
-        assert hf.latest_verified(tmp_path) == str(tmp_path / "checkpoint-2")
+    capfd.readouterr()
+    assert hf.latest_verified(tmp_path) == str(tmp_path / "checkpoint-2")
+    err = capfd.readouterr().err
+    assert f"snapkeep: resuming from checkpoint-2 (step 2) in {tmp_path}" in err
+    assert "snapkeep: skipped checkpoint-4 (step 4): " in err and "checksum" in err
     (tmp_path / "checkpoint-2" / "sub" / "a.bin").unlink()
-    with pytest.warns(RuntimeWarning) as caught:
-        assert hf.latest_verified(tmp_path) is None
-    assert [str(w.message).count("missing") for w in caught] == [0, 1]
+    assert hf.latest_verified(tmp_path) is None
+    lines = capfd.readouterr().err.splitlines()
+    assert lines[0] == f"snapkeep: no snapshot of 'checkpoint-{{step}}' in {tmp_path}, " \
+        "starting fresh"
+    assert [line.count("missing") for line in lines[1:]] == [0, 1]
 
 
 @pytest.mark.parametrize("body", [
@@ -228,7 +240,7 @@ def test_the_owned_async_save_killed_mid_save_resumes_bit_identical(
     out = _run(killed, "--owned", "--save-total-limit", "2", "--resume", "verified")
     assert f"resumed-from {killed / 'checkpoint-4'}" in out
     assert_identical(_final(killed), _final(tmp_path / "reference"))
-    assert sorted(os.listdir(killed)) == ["checkpoint-6", "checkpoint-8", "final.pt"]
+    assert sorted(os.listdir(killed)) == [".snapkeep", "checkpoint-6", "checkpoint-8", "final.pt"]
     for step in (6, 8):
         hf.verify_checkpoint(killed / f"checkpoint-{step}")
 
@@ -256,6 +268,38 @@ def test_a_failed_background_save_is_raised_once_at_the_next_save(
         trainer.train()
     assert isinstance(caught.value.__cause__, OSError)
     assert trainer.state.global_step == 6  # raised by the save of step 6, which did not run
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "checkpoint-2"]
     hf.verify_checkpoint(tmp_path / "checkpoint-2")
     trainer.wait_for_checkpoint()  # raised once: nothing left to raise
+
+
+def test_preemption_commits_the_step_says_preempted_exits_143_and_the_rerun_is_identical(
+        tmp_path: pathlib.Path) -> None:
+    """``SnapkeepCallback(preemption=True)`` with the owned save: a real SIGTERM to this
+    process after step 3 is agreed at that step's end, checkpoint-3 is saved and committed,
+    the status says ``preempted`` and ``train()`` raises ``SystemExit(143)``; the rerun from it
+    (``latest_verified``) ends bit-identical to an uninterrupted run."""
+    import framework_doors
+    from transformers import TrainerCallback
+
+    import snapkeep
+
+    class SignalAt3(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # recorded by snapkeep's handler
+
+    with pytest.raises(SystemExit) as exited:
+        framework_doors.train_hf(tmp_path, 8, every=100, preemption=True,
+                                 callbacks=(SignalAt3(),))
+    assert exited.value.code == 143
+    assert sorted(os.listdir(tmp_path)) == [".snapkeep", "checkpoint-3"]
+    hf.verify_checkpoint(tmp_path / "checkpoint-3")
+    status = snapkeep.store.run_status(str(tmp_path))
+    assert status is not None and status.state == "preempted" and status.step == 3
+    assert status.snapshots == ("checkpoint-3",) and status.reason == "signal SIGTERM"
+    resumed = framework_doors.train_hf(tmp_path, 8, every=100)
+    reference = framework_doors.train_hf(tmp_path / "straight", 8, every=100)
+    assert torch.equal(resumed.weight, reference.weight)
+    assert torch.equal(resumed.bias, reference.bias)
+

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from framework_doors import HFDoor, LightningDoor
 
 import snapkeep
 from snapkeep.cli import cli
@@ -148,7 +149,7 @@ class ExtensionDoor(Door):
         "manager.start_extensions()\n")
 
 
-DOORS = [CheckpointerDoor(), ShardedCheckpointerDoor(), ExtensionDoor()]
+DOORS = [CheckpointerDoor(), ShardedCheckpointerDoor(), ExtensionDoor(), LightningDoor(), HFDoor()]
 
 
 @pytest.fixture(params=DOORS, ids=lambda d: d.name)

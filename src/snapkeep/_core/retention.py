@@ -180,3 +180,26 @@ def plan_deletions(
     if doomed:
         check_metrics(policy, ordered)
     return doomed
+
+
+def keep_policy(keep: object) -> RetentionPolicy | None:
+    """A door's ``keep`` argument as a policy: an int N keeps the newest N by step (Orbax's
+    ``max_to_keep``, ppe's ``n_retains``), a policy is itself, ``None`` keeps everything.
+
+    Raises:
+        TypeError: ``keep`` is none of these (a bool included).
+        ValueError: an int below 1.
+    """
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not (isinstance(keep, int) or callable(getattr(keep, "select",
+                                                                                None))):
+        raise TypeError(f"keep must be an int >= 1, a policy from snapkeep.retention, or None, "
+                        f"got {keep!r}")
+    if isinstance(keep, int):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 (None keeps all), got {keep}")
+        return KeepLatest(keep)
+    policy: RetentionPolicy = keep  # type: ignore[assignment]
+    return policy
+

@@ -57,7 +57,7 @@ from snapkeep._core.retention import RetentionPolicy
 from snapkeep._core.retention_check import MetricCheck
 from snapkeep._core.run_control import RunControl
 from snapkeep._core.store import Entry, Retain, SnapshotStore
-from snapkeep._core.store_kinds import StoreKind
+from snapkeep._core.store_kinds import StoreKind, newest_valid
 from snapkeep._core.structure import describe
 
 logger = logging.getLogger(__name__)
@@ -379,6 +379,45 @@ class Session:
         self.lineage.adopt(store, entries or [entry], entry)
         announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
                  quiet=self.quiet, rank=rank)
+        return entry
+
+    def choose(self, check: Callable[[Any], Any], *, candidates: list[Any] | None = None,
+               required: bool = False) -> Any:
+        """Resume for a kind whose door loads the snapshot itself (the Hugging Face Trainer
+        reads its ``checkpoint-N`` directories): the newest candidate ``check`` accepts
+        (:func:`~snapkeep._core.store_kinds.newest_valid`: a ``SnapshotCorruptError`` skips to
+        the next older one), said on stderr as :meth:`resume` says it (rank 0, unless
+        ``quiet``), its lineage continued (the run id its manifest or marker records).
+
+        Args:
+            check: ``check(entry)`` verifies one candidate, or raises.
+            candidates: the snapshots to consider (default: the store's listing).
+            required: raise when snapshots exist but none is valid (default: None, a fresh
+                start, each skipped one named on stderr).
+
+        Returns:
+            The entry chosen, or None.
+
+        Raises:
+            NoValidSnapshotError: with ``required``, none is valid (each reason listed).
+            UnsafeSnapshotError, SnapshotStorageError: as raised by ``check``.
+        """
+        store = self.store
+        entries = store.entries() if candidates is None else candidates
+        skipped: list[Skipped] = []
+        found = newest_valid(entries, check, what=f"{self.shown_template!r} in "
+                             f"{store.directory!r}", required=required,
+                             skipped=lambda e, error: skipped.append(
+                                 Skipped(name=e.name, step=e.step, reason=str(error))))
+        notice = ResumeNotice(directory=store.directory, template=self.shown_template,
+                              skipped=tuple(skipped))
+        if found is None:
+            announce(notice, quiet=self.quiet)
+            return None
+        entry = found[0]
+        self.lineage.continue_run(getattr(store.manifest(entry), "run_id", None))
+        announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step),
+                 quiet=self.quiet)
         return entry
 
     def resume_sharded(
