@@ -180,7 +180,8 @@ class Session:
             raise TypeError(f"{self!r}: resume() is for single-file stores; sharded snapshots "
                             "resume through their cross-rank agreement")
         candidates = store.entries() if candidates is None else candidates
-        notice = ResumeNotice(directory=store.storage.url(store.directory), template=self.shown_template)
+        notice = ResumeNotice(directory=store.storage.url(store.directory),
+                              template=self.shown_template)
         if not candidates:
             announce(notice, quiet=self.quiet)
             return None
@@ -284,8 +285,8 @@ class Session:
 
         chosen = agree_on_resume(control, [(e.key, e.name) for e in entries], check, what=what,
                                  timeout_s=timeout_s, on_skip=on_skip)
-        notice = ResumeNotice(directory=store.storage.url(store.directory), template=self.shown_template,
-                              skipped=tuple(skipped))
+        notice = ResumeNotice(directory=store.storage.url(store.directory),
+                              template=self.shown_template, skipped=tuple(skipped))
         if chosen is None:
             announce(notice, quiet=self.quiet, rank=rank)
             return None

@@ -190,8 +190,8 @@ class _DistributedSnapshot(SnapshotExtension):
 
         chosen = agree_on_resume(group, [(e.key, e.name) for e in entries], check, what=what,
                                  timeout_s=timeout_s, required=rank == saver, on_skip=on_skip)
-        notice = ResumeNotice(directory=store.storage.url(store.directory), template=str(store.template.template),
-                              skipped=tuple(skipped))
+        notice = ResumeNotice(directory=store.storage.url(store.directory),
+                              template=str(store.template.template), skipped=tuple(skipped))
         if chosen is None:
             announce(notice, quiet=self._quiet, rank=rank)
             return None
