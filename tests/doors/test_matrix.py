@@ -518,10 +518,11 @@ def test_the_reading_doors_agree_with_the_training_door(door: Door, place: Place
 def test_unreadable_metadata_every_reading_door_falls_back_the_same_way(
         door: Door, place: Place, capfd: Any) -> None:
     """The newest snapshot's metadata is unreadable (every byte flipped, the size kept): a
-    sharded snapshot's DCP ``.metadata``, a single file's manifest (not JSON then). Every reading door -- the training door,
-    ``load_latest`` and ``snapkeep verify`` -- makes the same choice: a sharded snapshot is
-    skipped (the one before is resumed, said on stderr); a single file without a readable
-    manifest is unverified, loaded completely, as a snapshot without manifest (ppe's) is.
+    sharded snapshot's DCP ``.metadata``, a single file's manifest (not JSON then). Every
+    reading door -- the training door, ``load_latest`` and ``snapkeep verify`` -- makes the
+    same choice: a sharded snapshot is skipped (the one before is resumed, said on stderr); a
+    single file without a readable manifest is unverified, loaded completely, as a snapshot
+    without manifest (ppe's) is.
     (Before: ``load_latest`` skipped the sharded one while ``Checkpointer(sharded=True).load``
     raised RankFailedError.)"""
     metadata_file = getattr(door, "metadata_file", None)
