@@ -1,14 +1,16 @@
-"""One door's training loop for the matrix's subprocess scenarios (kill -9 and a rerun; exit
-without close): a shuffled ``DataLoader`` over a small dataset on the global RNG, dropout (a
-torch RNG draw at every step), Adam, a snapshot at every step through the door.
+"""One door's training loop for the matrix's subprocess scenario (exit without close, kill -9,
+rerun): a shuffled ``DataLoader`` over a small dataset on the global RNG, dropout (a torch RNG
+draw at every step), Adam, a snapshot at every step through the door.
 
 Usage: ``python matrix_worker.py DOOR DIR STEPS [EXIT_AT]`` with ``DOOR`` one of
-``checkpointer``, ``checkpointer-sharded``, ``extension``; ``DIR`` a path or fsspec URL (storage
-options as JSON in ``SNAPKEEP_TEST_STORAGE_OPTIONS``). It prints ``step N DIGEST`` after each
-step's save (``DIGEST``: the batch's bytes and the dropout mask, so the data position and the
-random stream are compared step by step), and at the end writes ``final.pt`` (model, optimizer,
-torch RNG state) into the working directory. With ``EXIT_AT``, the process ends after that
-step's save without calling ``close``/``finalize`` (the interpreter's exit drain commits).
+``checkpointer``, ``checkpointer-sharded``, ``extension``, ``extension-sharded``; ``DIR`` a
+path or fsspec URL (storage options as JSON in ``SNAPKEEP_TEST_STORAGE_OPTIONS``). It prints
+``step N DIGEST`` after each step's save (``DIGEST``: the batch's bytes and the dropout mask,
+so the data position and the random stream are compared step by step), and at the end writes
+``final.pt`` (model, optimizer, torch RNG state) into the working directory. With ``EXIT_AT``,
+the process ends after that step's save without calling ``close``/``finalize`` (the
+interpreter's exit drain commits). The matrix runs it forked from a zygote
+(tests/support/zygote.py); ``python matrix_worker.py ...`` runs it the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 import snapkeep
 
-EPOCHS, BATCH, SAMPLES = 3, 4, 24  # 6 batches an epoch, 18 steps
+BATCH, SAMPLES = 4, 24  # 6 batches an epoch
 
 
 def _setup() -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:
@@ -76,8 +78,8 @@ def checkpointer(directory: str, steps: int, exit_at: int, options: dict[str, An
     return model, optimizer
 
 
-def extension(directory: str, steps: int, exit_at: int,
-              options: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def extension(directory: str, steps: int, exit_at: int, options: dict[str, Any],
+              sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from snapkeep.training import ExtensionsManager, extensions
     from snapkeep.writing import ThreadWriter
 
@@ -86,8 +88,9 @@ def extension(directory: str, steps: int, exit_at: int,
     manager = ExtensionsManager(model, optimizer, steps // len(loader),
                                 iters_per_epoch=len(loader),
                                 writer=ThreadWriter(out_dir=directory, storage_options=options))
-    manager.extend(extensions.snapshot(autoload=True, loaders={"train": loader}),
-                   trigger=(1, "iteration"))
+    mode = extensions.SnapshotMode.SHARDED if sharded else extensions.SnapshotMode.DEFAULT
+    manager.extend(extensions.snapshot(autoload=True, loaders={"train": loader},
+                                       snapshot_mode=mode), trigger=(1, "iteration"))
     while not manager.stop_trigger:
         for x, y in loader:
             with manager.run_iteration():
@@ -103,8 +106,9 @@ def main() -> None:
     door, directory, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     exit_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
     options = json.loads(os.environ.get("SNAPKEEP_TEST_STORAGE_OPTIONS", "{}"))
-    if door == "extension":
-        model, optimizer = extension(directory, steps, exit_at, options)
+    if door in ("extension", "extension-sharded"):
+        model, optimizer = extension(directory, steps, exit_at, options,
+                                     sharded=door == "extension-sharded")
     elif door in ("checkpointer", "checkpointer-sharded"):
         model, optimizer = checkpointer(directory, steps, exit_at, options,
                                         sharded=door == "checkpointer-sharded")

@@ -48,11 +48,13 @@ from snapkeep.retention import KeepBest, KeepLatest, RetentionPolicy
 from snapkeep.training import ExtensionsManager, extensions
 from snapkeep.writing import ThreadWriter
 from support import killing
+from support.leak_check import LONG_LIVED_PIDS
 from support.storage_backends import BUCKET, cli_flags, s3_options
+from support.zygote import Zygote
 
 X = torch.linspace(-1, 1, 24).reshape(6, 4)
 WORKER = pathlib.Path(__file__).with_name("matrix_worker.py")
-WORKER_STEPS = 18  # the worker's 3 epochs of 6 batches
+WORKER_STEPS = 12  # the worker's 2 epochs of 6 batches
 ON_ERROR = ".on-error"
 
 
@@ -282,6 +284,7 @@ class ShardedCheckpointerDoor(CheckpointerDoor):
 
 class ExtensionDoor(Door):
     name = "extension"
+    mode = extensions.SnapshotMode.DEFAULT
     storages = frozenset({"local", "memory", "s3"})
     on_error_snapshots = True
     memory_tier = True
@@ -308,7 +311,7 @@ class ExtensionDoor(Door):
                                     writer=ThreadWriter(out_dir=str(directory),
                                                         storage_options=storage_options))
         manager.extend(extensions.snapshot(autoload=True, retention=keep,
-                                           snapshot_on_error=True),
+                                           snapshot_on_error=True, snapshot_mode=self.mode),
                        trigger=(every, "iteration"))
         if memory is not None:
             manager.extend(extensions.memory_tier(memory))
@@ -339,7 +342,21 @@ class ExtensionDoor(Door):
                 *([str(exit_at)] if exit_at is not None else [])]
 
 
-DOORS = [CheckpointerDoor(), ShardedCheckpointerDoor(), ExtensionDoor()]
+class ShardedExtensionDoor(ExtensionDoor):
+    """ppe's ``snapshot(snapshot_mode=SHARDED)`` (one process: plain DCP files)."""
+
+    name = "extension-sharded"
+    sharded = True
+    mode = extensions.SnapshotMode.SHARDED
+    hold_code = ExtensionDoor.hold_code.replace(
+        "extensions.snapshot(autoload=True)",
+        "extensions.snapshot(autoload=True, snapshot_mode=extensions.SnapshotMode.SHARDED)")
+
+    def metadata_file(self, name: str) -> tuple[str, bool] | None:
+        return f"{name}/.metadata", True
+
+
+DOORS = [CheckpointerDoor(), ShardedCheckpointerDoor(), ExtensionDoor(), ShardedExtensionDoor()]
 
 
 def capability(door: Any, name: str) -> Any:
@@ -621,35 +638,61 @@ def test_a_failing_restore_names_the_snapshot_and_step_and_loads_nothing(
 # -- kill -9 and exit without close: the door's worker in a subprocess ---------------------------
 
 
-def _run(command: list[str], place: Place, cwd: pathlib.Path, *,
-         kill_at: int | None = None) -> tuple[int, list[tuple[int, str]], str]:
-    """Run a worker in ``cwd``; with ``kill_at``, SIGKILL it as soon as it reports that step.
-    Returns its exit status, its ``(step, digest)`` lines and its stderr."""
-    cwd.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(command, cwd=cwd, env=place.env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    steps: list[tuple[int, str]] = []
+#: What the zygote imports once (each worker it forks starts with them imported).
+PRELOAD = ["torch", "snapkeep", "snapkeep.training", "snapkeep.sharded_checkpoint",
+           "torchdata.stateful_dataloader", "s3fs"]
+
+
+@pytest.fixture(scope="session")
+def zygote() -> Iterator[Zygote]:
+    """The session's worker zygote (tests/support/zygote.py): a worker run costs its own steps,
+    not an interpreter start and torch's import (~3 s each on 2 busy cores)."""
+    forks = Zygote(PRELOAD, killing.env())
+    LONG_LIVED_PIDS.add(forks.process.pid)  # outlives the test that starts it
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        yield forks
+    finally:
+        forks.stop()
+
+
+def _run(zygote: Zygote, command: list[str], place: Place, cwd: pathlib.Path, *,
+         kill_at: int | None = None) -> tuple[int, list[tuple[int, str]], str]:
+    """Run a worker (``command``: ``[sys.executable, script, *argv]``) in ``cwd``, forked by
+    the zygote; with ``kill_at``, SIGKILL it as soon as it reports that step. Returns its exit
+    status, its ``(step, digest)`` lines and its stderr."""
+    assert command[0] == sys.executable, command
+    cwd.mkdir(parents=True, exist_ok=True)
+    run = uuid.uuid4().hex[:8]
+    fifo, stderr = cwd / f"stdout-{run}.fifo", cwd / f"stderr-{run}.txt"
+    pid, lines = zygote.run(command[1], command[2:], cwd=str(cwd), env=place.env(),
+                            fifo=str(fifo), stderr=str(stderr))
+    steps: list[tuple[int, str]] = []
+    code: int | None = None
+    try:
+        for line in lines:
             if line.startswith("step "):
                 _, step, digest = line.split()
                 steps.append((int(step), digest))
                 if kill_at is not None and int(step) >= kill_at:
-                    os.kill(proc.pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                     break
-        _, err = proc.communicate(timeout=killing.BOUND_S)
+        lines.close()
+        code = zygote.wait(pid)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return proc.returncode, steps, err
+        if code is None:  # the test failed while the worker ran
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            zygote.wait(pid)
+        fifo.unlink()
+    err = stderr.read_text()
+    stderr.unlink()
+    return code, steps, err
 
 
 _REFERENCES: dict[str, tuple[list[tuple[int, str]], dict[str, Any]]] = {}
 
 
-def _reference(door: Door, tmp_path_factory: pytest.TempPathFactory,
+def _reference(door: Door, zygote: Zygote, tmp_path_factory: pytest.TempPathFactory,
                ) -> tuple[list[tuple[int, str]], dict[str, Any]]:
     """The uninterrupted worker run of ``door`` (on local storage; once per session): its step
     lines and final state."""
@@ -657,7 +700,7 @@ def _reference(door: Door, tmp_path_factory: pytest.TempPathFactory,
         cwd = tmp_path_factory.mktemp(f"reference-{door.name}")
         command = capability(door, "worker_command")(str(cwd / "ckpt"), WORKER_STEPS, None)
         assert command is not None
-        code, steps, err = _run(command, Place("local", cwd / "ckpt"), cwd)
+        code, steps, err = _run(zygote, command, Place("local", cwd / "ckpt"), cwd)
         assert code == 0, err[-3000:]
         assert [s for s, _ in steps] == list(range(1, WORKER_STEPS + 1))
         _REFERENCES[door.name] = (steps, killing.final_state(cwd))
@@ -674,14 +717,13 @@ def _resumed_step(err: str, door: Door) -> int:
     return int(lines[0].split("(step ")[1].split(")")[0])
 
 
-#: Doors x storages the subprocess scenario runs on S3 (each run is a new interpreter: ~3 s):
-#: the sharded kind (DCP's files, the marker written last); the single-file doors commit by the
-#: same one PUT, which the single-file Checkpointer row checks.
+#: The doors whose subprocess scenario also runs on S3: the sharded kind (DCP's files, the
+#: marker written last) and one single-file door (the extension commits by the same one PUT).
 S3_WORKERS = {"checkpointer", "checkpointer-sharded"}
 
 
 def test_exit_without_close_then_kill_9_then_rerun_ends_bit_identical(
-        door: Door, place: Place, tmp_path: pathlib.Path,
+        door: Door, place: Place, tmp_path: pathlib.Path, zygote: Zygote,
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """Three runs of the same command, one after another:
 
@@ -703,7 +745,7 @@ def test_exit_without_close_then_kill_9_then_rerun_ends_bit_identical(
                     "same single-file commit as this door's)")
     seed = random.randrange(2 ** 32)
     chosen = random.Random(seed)
-    exit_at = chosen.randrange(2, 8)
+    exit_at = chosen.randrange(2, 6)
     kill_at = chosen.randrange(exit_at + 2, WORKER_STEPS - 1)
     where = f"seed {seed}: exit at {exit_at}, kill at {kill_at}"
     worker_command = getattr(door, "worker_command", None)
@@ -711,10 +753,10 @@ def test_exit_without_close_then_kill_9_then_rerun_ends_bit_identical(
         pytest.skip(f"the {door.name} door has no worker script")
     command = worker_command(str(place.directory), WORKER_STEPS, exit_at)
     rerun = worker_command(str(place.directory), WORKER_STEPS, None)
-    expected, final = _reference(door, tmp_path_factory)
+    expected, final = _reference(door, zygote, tmp_path_factory)
     cwd = tmp_path / "run"
 
-    code, steps, err = _run(command, place, cwd)
+    code, steps, err = _run(zygote, command, place, cwd)
     assert code == 0 and steps == expected[:exit_at], f"{where}\n{err[-3000:]}"
     assert _snapshots(place, door)[-1] == door.snapshot_name(exit_at), where
     result = place.cli("verify")
@@ -722,12 +764,12 @@ def test_exit_without_close_then_kill_9_then_rerun_ends_bit_identical(
         f"{door.snapshot_name(exit_at)}" in result.output, result.output
     assert place.temps() == [], where
 
-    code, steps, err = _run(rerun, place, cwd, kill_at=kill_at)
+    code, steps, err = _run(zygote, rerun, place, cwd, kill_at=kill_at)
     assert code == -signal.SIGKILL, f"{where}: not killed\n{err[-3000:]}"
     assert _resumed_step(err, door) == exit_at, where
     assert steps == expected[exit_at:kill_at], where
 
-    code, steps, err = _run(rerun, place, cwd)
+    code, steps, err = _run(zygote, rerun, place, cwd)
     assert code == 0, f"{where}\n{err[-3000:]}"
     resumed = _resumed_step(err, door)
     assert exit_at <= resumed <= kill_at, f"{where}: resumed at {resumed}"
