@@ -30,7 +30,6 @@ import pathlib
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -472,30 +471,32 @@ def test_a_misspelled_keep_best_metric_is_refused_before_anything_is_deleted(
     assert set(before) <= set(after)  # nothing of the earlier run deleted
 
 
-def test_a_second_trainer_and_a_prune_are_refused_while_one_runs(door: Door,
-                                                                 place: Place) -> None:
+def test_a_second_trainer_and_a_prune_are_refused_while_one_runs(
+        door: Door, place: Place, zygote: Zygote, tmp_path: pathlib.Path) -> None:
     """A live trainer (another process) holds the directory: a second trainer gets
     StoreLockedError and ``snapkeep prune --yes`` refuses naming it, deleting nothing (before:
-    prune deleted snapshots under the live trainer)."""
+    prune deleted snapshots under the live trainer). Once it is gone (SIGKILL: the lock dies
+    with it), both go ahead."""
     _local_only(place, NO_LOCK)
     assert isinstance(place.directory, pathlib.Path)
     train(door, place, 3)
-    code = f"DIR = {str(place.directory)!r}\n{door.hold_code}print('READY', flush=True)\n" \
-           "import sys\nsys.stdin.read()\n"
-    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=killing.env())
+    script = tmp_path / "holder.py"
+    script.write_text(f"DIR = {str(place.directory)!r}\n{door.hold_code}"
+                      "print('READY', flush=True)\nimport signal\nsignal.pause()\n")
+    pid, lines = zygote.run(str(script), [], cwd=str(tmp_path), env=killing.env(),
+                            fifo=str(tmp_path / "holder.fifo"), stderr=str(tmp_path / "err"))
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "READY"
-        with pytest.raises(StoreLockedError, match=f"pid {holder.pid}"):
+        assert next(lines).strip() == "READY", (tmp_path / "err").read_text()
+        with pytest.raises(StoreLockedError, match=f"pid {pid}"):
             train(door, place, 4)
         if not door.sharded:  # (snapkeep prune deletes single files only)
             result = place.cli("prune", "--keep-latest", "1", "--yes")
-            assert result.exit_code == 1 and f"pid {holder.pid}" in result.output, result.output
+            assert result.exit_code == 1 and f"pid {pid}" in result.output, result.output
         assert _snapshots(place, door) == [door.snapshot_name(s) for s in (1, 2, 3)]
     finally:
-        assert holder.stdin is not None
-        holder.stdin.close()
-        holder.wait(timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        lines.close()
+        assert zygote.wait(pid) == -signal.SIGKILL
     if door.sharded:
         return
     result = place.cli("prune", "--keep-latest", "1", "--yes")
