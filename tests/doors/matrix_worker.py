@@ -25,7 +25,7 @@ import torch
 
 import snapkeep
 
-BATCH, SAMPLES = 4, 24  # 6 batches an epoch
+BATCH, SAMPLES = 6, 24  # 4 batches an epoch
 
 
 def _setup() -> tuple[Any, torch.nn.Module, torch.optim.Optimizer]:

@@ -53,7 +53,7 @@ from support.zygote import Zygote
 
 X = torch.linspace(-1, 1, 24).reshape(6, 4)
 WORKER = pathlib.Path(__file__).with_name("matrix_worker.py")
-WORKER_STEPS = 12  # the worker's 2 epochs of 6 batches
+WORKER_STEPS = 8  # the worker's 2 epochs of 4 batches
 ON_ERROR = ".on-error"
 
 
@@ -746,7 +746,7 @@ def test_exit_without_close_then_kill_9_then_rerun_ends_bit_identical(
                     "same single-file commit as this door's)")
     seed = random.randrange(2 ** 32)
     chosen = random.Random(seed)
-    exit_at = chosen.randrange(2, 6)
+    exit_at = chosen.randrange(1, 4)
     kill_at = chosen.randrange(exit_at + 2, WORKER_STEPS - 1)
     where = f"seed {seed}: exit at {exit_at}, kill at {kill_at}"
     worker_command = getattr(door, "worker_command", None)

@@ -6,9 +6,11 @@ several times (a run, a SIGKILL, a rerun) pays the interpreter's start-up and to
 Each worker is a real process of its own: forked from the zygote before it did anything but
 import, it runs the script as ``__main__`` with the given argv, working directory and
 environment, its stdout written to a FIFO the test reads line by line (to SIGKILL it right after
-a line) and its stderr to a file; it ends through the interpreter's normal exit (``atexit``
-handlers, snapkeep's exit drain included) or by a signal. The zygote reaps it and reports its
-exit status as ``subprocess`` does (``-9`` for SIGKILL).
+a line) and its stderr to a file. It ends as the interpreter's exit does, in its order (the
+non-daemon threads waited for and the threading atexit hooks run, snapkeep's exit drain among
+them; then the ``atexit`` handlers; stdio flushed), skipping only the module teardown after
+that (seconds of torch's), or by a signal. The zygote reaps it and reports its exit status as
+``subprocess`` does (``-9`` for SIGKILL).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 #: The zygote's program: import, say READY, then serve one JSON request per stdin line.
 _SERVER = r'''
-import importlib, json, os, runpy, signal, sys, threading, traceback
+import atexit, importlib, json, os, runpy, sys, threading, traceback
 for name in sys.argv[1:]:
     importlib.import_module(name)
 if threading.active_count() != 1:  # forking a process with threads is unsafe
@@ -51,14 +53,24 @@ for line in sys.stdin:
     os.environ.update(request["env"])
     sys.argv = [request["script"], *request["argv"]]
     sys.path[0] = os.path.dirname(request["script"])
+    code = 0
     try:
         runpy.run_path(request["script"], run_name="__main__")
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:
         traceback.print_exc()
-        sys.exit(1)
-    sys.exit(0)
+        code = 1
+    # the interpreter's exit, in its order: wait for the non-daemon threads and run the
+    # threading atexit hooks (snapkeep's exit drain), run the atexit handlers, flush; then
+    # skip the module teardown (a second or more of torch's; nothing of the worker's)
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 '''
 
 
