@@ -28,6 +28,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import shutil
 import signal
 import sys
@@ -42,7 +43,7 @@ from click.testing import CliRunner
 import snapkeep
 from snapkeep._core.storage import TEMP_MARKER, Storage, resolve_storage
 from snapkeep.cli import cli
-from snapkeep.errors import SnapshotSaveError, StateMismatchError, StoreLockedError
+from snapkeep.errors import SnapshotError, StateMismatchError, StoreLockedError
 from snapkeep.retention import KeepBest, KeepLatest, RetentionPolicy
 from snapkeep.training import ExtensionsManager, extensions
 from snapkeep.writing import ThreadWriter
@@ -136,6 +137,9 @@ class Place:
         if self.kind == "local":
             fs.makedirs(os.path.dirname(path), exist_ok=True)
         fs.pipe_file(path, data)
+
+    def remove(self, name: str) -> None:
+        self._fs().rm(self._path(name), recursive=True)
 
     def corrupt(self, name: str) -> str:
         """Flip one byte in the middle of snapshot ``name`` (its largest file for a directory);
@@ -599,27 +603,28 @@ def test_an_on_error_snapshot_is_named_as_such_never_resumed_nor_deleted(
     assert result.exit_code == 0 and door.snapshot_name(6) in result.output, result.output
 
 
-def test_a_failing_save_names_the_snapshot_and_step(door: Door, place: Place) -> None:
-    """A directory squats at the name the step-3 snapshot commits to: the save fails, its
-    error names the snapshot and the step, the earlier snapshots are intact and the rerun
-    (the squatter gone) resumes from the newest of them."""
-    _local_only(place, "a name held by a directory blocks a commit only on a local file system "
-                "(object stores have no directories)")
-    if door.sharded:
-        pytest.skip("a sharded snapshot is a directory: a squatter without marker is swept "
-                    "at open as an interrupted save, the save then succeeds")
-    train(door, place, 2)
-    assert isinstance(place.directory, pathlib.Path)
-    squatter = place.directory / door.snapshot_name(3)
-    (squatter / "x").mkdir(parents=True)
-    with pytest.raises(SnapshotSaveError) as raised:
-        train(door, place, 4)
-    assert f"{door.snapshot_name(3)}' (step 3) failed" in str(raised.value), raised.value
+def test_a_failing_save_names_the_snapshot_and_step_and_keeps_foreign_files(
+        door: Door, place: Place) -> None:
+    """A user's directory (a file in it) sits at the name the step-3 snapshot commits to: the
+    save fails, its error names the snapshot and the step, the directory and its file are left
+    as they were, the earlier snapshots are intact, and the rerun (the directory moved away)
+    resumes from the newest of them. (Before, a sharded door wrote its shards into the user's
+    directory, committed it, and retention later deleted it with the user's file.)"""
+    if not door.sharded:
+        _local_only(place, "a name held by a directory blocks a single file's commit only on a "
+                    "local file system (object stores have no directories)")
+    train(door, place, 2, keep=KeepLatest(2))
+    squatter = door.snapshot_name(3)
+    place.write(f"{squatter}/notes.txt", b"the user's")
+    with pytest.raises(SnapshotError) as raised:
+        train(door, place, 5, keep=KeepLatest(2))
+    assert re.search(rf"{re.escape(squatter)}'? \(step 3\)", str(raised.value)), raised.value
+    assert place.read(f"{squatter}/notes.txt") == b"the user's"
+    assert place.names(squatter) == ["notes.txt"]
     assert _snapshots(place, door)[:2] == [door.snapshot_name(1), door.snapshot_name(2)]
-    (squatter / "x").rmdir()
-    squatter.rmdir()
-    train(door, place, 4)
-    assert _snapshots(place, door) == [door.snapshot_name(s) for s in (1, 2, 3, 4)]
+    place.remove(squatter)
+    train(door, place, 5, keep=KeepLatest(2))
+    assert _snapshots(place, door) == [door.snapshot_name(4), door.snapshot_name(5)]
 
 
 def test_a_failing_restore_names_the_snapshot_and_step_and_loads_nothing(

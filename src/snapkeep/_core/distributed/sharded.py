@@ -266,6 +266,7 @@ class ShardedSaver(DrainedAtExit):
         error: BaseException | None = staging_error
         if error is None and self.rank == 0:
             try:
+                store.claim(path, job.step)  # not a foreign directory named like it
                 store.remove_marker(path)
                 store.mark_in_progress(path, tag=f"r{self.rank}")  # before any shard
             except OSError as e:
