@@ -15,6 +15,7 @@ import torch
 from snapkeep._core.shm import ARENA_PREFIX
 from snapkeep._core.storage import TEMP_MARKER
 from support.leak_check import LONG_LIVED_PIDS
+from support.storage_backends import BUCKET, MotoServer, s3_options, start_moto_server
 
 #: How long a test's child processes may take to exit after it returns (a worker finishing its
 #: shutdown), in seconds; polled, never slept through.
@@ -144,3 +145,21 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model(torch.randn(3, 8)).sum().backward()
     optimizer.step()
     return model, optimizer
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    """moto's S3 server (a separate process on 127.0.0.1) with the bucket ``BUCKET``, one for
+    the whole session (the storage contract suite and the door matrix share it)."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    server = start_moto_server()
+    LONG_LIVED_PIDS.add(server.process.pid)  # outlives the test that starts it
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_options(server.endpoint))
+        fs.mkdir(BUCKET)
+        yield server
+    finally:
+        server.stop()

@@ -34,6 +34,7 @@ from snapkeep.errors import (
 from snapkeep.store import (
     DECODE_ERRORS,
     MANIFEST_DIR,
+    ON_ERROR_SUFFIX,
     CheckpointDirs,
     CheckpointMarker,
     Entry,
@@ -341,6 +342,8 @@ def _sharded_templates(storage: Storage, directory: str, found: list[str]) -> No
     except (OSError, ValueError):
         return
     for name in children[:1000]:
+        if name.endswith(ON_ERROR_SUFFIX):  # kept for inspection: not a template of its own
+            continue
         child = storage.join(directory, name)
         marker = storage.join(child, MARKER_NAME)
         try:
@@ -364,7 +367,9 @@ def recorded_templates(storage: Storage, directory: str) -> list[str]:
     snapshot directories), for ``ls`` on a directory of another template and the CLI's default
     template: a manifest's ``template`` field when it has one, else its name with the recorded
     step replaced by ``{.iteration}`` (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``), or,
-    without a recorded step, its last number (``iter_7`` -> ``iter_{.iteration}``)."""
+    without a recorded step, its last number (``iter_7`` -> ``iter_{.iteration}``). On-error
+    snapshots (``<name>.on-error``, kept for inspection) are not a template of their own: a
+    Checkpointer directory holding one still needs no ``-t``."""
     manifest_dir = storage.join(directory, MANIFEST_DIR)
     found: list[str] = []
     try:
@@ -379,6 +384,8 @@ def recorded_templates(storage: Storage, directory: str) -> list[str]:
         try:
             manifest = Manifest.from_bytes(storage.read_bytes(path))
         except (ValueError, UnicodeDecodeError, TypeError):
+            continue
+        if manifest.name.endswith(ON_ERROR_SUFFIX):
             continue
         template = getattr(manifest, "template", None)
         if not isinstance(template, str):  # no step recorded (ppe's snapshot with a snapkeep

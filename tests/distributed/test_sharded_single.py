@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
 
 from snapkeep import writing
 from snapkeep._core.distributed.agreement import agree_on_resume, exchange_outcomes
+from snapkeep._core.storage._temps import TEMP_MARKER, base36, temp_basename
 from snapkeep.errors import NoCommonSnapshotError, RankFailedError
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
@@ -166,3 +168,31 @@ def test_an_optimizer_is_saved_with_the_module_it_steps(tmp_path) -> None:
         with pytest.raises(ValueError, match=r"state\['opt'\] optimizes no parameter of the "
                                              r"modules in state \['model'\]"):
             ckpt.save(1, {"model": first, "opt": optimizer})
+
+
+@pytest.mark.parametrize("left", ["empty", "mark-temp", "user-file"])
+def test_a_save_writes_again_only_a_directory_of_its_own(tmp_path, left) -> None:
+    """A directory at the next snapshot's name: one a save killed before its in-progress mark
+    left (empty, or only the mark's temp file, which the start-up sweep removes) is written and
+    committed; a user's directory (a file of theirs in it) is refused naming it, untouched."""
+    _train(str(tmp_path), 2)
+    squatter = tmp_path / "snapshot_iter_3"
+    squatter.mkdir()
+    if left == "mark-temp":  # the temp of a writer that is gone (pid of an ended process)
+        ended = subprocess.Popen(["true"])
+        ended.wait()
+        host, _, token = temp_basename(".snapkeep-in-progress").rsplit(TEMP_MARKER, 1)[1] \
+            .split(".")
+        (squatter / f"..snapkeep-in-progress{TEMP_MARKER}{host}.{base36(ended.pid)}.{token}"
+         ).write_bytes(b"")
+    elif left == "user-file":
+        (squatter / "notes.txt").write_text("the user's")
+    if left != "user-file":
+        _train(str(tmp_path), 3)
+        assert (squatter / MARKER).is_file()
+        return
+    with pytest.raises(RankFailedError, match="snapshot_iter_3 exists and is not a snapkeep "
+                       "snapshot directory") as raised:
+        _train(str(tmp_path), 3)
+    assert "step 3" in str(raised.value)
+    assert sorted(os.listdir(squatter)) == ["notes.txt"]

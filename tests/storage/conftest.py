@@ -1,7 +1,8 @@
 """Backends for the storage contract suite: local, memory:// and a real S3-API server.
 
 The S3 server is moto's server mode, started as a separate process on 127.0.0.1 (a free port,
-waited on until it answers, stopped at the end of the session). s3fs talks to it over HTTP with
+waited on until it answers, stopped at the end of the session: the ``moto_server``
+fixture of tests/conftest.py, shared with the door matrix). s3fs talks to it over HTTP with
 dummy credentials passed through ``storage_options`` -- nothing is mocked inside the client and
 no AWS_* variable is set for other tests.
 """
@@ -14,24 +15,7 @@ from typing import Any
 
 import pytest
 
-from support.leak_check import LONG_LIVED_PIDS
-from support.storage_backends import BUCKET, Backend, MotoServer, s3_options, start_moto_server
-
-
-@pytest.fixture(scope="session")
-def moto_server() -> Iterator[MotoServer]:
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    server = start_moto_server()
-    LONG_LIVED_PIDS.add(server.process.pid)  # outlives the test that starts it
-    try:
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3_options(server.endpoint))
-        fs.mkdir(BUCKET)
-        yield server
-    finally:
-        server.stop()
+from support.storage_backends import BUCKET, Backend, s3_options
 
 
 @pytest.fixture(params=["local", "memory", pytest.param("s3", marks=pytest.mark.s3)])

@@ -5,6 +5,7 @@ can cut."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -128,6 +129,17 @@ class Backend:
         uploads = storage.fs.list_multipart_uploads(BUCKET)
         prefix = path.split("/", 1)[1] + "/"
         return [u for u in uploads if u["Key"].startswith(prefix)]
+
+
+def cli_flags(options: dict[str, Any]) -> list[str]:
+    """``storage_options`` as the CLI's ``-o KEY=VALUE`` flags (nested dicts as ``KEY.SUB``)."""
+    flags: list[str] = []
+    for key, value in options.items():
+        if isinstance(value, dict):
+            flags += cli_flags({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flags += ["-o", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return flags
 
 
 class TcpProxy:

@@ -818,6 +818,8 @@ def _copy_into(template: dict[str, Any], state: dict[str, Any]) -> None:
     place, and set its other leaves to ``state``'s (checked by :func:`_mismatches` first)."""
     with torch.no_grad():
         for key, value in state.items():
+            if key not in template:  # a dict without leaves (the live state has none either:
+                continue  # e.g. no rank objects), which DCP's flat keys and _mismatches omit
             if isinstance(template[key], dict):
                 _copy_into(template[key], value)
             elif isinstance(template[key], torch.Tensor):

@@ -191,7 +191,8 @@ class Session:
         """
         store = self._single_file("resume")
         candidates = store.entries() if candidates is None else candidates
-        notice = ResumeNotice(directory=store.directory, template=self.shown_template)
+        notice = ResumeNotice(directory=store.storage.url(store.directory),
+                              template=self.shown_template)
         if not candidates:
             announce(notice, quiet=self.quiet)
             return None
@@ -339,7 +340,8 @@ class Session:
             required=rank == saver_rank,
             on_skip=lambda name, reasons: skipped.append(
                 skipped_on_ranks(name, entry_of(name).step, reasons)))
-        notice = ResumeNotice(directory=store.directory, template=self.shown_template,
+        notice = ResumeNotice(directory=store.storage.url(store.directory),
+                              template=self.shown_template,
                               skipped=tuple(skipped))
         if chosen is None:
             announce(notice, quiet=self.quiet, rank=rank)
@@ -409,7 +411,8 @@ class Session:
                              f"{store.directory!r}", required=required,
                              skipped=lambda e, error: skipped.append(
                                  Skipped(name=e.name, step=e.step, reason=str(error))))
-        notice = ResumeNotice(directory=store.directory, template=self.shown_template,
+        notice = ResumeNotice(directory=store.storage.url(store.directory),
+                              template=self.shown_template,
                               skipped=tuple(skipped))
         if found is None:
             announce(notice, quiet=self.quiet)
@@ -497,8 +500,8 @@ class Session:
 
         chosen = agree_on_resume(control, [(e.key, e.name) for e in entries], check, what=what,
                                  timeout_s=timeout_s, on_skip=on_skip)
-        notice = ResumeNotice(directory=store.directory, template=self.shown_template,
-                              skipped=tuple(skipped))
+        notice = ResumeNotice(directory=store.storage.url(store.directory),
+                              template=self.shown_template, skipped=tuple(skipped))
         if chosen is None:
             announce(notice, quiet=self.quiet, rank=rank)
             return None

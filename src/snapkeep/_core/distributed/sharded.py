@@ -60,7 +60,11 @@ from snapkeep._core.distributed.sharded_store import (
     hash_file,
 )
 from snapkeep._core.distributed.staging import Stager
-from snapkeep._core.errors import SnapshotCorruptError, SnapshotTimeoutError
+from snapkeep._core.errors import (
+    SnapshotCorruptError,
+    SnapshotTimeoutError,
+    StateMismatchError,
+)
 from snapkeep._core.exit_drain import DrainedAtExit
 from snapkeep._core.manifest import now_unix_s
 from snapkeep._core.store import Entry
@@ -262,6 +266,7 @@ class ShardedSaver(DrainedAtExit):
         error: BaseException | None = staging_error
         if error is None and self.rank == 0:
             try:
+                store.claim(path, job.step)  # not a foreign directory named like it
                 store.remove_marker(path)
                 store.mark_in_progress(path, tag=f"r{self.rank}")  # before any shard
             except OSError as e:
@@ -365,16 +370,42 @@ def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
         SnapshotCorruptError: no readable marker, metadata naming a file the marker does not
             list, or DCP cannot read it (its ``CheckpointException`` converted). Only the
             files the marker lists are opened, each only when it is a regular file.
+        StateMismatchError: a tensor of ``state`` has another (global) shape than the saved
+            one (the model changed since): named, with the snapshot and step; nothing loaded.
         Exception: another error on this rank (the caller exchanges outcomes).
     """
     listed = _listed(store, entry)
-    metadata_of(store.storage, entry.path, weights_only=weights_only, listed=listed)
+    metadata = metadata_of(store.storage, entry.path, weights_only=weights_only, listed=listed)
+    mismatches = _shape_mismatches(metadata.state_dict_metadata, state)
+    if mismatches:  # DCP would say "Size mismatch" from inside the load, read as corrupt
+        raise StateMismatchError(
+            f"snapshot {entry.path} (step {entry.step}) does not fit: {len(mismatches)} "
+            f"mismatch(es): {'; '.join(mismatches[:5])}. Nothing was loaded.")
     reader = reader_for(store.storage, entry.path, store.storage_options,
                         weights_only=weights_only, listed=listed)
     group = groups.control if groups else None
     with _single_process_quiet(group), dcp_errors(entry.path):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(weights_only),
                  process_group=group, no_dist=group is None)
+
+
+def _shape_mismatches(saved: Mapping[str, Any], state: Mapping[str, Any],
+                      prefix: str = "") -> list[str]:
+    """The tensors of ``state`` (nested dicts, flattened to DCP's dotted keys) whose global
+    shape differs from the saved tensor's of the same key (``saved``: the DCP metadata's
+    ``state_dict_metadata``); keys the snapshot lacks are not this check's."""
+    found: list[str] = []
+    for key, value in state.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            found += _shape_mismatches(saved, value, path)
+            continue
+        size = getattr(saved.get(path), "size", None)
+        if isinstance(value, torch.Tensor) and size is not None \
+                and tuple(value.shape) != tuple(size):
+            found.append(f"shape of {path}: snapshot {tuple(size)}, target "
+                         f"{tuple(value.shape)}")
+    return found
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from snapkeep._core.lock import StoreLock
 from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.naming import FilenameTemplate
 from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
-from snapkeep._core.storage import Storage
+from snapkeep._core.storage import TEMP_MARKER, Storage
 from snapkeep._core.store import ON_ERROR_SUFFIX, Entry, HeldListing
 from snapkeep._core.store_kinds import IN_PROGRESS_NAME, MARKER_NAME, require_one_kind
 
@@ -287,6 +287,30 @@ class ShardedStore:
         """Commit ``manifest`` as the marker of the directory ``path`` (atomic and durable:
         temp, fsync, replace, directory fsync; one PUT on object stores)."""
         self.storage.write_bytes(self.marker_path(path), manifest.to_bytes(), tag=tag)
+
+    def claim(self, path: str, step: int | None) -> None:
+        """Rank 0, before a save writes the directory ``path`` (the snapshot of ``step``): refuse
+        a name held by something that is not snapkeep's -- a file, or a directory with files
+        but neither the marker nor the in-progress mark (a user's directory named like a
+        snapshot) -- which the save would write into and retention later delete whole. A
+        directory of snapkeep's own (committed, or a save that was interrupted, even before its
+        in-progress mark: empty, or holding only temp files) is written again as before.
+
+        Raises:
+            SnapshotStorageError: ``path`` is held by something else (named); nothing written.
+        """
+        storage = self.storage
+        if not storage.exists(path):
+            return
+        if storage.isdir(path) and (storage.exists(self.marker_path(path)) or storage.exists(
+                storage.join(path, IN_PROGRESS_NAME)) or all(
+                    TEMP_MARKER in name for name in storage.list_names(path))):
+            return  # ours, or empty but for a dead save's temps (killed before its mark)
+        raise SnapshotStorageError(
+            f"{storage.url(path)} exists and is not a snapkeep snapshot directory (no "
+            f"{MARKER_NAME}, no {IN_PROGRESS_NAME}): the sharded snapshot of step {step} would "
+            "be written into it and retention would later delete it with its contents; nothing "
+            "was written. Move it away, or use another filename template")
 
     def mark_in_progress(self, path: str, *, tag: str) -> None:
         """Rank 0, before any shard is written: create ``path`` and mark it as snapkeep's own
