@@ -514,6 +514,9 @@ class SnapkeepSaveMixin:
             SnapkeepCallback.on_save(self._snapkeep_callback, trainer.args, trainer.state,
                                      trainer.control)
             return
+        step = trainer.state.global_step  # a user's directory at the name: refused first
+        storage, run_dir = _storage(trainer._get_output_dir(trial=None))
+        CheckpointDirs(storage, run_dir).claim(storage.join(run_dir, f"checkpoint-{step}"), step)
         metrics = self._snapkeep_callback.check_retention(trainer.state)  # before staging
         job = (*self._snapkeep_stage(trainer), metrics)
         self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)

@@ -322,6 +322,13 @@ TEMPLATE = "checkpoint-{step}"
 _TEMPLATE = FilenameTemplate("checkpoint-{.iteration}")
 
 
+#: Files a Trainer checkpoint directory holds (a save interrupted before its marker included).
+_TRAINER_FILE = re.compile(
+    r"^(model|pytorch_model|adapter_model|config|generation_config|optimizer|scheduler|scaler"
+    r"|rng_state|trainer_state|training_args|tokenizer|special_tokens_map|vocab|merges)"
+    r"([._-]|$)")
+
+
 class CheckpointDirs:
     """The ``checkpoint-N`` directories of one output directory as a snapshot store of the
     engine (:class:`snapkeep.store.StoreKind`): listed by N, each committed by its marker,
@@ -359,6 +366,29 @@ class CheckpointDirs:
     def sweep(self, lineage: frozenset[str | None] | None = None) -> list[str]:
         """Nothing: an unmarked directory may be the stock Trainer's (never removed)."""
         return []
+
+    def claim(self, path: str, step: int) -> None:
+        """Before a save writes ``checkpoint-<step>`` at ``path``: refuse a directory there that
+        is neither committed (marker) nor a Trainer checkpoint (written or interrupted: a file
+        a Trainer checkpoint holds), such as a user's directory named like one, which the
+        Trainer would write into and retention later delete whole.
+
+        Raises:
+            SnapshotStorageError: ``path`` is held by something else (named); nothing written.
+        """
+        storage = self.storage
+        if not storage.exists(path):
+            return
+        names = storage.list_names(path) if storage.isdir(path) else None
+        if names is not None and (not names or any(
+                name == MARKER_NAME or _TRAINER_FILE.match(name) for name in names)):
+            return
+        name = os.path.basename(path.rstrip("/"))
+        raise SnapshotStorageError(
+            f"{storage.url(path)} exists and is not a Trainer checkpoint ({name} (step {step}) "
+            f"would be written into it, and retention would later delete it with its contents; "
+            f"it holds {sorted(names or [])[:5] if names is not None else 'a file'}): nothing "
+            "was written. Move it away, or use another output_dir")
 
     def entries(self) -> list[Entry]:
         """The ``checkpoint-N`` directories, oldest (lowest N) first; not verified."""
