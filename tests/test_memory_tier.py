@@ -564,3 +564,28 @@ def test_a_sharded_ram_snapshot_unlike_the_live_state_falls_back_to_storage(
     assert "models.main.weight: saved torch.float32 [3, 4], live torch.float64 [3, 4]" \
         in caplog.text
     resumed.finalize()
+
+
+def test_a_root_that_is_a_file_or_a_typo_on_disk_is_said_naming_root(tmp_path, caplog):
+    """``root=`` a regular file: ValueError naming root (was a bare FileExistsError from
+    makedirs); a root that did not exist and is created on a disk filesystem: a warning that
+    the "RAM" copies go to disk (a typo in the path was silent)."""
+    import logging
+
+    from snapkeep._core.memory_store import check_space, filesystem_type
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=f"MemoryTier root {str(afile)!r} is not a directory"):
+        check_space(str(afile), 1)
+    assert afile.read_text() == "x"
+    typo = tmp_path / "dev" / "shmm"
+    with caplog.at_level(logging.WARNING, logger="snapkeep"):
+        check_space(str(typo), 1)
+    kind = filesystem_type(str(tmp_path))
+    said = [r.getMessage() for r in caplog.records if "did not exist" in r.getMessage()]
+    assert said == ([] if kind in ("tmpfs", "ramfs") else [
+        f"memory tier: root {str(typo)!r} did not exist and was created on a {kind} filesystem, "
+        "not a tmpfs: the tier's copies go to that disk, not to RAM. Check the path, or pass "
+        "root= a tmpfs such as '/dev/shm'"])
+    assert filesystem_type("/dev/shm") in ("tmpfs", None)

@@ -592,6 +592,24 @@ def forget_rank(root: str, job: str, rank: int) -> None:
         pass
 
 
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem ``path`` is on (``'tmpfs'``, ``'ext4'``), from the longest
+    mount point above it in ``/proc/self/mounts``; None where that cannot be read."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) >= 3]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best: tuple[int, str] | None = None
+    for point, kind in mounts:
+        point = point.replace("\\040", " ")
+        if real == point or real.startswith(point.rstrip("/") + "/"):
+            if best is None or len(point) > best[0]:
+                best = (len(point), kind)
+    return best[1] if best is not None else None
+
+
 def check_space(root: str, needed_bytes: int, *, held_bytes: int = 0) -> None:
     """Refuse to start when the filesystem of ``root`` cannot hold ``needed_bytes`` (what this
     rank's tier holds already, ``held_bytes``, counts as available).
@@ -601,7 +619,15 @@ def check_space(root: str, needed_bytes: int, *, held_bytes: int = 0) -> None:
         NotPrivateError: other users could rename or delete what is in ``root`` (see
             :func:`~snapkeep._core.storage.check_root`).
     """
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise ValueError(f"MemoryTier root {root!r} is not a directory; pass root= a tmpfs "
+                         "directory such as '/dev/shm' (the default)")
+    created = not os.path.exists(root)
     os.makedirs(root, exist_ok=True)
+    if created and (kind := filesystem_type(root)) not in ("tmpfs", "ramfs", None):
+        logger.warning("memory tier: root %r did not exist and was created on a %s "
+                       "filesystem, not a tmpfs: the tier's copies go to that disk, not to RAM. "
+                       "Check the path, or pass root= a tmpfs such as '/dev/shm'", root, kind)
     check_root(root)
     st = os.statvfs(root)
     free = st.f_bavail * st.f_frsize + held_bytes

@@ -451,9 +451,13 @@ class TierEngine:
             plan = _plan(everyone, self.world, self._stride, excluded, floor)
             if plan is None:
                 held = any(i["own"] is not None or i["held"] for i in everyone)
-                reason = ("no step held in RAM by every rank" + (
-                    "" if floor is None else f" is at least storage's newest (step {floor})")
-                    + (f" ({'; '.join(refused)})" if refused else ""))
+                if not held and not refused:  # a finished run removed it, or the RAM is gone
+                    reason = ("nothing held in RAM (the last run finished and removed it, or "
+                              "the node's RAM was lost)")
+                else:
+                    reason = ("no step held in RAM by every rank" + (
+                        "" if floor is None else f" is at least storage's newest (step {floor})")
+                        + (f" ({'; '.join(refused)})" if refused else ""))
                 logger.info("memory tier: %s; resuming from storage", reason)
                 # nothing held anywhere nor on storage (a first run): nothing to say
                 self.fallback = reason if held or refused or floor is not None else None
