@@ -189,3 +189,51 @@ def _restore(storage: Storage, companion: str, data: bytes | None, tag: str) -> 
     except Exception as e:  # the save's own error is what the caller must see
         logger.warning("could not restore the manifest %s after a failed save; its snapshot "
                        "now loads as unverified: %s", companion, e)
+
+
+def publish_by_content(storage: Storage, directory: str, write_data: WriteFn, *,
+                       tag: str) -> WriteResult:
+    """Publish a file in ``directory`` named by the XXH3-128 digest of its own bytes (a blob of
+    an incremental snapshot), written by ``write_data``.
+
+    Replace+fsync storages: written, flushed and fsynced under a temporary name while hashed
+    (one pass), then renamed to ``directory/<digest>``; a file already there has the same bytes
+    (it is replaced by an identical one). The directory is not fsynced here: the caller syncs it
+    once after its last blob (``Storage.sync_directory``). Elsewhere the name must be known
+    before the one PUT: the bytes are hashed first (``write_data`` runs twice).
+
+    Raises:
+        SnapshotStorageError: an OS/storage fault; nothing new is left in ``directory``.
+        Exception: whatever ``write_data`` raised, after the same clean-up.
+    """
+    if isinstance(storage.strategy, ReplaceCommit):
+        tmp = storage.temp_name_for(storage.join(directory, "blob"), tag)
+        result = storage.strategy.write(storage.fs, Target(
+            path=tmp, temp_path=tmp, url=storage.url(tmp)), write_data)
+        final = storage.join(directory, result.checksum)
+        try:
+            check_publish()
+            os.replace(tmp, final)
+        except BaseException as e:
+            unlink_quietly(tmp)
+            if isinstance(e, OSError) and not isinstance(e, SnapshotStorageError):
+                raise storage_error(e, storage.url(final), None, "publishing blob") from e
+            raise
+        finally:
+            storage.fs.invalidate_cache(final)
+        return WriteResult(path=final, size_bytes=result.size_bytes, checksum=result.checksum)
+    from snapkeep._core.checksum import HashingWriter
+
+    hashing = HashingWriter(_Discard())  # type: ignore[arg-type]
+    write_data(hashing)  # type: ignore[arg-type]
+    return storage.write(storage.join(directory, hashing.hexdigest()), write_data, tag=tag)
+
+
+class _Discard:
+    """A write-only sink that keeps nothing (the hashing pass of :func:`publish_by_content`)."""
+
+    def write(self, data: Any) -> int:
+        return len(memoryview(data))
+
+    def flush(self) -> None:
+        pass

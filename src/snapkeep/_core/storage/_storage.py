@@ -37,7 +37,7 @@ from snapkeep._core.storage._paths import (
     local_name_max,
     truncate_utf8,
 )
-from snapkeep._core.storage._publish import publish_pair
+from snapkeep._core.storage._publish import publish_by_content, publish_pair
 from snapkeep._core.storage._resolve import commit_strategy_for
 from snapkeep._core.storage._temps import (
     is_temp_name,
@@ -441,6 +441,14 @@ class Storage:
         :func:`~._publish.publish_pair` for the order per storage, the arguments and errors."""
         return publish_pair(self, path, companion, write_fn, companion_for, tag=tag,
                             companion_max_bytes=companion_max_bytes)
+
+    def publish_by_content(self, directory: str, write_fn: Callable[[BinaryIO], None], *,
+                           tag: str = "w") -> WriteResult:
+        """Publish a file in ``directory`` named by the XXH3-128 digest of its bytes: see
+        :func:`~._publish.publish_by_content` (one pass on local files; the directory is synced
+        by the caller)."""
+        self._check_write_path(self.join(directory, "0" * 32))
+        return publish_by_content(self, directory, write_fn, tag=tag)
 
     def write_bytes(self, path: str, data: bytes, *, tag: str = "w") -> WriteResult:
         """:meth:`write` for a small in-memory payload (manifests)."""
