@@ -62,6 +62,8 @@ class Manifest:
         blobs: an incremental snapshot's blobs (:mod:`snapkeep._core.incremental`): the
             XXH3-128 digest (the blob's name) -> its size in bytes; empty for a plain file.
             What retention counts before it deletes a blob.
+        blob_area: where those blobs are, relative to the snapshot's directory
+            (``'.snapkeep/blobs/<template key>'``); empty for a plain file.
     """
 
     name: str
@@ -74,6 +76,7 @@ class Manifest:
     run_id: str | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     blobs: dict[str, int] = dataclasses.field(default_factory=dict)
+    blob_area: str = ""
 
     def to_bytes(self) -> bytes:
         """The manifest as strict JSON (UTF-8; never ``NaN`` or ``Infinity``, which other JSON
@@ -81,7 +84,7 @@ class Manifest:
         body = {"format": FORMAT, **dataclasses.asdict(self)}
         body["metrics"] = finite_metrics(self.metrics)
         if not self.blobs:  # a plain file's manifest stays as before incremental snapshots
-            del body["blobs"]
+            del body["blobs"], body["blob_area"]
         return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode()
 
     @classmethod
@@ -145,6 +148,11 @@ class Manifest:
             raise ManifestError(f"{source}: field 'step' is negative ({self.step})")
         if not math.isfinite(self.created_unix_s):
             raise ManifestError(f"{source}: field 'created_unix_s' is not finite")
+        area = self.blob_area.split("/")
+        if self.blob_area and (len(area) != 3 or area[:2] != [MANIFEST_DIR, "blobs"]
+                               or area[2] in ("", ".", "..")):
+            raise ManifestError(f"{source}: field 'blob_area' {self.blob_area[:80]!r} is not "
+                                f"under {MANIFEST_DIR}/blobs")
         for digest, nbytes in self.blobs.items():
             if not re.fullmatch("[0-9a-f]{32}", digest) or nbytes < 0:
                 raise ManifestError(f"{source}: field 'blobs' entry {digest[:80]!r}: "

@@ -347,7 +347,8 @@ class SnapshotStore:
         require_match(entry.path, digest, size, recorded_checksum=manifest.checksum,
                       recorded_size=manifest.size_bytes, algorithm=manifest.algorithm)
         if references and manifest.blobs:
-            area = self.blob_area()
+            area = BlobArea(storage=self.storage, directory=self.storage.join(
+                self.storage.dirname(entry.path), *manifest.blob_area.split("/")))
             for blob, nbytes in sorted(manifest.blobs.items()):
                 try:
                     area.check(blob, nbytes)
