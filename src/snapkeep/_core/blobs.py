@@ -91,24 +91,21 @@ class BlobArea:
 
     def put(self, digest: str, write: Callable[[BinaryIO], None], *, tag: str) -> WriteResult:
         """Publish the blob of ``digest`` (temp, write, flush, ``fsync``, rename; see
-        ``Storage.write``), whose bytes ``write(file)`` writes; the directory itself is made
-        durable by :meth:`sync`. What was written must hash to ``digest``.
+        ``Storage.publish_by_content``), whose bytes ``write(file)`` writes; the directory
+        itself is made durable by :meth:`sync`. What was written must hash to ``digest``.
 
         Raises:
             SnapshotCorruptError: the bytes written do not hash to ``digest`` (they changed
                 while being written); the blob is removed again.
             SnapshotStorageError: a storage fault; nothing is left under the blob's name.
         """
-        path = self.path(digest)
+        self.path(digest)  # a digest, not a path
         self.storage.makedirs(self.directory)
-        result = self.storage.write(path, write, tag=tag)
-        if result.checksum != digest:
-            with contextlib.suppress(FileNotFoundError):
-                self.storage.remove(path)
-            raise SnapshotCorruptError(
-                f"blob {path}: the bytes written hash to {result.checksum}, not {digest} "
-                "(the tensor changed while it was written); removed")
-        return result
+        try:
+            return self.storage.publish_by_content(self.directory, write, tag=tag,
+                                                   expect=digest)
+        except ValueError as e:
+            raise SnapshotCorruptError(f"blob {e}") from e
 
     def put_new(self, write: Callable[[BinaryIO], None], *, tag: str) -> WriteResult:
         """Publish a blob whose digest is not known yet: written and hashed in one pass under a

@@ -192,7 +192,7 @@ def _restore(storage: Storage, companion: str, data: bytes | None, tag: str) -> 
 
 
 def publish_by_content(storage: Storage, directory: str, write_data: WriteFn, *,
-                       tag: str) -> WriteResult:
+                       tag: str, expect: str | None = None) -> WriteResult:
     """Publish a file in ``directory`` named by the XXH3-128 digest of its own bytes (a blob of
     an incremental snapshot), written by ``write_data``.
 
@@ -202,16 +202,23 @@ def publish_by_content(storage: Storage, directory: str, write_data: WriteFn, *,
     once after its last blob (``Storage.sync_directory``). Elsewhere the name must be known
     before the one PUT: the bytes are hashed first (``write_data`` runs twice).
 
+    ``expect``: the digest the bytes must have (known beforehand); when they hash to another,
+    nothing is published and ``ValueError`` is raised (they changed while being written).
+
     Raises:
         SnapshotStorageError: an OS/storage fault; nothing new is left in ``directory``.
+        ValueError: ``expect`` given and not the bytes' digest.
         Exception: whatever ``write_data`` raised, after the same clean-up.
     """
     if isinstance(storage.strategy, ReplaceCommit):
         tmp = storage.temp_name_for(storage.join(directory, "blob"), tag)
-        result = storage.strategy.write(storage.fs, Target(
+        result = storage.strategy.write_temp(Target(
             path=tmp, temp_path=tmp, url=storage.url(tmp)), write_data)
         final = storage.join(directory, result.checksum)
         try:
+            if expect is not None and result.checksum != expect:
+                raise ValueError(f"{storage.url(final)}: the bytes written hash to "
+                                 f"{result.checksum}, not {expect} (changed while written)")
             check_publish()
             os.replace(tmp, final)
         except BaseException as e:
@@ -224,9 +231,17 @@ def publish_by_content(storage: Storage, directory: str, write_data: WriteFn, *,
         return WriteResult(path=final, size_bytes=result.size_bytes, checksum=result.checksum)
     from snapkeep._core.checksum import HashingWriter
 
-    hashing = HashingWriter(_Discard())  # type: ignore[arg-type]
-    write_data(hashing)  # type: ignore[arg-type]
-    return storage.write(storage.join(directory, hashing.hexdigest()), write_data, tag=tag)
+    digest = expect
+    if digest is None:
+        hashing = HashingWriter(_Discard())  # type: ignore[arg-type]
+        write_data(hashing)  # type: ignore[arg-type]
+        digest = hashing.hexdigest()
+    result = storage.write(storage.join(directory, digest), write_data, tag=tag)
+    if result.checksum != digest:
+        storage.remove(result.path)
+        raise ValueError(f"{storage.url(result.path)}: the bytes written hash to "
+                         f"{result.checksum}, not {digest} (changed while written); removed")
+    return result
 
 
 class _Discard:

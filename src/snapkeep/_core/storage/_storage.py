@@ -443,12 +443,12 @@ class Storage:
                             companion_max_bytes=companion_max_bytes)
 
     def publish_by_content(self, directory: str, write_fn: Callable[[BinaryIO], None], *,
-                           tag: str = "w") -> WriteResult:
-        """Publish a file in ``directory`` named by the XXH3-128 digest of its bytes: see
-        :func:`~._publish.publish_by_content` (one pass on local files; the directory is synced
-        by the caller)."""
+                           tag: str = "w", expect: str | None = None) -> WriteResult:
+        """Publish a file in ``directory`` named by the XXH3-128 digest of its bytes
+        (``expect``: the digest they must have): see :func:`~._publish.publish_by_content`
+        (one pass on local files; the directory is synced by the caller)."""
         self._check_write_path(self.join(directory, "0" * 32))
-        return publish_by_content(self, directory, write_fn, tag=tag)
+        return publish_by_content(self, directory, write_fn, tag=tag, expect=expect)
 
     def write_bytes(self, path: str, data: bytes, *, tag: str = "w") -> WriteResult:
         """:meth:`write` for a small in-memory payload (manifests)."""
