@@ -100,7 +100,8 @@ def test_unchanged_storages_are_written_once_and_each_snapshot_loads_alone(
 
 def test_storage_sharing_is_kept_and_equal_bytes_stay_distinct(tmp_path: pathlib.Path) -> None:
     base = torch.arange(MIB // 4, dtype=torch.float32)
-    tree = {"a": base, "view": base[10:20], "z1": torch.zeros(MIB // 4), "z2": torch.zeros(MIB // 4)}
+    tree = {"a": base, "view": base[10:20], "z1": torch.zeros(MIB // 4),
+            "z2": torch.zeros(MIB // 4)}
     with Checkpointer(tmp_path, incremental=True, rng=False) as ckpt:
         ckpt.save(1, {"t": _Holder(tree)}).wait()
     assert len(blobs(tmp_path)) == 2  # arange, zeros (stored once for both)

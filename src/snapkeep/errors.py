@@ -23,7 +23,8 @@ from snapkeep._core.errors import (
 )
 
 __all__ = [
-    "CollectiveTimeoutError", "IncrementalSnapshotError", "ManifestError", "MemoryTierTooSmallError",
+    "CollectiveTimeoutError", "IncrementalSnapshotError", "ManifestError",
+    "MemoryTierTooSmallError",
     "NoCommonSnapshotError", "NoValidSnapshotError",
     "RankFailedError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",

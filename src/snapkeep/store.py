@@ -109,7 +109,8 @@ def open_store(
 
 
 __all__ = [
-    "IncrementalTracker", "Held", "Identity", "MemoryStore", "NotPrivateError", "check_space", "describe_tiers",
+    "IncrementalTracker",
+    "Held", "Identity", "MemoryStore", "NotPrivateError", "check_space", "describe_tiers",
     "foreign_reason", "forget_rank", "job_id", "owner_alive", "owners", "peer_sources",
     "ranks_in", "reclaim_stale", "remove_rank", "tier_bytes", "tier_dir", "write_owner",
     "DECODE_ERRORS", "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest",

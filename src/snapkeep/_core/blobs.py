@@ -134,7 +134,7 @@ class BlobArea:
                 view = memoryview(_byte_view(target)) if nbytes else memoryview(b"")
                 got = 0
                 while got < nbytes:
-                    n = f.readinto(view[got:got + _READ_CHUNK_BYTES])
+                    n = f.readinto(view[got:got + _READ_CHUNK_BYTES])  # type: ignore[attr-defined]
                     if not n:
                         break
                     hasher.update(view[got:got + n])

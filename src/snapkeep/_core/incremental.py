@@ -462,7 +462,8 @@ def _blob_candidate(t: torch.Tensor, min_blob_bytes: int) -> bool:
 
 def _ref_of(t: torch.Tensor, index: int) -> TensorRef:
     return TensorRef(storage=index, dtype=str(t.dtype).rpartition(".")[2],
-                     shape=tuple(t.shape), stride=tuple(t.stride()), offset=t.storage_offset(),
+                     shape=tuple(t.shape), stride=tuple(t.stride()),
+                     offset=int(t.storage_offset()),
                      requires_grad=bool(t.requires_grad),
                      parameter=isinstance(t, torch.nn.Parameter), conj=bool(t.is_conj()),
                      neg=bool(t.is_neg()))
