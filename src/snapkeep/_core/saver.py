@@ -489,6 +489,9 @@ class Saver(DrainedAtExit):
             if handle.verdict is not None:  # overlapped staging: nothing before the verdict
                 handle.verdict.wait(self.timeout_s, self.warn_after_s)
             if ticket.incremental is not None:  # unchanged tensors hashed against their blobs
+                if execute is not None:
+                    raise ValueError("an incremental snapshot is written by snapkeep's own "
+                                     "commit; a custom queue task cannot write it")
                 ticket.incremental.confirm()
             if execute is not None:
                 record = execute(staged) or CommitRecord(
