@@ -50,7 +50,6 @@ import ctypes
 import dataclasses
 import logging
 import pickle
-import posixpath
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, NoReturn
@@ -484,6 +483,21 @@ def _digest(view: memoryview) -> str:
     return str(hasher.hexdigest())
 
 
+def _digest_storage(storage: torch.UntypedStorage) -> str:
+    """The digest of a storage's bytes, in place for CPU memory; from an accelerator through one
+    reused host buffer of :data:`_CHUNK_BYTES` (never a host copy of the whole storage)."""
+    if storage.device.type == "cpu":
+        return _digest(_host_view(storage))
+    flat = torch.empty((0,), dtype=torch.uint8, device=storage.device).set_(storage)
+    buffer = torch.empty(min(_CHUNK_BYTES, flat.numel()), dtype=torch.uint8)
+    hasher = new_hasher()
+    for start in range(0, flat.numel(), _CHUNK_BYTES):
+        n = min(_CHUNK_BYTES, flat.numel() - start)
+        buffer[:n].copy_(flat[start:start + n])
+        hasher.update(_host_view(buffer.untyped_storage())[:n])
+    return str(hasher.hexdigest())
+
+
 def _writer_of(view: memoryview) -> Callable[[BinaryIO], None]:
     def write(f: BinaryIO) -> None:
         for start in range(0, len(view), _CHUNK_BYTES):
@@ -546,10 +560,7 @@ class IncrementalTracker:
     def for_store(cls, store: Any, *, min_blob_bytes: int = DEFAULT_MIN_BLOB_BYTES
                   ) -> IncrementalTracker:
         """The tracker of a :class:`~snapkeep._core.store.SnapshotStore` (its blob area)."""
-        area = store.blob_area()
-        return cls(area, posixpath.join(MANIFEST_DIR, BLOBS_DIR,
-                                        store.storage.basename(area.directory)),
-                   min_blob_bytes=min_blob_bytes)
+        return cls(store.blob_area(), store.blob_area_name(), min_blob_bytes=min_blob_bytes)
 
     def forget(self, path: _Path) -> None:
         """The next snapshot stages and writes the storage first seen at ``path`` in full."""
@@ -640,9 +651,7 @@ class IncrementalPlan:
         """
         for live in self._lives:
             storage = live.tensors[0].untyped_storage()
-            host = storage if storage.device.type == "cpu" else storage.cpu()
-            view = _host_view(host)
-            digest = _digest(view)
+            digest = _digest_storage(storage)
             if digest != live.digest:
                 now = tuple(t._version for t in live.tensors)
                 if now != live.versions:
@@ -661,7 +670,8 @@ class IncrementalPlan:
             if not self.job.area.has(live.digest, live.nbytes):
                 logger.warning("blob %s of the tensor at %s was missing; writing it again",
                                live.digest, _where(live.path))
-                self.job.area.put(live.digest, _writer_of(view), tag="re")
+                host = storage if storage.device.type == "cpu" else storage.cpu()
+                self.job.area.put(live.digest, _writer_of(_host_view(host)), tag="re")
                 self.job.area.sync()
 
     def finish(self, record: Any) -> None:

@@ -595,13 +595,15 @@ class SnapshotStore:
         by_name = {e.name: e for e in entries}
         keep = [e.name for e in entries if e.path in set(protect)]
         deleted = []
-        freed: set[str] = set()  # blobs of deleted incremental snapshots
+        freed: set[str] = set()  # blobs of deleted incremental snapshots, in this area
+        own = self.blob_area_name()
         for name in plan_deletions(policy, infos, protect=keep):
             entry = by_name[name]
             manifest = self.manifest(entry)
             if self.delete(entry, by="retention"):
                 deleted.append(entry)
-                freed.update(manifest.blobs if manifest is not None else ())
+                if manifest is not None and manifest.blob_area == own:
+                    freed.update(manifest.blobs)
                 logger.debug("retention deleted %s (step %s)", entry.path, entry.step)
         self._remove_orphan_manifests(listed, lineage)
         if freed:
@@ -617,6 +619,13 @@ class SnapshotStore:
         """
         return BlobArea(storage=self.storage, directory=area_directory(
             self.storage, self._listing.directory, self.template.lock_key))
+
+    def blob_area_name(self) -> str | None:
+        """:meth:`blob_area` relative to the snapshots' directory (None: no area)."""
+        if not self.template.parsable:
+            return None
+        return "/".join((MANIFEST_DIR, BLOBS_DIR,
+                         self.storage.basename(self.blob_area().directory)))
 
     def referenced_blobs(self) -> set[str] | None:
         """Every blob a snapshot of this template refers to: those listed by each of its
