@@ -222,3 +222,27 @@ def test_the_snapshot_extension_writes_incremental_snapshots(tmp_path: pathlib.P
     resumed, _ = run(6)
     assert blobs(tmp_path) == manifest_blobs(tmp_path)
     assert torch.equal(resumed.backbone.weight, net.backbone.weight)
+
+
+def test_no_blob_is_deleted_while_another_save_is_in_flight(tmp_path: pathlib.Path) -> None:
+    from snapkeep.checkpointer import step_template
+    from snapkeep.store import IncrementalTracker, open_store
+
+    net, opt = make()
+    state = {"model": net, "optim": opt}
+    with Checkpointer(tmp_path, keep=1, incremental=True, writer=SimpleWriter()) as ckpt:
+        ckpt.save(1, state)
+        first = blobs(tmp_path)
+        with torch.no_grad():
+            net.other.weight.mul_(2)
+        # another save of this process is in flight (planned, not committed): it may refer to
+        # any blob, so retention after step 2 deletes ckpt_1 but none of its blobs yet
+        store = open_store(str(tmp_path), step_template("ckpt_{step}"))
+        other = IncrementalTracker.for_store(store)
+        _, in_flight = other.plan({"t": torch.zeros(1)})
+        ckpt.save(2, state)
+        assert sorted(os.listdir(tmp_path)) == [".snapkeep", "ckpt_2"]
+        assert first <= blobs(tmp_path) and len(blobs(tmp_path) - first) == 1
+        in_flight.finish(None)
+        ckpt.save(3, state)  # the next pass collects the blob only ckpt_1 used
+    assert blobs(tmp_path) == manifest_blobs(tmp_path) and len(blobs(tmp_path)) == 3
