@@ -45,6 +45,7 @@ snapkeep or to run ``snapkeep convert``. Either way nothing of the state is retu
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import ctypes
 import dataclasses
@@ -75,6 +76,8 @@ FORMAT = "snapkeep.incremental/1"
 DEFAULT_MIN_BLOB_BYTES = 1 << 20
 #: Bytes per write and per hash update of a blob.
 _CHUNK_BYTES = 64 << 20
+#: Most blobs one commit publishes at once.
+PUBLISH_THREADS = 4
 
 _Path = tuple[Any, ...]
 
@@ -374,44 +377,22 @@ def encode(tree: Any, job: IncrementalJob, *, tag: str) -> Encoded:
     """Write the blobs of ``tree`` (a staged tree, or the live one for a synchronous writer)
     that are not there yet, make them durable, and return the skeleton to publish.
 
+    Blobs are published by up to :data:`PUBLISH_THREADS` threads at once (their ``fsync``
+    calls overlap); the area's directory is then ``fsync``-ed once.
+
     Raises:
         SnapshotStorageError: a blob could not be written (nothing refers to it yet).
         SnapshotCorruptError: a blob's bytes changed while it was written.
     """
     slots: dict[Any, int] = {}
     storages: list[tuple[str, int]] = []
-    digests: list[tuple[_Path, str]] = []
-    written = 0
-
-    def slot_of_tensor(t: torch.Tensor, path: _Path) -> int:
-        nonlocal written
-        storage = t.untyped_storage()
-        key = ("tensor", str(storage.device), storage.data_ptr(), storage.nbytes())
-        index = slots.get(key)
-        if index is not None:
-            return index
-        source = storage if storage.device.type == "cpu" else storage.cpu()
-        nbytes = source.nbytes()
-        view = _host_view(source)
-        if path in job.changed:  # new bytes: written and hashed in one pass
-            result = job.area.put_new(_writer_of(view), tag=tag)
-            digest = result.checksum
-            written += nbytes
-        else:
-            digest = _digest(view)
-            if not job.area.has(digest, nbytes):
-                job.area.put(digest, _writer_of(view), tag=tag)
-                written += nbytes
-        index = slots[key] = len(storages)
-        storages.append((digest, nbytes))
-        digests.append((path, digest))
-        return index
+    pending: list[tuple[int, _Path, torch.UntypedStorage]] = []
 
     def walk(node: Any, path: _Path) -> Any:
         if atomic(node):
             return node
         if isinstance(node, Unchanged):
-            key = ("unchanged", node.index)
+            key: Any = ("unchanged", node.index)
             index = slots.get(key)
             if index is None:
                 index = slots[key] = len(storages)
@@ -420,7 +401,13 @@ def encode(tree: Any, job: IncrementalJob, *, tag: str) -> Encoded:
         if isinstance(node, torch.Tensor):
             if not _blob_candidate(node, job.min_blob_bytes):
                 return node
-            index = slot_of_tensor(node, path)
+            storage = node.untyped_storage()
+            key = ("tensor", str(storage.device), storage.data_ptr(), storage.nbytes())
+            index = slots.get(key)
+            if index is None:
+                index = slots[key] = len(storages)
+                storages.append(("", storage.nbytes()))
+                pending.append((index, path, storage))
             return _ref_of(node, index)
         if isinstance(node, dict):
             out = copy.copy(node)
@@ -437,14 +424,50 @@ def encode(tree: Any, job: IncrementalJob, *, tag: str) -> Encoded:
         return node
 
     tree_out = walk(tree, ())
+
+    # host bytes of each (an accelerator storage of an unstaged, synchronous save is copied;
+    # the copies are kept alive while their views are used)
+    sources = [storage if storage.device.type == "cpu" else storage.cpu()
+               for _, _, storage in pending]
+    views = [_host_view(source) for source in sources]
+
+    def first(i: int) -> tuple[str, int]:
+        """Changed bytes: written and hashed in one pass; others: hashed only."""
+        if pending[i][1] in job.changed:
+            return job.area.put_new(_writer_of(views[i]), tag=tag).checksum, len(views[i])
+        return _digest(views[i]), 0
+
+    results = _in_parallel(first, range(len(pending)))
+    missing: dict[str, int] = {}  # digest -> the pending item whose bytes it is (once)
+    for i, (digest, nbytes) in enumerate(results):
+        if not nbytes and digest not in missing and not job.area.has(digest, len(views[i])):
+            missing[digest] = i
+
+    def put(digest: str) -> int:
+        job.area.put(digest, _writer_of(views[missing[digest]]), tag=tag)
+        return len(views[missing[digest]])
+
+    written = sum(nbytes for _, nbytes in results) + sum(_in_parallel(put, list(missing)))
+    digests = []
+    for (index, path, storage), (digest, _) in zip(pending, results):
+        storages[index] = (digest, storage.nbytes())
+        digests.append((path, digest))
     if storages:
         job.area.sync()  # every blob durable before the skeleton that refers to them
-    blobs: dict[str, int] = {}
-    for digest, nbytes in storages:
-        blobs[digest] = nbytes
     return Encoded(skeleton=Skeleton(area=job.area_name, storages=tuple(storages),
                                      tree=tree_out),
-                   blobs=blobs, written_bytes=written, digests=tuple(digests))
+                   blobs=dict(storages), written_bytes=written, digests=tuple(digests))
+
+
+def _in_parallel(fn: Callable[[Any], Any], items: Any) -> list[Any]:
+    """``[fn(item) for item in items]``, by up to :data:`PUBLISH_THREADS` threads (the first
+    error raised after all ended)."""
+    items = list(items)
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(PUBLISH_THREADS, len(items)),
+                                               thread_name_prefix="snapkeep-blob") as pool:
+        return list(pool.map(fn, items))
 
 
 def _blob_candidate(t: torch.Tensor, min_blob_bytes: int) -> bool:
