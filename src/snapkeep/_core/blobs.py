@@ -130,7 +130,7 @@ class BlobArea:
         target = torch.UntypedStorage(nbytes)
         hasher = new_hasher()
         try:
-            with self.storage.open_read(path) as f:
+            with self.storage.open_read(path, whole=True) as f:
                 view = memoryview(_byte_view(target)) if nbytes else memoryview(b"")
                 got = 0
                 while got < nbytes:

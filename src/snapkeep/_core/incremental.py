@@ -264,8 +264,8 @@ def materialise(skeleton: Skeleton, area: BlobArea, *, map_location: Any = "cpu"
             fit its storage.
         SnapshotStorageError: the store could not be reached.
     """
-    storages = [_place(area.read(digest, nbytes), map_location)
-                for digest, nbytes in skeleton.storages]
+    storages = _in_parallel(lambda item: _place(area.read(*item), map_location),
+                            skeleton.storages)  # reads overlap (cold disks, object stores)
     return _rebuild(skeleton.tree, storages)
 
 
