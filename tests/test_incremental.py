@@ -246,3 +246,20 @@ def test_no_blob_is_deleted_while_another_save_is_in_flight(tmp_path: pathlib.Pa
         in_flight.finish(None)
         ckpt.save(3, state)  # the next pass collects the blob only ckpt_1 used
     assert blobs(tmp_path) == manifest_blobs(tmp_path) and len(blobs(tmp_path)) == 3
+
+
+def test_prune_deletes_the_blobs_no_snapshot_left_refers_to(tmp_path: pathlib.Path) -> None:
+    net, opt = make()
+    with Checkpointer(tmp_path, incremental=True, writer=SimpleWriter()) as ckpt:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                net.other.weight.add_(1)  # a new 1 MiB blob per snapshot
+            ckpt.save(step, {"model": net, "optim": opt})
+    assert len(blobs(tmp_path)) == 5
+    result = CliRunner().invoke(cli, ["prune", str(tmp_path), "--template", "ckpt_{step}",
+                                      "--keep-latest", "1", "--yes"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".snapkeep", "ckpt_3"]
+    assert blobs(tmp_path) == manifest_blobs(tmp_path) and len(blobs(tmp_path)) == 3
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path), "--template", "ckpt_{step}"])
+    assert result.exit_code == 0, result.output

@@ -347,8 +347,7 @@ class SnapshotStore:
         require_match(entry.path, digest, size, recorded_checksum=manifest.checksum,
                       recorded_size=manifest.size_bytes, algorithm=manifest.algorithm)
         if references and manifest.blobs:
-            area = BlobArea(storage=self.storage, directory=self.storage.join(
-                self.storage.dirname(entry.path), *manifest.blob_area.split("/")))
+            area = self.blob_area_of(entry, manifest)
             for blob, nbytes in sorted(manifest.blobs.items()):
                 try:
                     area.check(blob, nbytes)
@@ -620,6 +619,11 @@ class SnapshotStore:
         return BlobArea(storage=self.storage, directory=area_directory(
             self.storage, self._listing.directory, self.template.lock_key))
 
+    def blob_area_of(self, entry: Entry, manifest: Manifest) -> BlobArea:
+        """The blob area ``manifest`` (of ``entry``) names."""
+        return BlobArea(storage=self.storage, directory=self.storage.join(
+            self.storage.dirname(entry.path), *manifest.blob_area.split("/")))
+
     def blob_area_name(self) -> str | None:
         """:meth:`blob_area` relative to the snapshots' directory (None: no area)."""
         if not self.template.parsable:
@@ -662,15 +666,17 @@ class SnapshotStore:
                 referenced.update(skeleton_blobs(self.storage, entry.path))
         return referenced
 
-    def collect_blobs(self, candidates: set[str] | None = None) -> list[str]:
+    def collect_blobs(self, candidates: set[str] | None = None, *,
+                      area: BlobArea | None = None) -> list[str]:
         """Delete the blobs among ``candidates`` (None: every blob of the area, and its stale
         temporary files) that no snapshot refers to (:meth:`referenced_blobs`) and no save of
         this process in flight may use (see :class:`~snapkeep._core.blobs.BlobLedger`: with a
         save in flight the candidates wait for a later pass). A failed delete is logged.
-        Returns the digests deleted."""
+        ``area``: the blob area (default :meth:`blob_area`; ``snapkeep prune`` passes the one
+        its deleted snapshots' manifests name). Returns the digests deleted."""
         if not self.template.parsable or self._split() is None:
             return []
-        area = self.blob_area()
+        area = self.blob_area() if area is None else area
         ledger = ledger_for(area)
         with ledger.quiet() as alone:
             if not alone:
