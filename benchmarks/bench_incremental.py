@@ -139,14 +139,16 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where the runs write (default: a temp "
                         "directory on the default temp filesystem)")
     parser.add_argument("--skip-full-finetune", action="store_true")
+    parser.add_argument("--skip-frozen", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="snapkeep-bench-incremental-",
                                      dir=args.dir) as tmp:
         root = pathlib.Path(tmp)
-        frozen = workload("frozen", root, state_mib=args.state_mib, frozen=args.frozen,
-                          saves=args.saves, pairs=args.pairs)
-        report(f"frozen backbone ({args.frozen:.0%} of parameters frozen)", frozen)
+        if not args.skip_frozen:
+            frozen = workload("frozen", root, state_mib=args.state_mib, frozen=args.frozen,
+                              saves=args.saves, pairs=args.pairs)
+            report(f"frozen backbone ({args.frozen:.0%} of parameters frozen)", frozen)
         if not args.skip_full_finetune:
             full = workload("finetune", root, state_mib=args.state_mib, frozen=0.0,
                             saves=args.saves, pairs=args.pairs)
