@@ -136,14 +136,22 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
         deleted: list[str] = []
         failed: list[dict[str, str]] = []
         if yes:
+            freed: dict[str, tuple[Any, set[str]]] = {}  # incremental snapshots' blobs, by area
             for entry in entries:
                 if entry.name not in doomed:
                     continue
+                manifest = store.manifest(entry)
                 try:
                     delete_entry(store, entry)
                     deleted.append(entry.name)
                 except OSError as e:
                     failed.append({"name": entry.name, "error": f"{type(e).__name__}: {e}"})
+                    continue
+                if manifest is not None and manifest.blobs:
+                    area = store.blob_area_of(entry, manifest)
+                    freed.setdefault(area.directory, (area, set()))[1].update(manifest.blobs)
+            for area, digests in freed.values():  # those no snapshot left refers to
+                store.collect_blobs(digests, area=area)
             for path in orphans:
                 try:
                     store.storage.remove(path)

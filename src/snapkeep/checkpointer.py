@@ -65,6 +65,7 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     FilenameTemplate,
+    IncrementalTracker,
     MemoryTier,
     RunControl,
     RunLineage,
@@ -279,6 +280,16 @@ class Checkpointer:
             rank snapshots that step (``force``), waits until it is committed, the run status
             becomes ``preempted`` and the process exits with ``SystemExit(143)``. Default
             False: signals keep their default action.
+        incremental: write incremental snapshots (single files only): each tensor storage of
+            at least 1 MiB is stored once, as a content-addressed blob in
+            ``directory/.snapkeep/blobs/``, and a snapshot refers to the blobs of the storages
+            whose bytes did not change since the last one (a frozen backbone is written once);
+            the snapshot file holds the rest. Every snapshot still loads alone (:meth:`load`,
+            ``snapkeep.load_latest``, ``snapkeep verify`` check every blob it uses); retention
+            deletes a blob when no snapshot refers to it any more. A bare ``torch.load`` of such
+            a file fails, pointing to ``snapkeep convert`` (see
+            :mod:`snapkeep._core.incremental`). Default False. With ``memory``, the RAM tier
+            keeps full copies (it borrows no staged copy of an incremental snapshot).
 
     The run's status is recorded in ``directory/.snapkeep/status.json`` (rank 0), as with the
     manager's preemption extension: ``running`` from the first :meth:`load` or :meth:`save`
@@ -298,7 +309,7 @@ class Checkpointer:
         rng: bool = True, weights_only: bool = True, map_location: Any = "cpu",
         storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S, memory: MemoryTier | None = None,
-        preemption: bool | Sequence[signal.Signals | int] = False,
+        preemption: bool | Sequence[signal.Signals | int] = False, incremental: bool = False,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or URL string, got "
@@ -307,7 +318,8 @@ class Checkpointer:
         if every is not None and (isinstance(every, bool) or not isinstance(every, int)
                                   or every < 1):
             raise ValueError(f"every must be an int >= 1 (steps) or None, got {every!r}")
-        for name, value in (("rng", rng), ("weights_only", weights_only)):
+        for name, value in (("rng", rng), ("weights_only", weights_only),
+                            ("incremental", incremental)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         timeout_s = check_timeout_s(timeout_s)  # type: ignore[assignment]
@@ -324,6 +336,10 @@ class Checkpointer:
         if writer is not None and sharded:
             raise ValueError("sharded snapshots are written by every rank through "
                              "torch.distributed.checkpoint; writer cannot be given")
+        if incremental and sharded:
+            raise ValueError("incremental=True is for single-file snapshots; sharded "
+                             "(torch.distributed.checkpoint) snapshots cannot be incremental "
+                             "yet: pass sharded=False or incremental=False")
         self._location = os.fspath(directory)
         if writer is not None and writer.out_dir and writer.out_dir != self._location:
             raise ValueError(f"writer has out_dir {writer.out_dir!r}; the Checkpointer writes "
@@ -342,6 +358,7 @@ class Checkpointer:
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
         self._writer: Writer | None = None
+        self._incremental: IncrementalTracker | None = None
         if not sharded:
             self._writer = writer if writer is not None else ThreadWriter(
                 storage_options=storage_options)
@@ -362,6 +379,8 @@ class Checkpointer:
             if self._writer is not None:
                 self._claim(storage, path)
                 self._session.open()
+                if incremental:
+                    self._incremental = IncrementalTracker.for_store(self._store)
             else:
                 from snapkeep.sharded_checkpoint import ShardedCheckpoint
 
@@ -497,6 +516,8 @@ class Checkpointer:
         retain = session.retention(name, step, recorded, on_error=on_error)
         extra: dict[str, Any] = {"step": step, "retain": retain,  # snapkeep's writer extras
                                  "metrics": recorded, "run_id": session.lineage.run_id}
+        if self._incremental is not None:
+            extra["incremental"] = self._incremental
         handle = writer(name, self._location, tree, **extra)
         if on_error and handle is not None:
             handle.wait()

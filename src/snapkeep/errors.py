@@ -6,6 +6,7 @@ from snapkeep._core.distributed.errors import (
     RankFailedError,
 )
 from snapkeep._core.errors import (
+    IncrementalSnapshotError,
     ManifestError,
     MemoryTierTooSmallError,
     NoValidSnapshotError,
@@ -22,7 +23,8 @@ from snapkeep._core.errors import (
 )
 
 __all__ = [
-    "CollectiveTimeoutError", "ManifestError", "MemoryTierTooSmallError",
+    "CollectiveTimeoutError", "IncrementalSnapshotError", "ManifestError",
+    "MemoryTierTooSmallError",
     "NoCommonSnapshotError", "NoValidSnapshotError",
     "RankFailedError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",

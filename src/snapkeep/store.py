@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from snapkeep._core.incremental import IncrementalTracker
 from snapkeep._core.lineage import RunLineage, warn_about_existing
 from snapkeep._core.loading import load_file, unloadable_value
 from snapkeep._core.lock import StoreLock
@@ -110,6 +111,7 @@ def open_store(
 
 
 __all__ = [
+    "IncrementalTracker",
     "Held", "Identity", "MemoryStore", "NotPrivateError", "check_space", "describe_tiers",
     "foreign_reason", "forget_rank", "job_id", "owner_alive", "owners", "peer_sources",
     "ranks_in", "reclaim_stale", "remove_rank", "tier_bytes", "tier_dir", "write_owner",

@@ -59,6 +59,15 @@ def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
         )
     mpath = manifest_path(storage, job.path)
     storage.makedirs(storage.dirname(mpath))
+    blobs: dict[str, int] = {}
+    blob_bytes = 0
+    blob_digests: tuple[Any, ...] = ()
+    if job.incremental is not None:  # the blobs first, durable, then the skeleton
+        from snapkeep._core.incremental import encode
+
+        encoded = encode(obj, job.incremental, tag=job.tag)
+        obj, blobs = encoded.skeleton, encoded.blobs
+        blob_bytes, blob_digests = encoded.written_bytes, encoded.digests
 
     def write_data(f: Any) -> None:
         job.savefun(obj, f, **job.savefun_kwargs)
@@ -68,6 +77,7 @@ def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
             name=storage.basename(job.path), size_bytes=result.size_bytes,
             checksum=result.checksum, step=job.step, created_unix_s=now_unix_s(),
             snapkeep_version=job.version, run_id=job.run_id, metrics=dict(job.metrics),
+            blobs=blobs, blob_area=job.incremental.area_name if blobs else "",
         ).to_bytes()
 
     result = storage.publish_with_companion(
@@ -78,7 +88,7 @@ def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
                  job.step, elapsed)
     return CommitRecord(
         path=job.path, size_bytes=result.size_bytes, checksum=result.checksum, write_s=elapsed,
-        step=job.step,
+        step=job.step, blob_bytes=blob_bytes, blob_digests=blob_digests,
     )
 
 

@@ -34,6 +34,8 @@ class SaveJob:
         run_id: run lineage recorded in the manifest.
         metrics: observation values recorded in the manifest.
         version: snapkeep version recorded in the manifest.
+        incremental: an incremental snapshot's blob area and settings
+            (:class:`~snapkeep._core.incremental.IncrementalJob`); None writes a plain file.
     """
 
     storage: Storage
@@ -46,6 +48,7 @@ class SaveJob:
     run_id: str | None = None
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
     version: str = ""
+    incremental: Any = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,6 +61,10 @@ class CommitRecord:
         checksum: content checksum (``None`` for append-mode writes).
         write_s: seconds spent encoding and committing (in the worker).
         step: training iteration when known.
+        blob_bytes: bytes of blobs written by an incremental snapshot (``size_bytes`` counts
+            its skeleton file only).
+        blob_digests: an incremental snapshot's blob storages written or found by the commit:
+            ``(first tree path, digest)`` each.
     """
 
     path: str
@@ -65,3 +72,5 @@ class CommitRecord:
     checksum: str | None
     write_s: float
     step: int | None = None
+    blob_bytes: int = 0
+    blob_digests: tuple[tuple[tuple[Any, ...], str], ...] = ()

@@ -33,12 +33,21 @@ from snapkeep._core.codec import (
     load_safetensors_file,
 )
 from snapkeep._core.errors import SnapshotCorruptError, UnsafeSnapshotError
+from snapkeep._core.incremental import (
+    PICKLE_MODULE,
+    area_of,
+    is_skeleton,
+    materialise,
+    skeleton_digests,
+)
+from snapkeep._core.incremental import SAFE_GLOBALS as INCREMENTAL_GLOBALS
 from snapkeep._core.storage import Storage
 
 logger = logging.getLogger(__name__)
 
-#: Extra types snapkeep's own snapshots may contain, allowed under ``weights_only=True``.
-SAFE_GLOBALS: list[Any] = []
+#: Extra types snapkeep's own snapshots may contain, allowed under ``weights_only=True``: the
+#: skeleton of an incremental snapshot (:mod:`snapkeep._core.incremental`).
+SAFE_GLOBALS: list[Any] = [*INCREMENTAL_GLOBALS]
 
 
 def is_refused_global(error: pickle.UnpicklingError) -> bool:
@@ -84,12 +93,36 @@ def load_file(
             head = f.read(HEADER_PROBE_BYTES)
         if is_safetensors_header(head):
             return load_safetensors_file(path, map_location=map_location)
+    state = _load_torch(path, map_location=map_location, weights_only=weights_only, data=data)
+    if is_skeleton(state):  # an incremental snapshot: its blobs, each verified
+        return materialise(state, area_of(storage, path, state), map_location=map_location)
+    return state
+
+
+def skeleton_blobs(storage: Storage, path: str) -> set[str]:
+    """The blobs the file at ``path`` refers to when it is an incremental snapshot (its
+    skeleton only is read, safely); empty for any other file, or one that does not decode."""
+    try:
+        data = None if storage.is_local else storage.read_bytes(path)
+        state = _load_torch(path, map_location="cpu", weights_only=True, data=data)
+    except (OSError, pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+        logger.debug("%s: no blob references read (%s)", path, e)
+        return set()
+    digests = skeleton_digests(state)
+    return set(digests) if digests else set()
+
+
+def _load_torch(path: str, *, map_location: Any, weights_only: bool,
+                data: bytes | None) -> Any:
+    """``torch.load`` of a snapshot file (``data``: its bytes, else mapped from ``path``)."""
+    extra: dict[str, Any] = {} if weights_only else {"pickle_module": PICKLE_MODULE}
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             if data is not None:
                 return torch.load(io.BytesIO(data), map_location=map_location,
-                                  weights_only=weights_only)
-            return _load_mapped(path, map_location=map_location, weights_only=weights_only)
+                                  weights_only=weights_only, **extra)
+            return _load_mapped(path, map_location=map_location, weights_only=weights_only,
+                                **extra)
     except pickle.UnpicklingError as e:
         if weights_only and "weights only" in str(e).lower():
             if not is_refused_global(e):  # junk that happens to start like a pickle
@@ -165,18 +198,19 @@ def unloadable_value(tree: Any) -> str | None:
     return None
 
 
-def _load_mapped(path: str, *, map_location: Any, weights_only: bool) -> Any:
+def _load_mapped(path: str, *, map_location: Any, weights_only: bool, **extra: Any) -> Any:
     """``torch.load(path, mmap=True)``: tensors are copy-on-write views of the mapped file, so
     ``load_state_dict`` copies each one straight from the page cache into the existing parameter
     (and an optimizer adopts its state tensors without a copy); no second full copy of the state
     is ever held. Files in torch's legacy (pre-zip) format cannot be mapped and load as before."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True,
+                          **extra)
     except RuntimeError as e:
         if "mmap can only be used" not in str(e):
             raise
     logger.debug("%s is in torch's legacy format; loading it without mmap", path)
-    return torch.load(path, map_location=map_location, weights_only=weights_only)
+    return torch.load(path, map_location=map_location, weights_only=weights_only, **extra)
 
 
 def optimizers_in(target: Any) -> list[torch.optim.Optimizer]:

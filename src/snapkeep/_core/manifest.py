@@ -36,6 +36,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 #: Largest string field, in characters, and most entries in ``metrics``.
 MAX_STRING_CHARS = 4096
 MAX_METRICS = 1024
+#: Most blobs one incremental snapshot's manifest may list.
+MAX_BLOBS = 1 << 16
 #: Hex digest length of each supported checksum algorithm.
 CHECKSUM_HEX_CHARS = {"xxh3_128": 32}
 
@@ -57,6 +59,11 @@ class Manifest:
         metrics: observation values at save time (used by best-N retention); finite numbers
             only: JSON has no NaN or Infinity, so a non-finite value is left out of the file
             when it is written and dropped when an older file holding one is read.
+        blobs: an incremental snapshot's blobs (:mod:`snapkeep._core.incremental`): the
+            XXH3-128 digest (the blob's name) -> its size in bytes; empty for a plain file.
+            What retention counts before it deletes a blob.
+        blob_area: where those blobs are, relative to the snapshot's directory
+            (``'.snapkeep/blobs/<template key>'``); empty for a plain file.
     """
 
     name: str
@@ -68,12 +75,16 @@ class Manifest:
     snapkeep_version: str = ""
     run_id: str | None = None
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    blobs: dict[str, int] = dataclasses.field(default_factory=dict)
+    blob_area: str = ""
 
     def to_bytes(self) -> bytes:
         """The manifest as strict JSON (UTF-8; never ``NaN`` or ``Infinity``, which other JSON
         readers and ``snapkeep ls --json`` refuse: non-finite metrics are left out)."""
         body = {"format": FORMAT, **dataclasses.asdict(self)}
         body["metrics"] = finite_metrics(self.metrics)
+        if not self.blobs:  # a plain file's manifest stays as before incremental snapshots
+            del body["blobs"], body["blob_area"]
         return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode()
 
     @classmethod
@@ -109,7 +120,8 @@ class Manifest:
                     raise ManifestError(f"{source}: required field {field.name!r} is missing")
                 continue
             value = body[field.name]
-            problem = _type_problem(value, hints[field.name])
+            problem = _type_problem(value, hints[field.name],
+                                    MAX_BLOBS if field.name == "blobs" else MAX_METRICS)
             if problem is not None:
                 raise ManifestError(f"{source}: field {field.name!r} {problem}")
             values[field.name] = value
@@ -136,6 +148,15 @@ class Manifest:
             raise ManifestError(f"{source}: field 'step' is negative ({self.step})")
         if not math.isfinite(self.created_unix_s):
             raise ManifestError(f"{source}: field 'created_unix_s' is not finite")
+        area = self.blob_area.split("/")
+        if self.blob_area and (len(area) != 3 or area[:2] != [MANIFEST_DIR, "blobs"]
+                               or area[2] in ("", ".", "..")):
+            raise ManifestError(f"{source}: field 'blob_area' {self.blob_area[:80]!r} is not "
+                                f"under {MANIFEST_DIR}/blobs")
+        for digest, nbytes in self.blobs.items():
+            if not re.fullmatch("[0-9a-f]{32}", digest) or nbytes < 0:
+                raise ManifestError(f"{source}: field 'blobs' entry {digest[:80]!r}: "
+                                    f"{nbytes} is not a blob digest and size")
 
 
 def finite_metrics(metrics: typing.Mapping[str, Any]) -> dict[str, float]:
@@ -167,7 +188,7 @@ def now_unix_s() -> float:
     return time.time()
 
 
-def _type_problem(value: Any, hint: Any) -> str | None:
+def _type_problem(value: Any, hint: Any, max_entries: int = MAX_METRICS) -> str | None:
     """Why ``value`` (parsed JSON) does not fit the annotation ``hint``; None when it does.
 
     Handles what manifest fields use: str, int, float, bool, None, unions and ``dict[str, X]``;
@@ -205,8 +226,8 @@ def _type_problem(value: Any, hint: Any) -> str | None:
         key_hint, value_hint = typing.get_args(hint)
         if not isinstance(value, dict):
             return f"is {_json_type(value)}, expected an object"
-        if len(value) > MAX_METRICS:
-            return f"has {len(value)} entries, over {MAX_METRICS}"
+        if len(value) > max_entries:
+            return f"has {len(value)} entries, over {max_entries}"
         for key, item in value.items():
             problem = _type_problem(key, key_hint) or _type_problem(item, value_hint)
             if problem is not None:

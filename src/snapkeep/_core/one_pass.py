@@ -255,8 +255,8 @@ def one_pass_loader(
             state = load_verified(entry.path, checksum=manifest.checksum,
                                   size_bytes=manifest.size_bytes, algorithm=manifest.algorithm,
                                   weights_only=weights_only, map_location=map_location)
-        if state is None:
-            store.verify(entry)
+        if state is None:  # (an incremental snapshot: loading verifies each blob it reads)
+            store.verify(entry, references=False)
             return loader(entry, None)
         return check(entry, state)
 

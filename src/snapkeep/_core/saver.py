@@ -120,10 +120,15 @@ class Saver(DrainedAtExit):
         (caller's thread for inline runners). A failing hook is logged, never fatal."""
         self._hooks.append(hook)
 
-    def submit(self, job: SaveJob, tree: Any, *, retain: Retain | None = None) -> Ticket | None:
+    def submit(self, job: SaveJob, tree: Any, *, retain: Retain | None = None,
+               incremental: Any = None) -> Ticket | None:
         """Reserve a slot (per ``on_full``), stage ``tree`` into it and return the ticket.
 
         ``retain``: the retention stage run after the commit (the store, policy and lineage).
+        ``incremental``: the :class:`~snapkeep._core.incremental.IncrementalPlan` of an
+        incremental snapshot (``tree`` is the plan's tree): confirmed before the write and
+        finished when the save ends, whichever way (see :meth:`run`). Its staged copy is never
+        lent (it lacks the unchanged tensors).
 
         Returns ``None`` when the snapshot was skipped (``on_full='skip'``).
 
@@ -141,8 +146,12 @@ class Saver(DrainedAtExit):
         if check is not None and self._stage:  # a process worker: refuse what it cannot receive
             check(job, tree)
         handle = SaveHandle(path=job.path, step=job.step)
+        if incremental is not None:  # in flight until it ends, whichever way
+            handle.committed.add_done_callback(lambda f: incremental.finish(
+                None if f.cancelled() or f.exception() is not None else f.result()))
         slot = self._acquire_slot(handle)
         if slot is None:
+            handle.committed.cancel()
             return None
         try:
             # a save that failed while this call waited for its slot surfaces now, not one
@@ -164,7 +173,7 @@ class Saver(DrainedAtExit):
             self._release(slot, handle)
             raise
         self.last_stage_stats = stats
-        if self._stage:  # kept for a loan (lend) until the slot is staged again
+        if self._stage and incremental is None:  # kept for a loan until staged again
             with self._cond:
                 slot.holds, slot.staged = handle, staged
         if deferred is None:
@@ -174,7 +183,8 @@ class Saver(DrainedAtExit):
             with self._cond:
                 self._verdicts.append(verdict)
             verdict.start()
-        return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain)
+        return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain,
+                      incremental=incremental)
 
     def overlap_next(self, plan: Any) -> None:
         """Stage the next :meth:`submit` (same thread) per ``plan``
@@ -475,6 +485,11 @@ class Saver(DrainedAtExit):
         try:
             if handle.verdict is not None:  # overlapped staging: nothing before the verdict
                 handle.verdict.wait(self.timeout_s, self.warn_after_s)
+            if ticket.incremental is not None:  # unchanged tensors hashed against their blobs
+                if execute is not None:
+                    raise ValueError("an incremental snapshot is written by snapkeep's own "
+                                     "commit; a custom queue task cannot write it")
+                ticket.incremental.confirm()
             if execute is not None:
                 record = execute(staged) or CommitRecord(
                     path=job.path, size_bytes=0, checksum=None, write_s=0.0, step=job.step)
@@ -514,6 +529,8 @@ class Saver(DrainedAtExit):
             self._release(slot, handle)
             return False
         del staged
+        if ticket.incremental is not None:  # no longer in flight: retention may count it
+            ticket.incremental.finish(record)
         # retention and post-commit hooks first: once every slot is free, wait() and finalize()
         # may return, and by then everything about the snapshot must be done
         if ticket.retain is not None:

@@ -37,6 +37,7 @@ import zipfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from snapkeep._core.blobs import BLOBS_DIR, BlobArea, area_directory, ledger_for
 from snapkeep._core.checksum import digest_file, digest_stream, require_match
 from snapkeep._core.commit import commit_job
 from snapkeep._core.errors import (
@@ -312,16 +313,20 @@ class SnapshotStore:
                 "move both away")
         return manifest
 
-    def verify(self, entry: Entry, data: bytes | None = None) -> Manifest | None:
+    def verify(self, entry: Entry, data: bytes | None = None, *,
+               references: bool = True) -> Manifest | None:
         """Check the entry against its manifest; return the manifest (None if it has none).
 
         Args:
             entry: the snapshot.
             data: its bytes when already fetched (remote stores), else the file is streamed.
+            references: also check every blob an incremental snapshot's manifest lists (each
+                read and hashed against its name and size). False when the caller loads the
+                snapshot next: loading verifies every blob it reads.
 
         Raises:
-            SnapshotCorruptError: size or checksum differs from the manifest, or the file is
-                unreadable.
+            SnapshotCorruptError: size or checksum differs from the manifest, the file is
+                unreadable, or a blob it refers to is missing or corrupt.
             SnapshotStorageError: the store could not be reached.
         """
         manifest = self.expected(entry)
@@ -341,6 +346,13 @@ class SnapshotStore:
             raise SnapshotCorruptError(f"{entry.path}: unreadable ({e})") from e
         require_match(entry.path, digest, size, recorded_checksum=manifest.checksum,
                       recorded_size=manifest.size_bytes, algorithm=manifest.algorithm)
+        if references and manifest.blobs:
+            area = self.blob_area_of(entry, manifest)
+            for blob, nbytes in sorted(manifest.blobs.items()):
+                try:
+                    area.check(blob, nbytes)
+                except SnapshotCorruptError as e:
+                    raise SnapshotCorruptError(f"{entry.path}: {e}") from e
         return manifest
 
     def validate(
@@ -369,8 +381,8 @@ class SnapshotStore:
             if data is None and one_pass is not None and self.storage.is_local:
                 manifest = self.expected(entry)
                 state = one_pass(entry, manifest)  # verified while it loads
-            else:
-                manifest = self.verify(entry, data)
+            else:  # loading verifies every blob it reads
+                manifest = self.verify(entry, data, references=False)
                 state = loader(entry, data)
         except (UnsafeSnapshotError, SnapshotStorageError, SnapshotCorruptError):
             raise
@@ -582,13 +594,111 @@ class SnapshotStore:
         by_name = {e.name: e for e in entries}
         keep = [e.name for e in entries if e.path in set(protect)]
         deleted = []
+        freed: set[str] = set()  # blobs of deleted incremental snapshots, in this area
+        own = self.blob_area_name()
         for name in plan_deletions(policy, infos, protect=keep):
             entry = by_name[name]
+            manifest = self.manifest(entry)
             if self.delete(entry, by="retention"):
                 deleted.append(entry)
+                if manifest is not None and manifest.blob_area == own:
+                    freed.update(manifest.blobs)
                 logger.debug("retention deleted %s (step %s)", entry.path, entry.step)
         self._remove_orphan_manifests(listed, lineage)
+        if freed:
+            self.collect_blobs(freed)
         return deleted
+
+    # -- blobs of incremental snapshots ------------------------------------------------------------
+    def blob_area(self) -> BlobArea:
+        """This template's blob area (:mod:`snapkeep._core.blobs`; incremental snapshots).
+
+        Raises:
+            TypeError: a callable template (it has no area).
+        """
+        return BlobArea(storage=self.storage, directory=area_directory(
+            self.storage, self._listing.directory, self.template.lock_key))
+
+    def blob_area_of(self, entry: Entry, manifest: Manifest) -> BlobArea:
+        """The blob area ``manifest`` (of ``entry``) names."""
+        return BlobArea(storage=self.storage, directory=self.storage.join(
+            self.storage.dirname(entry.path), *manifest.blob_area.split("/")))
+
+    def blob_area_name(self) -> str | None:
+        """:meth:`blob_area` relative to the snapshots' directory (None: no area)."""
+        if not self.template.parsable:
+            return None
+        return "/".join((MANIFEST_DIR, BLOBS_DIR,
+                         self.storage.basename(self.blob_area().directory)))
+
+    def referenced_blobs(self) -> set[str] | None:
+        """Every blob a snapshot of this template refers to: those listed by each of its
+        manifests (any run, on-error snapshots and manifests whose snapshot is gone included),
+        and those of a snapshot without a manifest read from the file itself (a kill between
+        publishing a snapshot and its manifest). None when a manifest cannot be read: then
+        nobody may tell which blobs are unused."""
+        split = self._split()
+        if split is None:
+            return None
+        sub, base = split
+        template = FilenameTemplate(base)
+        manifest_dir = self.storage.join(self._subdir(sub), MANIFEST_DIR)
+        referenced: set[str] = set()
+        described = set()
+        for name in self._manifests.files():
+            snapshot, dot, ext = name.rpartition(".")
+            if not dot or ext != "json":
+                continue
+            if template.parse(snapshot.removesuffix(ON_ERROR_SUFFIX)) is None:
+                continue
+            try:
+                manifest = read_manifest(self.storage, self.storage.join(manifest_dir, name))
+            except (ManifestError, OSError) as e:
+                logger.warning("cannot tell which blobs are in use: %s", e)
+                return None
+            if manifest is not None:
+                referenced.update(manifest.blobs)
+                described.add(snapshot)
+        from snapkeep._core.loading import skeleton_blobs
+
+        for entry in self.entries():
+            if self.storage.basename(entry.path) not in described:
+                referenced.update(skeleton_blobs(self.storage, entry.path))
+        return referenced
+
+    def collect_blobs(self, candidates: set[str] | None = None, *,
+                      area: BlobArea | None = None) -> list[str]:
+        """Delete the blobs among ``candidates`` (None: every blob of the area, and its stale
+        temporary files) that no snapshot refers to (:meth:`referenced_blobs`) and no save of
+        this process in flight may use (see :class:`~snapkeep._core.blobs.BlobLedger`: with a
+        save in flight the candidates wait for a later pass). A failed delete is logged.
+        ``area``: the blob area (default :meth:`blob_area`; ``snapkeep prune`` passes the one
+        its deleted snapshots' manifests name). Returns the digests deleted."""
+        if not self.template.parsable or self._split() is None:
+            return []
+        area = self.blob_area() if area is None else area
+        ledger = ledger_for(area)
+        with ledger.quiet() as alone:
+            if not alone:
+                if candidates is not None:
+                    ledger.deferred.update(candidates)
+                return []
+            raw: list[dict[str, Any]] = []
+            if candidates is None:
+                names, raw = area.listing()
+                candidates = set(names)
+            candidates = candidates | ledger.deferred
+            referenced = self.referenced_blobs()
+            if referenced is None:
+                ledger.deferred = candidates
+                return []
+            ledger.deferred = set()
+            removed = [d for d in sorted(candidates - referenced) if area.remove(d)]
+            area.remove_stale_temps(raw)
+        if removed:
+            logger.info("removed %d blob(s) no snapshot of %r refers to", len(removed),
+                        self.template.template)
+        return removed
 
     # -- sweeping ------------------------------------------------------------------------------
     def sweep(self, lineage: frozenset[str | None] | None = None) -> list[str]:
@@ -603,6 +713,9 @@ class SnapshotStore:
         removed += self.storage.remove_stale_temps(self.storage.join(directory, MANIFEST_DIR),
                                                    self._manifests.take_entries())
         removed += self._remove_orphan_manifests(None, lineage)
+        if BLOBS_DIR in self._manifests.dirs():  # incremental snapshots were written here
+            area = self.blob_area()
+            removed += [area.path(d) for d in self.collect_blobs(None)]
         return removed
 
     def orphan_manifests(self, entries: list[Entry] | None = None) -> list[str]:

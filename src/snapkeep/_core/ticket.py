@@ -150,10 +150,12 @@ class StagedLoan:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Ticket:
-    """One staged snapshot waiting to be written: its slot, handle, job and staged tree."""
+    """One staged snapshot waiting to be written: its slot, handle, job and staged tree, and
+    for an incremental snapshot its :class:`~snapkeep._core.incremental.IncrementalPlan`."""
 
     slot: Slot
     handle: SaveHandle
     job: SaveJob
     staged: Any
     retain: Retain | None = None
+    incremental: Any = None

@@ -7,6 +7,7 @@ manifest -> post-commit hooks) lives in :mod:`snapkeep._core` and is the same fo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
@@ -344,12 +345,43 @@ class Writer:
         retain = extra.pop("retain", None)
         if retain is not None and not isinstance(retain, Retain):
             raise TypeError(f"retain must be a snapkeep.store.Retain, got {retain!r}")
+        tracker = extra.pop("incremental", None)
         job = self._job(filename, out_dir, savefun, append, savefun_kwargs, **extra)
+        if tracker is not None:
+            _check_incremental(tracker, job)
         if not self._initialized:
             self.initialize(self._directory(out_dir))
-        ticket = self._saver.submit(job, target, retain=retain)
+        if tracker is None:
+            ticket = self._saver.submit(job, target, retain=retain)
+        else:  # unchanged tensors become references: neither staged nor written
+            target, plan = tracker.plan(target)
+            ticket = None
+            try:
+                ticket = self._saver.submit(dataclasses.replace(job, incremental=plan.job),
+                                            target, retain=retain, incremental=plan)
+            finally:
+                if ticket is None:  # skipped, or refused before it was in flight
+                    plan.finish(None)
         self.last_handle = ticket.handle if ticket is not None else None
         return ticket
+
+
+def _check_incremental(tracker: Any, job: SaveJob) -> None:
+    """Refuse an incremental snapshot this writer cannot write: its skeleton is a
+    ``torch.save`` file committed with its manifest.
+
+    Raises:
+        TypeError: ``tracker`` is not an :class:`~snapkeep._core.incremental.IncrementalTracker`.
+        ValueError: append mode, or a ``savefun`` other than ``torch.save``.
+    """
+    from snapkeep._core.incremental import IncrementalTracker
+
+    if not isinstance(tracker, IncrementalTracker):
+        raise TypeError(f"incremental must be an IncrementalTracker, got {tracker!r}")
+    if job.append or job.savefun not in (torch.save, torch_save):
+        raise ValueError(
+            "incremental snapshots are torch.save files committed with their manifest: "
+            f"savefun must be torch.save (got {job.savefun!r}) and append False")
 
 
 class SimpleWriter(Writer):

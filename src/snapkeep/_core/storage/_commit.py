@@ -223,6 +223,21 @@ class ReplaceCommit:
         self.file_mode = file_mode
 
     def write(self, fs: Any, target: Target, write_fn: WriteFn) -> WriteResult:
+        result = self.write_temp(target, write_fn)
+        try:
+            check_publish()
+            os.replace(target.temp_path, target.path)
+        except BaseException as e:
+            unlink_quietly(target.temp_path)
+            raise_failure(e, None, result.size_bytes, target, "writing snapshot")
+        fsync_directory(os.path.dirname(target.path) or ".")
+        return WriteResult(path=target.path, size_bytes=result.size_bytes,
+                           checksum=result.checksum)
+
+    def write_temp(self, target: Target, write_fn: WriteFn) -> WriteResult:
+        """The first half of :meth:`write`: ``target.temp_path`` written, flushed and
+        ``fsync``-ed, not renamed (the caller publishes it; on failure it is removed and the
+        error raised as :meth:`write` raises it). Returns the temp file's result."""
         tmp = target.temp_path
         try:
             fd, direct = open_for_write(tmp, direct=self.direct_io, mode=self.file_mode)
@@ -250,13 +265,10 @@ class ReplaceCommit:
                 logger.debug("%s: %d bytes written (%s), %d of them in place (no copy)",
                              tmp, raw.size_bytes, "O_DIRECT" if raw.direct else "page cache",
                              raw.in_place_bytes)
-            check_publish()
-            os.replace(tmp, target.path)
         except BaseException as e:
             unlink_quietly(tmp)
             raise_failure(e, sink.error, hashing.size_bytes, target, "writing snapshot")
-        fsync_directory(os.path.dirname(target.path) or ".")
-        return WriteResult(path=target.path, size_bytes=hashing.size_bytes,
+        return WriteResult(path=tmp, size_bytes=hashing.size_bytes,
                            checksum=hashing.hexdigest())
 
 

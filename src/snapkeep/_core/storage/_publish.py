@@ -189,3 +189,66 @@ def _restore(storage: Storage, companion: str, data: bytes | None, tag: str) -> 
     except Exception as e:  # the save's own error is what the caller must see
         logger.warning("could not restore the manifest %s after a failed save; its snapshot "
                        "now loads as unverified: %s", companion, e)
+
+
+def publish_by_content(storage: Storage, directory: str, write_data: WriteFn, *,
+                       tag: str, expect: str | None = None) -> WriteResult:
+    """Publish a file in ``directory`` named by the XXH3-128 digest of its own bytes (a blob of
+    an incremental snapshot), written by ``write_data``.
+
+    Replace+fsync storages: written, flushed and fsynced under a temporary name while hashed
+    (one pass), then renamed to ``directory/<digest>``; a file already there has the same bytes
+    (it is replaced by an identical one). The directory is not fsynced here: the caller syncs it
+    once after its last blob (``Storage.sync_directory``). Elsewhere the name must be known
+    before the one PUT: the bytes are hashed first (``write_data`` runs twice).
+
+    ``expect``: the digest the bytes must have (known beforehand); when they hash to another,
+    nothing is published and ``ValueError`` is raised (they changed while being written).
+
+    Raises:
+        SnapshotStorageError: an OS/storage fault; nothing new is left in ``directory``.
+        ValueError: ``expect`` given and not the bytes' digest.
+        Exception: whatever ``write_data`` raised, after the same clean-up.
+    """
+    if isinstance(storage.strategy, ReplaceCommit):
+        tmp = storage.temp_name_for(storage.join(directory, "blob"), tag)
+        result = storage.strategy.write_temp(Target(
+            path=tmp, temp_path=tmp, url=storage.url(tmp)), write_data)
+        final = storage.join(directory, result.checksum)
+        try:
+            if expect is not None and result.checksum != expect:
+                raise ValueError(f"{storage.url(final)}: the bytes written hash to "
+                                 f"{result.checksum}, not {expect} (changed while written)")
+            check_publish()
+            os.replace(tmp, final)
+        except BaseException as e:
+            unlink_quietly(tmp)
+            if isinstance(e, OSError) and not isinstance(e, SnapshotStorageError):
+                raise storage_error(e, storage.url(final), None, "publishing blob") from e
+            raise
+        finally:
+            storage.fs.invalidate_cache(final)
+        return WriteResult(path=final, size_bytes=result.size_bytes, checksum=result.checksum)
+    from snapkeep._core.checksum import HashingWriter
+
+    digest = expect
+    if digest is None:
+        hashing = HashingWriter(_Discard())  # type: ignore[arg-type]
+        write_data(hashing)  # type: ignore[arg-type]
+        digest = hashing.hexdigest()
+    result = storage.write(storage.join(directory, digest), write_data, tag=tag)
+    if result.checksum != digest:
+        storage.remove(result.path)
+        raise ValueError(f"{storage.url(result.path)}: the bytes written hash to "
+                         f"{result.checksum}, not {digest} (changed while written); removed")
+    return result
+
+
+class _Discard:
+    """A write-only sink that keeps nothing (the hashing pass of :func:`publish_by_content`)."""
+
+    def write(self, data: Any) -> int:
+        return len(memoryview(data))
+
+    def flush(self) -> None:
+        pass

@@ -37,7 +37,7 @@ from snapkeep._core.storage._paths import (
     local_name_max,
     truncate_utf8,
 )
-from snapkeep._core.storage._publish import publish_pair
+from snapkeep._core.storage._publish import publish_by_content, publish_pair
 from snapkeep._core.storage._resolve import commit_strategy_for
 from snapkeep._core.storage._temps import (
     is_temp_name,
@@ -327,13 +327,18 @@ class Storage:
             pass
         self.fs.invalidate_cache(path)
 
-    def open_read(self, path: str) -> IO[bytes]:
+    def open_read(self, path: str, *, whole: bool = False) -> IO[bytes]:
         """A readable, seekable binary file. Remote files are fetched whole (one GET), so a
         connection fault surfaces here as :class:`SnapshotStorageError`, not later mid-read.
         Local files must be regular files (see :func:`~._local.open_regular`): a FIFO never
-        blocks."""
+        blocks. ``whole``: the caller reads the whole file front to back; a local file is then
+        read ahead from disk at once (``posix_fadvise`` ``SEQUENTIAL`` and ``WILLNEED``)."""
         if self.is_local:
-            return os.fdopen(open_regular(path), "rb")
+            fd = open_regular(path)
+            if whole and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            return os.fdopen(fd, "rb")
         return io.BytesIO(self.read_bytes(path))
 
     def read_bytes(self, path: str, *, max_bytes: int | None = None) -> bytes:
@@ -441,6 +446,14 @@ class Storage:
         :func:`~._publish.publish_pair` for the order per storage, the arguments and errors."""
         return publish_pair(self, path, companion, write_fn, companion_for, tag=tag,
                             companion_max_bytes=companion_max_bytes)
+
+    def publish_by_content(self, directory: str, write_fn: Callable[[BinaryIO], None], *,
+                           tag: str = "w", expect: str | None = None) -> WriteResult:
+        """Publish a file in ``directory`` named by the XXH3-128 digest of its bytes
+        (``expect``: the digest they must have): see :func:`~._publish.publish_by_content`
+        (one pass on local files; the directory is synced by the caller)."""
+        self._check_write_path(self.join(directory, "0" * 32))
+        return publish_by_content(self, directory, write_fn, tag=tag, expect=expect)
 
     def write_bytes(self, path: str, data: bytes, *, tag: str = "w") -> WriteResult:
         """:meth:`write` for a small in-memory payload (manifests)."""

@@ -30,6 +30,8 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 from snapkeep.retention import RetentionPolicy
 from snapkeep.store import check_timeout_s
 from snapkeep.training.extensions._find import (
@@ -94,6 +96,7 @@ def snapshot(
     overlap: bool | str = True,
     quiet: bool = False,
     loaders: Mapping[str, Any] | None = None,
+    incremental: bool = False,
 ) -> _Snapshot:
     """Returns an extension that snapshots the manager (or ``target``), as ppe's ``snapshot``.
 
@@ -161,6 +164,14 @@ def snapshot(
             resumed from and its step, or that it starts fresh in which directory, and one line
             per snapshot skipped with its reason (corrupt, misnamed, incomplete sharded
             directory; see ``_resume_notice``). snapkeep addition.
+        incremental: write incremental snapshots (single-file modes with a snapkeep writer, a
+            string ``filename`` template and ``torch.save``): each tensor storage of at least
+            1 MiB is stored once, as a content-addressed blob in ``out/.snapkeep/blobs/``, and
+            a snapshot refers to the blobs of storages unchanged since the previous one (a
+            frozen backbone is written once). Autoload, ``snapkeep.load_latest`` and the CLI
+            load and verify every blob; retention deletes a blob when no snapshot refers to it
+            any more; a bare ``torch.load`` fails pointing to ``snapkeep convert`` (see
+            :mod:`snapkeep._core.incremental`). Default False. snapkeep addition.
 
     Raises:
         TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type
@@ -179,6 +190,19 @@ def snapshot(
         map_location=map_location, on_save_error=on_save_error, generators=generators,
         overlap=overlap, quiet=quiet, loaders=loaders,
     )
+    if not isinstance(incremental, bool):
+        raise TypeError(f"incremental must be True or False, got {incremental!r}")
+    if incremental:
+        if snapshot_mode == SnapshotMode.SHARDED:
+            raise ValueError("incremental=True is for single-file snapshots; SHARDED "
+                             "(torch.distributed.checkpoint) snapshots cannot be incremental yet")
+        if savefun is not None and savefun is not torch.save:
+            raise ValueError("incremental snapshots are torch.save files: savefun must be "
+                             f"None or torch.save, got {savefun!r}")
+        if not isinstance(filename, str):
+            raise ValueError("incremental=True needs a string filename template (its blobs "
+                             "are kept per template), not a callable")
+        kwargs["incremental"] = True
     if snapshot_mode == SnapshotMode.DEFAULT and saver_rank is None:
         return _Snapshot(**kwargs)
     if snapshot_mode in (SnapshotMode.DEFAULT, SnapshotMode.DISTRIBUTED):

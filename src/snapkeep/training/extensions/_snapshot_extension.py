@@ -35,6 +35,7 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     FilenameTemplate,
+    IncrementalTracker,
     RunLineage,
     Session,
     SnapshotStore,
@@ -91,7 +92,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         weights_only: bool = True, map_location: Any = "cpu", on_save_error: str = "raise",
         generators: Mapping[str, Any] | None = None,
         overlap: bool | str = True, quiet: bool = False,
-        loaders: Mapping[str, Any] | None = None,
+        loaders: Mapping[str, Any] | None = None, incremental: bool = False,
     ) -> None:
         _restore.check_target(target)
         self._quiet = check_quiet(quiet)
@@ -145,6 +146,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         self._shared = RunLineage.fresh()
         self._store: SnapshotStore | None = None
         self._session: Session | None = None  # the engine session on the store (saver rank)
+        self._incremental = bool(incremental)
+        self._tracker: IncrementalTracker | None = None  # per store (_tracker_of)
 
     @property
     def run_id(self) -> str:
@@ -350,6 +353,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             if session is not None:  # the retention input check, then the retention stage
                 extra["retain"] = session.retention(filename, extra["step"], extra["metrics"],
                                                     on_error=on_error)
+            if self._incremental:
+                extra["incremental"] = self._tracker_of(manager)
         if self._on_save_error == "log" and isinstance(writer, _SnapkeepWriter):
             try:  # an earlier background failure is logged here, so this snapshot is still taken
                 writer.raise_pending_error()
@@ -424,6 +429,20 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if store is None or store.storage is not storage or store.directory != directory:
             store = self._store = SnapshotStore(storage, directory, self._template)
         return store
+
+    def _tracker_of(self, manager: Any) -> IncrementalTracker:
+        """The incremental tracker of :meth:`_store_of`'s store (one per store).
+
+        Raises:
+            ValueError: no store (a callable template).
+        """
+        store = self._store_of(manager, quiet=True)
+        if store is None:
+            raise ValueError("incremental=True needs a string filename template")
+        tracker = self._tracker
+        if tracker is None or tracker.area != store.blob_area():
+            tracker = self._tracker = IncrementalTracker.for_store(store)
+        return tracker
 
     def _session_of(self, manager: Any) -> Session | None:
         """The engine session on :meth:`_store_of`'s store (None where there is no store)."""
