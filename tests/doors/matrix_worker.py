@@ -53,7 +53,8 @@ def _say(step: int, digest: str) -> None:
 
 
 def checkpointer(directory: str, steps: int, exit_at: int, options: dict[str, Any],
-                 sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+                 sharded: bool, incremental: bool = False
+                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     data, model, optimizer = _setup()
     if sharded:  # sharded snapshots keep a StatefulDataLoader's position only
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -62,7 +63,8 @@ def checkpointer(directory: str, steps: int, exit_at: int, options: dict[str, An
     else:
         loader = torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True)
     state = {"model": model, "optimizer": optimizer, "data": loader}
-    ckpt = snapkeep.Checkpointer(directory, sharded=sharded, storage_options=options or None)
+    ckpt = snapkeep.Checkpointer(directory, sharded=sharded, storage_options=options or None,
+                                 incremental=incremental)
     step = ckpt.load(into=state) or 0
     while step < steps:
         for x, y in loader:
@@ -79,7 +81,8 @@ def checkpointer(directory: str, steps: int, exit_at: int, options: dict[str, An
 
 
 def extension(directory: str, steps: int, exit_at: int, options: dict[str, Any],
-              sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+              sharded: bool, incremental: bool = False
+              ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from snapkeep.training import ExtensionsManager, extensions
     from snapkeep.writing import ThreadWriter
 
@@ -90,7 +93,8 @@ def extension(directory: str, steps: int, exit_at: int, options: dict[str, Any],
                                 writer=ThreadWriter(out_dir=directory, storage_options=options))
     mode = extensions.SnapshotMode.SHARDED if sharded else extensions.SnapshotMode.DEFAULT
     manager.extend(extensions.snapshot(autoload=True, loaders={"train": loader},
-                                       snapshot_mode=mode), trigger=(1, "iteration"))
+                                       snapshot_mode=mode, incremental=incremental),
+                   trigger=(1, "iteration"))
     while not manager.stop_trigger:
         for x, y in loader:
             with manager.run_iteration():
@@ -106,12 +110,15 @@ def main() -> None:
     door, directory, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     exit_at = int(sys.argv[4]) if len(sys.argv) > 4 else -1
     options = json.loads(os.environ.get("SNAPKEEP_TEST_STORAGE_OPTIONS", "{}"))
-    if door in ("extension", "extension-sharded"):
+    incremental = door.endswith("-incremental")
+    if door in ("extension", "extension-sharded", "extension-incremental"):
         model, optimizer = extension(directory, steps, exit_at, options,
-                                     sharded=door == "extension-sharded")
-    elif door in ("checkpointer", "checkpointer-sharded"):
+                                     sharded=door == "extension-sharded",
+                                     incremental=incremental)
+    elif door in ("checkpointer", "checkpointer-sharded", "checkpointer-incremental"):
         model, optimizer = checkpointer(directory, steps, exit_at, options,
-                                        sharded=door == "checkpointer-sharded")
+                                        sharded=door == "checkpointer-sharded",
+                                        incremental=incremental)
     else:
         raise SystemExit(f"unknown door {door!r}")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),

@@ -238,6 +238,7 @@ class Door:
 
 class CheckpointerDoor(Door):
     name = "checkpointer"
+    incremental = False  # Checkpointer(incremental=True): unchanged tensors written once
     storages = frozenset({"local", "memory", "s3"})
     on_error_snapshots = True
     memory_tier = True
@@ -257,7 +258,8 @@ class CheckpointerDoor(Door):
               length: int | None = None) -> torch.nn.Module:
         model, optimizer = _model(features)
         with snapkeep.Checkpointer(directory, keep=keep, sharded=self.sharded, every=every,
-                                   storage_options=storage_options, memory=memory) as ckpt:
+                                   storage_options=storage_options, memory=memory,
+                                   incremental=self.incremental) as ckpt:
             state = {"model": model, "optimizer": optimizer}
             start = ckpt.load(into=state) or 0
             for step in range(start + 1, stop + 1):
@@ -288,6 +290,7 @@ class ShardedCheckpointerDoor(CheckpointerDoor):
 
 class ExtensionDoor(Door):
     name = "extension"
+    incremental = False  # snapshot(incremental=True)
     mode = extensions.SnapshotMode.DEFAULT
     storages = frozenset({"local", "memory", "s3"})
     on_error_snapshots = True
@@ -315,7 +318,8 @@ class ExtensionDoor(Door):
                                     writer=ThreadWriter(out_dir=str(directory),
                                                         storage_options=storage_options))
         manager.extend(extensions.snapshot(autoload=True, retention=keep,
-                                           snapshot_on_error=True, snapshot_mode=self.mode),
+                                           snapshot_on_error=True, snapshot_mode=self.mode,
+                                           incremental=self.incremental),
                        trigger=(every, "iteration"))
         if memory is not None:
             manager.extend(extensions.memory_tier(memory))
@@ -360,7 +364,22 @@ class ShardedExtensionDoor(ExtensionDoor):
         return f"{name}/.metadata", True
 
 
+class IncrementalCheckpointerDoor(CheckpointerDoor):
+    """The Checkpointer with incremental snapshots (a skeleton file + shared blobs)."""
+
+    name = "checkpointer-incremental"
+    incremental = True
+
+
+class IncrementalExtensionDoor(ExtensionDoor):
+    """ppe's snapshot extension with ``incremental=True``."""
+
+    name = "extension-incremental"
+    incremental = True
+
+
 DOORS = [CheckpointerDoor(), ShardedCheckpointerDoor(), ExtensionDoor(), ShardedExtensionDoor(),
+         IncrementalCheckpointerDoor(), IncrementalExtensionDoor(),
          LightningDoor(), HFDoor()]
 
 
