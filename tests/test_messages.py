@@ -222,6 +222,13 @@ def memory_tier_too_small(tmp_path: Path) -> None:
     manager.start_extensions()
 
 
+def bare_load_of_incremental(tmp_path: Path) -> None:
+    model = torch.nn.Linear(256, 256)
+    with snapkeep.Checkpointer(tmp_path, incremental=True) as ckpt:
+        ckpt.save(1, {"model": model})
+    torch.load(tmp_path / "ckpt_1", weights_only=False)  # a plain torch.load, arbitrary pickle
+
+
 def staging_race(tmp_path: Path) -> None:
     from snapkeep._core.overlap import DeferredCopy
     from snapkeep._core.staging import StageStats
@@ -278,6 +285,10 @@ ERRORS = {
         "worker process", "died", "snapshot_iter_1", "trainer's own write",
         "failed too", "No space left on device", "was not committed",
         "A new worker starts with the next snapshot")),
+    "IncrementalSnapshotError": Row(snapkeep.errors.IncrementalSnapshotError,
+                                    bare_load_of_incremental, (
+        "incremental snapkeep snapshot", "plain torch.load cannot put them back",
+        "snapkeep convert SNAPSHOT OUT.pt")),
     "StoreLockedError": Row(snapkeep.StoreLockedError, store_locked, (
         "in use by another trainer", "pid", "Stop the other trainer",
         "another output directory or filename template")),
