@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
+import snapkeep
 from snapkeep import writing
 from snapkeep.cli import cli
 
@@ -233,6 +234,28 @@ def test_diff_shapes_dtypes_and_keys(tmp_path: Path) -> None:
     text = invoke("diff", str(tmp_path / "a.pt"), str(tmp_path / "b.pt")).output
     assert "tensor w: shape [3] != [4]" in text and "tensor x: dtype float32 != float64" in text
     assert "only in B: extra" in text
+
+
+def test_diff_of_two_rng_states_is_one_row_per_generator(tmp_path: Path) -> None:
+    """Two Checkpointer snapshots whose tensors are equal but whose RNG states differ: one row
+    per generator state (which element first, how many differ), not one per element (the
+    fresh-user trial counted 1,247 lines)."""
+    import random
+
+    for name, seed in (("a", 1), ("b", 2)):
+        random.seed(seed)
+        torch.manual_seed(0)
+        with snapkeep.Checkpointer(tmp_path / name) as ckpt:
+            ckpt.save(1, {"m": torch.nn.Linear(2, 2)})
+    result = invoke("diff", str(tmp_path / "a" / "ckpt_1"), str(tmp_path / "b" / "ckpt_1"))
+    assert result.exit_code == 1
+    rows = [line for line in result.output.splitlines() if line.startswith("value rng/python")]
+    assert len(rows) == 1 and "elements differ)" in rows[0], result.output
+    assert len(result.output.splitlines()) < 10, result.output
+    body = as_json(invoke("diff", str(tmp_path / "a" / "ckpt_1"),
+                          str(tmp_path / "b" / "ckpt_1"), "--json"), "diff")
+    assert [v["key"] for v in body["values"] if v["key"].startswith("rng/python")] == [
+        "rng/python/1"]
 
 
 def test_diff_atol(tmp_path: Path) -> None:

@@ -206,4 +206,39 @@ def compare(a: Any, b: Any, *, atol: float = 0.0) -> Difference:
                 same = False
         if not same:
             out.values.append({"key": key, "a": _short(x), "b": _short(y)})
+    out.values = _grouped(out.values, left)
+    return out
+
+
+#: Differing elements of one list or tuple (an RNG state's 625 ints) shown as one row from here.
+GROUP_MIN = 8
+
+
+def _grouped(values: list[dict[str, Any]], left: dict[str, Any]) -> list[dict[str, Any]]:
+    """``values`` with the differing elements of one list or tuple, when there are at least
+    :data:`GROUP_MIN`, replaced by one row for the container (how many differ, and the first),
+    so that two RNG states do not print a line per element."""
+    def parent_of(key: str) -> str | None:
+        parent, _, last = key.rpartition("/")
+        return parent if parent and last.isdigit() else None
+
+    counts: dict[str, int] = {}
+    for row in values:
+        parent = parent_of(row["key"])
+        if parent is not None:
+            counts[parent] = counts.get(parent, 0) + 1
+    out: list[dict[str, Any]] = []
+    shown: set[str] = set()
+    for row in values:
+        parent = parent_of(row["key"])
+        if parent is None or counts[parent] < GROUP_MIN:
+            out.append(row)
+            continue
+        if parent in shown:
+            continue
+        shown.add(parent)
+        total = sum(1 for k in left if parent_of(k) == parent)
+        index = row["key"].rpartition("/")[2]
+        out.append({"key": parent, "a": f"[{index}] {row['a']}",
+                    "b": f"[{index}] {row['b']} ({counts[parent]} of {total} elements differ)"})
     return out
