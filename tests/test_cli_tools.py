@@ -434,7 +434,7 @@ def test_convert_refuses_a_state_safetensors_cannot_hold(run: Path, tmp_path: Pa
     result = invoke("convert", str(run / "snapshot_iter_10"), str(tmp_path / "x.safetensors"))
     assert result.exit_code == 1
     assert "'iteration' is not a tensor but a int" in result.output
-    assert "--key models/main" in result.output
+    assert "--key model to convert" in result.output  # this snapshot's own model sub-tree
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -510,3 +510,18 @@ def test_help_has_the_exit_code_table() -> None:
     for args in (["--help"], ["prune", "--help"], ["diff", "--help"]):
         output = invoke(*args).output
         assert "Exit codes:" in output and "3  storage error" in output
+
+
+def test_convert_hints_the_key_of_the_model_in_a_checkpointer_snapshot(tmp_path: Path) -> None:
+    """The hint names a sub-tree of this snapshot that converts (before: ``--key models/main``,
+    a manager snapshot's path, which a Checkpointer snapshot does not have: exit 2)."""
+    model = torch.nn.Linear(2, 2)
+    with snapkeep.Checkpointer(tmp_path / "c") as ckpt:
+        ckpt.save(1, {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
+    refused = invoke("convert", str(tmp_path / "c" / "ckpt_1"), str(tmp_path / "m.safetensors"))
+    assert refused.exit_code == 1 and "--key state/model" in refused.output, refused.output
+    done = invoke("convert", str(tmp_path / "c" / "ckpt_1"), str(tmp_path / "m.safetensors"),
+                  "--key", "state/model")
+    assert done.exit_code == 0, done.output
+    inspected = as_json(invoke("inspect", str(tmp_path / "m.safetensors"), "--json"), "inspect")
+    assert inspected["format"] == "safetensors"

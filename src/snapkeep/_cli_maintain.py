@@ -369,8 +369,34 @@ def _check_tensors_only(state: Any) -> None:
             stack.extend(reversed([(f"{where}/{k}" if where else str(k), v, depth + 1)
                                    for k, v in node.items()]))
         elif not isinstance(node, torch.Tensor):
+            found = _tensor_subtree(state)
+            hint = (f", or pass --key {found} to convert that part (a dict of tensors only)"
+                    if found else "")
             raise CheckFailed(
                 f"the value at {where or '<root>'!r} is not a tensor but a {type(node).__name__}; "
-                "safetensors stores dicts of tensors only (a manager snapshot also holds "
-                "optimizer settings and counters: keep torch format, or pass --key models/main "
-                "to convert its model)")
+                "safetensors stores dicts of tensors only (a snapshot also holds optimizer "
+                f"settings and counters): keep torch format{hint}")
+
+
+def _tensor_subtree(state: Any, max_depth: int = 3) -> str | None:
+    """The ``--key`` of the first sub-tree of ``state`` (breadth first, at most ``max_depth``
+    levels down) that is a non-empty dict of tensors only (a model's state dict:
+    ``models/main`` in a manager snapshot, ``state/model`` in a Checkpointer's); None."""
+    import torch
+
+    def tensors_only(node: Any) -> bool:
+        if isinstance(node, dict):
+            return bool(node) and all(tensors_only(v) for v in node.values())
+        return isinstance(node, torch.Tensor)
+
+    level: list[tuple[str, Any]] = [("", state)]
+    for _ in range(max_depth + 1):
+        below: list[tuple[str, Any]] = []
+        for where, node in level:
+            if not isinstance(node, dict):
+                continue
+            if where and tensors_only(node):
+                return where
+            below += [(f"{where}/{k}" if where else str(k), v) for k, v in node.items()]
+        level = below
+    return None
