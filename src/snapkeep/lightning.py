@@ -49,8 +49,8 @@ What they change (each from Lightning's own code, 2.4-2.6):
   restarts a plain ``DataLoader`` mid-epoch from the start of its order, so a mid-epoch
   snapshot resumes with a different data order: save at epoch ends for bit-identical runs.
 - **Preemption through snapkeep's agreement** (``ModelCheckpoint(preemption=True)``, the
-  default): SIGTERM and SIGUSR1 are recorded by the Checkpointer's
-  :class:`~snapkeep.distributed.SignalWatch` (replacing Lightning's handlers while fitting);
+  default): SIGTERM and SIGUSR1 are recorded by the run control every door uses
+  (:class:`snapkeep.store.RunControl`, replacing Lightning's handlers while fitting);
   at the next training batch end every rank agrees, the snapshot of that step is committed,
   the run status (``.snapkeep/status.json``, ``snapkeep status``) becomes ``preempted`` and
   every rank exits with 143. The run status is kept otherwise too: ``running``, then
@@ -85,11 +85,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpo
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from snapkeep.distributed import (
-    DEFAULT_SIGNALS,
     EXIT_CODE_PREEMPTED,
-    SignalWatch,
     background_groups,
-    describe_signal,
     exit_cleanly_at_exit,
     is_distributed,
 )
@@ -101,11 +98,13 @@ from snapkeep.store import (
     FilenameTemplate,
     ManifestError,
     Retain,
+    RunControl,
     RunLineage,
     Session,
     SnapshotStore,
-    StatusLog,
+    check_timeout_s,
     manifest_path,
+    preemption_signals,
     read_manifest,
     warn_user,
 )
@@ -375,11 +374,12 @@ class SnapkeepCheckpointIO(CheckpointIO):
         with self._guard:
             self._metrics[os.fspath(path)] = _finite_metrics(metrics)
 
-    def status_log(self, directory: str, *, rank: int, world_size: int) -> StatusLog:
-        """The run status of ``directory`` (``.snapkeep/status.json``; written on rank 0):
-        what ``snapkeep status DIR`` reads."""
+    def run_control(self, directory: str, *, rank: int, world_size: int) -> RunControl:
+        """The run of ``directory``: its status (``.snapkeep/status.json``, written on rank 0,
+        what ``snapkeep status DIR`` reads) and the preemption hook, as every door's
+        (:class:`snapkeep.store.RunControl`)."""
         storage, path = self._writer.storage_for(os.fspath(directory))
-        return StatusLog(storage, path, rank=rank, world_size=world_size)
+        return RunControl(storage, path, rank=rank, world_size=world_size)
 
     # -- CheckpointIO ----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -695,20 +695,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
     def __init__(self, *args: Any, preemption: bool | Sequence[signal.Signals | int] = True,
                  timeout_s: float = _TIMEOUT_S, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if preemption is True:
-            self._signals: tuple[signal.Signals | int, ...] = DEFAULT_SIGNALS
-        elif preemption is False:
-            self._signals = ()
-        elif isinstance(preemption, Sequence) and not isinstance(preemption, (str, bytes)):
-            SignalWatch(preemption)  # the signals checked (ValueError) before training
-            self._signals = tuple(preemption)
-        else:
-            raise TypeError(f"preemption must be True, False or a sequence of signals "
-                            f"(signal.SIGTERM, ...), got {preemption!r}")
+        self._signals = preemption_signals(preemption)  # checked before training
+        check_timeout_s(timeout_s)
         self._timeout_s = float(timeout_s)
-        self._watch: SignalWatch | None = None
-        self._status: StatusLog | None = None
-        self._preempting = False
+        self._run: RunControl | None = None  # the run status and the preemption hook
 
     # -- start-up and resume ----------------------------------------------------------------------
     def step_template(self) -> str | None:
@@ -732,9 +722,9 @@ class ModelCheckpoint(LightningModelCheckpoint):
         directory = os.fspath(self.dirpath)
         if trainer.is_global_zero:
             io.open(directory, template=self.step_template())
-        self._status = io.status_log(directory, rank=trainer.global_rank,
-                                     world_size=trainer.world_size)
-        self._status.record("running", trainer.global_step)
+        self._run = io.run_control(directory, rank=trainer.global_rank,
+                                   world_size=trainer.world_size)
+        self._run.at(trainer.global_step)  # running
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
         io = _snapkeep_io(trainer)
@@ -788,21 +778,21 @@ class ModelCheckpoint(LightningModelCheckpoint):
         """Install the preemption handlers (after Lightning's own, which they replace while
         fitting)."""
         super().on_train_start(trainer, pl_module)
-        if not self._signals or _snapkeep_io(trainer) is None or self._watch is not None:
+        run = self._run
+        if not self._signals or _snapkeep_io(trainer) is None or run is None \
+                or run.watch is not None:
             return
         groups = background_groups(self._timeout_s) if is_distributed() else None
-        self._watch = SignalWatch(self._signals, control=groups.control if groups else None,
-                                  rank=trainer.global_rank, timeout_s=self._timeout_s)
-        self._watch.install()
-        self._preempting = False
+        run.arm(self._signals, control=groups.control if groups else None,
+                timeout_s=self._timeout_s)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        watch = self._watch
-        if watch is None:
+        run = self._run
+        if run is None or run.watch is None:
             return
-        agreed = watch.agree()  # every rank, every batch: one int
+        agreed = run.agree()  # every rank, every batch: one int
         if agreed:
             self._preempt(trainer, agreed)
 
@@ -810,12 +800,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
         """Every rank agreed on a preemption at this step: snapshot it (unless this step's
         snapshot was just saved), wait until it is committed, record ``preempted`` and exit
         with 143, as the Checkpointer's preemption."""
-        watch = self._watch
+        run = self._run
         io = _snapkeep_io(trainer)
-        if watch is None or io is None:
+        if run is None or io is None:
             raise RuntimeError("no preemption watch")
         step = trainer.global_step
-        self._preempting = True
+        run.preempting = True
         candidates = self._monitor_candidates(trainer)
         if self._last_global_step_saved != step:
             self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))
@@ -823,26 +813,21 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 self._save_last_checkpoint(trainer, candidates)
         name = os.path.basename(self._last_checkpoint_saved or "")
         logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
-                       "for its commit, then exiting with %d", watch.rank, name, step,
+                       "for its commit, then exiting with %d", run.rank, name, step,
                        EXIT_CODE_PREEMPTED)
         if trainer.is_global_zero:
             io.wait()
         trainer.strategy.barrier("snapkeep-preemption")  # committed before any rank leaves
-        if self._status is not None:
-            self._status.record("preempted", step, snapshots=(name,) if name else (),
-                                reason=describe_signal(agreed, watch.received))
-        self._uninstall(preempting=True)
+        run.at(step)
+        run.preempted(step, name, agreed)
+        run.disarm()
         if trainer.world_size > 1:
             exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort (-6)
-        logger.warning("rank %d: preemption snapshot of step %d committed; exiting with %d "
-                       "(run the same command again to resume from it)", watch.rank, step,
-                       EXIT_CODE_PREEMPTED)
-        raise SystemExit(EXIT_CODE_PREEMPTED)
+        run.exit_preempted(step)
 
-    def _uninstall(self, *, preempting: bool = False) -> None:
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.uninstall(preempting=preempting)
+    def _uninstall(self) -> None:
+        if self._run is not None:
+            self._run.disarm()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_end(trainer, pl_module)
@@ -850,17 +835,18 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
-        self._uninstall(preempting=self._preempting)
-        if stage == "fit" and self._status is not None and not self._preempting:
+        self._uninstall()
+        run = self._run
+        if stage == "fit" and run is not None and not run.preempting:
+            run.at(trainer.global_step)
             io = _snapkeep_io(trainer)
             if io is not None and trainer.is_global_zero:
                 try:
                     io.wait()
                 except Exception as e:  # recorded, then raised by the IO's own teardown
-                    self._status.record("failed", trainer.global_step,
-                                        reason=f"{type(e).__name__}: {e}".splitlines()[0][:500])
-            self._status.record("finished", trainer.global_step)
-        self._status = None
+                    run.failed(e)
+            run.finished()
+        self._run = None
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """As Lightning's; the run status becomes ``failed`` (not on a preemption). Without
@@ -870,13 +856,13 @@ class ModelCheckpoint(LightningModelCheckpoint):
         Lightning before the exception leaves ``fit``) commits it: a ``SystemExit`` without a
         code (exit status 0); the run status becomes ``preempted`` once it is committed.
         (Lightning calls callbacks' ``teardown`` only when ``fit`` ends without an exception.)"""
-        if self._preempting:
+        run = self._run
+        if run is not None and run.preempting:
             return
         self._uninstall()
-        if self._status is not None and not isinstance(exception, SIGTERMException):
-            self._status.record("failed", trainer.global_step,
-                                reason=f"{type(exception).__name__}: {exception}"
-                                .splitlines()[0][:500])
+        if run is not None and not isinstance(exception, SIGTERMException):
+            run.at(trainer.global_step)
+            run.failed(exception)
         if isinstance(exception, SIGTERMException) and _snapkeep_io(trainer) is not None \
                 and not self.save_on_exception \
                 and self._last_global_step_saved != trainer.global_step:
@@ -889,10 +875,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
             super().on_exception(trainer, pl_module, exception)
         io = _snapkeep_io(trainer)
         if isinstance(exception, SIGTERMException) and io is not None \
-                and self._status is not None:  # 'preempted' once its snapshot is committed
+                and run is not None:  # 'preempted' once its snapshot is committed
             if trainer.is_global_zero:
                 io.wait()
             saved = os.path.basename(self._last_checkpoint_saved or "")
-            self._status.record("preempted", trainer.global_step,
+            run.status.record("preempted", trainer.global_step,
                                 snapshots=(saved,) if saved else (),
                                 reason="signal SIGTERM (Lightning's SIGTERMException)")

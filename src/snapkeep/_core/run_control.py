@@ -79,6 +79,24 @@ class RunControl:
         if self.watch is not None:
             self.watch.install()
 
+    def arm(self, signals: Sequence[signal.Signals | int], *, control: Any = None,
+            timeout_s: float = 600.0) -> None:
+        """Install the preemption hook now, for a door that learns its signals' scope later
+        than its run starts (Lightning: at ``on_train_start``, once the process group
+        exists); no-op without ``signals`` or when armed already."""
+        if not signals or self.watch is not None:
+            return
+        self.watch = SignalWatch(signals, control=control, rank=self.rank, timeout_s=timeout_s)
+        self.preempting = False
+        self.watch.install()
+
+    def disarm(self) -> None:
+        """Put the previous signal handlers back and drop the hook (idempotent): :meth:`agree`
+        answers 0 until the next :meth:`arm`."""
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            watch.uninstall(preempting=self.preempting)
+
     def at(self, step: int) -> None:
         """Note ``step`` (a load or a save); the first call records ``running`` at it."""
         self.step = step
@@ -101,7 +119,7 @@ class RunControl:
         door waited) naming the signal and rank of ``agreed``."""
         self.preempting = True
         received = self.watch.received if self.watch is not None else []
-        self.status.record("preempted", step, snapshots=(name,),
+        self.status.record("preempted", step, snapshots=(name,) if name else (),
                            reason=describe_signal(agreed, received))
 
     def exit_preempted(self, step: int) -> None:
@@ -125,8 +143,7 @@ class RunControl:
 
     def close(self) -> None:
         """Put the previous signal handlers back (idempotent)."""
-        if self.watch is not None:
-            self.watch.uninstall(preempting=self.preempting)
+        self.disarm()
 
 
 __all__ = ["EXIT_CODE_PREEMPTED", "RunControl", "preemption_signals"]
