@@ -33,6 +33,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from snapkeep.errors import StoreLockedError  # noqa: E402
 from snapkeep.lightning import ALIAS_FORMAT, ModelCheckpoint, SnapkeepCheckpointIO  # noqa: E402
 from snapkeep.writing import ThreadWriter  # noqa: E402
+from support import killing  # noqa: E402
 from support.killing import BOUND_S, assert_identical, env  # noqa: E402
 from support.writer_gates import EventGate  # noqa: E402
 
@@ -46,24 +47,6 @@ WORKER = HERE / "lightning_worker.py"
 def _run(out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(WORKER), str(out), *extra], env=env(),
                           capture_output=True, text=True, timeout=BOUND_S)
-
-
-def _kill_after_step(out: pathlib.Path, step: int) -> None:
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(out)], env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("step ") and int(line.split()[1]) >= step:
-                os.kill(proc.pid, signal.SIGKILL)
-                break
-        assert proc.wait(timeout=BOUND_S) in (-signal.SIGKILL, 0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 def _final(out: pathlib.Path) -> Any:
@@ -90,7 +73,7 @@ def test_killed_mid_save_then_at_a_random_step_then_rerun_ends_bit_identical(
     # 2. the rerun resumes from the newest committed snapshot (step 8 (k-1)); it is killed in
     # turn at a random later step (mid-epoch, or with a save in flight)
     resumed = 8 * (k - 1)
-    _kill_after_step(out, rng.randint(resumed + 1, 47))
+    killing.kill_after(WORKER, out, rng.randint(resumed + 1, 47), [], args=[str(out)])
     # 3. the last rerun runs to the end, bit-identical to the uninterrupted run
     rerun = _run(out)
     assert rerun.returncode == 0, rerun.stderr

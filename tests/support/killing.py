@@ -8,6 +8,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,10 +29,12 @@ def run_to_end(script: pathlib.Path, cwd: pathlib.Path) -> list[int]:
     return [int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("step ")]
 
 
-def kill_after(script: pathlib.Path, cwd: pathlib.Path, step: int, groups: list[int]) -> None:
-    """Run the loop in its own process group (appended to ``groups``) and SIGKILL its pid only
-    as soon as it reports ``step`` (or let it end first); worker processes live on."""
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=cwd, env=env(),
+def kill_after(script: pathlib.Path, cwd: pathlib.Path, step: int, groups: list[int],
+               args: Sequence[str] = ()) -> None:
+    """Run the loop (``script`` with ``args``) in its own process group (appended to
+    ``groups``) and SIGKILL its pid only as soon as it reports ``step`` (a line ending in the
+    step number; or let it end first); worker processes live on."""
+    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     groups.append(proc.pid)
