@@ -55,6 +55,7 @@ from snapkeep.errors import (
 )
 from snapkeep.layout import (
     LoaderPosition,
+    RngState,
     StatefulLoaderState,
     is_stateful_loader,
     loader_position,
@@ -84,7 +85,6 @@ from snapkeep.store import (
     unloadable_value,
     warn_user,
 )
-from snapkeep.training import RngState
 from snapkeep.writing import ThreadWriter, Writer
 
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded

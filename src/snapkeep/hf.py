@@ -40,19 +40,6 @@ from transformers import (
     TrainingArguments,
 )
 
-from snapkeep._core.marked_dirs import (
-    CHECKPOINT_PATTERN,
-    MARKER_FORMAT,
-    MARKER_NAME,
-    TEMPLATE,
-    CheckpointDirs,
-    CheckpointMarker,
-    FileRecord,
-    checkpoint_step,
-    commit_checkpoint,
-    read_marker,
-    verify_checkpoint,
-)
 from snapkeep.distributed import (
     DEFAULT_SIGNALS,
     EXIT_CODE_PREEMPTED,
@@ -64,7 +51,24 @@ from snapkeep.distributed import (
     parse_signals,
 )
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
-from snapkeep.store import Entry, Session, StatusLog, Storage, resolve_storage
+from snapkeep.store import (
+    CHECKPOINT_PATTERN,
+    MARKER_FORMAT,
+    MARKER_NAME,
+    TEMPLATE,
+    CheckpointDirs,
+    CheckpointMarker,
+    Entry,
+    FileRecord,
+    Session,
+    StatusLog,
+    Storage,
+    checkpoint_step,
+    commit_checkpoint,
+    read_marker,
+    resolve_storage,
+    verify_checkpoint,
+)
 
 __all__ = [
     "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "CheckpointDirs", "CheckpointMarker",

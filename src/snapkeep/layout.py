@@ -10,7 +10,14 @@ from snapkeep._core.data_position import (
     is_stateful_loader,
     loader_position,
 )
-from snapkeep._core.rng_state import capture_rng_state, restore_rng_state, to_bytes, to_tensor
+from snapkeep._core.rng_state import (
+    RngState,
+    capture_rng_state,
+    restore_rng_state,
+    to_bytes,
+    to_tensor,
+)
 
-__all__ = ["LoaderPosition", "StatefulLoaderState", "capture_rng_state", "check_loaders",
-           "is_stateful_loader", "loader_position", "restore_rng_state", "to_bytes", "to_tensor"]
+__all__ = ["LoaderPosition", "RngState", "StatefulLoaderState", "capture_rng_state",
+           "check_loaders", "is_stateful_loader", "loader_position", "restore_rng_state",
+           "to_bytes", "to_tensor"]

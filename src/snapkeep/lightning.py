@@ -91,6 +91,7 @@ from snapkeep.distributed import (
     is_distributed,
 )
 from snapkeep.errors import SnapshotCorruptError, SnapshotTimeoutError, StoreLockedError
+from snapkeep.layout import RngState
 from snapkeep.retention import RetentionPolicy, keep_policy
 from snapkeep.store import (
     MANIFEST_DIR,
@@ -108,7 +109,6 @@ from snapkeep.store import (
     read_manifest,
     warn_user,
 )
-from snapkeep.training import RngState
 from snapkeep.writing import ThreadWriter, Writer
 
 __all__ = ["ALIAS_FORMAT", "RUN_ID", "ModelCheckpoint", "SnapkeepCheckpointIO"]

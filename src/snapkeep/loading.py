@@ -13,7 +13,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from snapkeep._core.store_kinds import skip_message
 from snapkeep.store import (
     Entry,
     Session,
@@ -21,6 +20,7 @@ from snapkeep.store import (
     lookalike_message,
     newest_valid,
     resolve_storage,
+    skip_message,
     warn_user,
 )
 

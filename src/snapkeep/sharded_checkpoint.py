@@ -47,7 +47,7 @@ from snapkeep.distributed import (
     object_to_bytes,
     optimizer_module,
 )
-from snapkeep.layout import StatefulLoaderState, is_stateful_loader
+from snapkeep.layout import RngState, StatefulLoaderState, is_stateful_loader
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.store import (
     Entry,
@@ -60,7 +60,6 @@ from snapkeep.store import (
     flat_keys,
     local_shards,
 )
-from snapkeep.training import RngState
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,20 @@ from snapkeep._core.manifest import (
     manifest_path,
     read_manifest,
 )
-from snapkeep._core.marked_dirs import CheckpointDirs, CheckpointMarker, is_marker
+from snapkeep._core.marked_dirs import (
+    CHECKPOINT_PATTERN,
+    MARKER_FORMAT,
+    MARKER_NAME,
+    TEMPLATE,
+    CheckpointDirs,
+    CheckpointMarker,
+    FileRecord,
+    checkpoint_step,
+    commit_checkpoint,
+    is_marker,
+    read_marker,
+    verify_checkpoint,
+)
 from snapkeep._core.memory_store import (
     Held,
     Identity,
@@ -94,6 +107,7 @@ from snapkeep._core.store_kinds import (
     StoreKind,
     newest_valid,
     require_one_kind,
+    skip_message,
 )
 from snapkeep._core.structure import describe, find_mismatches
 from snapkeep._core.ticket import SaveHandle
@@ -129,7 +143,9 @@ __all__ = [
     "skipped_on_ranks", "StatusLog", "RunControl", "preemption_signals", "failure_reason",
     "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
     "local_shards", "state_bytes", "say", "newest_listed_step",
-    "CheckpointDirs", "CheckpointMarker", "is_marker",
+    "CheckpointDirs", "CheckpointMarker", "is_marker", "CHECKPOINT_PATTERN", "MARKER_FORMAT",
+    "MARKER_NAME", "TEMPLATE", "FileRecord", "checkpoint_step", "commit_checkpoint", "read_marker",
+    "verify_checkpoint", "skip_message",
 ]
 
 

@@ -35,11 +35,10 @@ from typing import Any, BinaryIO
 
 import torch
 
-from snapkeep._core.checksum import new_hasher
 from snapkeep._core.errors import SnapshotCorruptError
 from snapkeep._core.lock import lock_file_name
 from snapkeep._core.manifest import MANIFEST_DIR
-from snapkeep._core.storage import Storage, WriteResult, is_temp_name
+from snapkeep._core.storage import Storage, WriteResult, is_temp_name, new_hasher
 
 logger = logging.getLogger(__name__)
 

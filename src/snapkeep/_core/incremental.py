@@ -58,7 +58,6 @@ from typing import Any, BinaryIO, NoReturn
 import torch
 
 from snapkeep._core.blobs import BLOBS_DIR, BlobArea, BlobLedger, area_directory, ledger_for
-from snapkeep._core.checksum import new_hasher
 from snapkeep._core.errors import (
     IncrementalSnapshotError,
     SnapshotCorruptError,
@@ -66,7 +65,7 @@ from snapkeep._core.errors import (
 )
 from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.staging import apply_lazy_bits, atomic
-from snapkeep._core.storage import Storage
+from snapkeep._core.storage import Storage, new_hasher
 
 logger = logging.getLogger(__name__)
 

@@ -15,6 +15,8 @@ import string
 from collections.abc import Callable
 from typing import Any
 
+from snapkeep._core.storage import check_name
+
 #: ASCII digits only: ``\d`` would also match other scripts' digits ('snapshot_iter_\u0663',
 #: fullwidth '\uff13'), which ``int``/``float`` read as numbers, so a file no writer made would
 #: tie with the real step and could win autoload or retention over it.
@@ -23,51 +25,6 @@ _INTEGER = r"(-?[0-9]+)"
 #: fields that are counters: their names only match whole numbers ("_iter_10.5" is not a snapshot)
 _INTEGER_FIELDS = ("iteration", "epoch")
 _PRIORITY = {"iteration": 0, "epoch": 1, "epoch_detail": 2}
-#: What a snapshot name may be, for messages.
-ACCEPTED_NAMES = (
-    "a relative path inside out_dir such as 'snapshot_iter_100' or 'snaps/iter_100': no "
-    "absolute path, no '.', '..' or empty components, no NUL character, no component named "
-    "'.snapkeep' or containing '.snapkeep-tmp.' (snapkeep's own metadata and temporary files)"
-)
-#: Components snapkeep reserves in out_dir (manifest directory, temp marker): see manifest, storage.
-_RESERVED_COMPONENT = ".snapkeep"
-_RESERVED_MARKER = ".snapkeep-tmp."
-
-
-def check_name(name: str, what: str = "snapshot name") -> str:
-    """Return ``name`` when it stays inside its output directory; raise otherwise.
-
-    A name is a relative ``/``-separated path. It escapes (or clobbers snapkeep's own files) when
-    it is absolute, has a ``.``/``..``/empty component or a NUL character, or names snapkeep's
-    manifest directory or temporary-file marker (retention and the temp sweep would treat it as
-    their own).
-
-    Raises:
-        ValueError: naming ``name`` and what is accepted (:data:`ACCEPTED_NAMES`).
-        TypeError: ``name`` is not a str.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"{what} must be a str, got {type(name).__name__}")
-    problem = None
-    if not name:
-        problem = "it is empty"
-    elif "\0" in name:
-        problem = "it contains a NUL character"
-    elif name.startswith("/"):
-        problem = "it is an absolute path"
-    else:
-        for part in name.split("/"):
-            if part in ("", ".", ".."):
-                problem = f"it has a {part!r} component" if part else \
-                    "it has an empty component (a '//' or a trailing '/')"
-                break
-            if part == _RESERVED_COMPONENT or _RESERVED_MARKER in part:
-                problem = f"its component {part!r} is reserved for snapkeep's own files"
-                break
-    if problem is not None:
-        raise ValueError(f"{what} {name!r} is refused because {problem}; accepted: "
-                         f"{ACCEPTED_NAMES}")
-    return name
 
 
 def _attribute_of(field_name: str) -> str:

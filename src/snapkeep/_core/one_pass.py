@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from snapkeep._core.checksum import new_hasher, require_match
+from snapkeep._core.checksum import require_match
+from snapkeep._core.storage import new_hasher
 
 logger = logging.getLogger(__name__)
 

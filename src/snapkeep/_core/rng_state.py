@@ -118,3 +118,21 @@ def to_tensor(state: Any) -> torch.Tensor:
     if isinstance(state, (bytes, bytearray)):
         return torch.tensor(list(state), dtype=torch.uint8)
     return torch.as_tensor(state, dtype=torch.uint8)
+
+
+class RngState:
+    """The global RNG states (Python, NumPy, torch CPU and CUDA) as a state object.
+
+    For ppe's own snapshot extension, which saves no RNG state: register it with ppe's manager,
+    ``ExtensionsManager(..., state_objects={'rng': RngState()})``, and the manager's
+    ``state_dict()`` carries the states and ``load_state_dict()`` restores them. snapkeep's
+    snapshot extension does this by itself.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The states (see :func:`capture_rng_state`)."""
+        return capture_rng_state()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore states from :meth:`state_dict`."""
+        restore_rng_state(state)

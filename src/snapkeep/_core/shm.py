@@ -32,7 +32,7 @@ import torch
 from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.host_memory import PAGE_ALIGNED_FROM_BYTES
 from snapkeep._core.staging import apply_lazy_bits
-from snapkeep._core.storage._temps import base36, pid_alive
+from snapkeep._core.storage import base36, pid_alive
 
 logger = logging.getLogger(__name__)
 _ALIGN = 64

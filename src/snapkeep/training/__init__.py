@@ -9,8 +9,8 @@ an ``AttributeError`` that points to the plug-in path).
 from typing import TYPE_CHECKING, Any
 
 from snapkeep._not_shipped import not_shipped_error
+from snapkeep.layout import RngState
 from snapkeep.training import triggers
-from snapkeep.training._continuation import RngState
 from snapkeep.training._manager_protocol import (
     ExtensionsManagerProtocol,
     StateObjectProtocol,

@@ -35,7 +35,7 @@ from snapkeep.layout import (
 )
 from snapkeep.training._stop_decision import StopDecision, wrap_stop_triggers
 
-__all__ = ["FORMAT", "ContinuationMixin", "RngState", "capture", "check_generators",
+__all__ = ["FORMAT", "ContinuationMixin", "capture", "check_generators",
            "continuation_problems", "restore"]
 
 logger = logging.getLogger(__name__)
@@ -309,21 +309,3 @@ class ContinuationMixin:
             return
         restore(self._continuation_manager, to_load, rng=self._rng_enabled(),
                 generators=self._generators, loaders=self._loaders)
-
-
-class RngState:
-    """The global RNG states (Python, NumPy, torch CPU and CUDA) as a state object.
-
-    For ppe's own snapshot extension, which saves no RNG state: register it with ppe's manager,
-    ``ExtensionsManager(..., state_objects={'rng': RngState()})``, and the manager's
-    ``state_dict()`` carries the states and ``load_state_dict()`` restores them. snapkeep's
-    snapshot extension does this by itself.
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        """The states (see ``snapkeep._core.rng_state.capture_rng_state``)."""
-        return capture_rng_state()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore states from :meth:`state_dict`."""
-        restore_rng_state(state)

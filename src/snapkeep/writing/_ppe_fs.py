@@ -41,8 +41,7 @@ from typing import IO, Any
 from snapkeep._core.errors import SnapshotCorruptError
 from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.naming import FilenameTemplate
-from snapkeep._core.storage import Storage, resolve_storage
-from snapkeep._core.storage._temps import is_temp_name
+from snapkeep._core.storage import Storage, is_temp_name, resolve_storage
 from snapkeep._core.store import Entry, SnapshotStore
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,9 @@ from snapkeep._core.storage._commit import (
     WriteResult,
     set_publish_guard,
 )
+from snapkeep._core.storage._hashing import CHECKSUM_ALGORITHM, HashingWriter, new_hasher
 from snapkeep._core.storage._local import open_regular
+from snapkeep._core.storage._paths import ACCEPTED_NAMES, check_name
 from snapkeep._core.storage._pfio import PfioFileSystem
 from snapkeep._core.storage._private import (
     NotPrivateError,
@@ -30,12 +32,13 @@ from snapkeep._core.storage._private import (
 from snapkeep._core.storage._put import ObjectPutCommit
 from snapkeep._core.storage._resolve import commit_strategy_for, resolve_storage
 from snapkeep._core.storage._storage import Storage
-from snapkeep._core.storage._temps import TEMP_MARKER, is_temp_name
+from snapkeep._core.storage._temps import TEMP_MARKER, base36, is_temp_name, pid_alive
 
 __all__ = [
     "NotPrivateError", "check_root", "list_private", "lstat_private", "private_dir",
     "private_storage", "read_private", "remove_private", "remove_private_file",
     "TEMP_MARKER", "CommitStrategy", "ObjectPutCommit", "PfioFileSystem", "RenameCommit",
     "ReplaceCommit", "Storage", "Target", "WriteResult", "commit_strategy_for", "is_temp_name",
-    "open_regular", "resolve_storage", "set_publish_guard",
+    "open_regular", "resolve_storage", "set_publish_guard", "CHECKSUM_ALGORITHM", "HashingWriter",
+    "new_hasher", "ACCEPTED_NAMES", "check_name", "base36", "pid_alive",
 ]

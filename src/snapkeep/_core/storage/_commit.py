@@ -27,10 +27,10 @@ import os
 from collections.abc import Callable
 from typing import Any, BinaryIO, NoReturn, Protocol
 
-from snapkeep._core.checksum import HashingWriter, new_hasher
 from snapkeep._core.errors import SnapshotStorageError
 from snapkeep._core.storage._direct import DirectFile
 from snapkeep._core.storage._direct_resources import open_for_write
+from snapkeep._core.storage._hashing import HashingWriter, new_hasher
 
 logger = logging.getLogger(__name__)
 

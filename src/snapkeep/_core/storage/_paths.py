@@ -6,6 +6,15 @@ from __future__ import annotations
 
 import os
 
+#: What a snapshot name may be, for messages.
+ACCEPTED_NAMES = (
+    "a relative path inside out_dir such as 'snapshot_iter_100' or 'snaps/iter_100': no "
+    "absolute path, no '.', '..' or empty components, no NUL character, no component named "
+    "'.snapkeep' or containing '.snapkeep-tmp.' (snapkeep's own metadata and temporary files)"
+)
+#: Components snapkeep reserves in out_dir: its manifest directory and temp-file marker.
+_RESERVED_COMPONENT = ".snapkeep"
+_RESERVED_MARKER = ".snapkeep-tmp."
 #: NAME_MAX assumed where the filesystem cannot be asked (POSIX filesystems: 255 bytes).
 DEFAULT_NAME_MAX = 255
 
@@ -58,3 +67,39 @@ def check_basename_bytes(base: str, limit: int | None) -> None:
             f"file name {truncate_utf8(base, 40)!r}... is "
             f"{len(base.encode('utf-8', 'surrogateescape'))} bytes, over the filesystem's "
             f"NAME_MAX of {limit} bytes; nothing was written")
+
+
+def check_name(name: str, what: str = "snapshot name") -> str:
+    """Return ``name`` when it stays inside its output directory; raise otherwise.
+
+    A name is a relative ``/``-separated path. It escapes (or clobbers snapkeep's own files) when
+    it is absolute, has a ``.``/``..``/empty component or a NUL character, or names snapkeep's
+    manifest directory or temporary-file marker (retention and the temp sweep would treat it as
+    their own).
+
+    Raises:
+        ValueError: naming ``name`` and what is accepted (:data:`ACCEPTED_NAMES`).
+        TypeError: ``name`` is not a str.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a str, got {type(name).__name__}")
+    problem = None
+    if not name:
+        problem = "it is empty"
+    elif "\0" in name:
+        problem = "it contains a NUL character"
+    elif name.startswith("/"):
+        problem = "it is an absolute path"
+    else:
+        for part in name.split("/"):
+            if part in ("", ".", ".."):
+                problem = f"it has a {part!r} component" if part else \
+                    "it has an empty component (a '//' or a trailing '/')"
+                break
+            if part == _RESERVED_COMPONENT or _RESERVED_MARKER in part:
+                problem = f"its component {part!r} is reserved for snapkeep's own files"
+                break
+    if problem is not None:
+        raise ValueError(f"{what} {name!r} is refused because {problem}; accepted: "
+                         f"{ACCEPTED_NAMES}")
+    return name

@@ -229,7 +229,7 @@ def publish_by_content(storage: Storage, directory: str, write_data: WriteFn, *,
         finally:
             storage.fs.invalidate_cache(final)
         return WriteResult(path=final, size_bytes=result.size_bytes, checksum=result.checksum)
-    from snapkeep._core.checksum import HashingWriter
+    from snapkeep._core.storage._hashing import HashingWriter
 
     digest = expect
     if digest is None:

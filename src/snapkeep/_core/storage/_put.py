@@ -7,7 +7,6 @@ import io
 import logging
 from typing import Any
 
-from snapkeep._core.checksum import HashingWriter
 from snapkeep._core.storage._commit import (
     Sink,
     Target,
@@ -16,6 +15,7 @@ from snapkeep._core.storage._commit import (
     check_publish,
     raise_failure,
 )
+from snapkeep._core.storage._hashing import HashingWriter
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from snapkeep._core.storage._local import makedirs_durably, open_regular
 from snapkeep._core.storage._paths import (
     DEFAULT_NAME_MAX,
     check_basename_bytes,
+    check_name,
     check_path,
     local_name_max,
     truncate_utf8,
@@ -101,7 +102,7 @@ class Storage:
 
         Args:
             directory: the output directory.
-            name: a relative name (see :func:`snapkeep._core.naming.check_name`).
+            name: a relative name (see :func:`._paths.check_name`).
             reserve_bytes: bytes the caller appends to the last component of ``name`` for a
                 companion file (the manifest's ``'.json'``), counted against NAME_MAX.
 
@@ -110,8 +111,6 @@ class Storage:
                 says what is accepted), or one of its components is longer than the
                 filesystem's NAME_MAX in bytes (the message names the limit).
         """
-        from snapkeep._core.naming import check_name
-
         check_name(name, "filename")
         parts = name.split("/")
         limit = self.name_max(directory)
