@@ -37,7 +37,7 @@ import torch
 from _measure import median, table
 
 from snapkeep import writing
-from snapkeep._core import prefault as prefault_module
+from snapkeep._core.save import prefault as prefault_module
 from snapkeep.training import ExtensionsManager
 from snapkeep.training.extensions import _snapshot
 

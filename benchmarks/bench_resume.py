@@ -122,9 +122,9 @@ def dcp_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str
 
 def variant_load(variant: str, manager: Any, path: str) -> None:
     """One way to verify and load the snapshot into the built manager (``--variants``)."""
-    from snapkeep._core.checksum import digest_file, digest_stream, require_match
-    from snapkeep._core.loading import into_existing_state, load_file
-    from snapkeep._core.one_pass import load_verified
+    from snapkeep._core.format.checksum import digest_file, digest_stream, require_match
+    from snapkeep._core.load.loading import into_existing_state, load_file
+    from snapkeep._core.load.one_pass import load_verified
     from snapkeep.store import open_store
 
     store = open_store(os.path.dirname(path), "snapshot_iter_{.iteration}")

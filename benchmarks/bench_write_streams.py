@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from _measure import GIB, median, table
 
-from snapkeep._core.codec import torch_save
-from snapkeep._core.host_memory import _host_buffer
+from snapkeep._core.format.codec import torch_save
+from snapkeep._core.save.host_memory import _host_buffer
 from snapkeep._core.storage import HashingWriter, _direct, new_hasher
 from snapkeep._core.storage._direct import DirectFile
 from snapkeep._core.storage._direct_resources import open_for_write

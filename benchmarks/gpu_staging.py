@@ -18,7 +18,7 @@ size on a recent GPU.
 
 Usage: ``python benchmarks/gpu_staging.py --gib 2 --json gpu.json``
 
-Why a CUDA snapshot is consistent (the argument of :mod:`snapkeep._core.overlap`, for streams):
+Why a CUDA snapshot is consistent (the argument of :mod:`snapkeep._core.save.overlap`, for streams):
 the call returns only after the device-to-host copies it enqueued have finished (snapkeep's side
 stream first waits on the current stream, then is synchronised), so no kernel launched after the
 call can change what was copied. An *overlapped* device copy, returning before the copy is done,
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from snapkeep import writing
-    from snapkeep._core.staging import BufferSet
+    from snapkeep._core.save.staging import BufferSet
 
     device = torch.device("cuda")
     per = max(1, int(args.gib * GIB / 4 / args.tensors))

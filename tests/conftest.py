@@ -12,7 +12,7 @@ import psutil
 import pytest
 import torch
 
-from snapkeep._core.shm import ARENA_PREFIX
+from snapkeep._core.save.shm import ARENA_PREFIX
 from snapkeep._core.storage import TEMP_MARKER
 from support.leak_check import LONG_LIVED_PIDS
 from support.storage_backends import BUCKET, MotoServer, s3_options, start_moto_server

@@ -15,8 +15,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import snapkeep
 from snapkeep import writing
-from snapkeep._core import staging
-from snapkeep._core.staging import iter_tensors
+from snapkeep._core.save import staging
+from snapkeep._core.save.staging import iter_tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 

@@ -16,7 +16,7 @@ import re
 import pytest
 
 import snapkeep.errors
-from snapkeep._core.manifest import Manifest
+from snapkeep._core.format.manifest import Manifest
 from support.doc_examples import python_blocks, run_example_twice
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"

@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 
 from snapkeep import Checkpointer
-from snapkeep._core.blobs import BLOB_NAME
-from snapkeep._core.incremental import BARE_LOAD_MESSAGE
+from snapkeep._core.tiers.blobs import BLOB_NAME
+from snapkeep._core.tiers.incremental import BARE_LOAD_MESSAGE
 from snapkeep.cli import cli
 from snapkeep.errors import IncrementalSnapshotError
 from snapkeep.loading import load_latest

@@ -130,7 +130,8 @@ def test_every_module_keeps_to_its_layer() -> None:
     layer: lightning.py, hf.py, sharded_checkpoint.py and loading.py included."""
     files = {p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")}
     assert {"lightning.py", "hf.py", "sharded_checkpoint.py", "loading.py", "checkpointer.py",
-            "cli.py", "training/manager.py", "writing/_base.py", "_core/session.py"} <= files
+            "cli.py", "training/manager.py", "writing/_base.py",
+            "_core/session/session.py"} <= files
     assert _layering_offenders(SRC) == []
 
 
@@ -138,19 +139,19 @@ def test_the_layering_check_sees_each_break(tmp_path: pathlib.Path) -> None:
     """The four breaks found at 971f8e4, rebuilt in a scratch package: each is reported."""
     src = tmp_path / "snapkeep"
     files = {
-        "_core/storage/_commit.py": "from snapkeep._core.checksum import HashingWriter\n",
+        "_core/storage/_commit.py": "from snapkeep._core.format.checksum import HashingWriter\n",
         "writing/_ppe_fs.py": "from snapkeep._core.storage._temps import is_temp_name\n",
         "lightning.py": "from snapkeep.training import RngState\n",
-        "hf.py": "from snapkeep._core.marked_dirs import CheckpointDirs\n",
-        "store.py": "from snapkeep._core.store import SnapshotStore\n",
-        "_core/store.py": "from snapkeep._core.storage import Storage\n",
+        "hf.py": "from snapkeep._core.store.marked_dirs import CheckpointDirs\n",
+        "store.py": "from snapkeep._core.store.files import SnapshotStore\n",
+        "_core/store/files.py": "from snapkeep._core.storage import Storage\n",
     }
     for rel, text in files.items():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_text(text)
     assert _layering_offenders(src) == [
-        "_core/storage/_commit.py (storage) imports snapkeep._core.checksum",
-        "hf.py (door) imports snapkeep._core.marked_dirs",
+        "_core/storage/_commit.py (storage) imports snapkeep._core.format.checksum",
+        "hf.py (door) imports snapkeep._core.store.marked_dirs",
         "lightning.py (framework door) imports snapkeep.training",
         "writing/_ppe_fs.py imports the private module snapkeep._core.storage._temps",
     ]
@@ -159,9 +160,9 @@ def test_the_layering_check_sees_each_break(tmp_path: pathlib.Path) -> None:
 def test_a_violation_is_seen(tmp_path: pathlib.Path) -> None:
     """The walker sees both import forms (so the checks above can fail)."""
     path = tmp_path / "m.py"
-    path.write_text("import snapkeep\nfrom snapkeep._core.store import SnapshotStore\n"
-                    "def f():\n    from snapkeep._core import saver\n")
-    assert _imports(path) >= {"snapkeep", "snapkeep._core.store", "snapkeep._core"}
+    path.write_text("import snapkeep\nfrom snapkeep._core.store.files import SnapshotStore\n"
+                    "def f():\n    from snapkeep._core.save import saver\n")
+    assert _imports(path) >= {"snapkeep", "snapkeep._core.store.files", "snapkeep._core.save"}
 
 
 #: Files outside ``_core/storage`` allowed to touch a filesystem object, with why. DCP's own

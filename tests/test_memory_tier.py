@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from snapkeep import writing
-from snapkeep._core.memory_store import (
+from snapkeep._core.storage._temps import TEMP_MARKER, base36, temp_basename
+from snapkeep._core.tiers.memory_store import (
     MemoryStore,
     describe_tiers,
     job_id,
@@ -29,7 +30,6 @@ from snapkeep._core.memory_store import (
     tier_dir,
     write_owner,
 )
-from snapkeep._core.storage._temps import TEMP_MARKER, base36, temp_basename
 from snapkeep.errors import MemoryTierTooSmallError, SnapshotCorruptError, SnapshotSaveError
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
@@ -289,7 +289,7 @@ def test_a_trigger_waits_for_the_ram_snapshot_in_flight(
     tier(manager)  # step 1, held in flight
     _step(manager, model)
     second = threading.Thread(target=tier, args=(manager,))
-    with caplog.at_level("DEBUG", logger="snapkeep._core.memory_tier"):
+    with caplog.at_level("DEBUG", logger="snapkeep._core.tiers.memory_tier"):
         second.start()
         second.join(0.5)
         assert second.is_alive()  # waiting for step 1
@@ -401,7 +401,7 @@ def test_memory_store_follows_the_store_contract(tmp_path: Path) -> None:
     lock = store.lock()
     try:
         second = subprocess.run(  # a second trainer (another process) is refused
-            [sys.executable, "-c", "import sys; from snapkeep._core.memory_store import "
+            [sys.executable, "-c", "import sys; from snapkeep._core.tiers.memory_store import "
              "MemoryStore; from snapkeep.errors import StoreLockedError\n"
              f"try: MemoryStore({str(tmp_path)!r}, 'job', 0).lock()\n"
              "except StoreLockedError: sys.exit(3)"],
@@ -572,7 +572,7 @@ def test_a_root_that_is_a_file_or_a_typo_on_disk_is_said_naming_root(tmp_path, c
     the "RAM" copies go to disk (a typo in the path was silent)."""
     import logging
 
-    from snapkeep._core.memory_store import check_space, filesystem_type
+    from snapkeep._core.tiers.memory_store import check_space, filesystem_type
 
     afile = tmp_path / "afile"
     afile.write_text("x")

@@ -28,7 +28,7 @@ import torch
 from click.testing import CliRunner
 
 from snapkeep import writing
-from snapkeep._core.memory_store import job_id, tier_dir
+from snapkeep._core.tiers.memory_store import job_id, tier_dir
 from snapkeep.cli import cli
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from snapkeep import writing
-from snapkeep._core.memory_store import job_id, tier_dir
+from snapkeep._core.tiers.memory_store import job_id, tier_dir
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
 

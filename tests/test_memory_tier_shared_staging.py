@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from snapkeep import writing
-from snapkeep._core.memory_store import MemoryStore, job_id, tier_dir
+from snapkeep._core.tiers.memory_store import MemoryStore, job_id, tier_dir
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
 from support.killing import assert_identical

@@ -190,13 +190,13 @@ def store_locked(tmp_path: Path) -> None:
 
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys; from snapkeep._core.lock import StoreLock; "
+         "import sys; from snapkeep._core.store.lock import StoreLock; "
          f"lock = StoreLock.acquire({str(tmp_path)!r}, 'snapshot_iter_{{.iteration}}', 'run'); "
          "print('held', flush=True); sys.stdin.readline()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        from snapkeep._core.lock import StoreLock
+        from snapkeep._core.store.lock import StoreLock
 
         StoreLock.acquire(str(tmp_path), "snapshot_iter_{.iteration}", "run")
     finally:
@@ -230,8 +230,8 @@ def bare_load_of_incremental(tmp_path: Path) -> None:
 
 
 def staging_race(tmp_path: Path) -> None:
-    from snapkeep._core.overlap import DeferredCopy
-    from snapkeep._core.staging import StageStats
+    from snapkeep._core.save.overlap import DeferredCopy
+    from snapkeep._core.save.staging import StageStats
 
     weight = torch.zeros(2)
     deferred = DeferredCopy(

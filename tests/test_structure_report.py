@@ -133,6 +133,7 @@ def test_each_figure_on_a_known_package(package, capsys):
 
 def test_the_trace_sees_a_real_save_and_resume():
     trace = _tool().trace(SRC)
-    assert {"writing/_parallel.py", "_core/saver.py", "_core/commit.py"} <= set(trace["save"])
-    assert "_core/store.py" in trace["resume"] and "_core/lock.py" in trace["resume"]
+    assert {"writing/_parallel.py", "_core/save/saver.py",
+            "_core/save/commit.py"} <= set(trace["save"])
+    assert "_core/store/files.py" in trace["resume"] and "_core/store/lock.py" in trace["resume"]
     assert trace["save_files"] == len(trace["save"]) <= trace["save_iteration_files"]

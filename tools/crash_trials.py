@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from snapkeep._core.loading import load_file
+from snapkeep._core.load.loading import load_file
 from snapkeep._core.storage import resolve_storage
 from snapkeep.store import SnapshotStore as Catalog
 

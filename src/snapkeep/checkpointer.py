@@ -158,7 +158,7 @@ def stateful(key: str, obj: Any) -> Any:
     the loader's geometry and sampler epoch (``snapkeep.layout.StatefulLoaderState``); for a
     plain ``torch.utils.data.DataLoader``, its position (epoch order and batches received, kept
     by hooking the loader in place, as ``extensions.snapshot(loaders=...)`` does: see
-    ``snapkeep._core.data_position``). The data loaders' wrappers also have
+    ``snapkeep._core.state.data_position``). The data loaders' wrappers also have
     ``problems(saved)``: why a saved state does not fit, checked before anything is loaded.
     ``None`` for a value saved as is (``torch.Generator`` and plain values are handled by the
     caller).
@@ -272,7 +272,7 @@ class Checkpointer:
             default ``/dev/shm``) and copies it to ``memory.replicas`` peer ranks; :meth:`load`
             resumes from RAM first when every rank can (own copy, else a peer's; verified) and
             its step is at least storage's, reading no storage snapshot. See
-            :mod:`snapkeep._core.memory_tier` (what it holds, its size check, cleanup).
+            :mod:`snapkeep._core.tiers.memory_tier` (what it holds, its size check, cleanup).
         preemption: catch SIGTERM and SIGUSR1 (``True``) or the given signals (a sequence of
             ``signal.Signals``), as ``extensions.preemption`` does for a manager: the handler
             only records the signal; at the next :meth:`save` call (call it at every step; under
@@ -288,7 +288,7 @@ class Checkpointer:
             ``snapkeep.load_latest``, ``snapkeep verify`` check every blob it uses); retention
             deletes a blob when no snapshot refers to it any more. A bare ``torch.load`` of such
             a file fails, pointing to ``snapkeep convert`` (see
-            :mod:`snapkeep._core.incremental`). Default False. With ``memory``, the RAM tier
+            :mod:`snapkeep._core.tiers.incremental`). Default False. With ``memory``, the RAM tier
             keeps full copies (it borrows no staged copy of an incremental snapshot).
 
     The run's status is recorded in ``directory/.snapkeep/status.json`` (rank 0), as with the

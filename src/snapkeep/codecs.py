@@ -8,10 +8,10 @@
 bytes, without the zip CRC-32 that ``torch.load`` never checks.
 
 ``autoload`` (and :func:`load_safetensors`) recognise such files by their first bytes, so no
-extra argument is needed to resume from them. See :mod:`snapkeep._core.codec` for the layout.
+extra argument is needed to resume from them. See :mod:`snapkeep._core.format.codec` for the layout.
 """
 
-from snapkeep._core.codec import (
+from snapkeep._core.format.codec import (
     HEADER_PROBE_BYTES,
     is_safetensors_header,
     load_safetensors,

@@ -1,16 +1,16 @@
 """What a snapshot holds beyond modules and optimizers, written once in the engine for every
-door (public names): the data loader's position (:mod:`snapkeep._core.data_position`: batches
+door (public names): the data loader's position (:mod:`snapkeep._core.state.data_position`: batches
 consumed, the loader's generators, its geometry and sampler epoch) and the global random number
-generators (:mod:`snapkeep._core.rng_state`: Python, NumPy, torch CPU and CUDA)."""
+generators (:mod:`snapkeep._core.state.rng_state`: Python, NumPy, torch CPU and CUDA)."""
 
-from snapkeep._core.data_position import (
+from snapkeep._core.state.data_position import (
     LoaderPosition,
     StatefulLoaderState,
     check_loaders,
     is_stateful_loader,
     loader_position,
 )
-from snapkeep._core.rng_state import (
+from snapkeep._core.state.rng_state import (
     RngState,
     capture_rng_state,
     restore_rng_state,

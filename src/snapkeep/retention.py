@@ -1,7 +1,7 @@
 """Retention policies for ``snapshot(retention=...)``: keep latest N, every K steps, best N by a
-metric, or any of several. See :mod:`snapkeep._core.retention` for the semantics."""
+metric, or any of several. See :mod:`snapkeep._core.store.retention` for the semantics."""
 
-from snapkeep._core.retention import (
+from snapkeep._core.store.retention import (
     AnyOf,
     KeepBest,
     KeepEvery,

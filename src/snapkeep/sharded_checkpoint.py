@@ -112,7 +112,7 @@ class ShardedCheckpoint:
         self._rng = rng
         self._weights_only = weights_only
         retain = self._retain if self.rank == 0 and policy is not None else None
-        # the saver is drained at interpreter exit (snapkeep._core.exit_drain) if not closed
+        # the saver is drained at interpreter exit (snapkeep._core.save.exit_drain) if not closed
         self.saver = ShardedSaver(self.store, self.groups, retain=retain)
 
     # -- saving --------------------------------------------------------------------------------

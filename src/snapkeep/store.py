@@ -2,11 +2,11 @@
 
 ``SnapshotStore(storage, directory, template)`` lists snapshots by step, verifies them against
 their manifests, loads the newest valid one, deletes, applies retention, sweeps stale temps and
-orphan manifests, and takes the directory lock; see :mod:`snapkeep._core.store`.
+orphan manifests, and takes the directory lock; see :mod:`snapkeep._core.store.files`.
 :class:`MemoryStore` is the node-RAM kind of the memory tier (one rank's snapshots in a tmpfs).
 :func:`open_store` builds one from a directory or URL as the writers do. :class:`Session` is
 what every door (snapshot extensions, Checkpointer, Lightning, Hugging Face) does with a store:
-open, resume, the retention stage, close (see :mod:`snapkeep._core.session`).
+open, resume, the retention stage, close (see :mod:`snapkeep._core.session.session`).
 :func:`run_status` reads how the last run in a directory ended (written by
 ``extensions.preemption``).
 """
@@ -16,19 +16,54 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from snapkeep._core.incremental import IncrementalTracker
-from snapkeep._core.lineage import RunLineage, warn_about_existing
-from snapkeep._core.loading import load_file, unloadable_value
-from snapkeep._core.lock import StoreLock
-from snapkeep._core.lookalikes import lookalike_message
-from snapkeep._core.manifest import (
+from snapkeep._core.format.manifest import (
     MANIFEST_DIR,
     Manifest,
     ManifestError,
     manifest_path,
     read_manifest,
 )
-from snapkeep._core.marked_dirs import (
+from snapkeep._core.format.naming import FilenameTemplate
+from snapkeep._core.load.loading import load_file, unloadable_value
+from snapkeep._core.load.one_pass import one_pass_loader
+from snapkeep._core.load.preflight import check_timeout_s, check_writable
+from snapkeep._core.load.resume_notice import (
+    INCOMPLETE_SHARDED,
+    ResumeNotice,
+    Skipped,
+    announce,
+    check_quiet,
+    say,
+    skipped_on_ranks,
+)
+from snapkeep._core.load.structure import describe, find_mismatches
+from snapkeep._core.save.ticket import SaveHandle
+from snapkeep._core.session.run_control import RunControl, preemption_signals
+from snapkeep._core.session.run_status import RunStatus, StatusLog, failure_reason
+from snapkeep._core.session.run_status import is_alive as run_is_alive
+from snapkeep._core.session.run_status import read_status as read_run_status
+from snapkeep._core.session.run_status import write_status as write_run_status
+from snapkeep._core.session.session import Session
+from snapkeep._core.storage import Storage, resolve_storage
+from snapkeep._core.store.contract import (
+    CandidateRefused,
+    Listed,
+    StoreKind,
+    newest_valid,
+    require_one_kind,
+    skip_message,
+)
+from snapkeep._core.store.files import (
+    DECODE_ERRORS,
+    ON_ERROR_SUFFIX,
+    Entry,
+    Retain,
+    SnapshotStore,
+)
+from snapkeep._core.store.lineage import RunLineage, warn_about_existing
+from snapkeep._core.store.lock import StoreLock
+from snapkeep._core.store.lookalikes import lookalike_message
+from snapkeep._core.store.marked_dirs import (
     CHECKPOINT_PATTERN,
     MARKER_FORMAT,
     MARKER_NAME,
@@ -42,7 +77,10 @@ from snapkeep._core.marked_dirs import (
     read_marker,
     verify_checkpoint,
 )
-from snapkeep._core.memory_store import (
+from snapkeep._core.store.name_check import misnamed_reason
+from snapkeep._core.store.retention_check import MetricCheck
+from snapkeep._core.tiers.incremental import IncrementalTracker
+from snapkeep._core.tiers.memory_store import (
     Held,
     Identity,
     MemoryStore,
@@ -62,7 +100,7 @@ from snapkeep._core.memory_store import (
     tier_dir,
     write_owner,
 )
-from snapkeep._core.memory_tier import (
+from snapkeep._core.tiers.memory_tier import (
     MemoryTier,
     Restored,
     TierEngine,
@@ -73,44 +111,6 @@ from snapkeep._core.memory_tier import (
     newest_listed_step,
     state_bytes,
 )
-from snapkeep._core.name_check import misnamed_reason
-from snapkeep._core.naming import FilenameTemplate
-from snapkeep._core.one_pass import one_pass_loader
-from snapkeep._core.preflight import check_timeout_s, check_writable
-from snapkeep._core.resume_notice import (
-    INCOMPLETE_SHARDED,
-    ResumeNotice,
-    Skipped,
-    announce,
-    check_quiet,
-    say,
-    skipped_on_ranks,
-)
-from snapkeep._core.retention_check import MetricCheck
-from snapkeep._core.run_control import RunControl, preemption_signals
-from snapkeep._core.run_status import RunStatus, StatusLog, failure_reason
-from snapkeep._core.run_status import is_alive as run_is_alive
-from snapkeep._core.run_status import read_status as read_run_status
-from snapkeep._core.run_status import write_status as write_run_status
-from snapkeep._core.session import Session
-from snapkeep._core.storage import Storage, resolve_storage
-from snapkeep._core.store import (
-    DECODE_ERRORS,
-    ON_ERROR_SUFFIX,
-    Entry,
-    Retain,
-    SnapshotStore,
-)
-from snapkeep._core.store_kinds import (
-    CandidateRefused,
-    Listed,
-    StoreKind,
-    newest_valid,
-    require_one_kind,
-    skip_message,
-)
-from snapkeep._core.structure import describe, find_mismatches
-from snapkeep._core.ticket import SaveHandle
 from snapkeep._core.user_warnings import user_stacklevel, warn_user
 
 
@@ -152,7 +152,7 @@ __all__ = [
 def run_status(out_dir: str, *, fs: Any = None,
                storage_options: Mapping[str, Any] | None = None) -> RunStatus | None:
     """How the last run with ``extensions.preemption`` in ``out_dir`` ended (its
-    ``.snapkeep/status.json``; see :mod:`snapkeep._core.run_status`), or None without one.
+    ``.snapkeep/status.json``; see :mod:`snapkeep._core.session.run_status`), or None without one.
 
     Raises:
         ValueError: the status file is not valid.

@@ -1,8 +1,8 @@
 """Model state keys without wrapper prefixes (public names): a snapshot taken from a model in
 one wrapping (plain, ``torch.compile``, DDP, both) resumes into any other; see
-:mod:`snapkeep._core.wrapping`."""
+:mod:`snapkeep._core.state.wrapping`."""
 
-from snapkeep._core.wrapping import (
+from snapkeep._core.state.wrapping import (
     canonical_key,
     canonical_names,
     canonical_state,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from click.testing import CliRunner
 
 import snapkeep
-from snapkeep._core.checksum import digest_stream
+from snapkeep._core.format.checksum import digest_stream
 from snapkeep.cli import cli
 
 MARKER = ".snapkeep-commit.json"

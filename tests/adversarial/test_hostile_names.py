@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import snapkeep
 from snapkeep import writing
-from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.format.naming import FilenameTemplate
 from snapkeep.cli import cli
 
 ALIASES = ["snapshot_iter_\u0663", "snapshot_iter_\uff13", "snapshot_iter_\u09e9"]

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from snapkeep import writing
-from snapkeep._core import codec
-from snapkeep._core.checksum import digest_file
-from snapkeep._core.host_memory import PAGE_ALIGNED_FROM_BYTES, HeapAllocator, _host_buffer
-from snapkeep._core.shm import SharedArena
-from snapkeep._core.staging import BufferSet
+from snapkeep._core.format import codec
+from snapkeep._core.format.checksum import digest_file
+from snapkeep._core.save.host_memory import PAGE_ALIGNED_FROM_BYTES, HeapAllocator, _host_buffer
+from snapkeep._core.save.shm import SharedArena
+from snapkeep._core.save.staging import BufferSet
 from snapkeep._core.storage import _direct, new_hasher
 from snapkeep._core.storage._direct import ALIGN_BYTES, IN_PLACE_MIN_BYTES, DirectFile
 from snapkeep._core.storage._direct_resources import CHUNK_BYTES, open_for_write

@@ -1,4 +1,4 @@
-"""The exit drain's bookkeeping (snapkeep._core.exit_drain): what DrainedAtExit gives a class
+"""The exit drain's bookkeeping (snapkeep._core.save.exit_drain): what DrainedAtExit gives a class
 that holds snapshots in flight (Saver, ShardedSaver), and what drain() does with it. The drain at
 a real interpreter exit is tested with subprocesses in tests/writing/test_exit_last_snapshot.py
 and tests/distributed/test_sharded_exit.py."""
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from snapkeep._core import exit_drain
-from snapkeep._core.exit_drain import DrainedAtExit
+from snapkeep._core.save import exit_drain
+from snapkeep._core.save.exit_drain import DrainedAtExit
 
 
 class _Holder(DrainedAtExit):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import snapkeep.codecs
-from snapkeep._core.checksum import digest_file, digest_stream
-from snapkeep._core.loading import into_existing_state, load_file, optimizers_in
+from snapkeep._core.format.checksum import digest_file, digest_stream
+from snapkeep._core.load.loading import into_existing_state, load_file, optimizers_in
 from snapkeep._core.storage import resolve_storage
 from snapkeep.training import ExtensionsManager, extensions
 from snapkeep.writing import SimpleWriter

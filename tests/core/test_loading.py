@@ -13,7 +13,7 @@ import torch
 
 import snapkeep
 import snapkeep.codecs
-from snapkeep._core.loading import load_file
+from snapkeep._core.load.loading import load_file
 from snapkeep._core.storage import resolve_storage
 from snapkeep.training import ExtensionsManager, extensions
 

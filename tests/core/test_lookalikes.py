@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from snapkeep._core.lookalikes import suggest_template
+from snapkeep._core.store.lookalikes import suggest_template
 from snapkeep.store import FilenameTemplate, lookalike_message
 
 

@@ -12,7 +12,7 @@ import torch
 
 import snapkeep
 from snapkeep._core.errors import ManifestError, SnapshotError
-from snapkeep._core.manifest import (
+from snapkeep._core.format.manifest import (
     FORMAT,
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -192,7 +192,7 @@ def test_a_bad_manifest_does_not_disable_retention(tmp_path, kind):
 
 @pytest.mark.timeout(120)
 def test_a_fifo_named_like_a_snapshot_is_never_listed_nor_opened(tmp_path):
-    from snapkeep._core.store import SnapshotStore as Catalog
+    from snapkeep._core.store.files import SnapshotStore as Catalog
 
     _train(tmp_path, 1).finalize()
     os.mkfifo(tmp_path / "snapshot_iter_9")  # newest by name; reading it would block forever

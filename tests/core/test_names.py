@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.format.naming import FilenameTemplate
 from snapkeep._core.storage import TEMP_MARKER, resolve_storage
 from snapkeep._core.storage._temps import TEMP_NAME_MAX_BYTES, _temp_owner
 

@@ -1,4 +1,4 @@
-"""The one-pass verified load (:mod:`snapkeep._core.one_pass`): the file is hashed while it is
+"""The one-pass verified load (:mod:`snapkeep._core.load.one_pass`): the file is hashed while it is
 read into new storages; the result equals the separate verify-then-``torch.load`` path bit for
 bit, and a corrupt or truncated file yields nothing of itself (autoload falls back to the older
 snapshot with the trainer's tensors untouched)."""
@@ -12,10 +12,10 @@ import zipfile
 import pytest
 import torch
 
-from snapkeep._core.checksum import ALGORITHM, digest_file
 from snapkeep._core.errors import SnapshotCorruptError
-from snapkeep._core.loading import load_file
-from snapkeep._core.one_pass import load_verified
+from snapkeep._core.format.checksum import ALGORITHM, digest_file
+from snapkeep._core.load.loading import load_file
+from snapkeep._core.load.one_pass import load_verified
 from snapkeep._core.storage import resolve_storage
 from snapkeep.training import ExtensionsManager, extensions
 from snapkeep.writing import SimpleWriter

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from snapkeep import SnapshotStorageError
-from snapkeep._core.preflight import check_writable
+from snapkeep._core.load.preflight import check_writable
 from snapkeep._core.storage import resolve_storage
 
 

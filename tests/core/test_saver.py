@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from snapkeep._core.errors import SnapshotSaveError, SnapshotTimeoutError
-from snapkeep._core.job import CommitRecord, SaveJob
-from snapkeep._core.saver import Saver, Ticket
+from snapkeep._core.save.job import CommitRecord, SaveJob
+from snapkeep._core.save.saver import Saver, Ticket
 from snapkeep._core.storage import Storage
 
 BOUND_S = 10.0

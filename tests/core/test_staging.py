@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from snapkeep._core.host_memory import HeapAllocator
-from snapkeep._core.shm import ArenaReader, SharedArena
-from snapkeep._core.staging import BufferSet
+from snapkeep._core.save.host_memory import HeapAllocator
+from snapkeep._core.save.shm import ArenaReader, SharedArena
+from snapkeep._core.save.staging import BufferSet
 
 Pair = collections.namedtuple("Pair", "a b")
 

@@ -9,9 +9,9 @@ import threading
 
 import torch
 
-from snapkeep._core import host_memory
-from snapkeep._core.host_memory import HeapAllocator, copy_threads
-from snapkeep._core.staging import BufferSet
+from snapkeep._core.save import host_memory
+from snapkeep._core.save.host_memory import HeapAllocator, copy_threads
+from snapkeep._core.save.staging import BufferSet
 
 
 def _cpus() -> int:
@@ -61,9 +61,9 @@ def test_immutable_leaves_are_shared_and_tensors_in_tuples_still_staged() -> Non
 
 
 def test_background_staging_reuses_one_thread() -> None:
-    from snapkeep._core.overlap import DeferredCopy, PendingVerdict
-    from snapkeep._core.staging import StageStats
-    from snapkeep._core.ticket import SaveHandle
+    from snapkeep._core.save.overlap import DeferredCopy, PendingVerdict
+    from snapkeep._core.save.staging import StageStats
+    from snapkeep._core.save.ticket import SaveHandle
 
     seen: list[int] = []
     stats = StageStats(tensor_bytes=0, allocated_bytes=0, num_storages=0)

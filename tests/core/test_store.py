@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep._core.manifest import Manifest, manifest_path
+from snapkeep._core.format.manifest import Manifest, manifest_path
 from snapkeep._core.storage import resolve_storage
-from snapkeep._core.store import SnapshotStore
+from snapkeep._core.store.files import SnapshotStore
 
 
 def _writer_files(directory, template: str, steps) -> SnapshotStore:
@@ -117,7 +117,7 @@ def test_overwriting_a_name_never_leaves_a_stale_manifest(tmp_path):
 
 
 def test_counter_fields_match_whole_numbers_only():
-    from snapkeep._core.naming import FilenameTemplate
+    from snapkeep._core.format.naming import FilenameTemplate
 
     template = FilenameTemplate("snap_e{.epoch}_i{.iteration}_acc{.observation}")
     assert template.parse("snap_e2_i300_acc0.75") == (300.0, 2.0, 0.75)
@@ -128,7 +128,7 @@ def test_counter_fields_match_whole_numbers_only():
 
 # -- the store's own operations --------------------------------------------------------------------
 def _store_with(tmp_path, steps, run_id="run-a"):
-    from snapkeep._core.job import SaveJob
+    from snapkeep._core.save.job import SaveJob
 
     storage, d = resolve_storage(str(tmp_path))
     store = SnapshotStore(storage, d, "s_{.iteration}")
@@ -174,7 +174,7 @@ def test_delete_and_sweep_orphan_manifests(tmp_path):
 
 
 def test_on_error_snapshots_are_never_entries(tmp_path):
-    from snapkeep._core.store import ON_ERROR_SUFFIX
+    from snapkeep._core.store.files import ON_ERROR_SUFFIX
 
     store = _store_with(tmp_path, [1])
     (tmp_path / f"s_2{ON_ERROR_SUFFIX}").write_bytes(b"x")
@@ -185,7 +185,7 @@ def test_a_held_listing_is_listed_once_and_kept_up_to_date(tmp_path, monkeypatch
     """Held (the trainer's store), kind check, sweep, orphan check and entries share one
     listing of the directory and one of its manifest directory; the store's own commits and
     deletes update them; released, it lists afresh (what something else wrote is seen)."""
-    from snapkeep._core.job import SaveJob
+    from snapkeep._core.save.job import SaveJob
 
     store = _writer_files(tmp_path, "snap_{}", [1, 2])
     store.hold_listing()

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from snapkeep._core.manifest import ManifestError, read_manifest
+from snapkeep._core.format.manifest import ManifestError, read_manifest
 from snapkeep._core.storage import resolve_storage
 from support.integration import assert_params, listing, make_run, train
 

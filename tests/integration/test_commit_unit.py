@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep._core.commit import commit_job
-from snapkeep._core.job import SaveJob
+from snapkeep._core.save.commit import commit_job
+from snapkeep._core.save.job import SaveJob
 from snapkeep._core.storage import RenameCommit, ReplaceCommit, Storage, resolve_storage
 from support.integration import listing, make_model, make_run, train
 

@@ -18,7 +18,7 @@ import torch
 
 import snapkeep
 from snapkeep._core.storage import TEMP_MARKER, resolve_storage
-from snapkeep._core.store import SnapshotStore
+from snapkeep._core.store.files import SnapshotStore
 from support.integration import assert_params, listing, make_model, make_run, train
 
 TMPFS_BYTES = 2 << 20

@@ -13,7 +13,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 import snapkeep
-from snapkeep._core.store import SnapshotStore
+from snapkeep._core.store.files import SnapshotStore
 from snapkeep.retention import AnyOf, KeepBest, KeepEvery, KeepLatest
 from snapkeep.training.extensions._snapshot import _Snapshot
 from support.integration import (

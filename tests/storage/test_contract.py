@@ -14,7 +14,7 @@ import torch
 import snapkeep
 from snapkeep import writing
 from snapkeep._core.storage import TEMP_MARKER
-from snapkeep._core.store import SnapshotStore
+from snapkeep._core.store.files import SnapshotStore
 from snapkeep.training import ExtensionsManager, extensions
 from support.storage_backends import PART_BYTES, Backend
 
@@ -81,7 +81,7 @@ def test_each_writer_snapshots_retains_and_autoloads(backend: Backend, writer_cl
     manager.finalize()
 
     assert backend.raw_names() == [".snapkeep/", "snap_iter_2", "snap_iter_3"]
-    # local storages also hold the store's lock file there (see snapkeep._core.lock)
+    # local storages also hold the store's lock file there (see snapkeep._core.store.lock)
     manifests = [n for n in backend.raw_names(".snapkeep") if not n.endswith(".lock")]
     assert manifests == ["snap_iter_2.json", "snap_iter_3.json"]
     assert backend.pending_uploads() == []

@@ -13,7 +13,7 @@ import torch
 
 from snapkeep import writing
 from snapkeep._core.storage import TEMP_MARKER, PfioFileSystem, RenameCommit, resolve_storage
-from snapkeep._core.store import SnapshotStore
+from snapkeep._core.store.files import SnapshotStore
 from snapkeep.training import ExtensionsManager, extensions
 
 

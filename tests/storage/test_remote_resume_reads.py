@@ -8,8 +8,8 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from snapkeep import writing
-from snapkeep._core.loading import load_file
-from snapkeep._core.store import SnapshotStore
+from snapkeep._core.load.loading import load_file
+from snapkeep._core.store.files import SnapshotStore
 
 
 class CountingMemoryFS(MemoryFileSystem):

@@ -15,7 +15,7 @@ import torch
 import snapkeep
 from snapkeep._core.storage import TEMP_MARKER, resolve_storage
 from snapkeep._core.storage._temps import STALE_TEMP_AGE_S
-from snapkeep._core.store import SnapshotStore
+from snapkeep._core.store.files import SnapshotStore
 
 
 def _storage(directory):

@@ -16,7 +16,7 @@ import torch
 import snapkeep
 from snapkeep import writing
 from snapkeep._core.storage import resolve_storage
-from snapkeep._core.store import SnapshotStore
+from snapkeep._core.store.files import SnapshotStore
 from support.storage_backends import (
     BUCKET,
     PART_BYTES,

@@ -1,4 +1,4 @@
-"""The store contract (``snapkeep._core.store_kinds``), run for each kind x storage: single files
+"""The store contract (``snapkeep._core.store.contract``), run for each kind x storage: single files
 and sharded (DCP) directories, on the local filesystem, ``memory://`` and a real S3-API server
 (moto over HTTP). Each test is a guarantee of ``docs/guarantees.md`` or a fault measured in issue
 17, asserted the same way for every kind:
@@ -257,7 +257,7 @@ def _plant(backend: Backend, kind: str, name: str, data: bytes) -> None:
     if kind == "file":
         _put(backend, name, data)
         return
-    from snapkeep._core.checksum import digest_stream
+    from snapkeep._core.format.checksum import digest_stream
 
     _copy(backend, "snapshot_iter_2", name)
     storage, _ = backend.storage()

@@ -36,7 +36,8 @@ def fast_start_method() -> str:
     of a second instead of importing torch each time (~2 s with ``spawn``). Fault and
     back-pressure tests use it; the consistency and subprocess tests keep the default ``spawn``.
     """
-    multiprocessing.set_forkserver_preload(["snapkeep._core.executors", "support.writer_gates"])
+    multiprocessing.set_forkserver_preload(["snapkeep._core.save.executors",
+                                            "support.writer_gates"])
     return "forkserver"
 
 

@@ -96,7 +96,7 @@ def test_save_rng_state_false_neither_saves_nor_restores(make_manager):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
 def test_cuda_state_without_cuda_is_skipped_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="snapkeep._core.rng_state"):
+    with caplog.at_level(logging.WARNING, logger="snapkeep._core.state.rng_state"):
         restore_rng_state({"cuda": [torch.zeros(16, dtype=torch.uint8)]})
     assert "CUDA is not available" in caplog.text
 

@@ -18,7 +18,7 @@ import torch
 
 import snapkeep
 from snapkeep import writing
-from snapkeep._core.overlap import OverlapPlan, owned_storages
+from snapkeep._core.save.overlap import OverlapPlan, owned_storages
 from snapkeep.training import ExtensionsManager, extensions
 from support.writer_gates import CopyGate
 
@@ -201,7 +201,7 @@ def test_small_tensors_and_unowned_tensors_are_not_deferred():
     optimizer = torch.optim.Adam(model.parameters())
     owned = owned_storages([optimizer])
     plan = OverlapPlan(deferred=frozenset(owned))
-    from snapkeep._core.staging import BufferSet
+    from snapkeep._core.save.staging import BufferSet
 
     tree = {"model": model.state_dict(), "ema": {k: v.clone() for k, v in
                                                  model.state_dict().items()}}

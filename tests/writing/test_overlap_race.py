@@ -39,8 +39,8 @@ import pytest
 import torch
 
 from snapkeep import writing
-from snapkeep._core.memory_store import MemoryStore
-from snapkeep._core.shm import reclaim_dead_arenas
+from snapkeep._core.save.shm import reclaim_dead_arenas
+from snapkeep._core.tiers.memory_store import MemoryStore
 from snapkeep.training import ExtensionsManager, extensions
 from support.writer_gates import CopyGate
 

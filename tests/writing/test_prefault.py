@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from snapkeep import writing
-from snapkeep._core.staging import BufferSet, prefault
+from snapkeep._core.save.staging import BufferSet, prefault
 from snapkeep.training import ExtensionsManager, extensions
 
 STAGING_WRITERS = ["ThreadWriter", "ThreadQueueWriter", "ProcessWriter", "ProcessQueueWriter"]
@@ -75,7 +75,7 @@ def test_simple_writer_needs_no_prefault(tmp_path, model_and_optimizer):
 
 
 def test_a_state_that_cannot_be_built_yet_does_not_stop_training(tmp_path, model_and_optimizer):
-    from snapkeep._core.prefault import prefault_before_first_snapshot
+    from snapkeep._core.save.prefault import prefault_before_first_snapshot
 
     model, optimizer = model_and_optimizer  # has state: prepared at once
     writer = writing.ThreadWriter(out_dir=str(tmp_path))

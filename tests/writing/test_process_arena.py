@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from snapkeep import writing
-from snapkeep._core.shm import ARENA_PREFIX
+from snapkeep._core.save.shm import ARENA_PREFIX
 from support.writer_gates import fast_start_method
 
 

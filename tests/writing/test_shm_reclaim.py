@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep._core.shm import ARENA_PREFIX, reclaim_dead_arenas
+from snapkeep._core.save.shm import ARENA_PREFIX, reclaim_dead_arenas
 from support.subprocess_util import default_sigint
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm (Linux)")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep._core.shm import reclaim_dead_arenas
+from snapkeep._core.save.shm import reclaim_dead_arenas
 from snapkeep._core.storage import resolve_storage, set_publish_guard
 from support.subprocess_util import default_sigint
 from support.writer_gates import GATE_TIMEOUT_S, SocketGate

@@ -92,11 +92,11 @@ class StagingRaceError(SnapshotError, RuntimeError):
     """A tensor staged in the background (overlapped staging) was modified in place after the
     snapshot call and before its copy was validated on the training thread; that snapshot was
     dropped (never written). Raised with ``overlap='strict'``; otherwise its message is warned
-    once and the run goes on (see :mod:`snapkeep._core.overlap`)."""
+    once and the run goes on (see :mod:`snapkeep._core.save.overlap`)."""
 
 
 class IncrementalSnapshotError(SnapshotError, RuntimeError):
     """An incremental snapshot was opened by something that cannot materialise it: a bare
     ``torch.load(path, weights_only=False)`` (its large tensors are blobs beside it, see
-    :mod:`snapkeep._core.incremental`). Load it with snapkeep, or write a plain ``torch.save``
+    :mod:`snapkeep._core.tiers.incremental`). Load it with snapkeep, or write a plain ``torch.save``
     file with ``snapkeep convert``."""

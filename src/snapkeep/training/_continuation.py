@@ -9,7 +9,7 @@ the first ``stop_trigger`` check)::
      'rng': {...},                      # see _rng_state.capture_rng_state; absent when disabled
      'generators': {name: state},       # objects the loop registered (snapshot(generators=...))
      'loaders': {name: position},       # data loaders' positions (snapshot(loaders=...));
-                                        # see snapkeep._core.data_position
+                                        # see snapkeep._core.state.data_position
      'stop_trigger': {...},             # the manager's stop trigger state (EarlyStoppingTrigger)
      'internal_stop_trigger': {...},    # ... after their call at this iteration, and
      'stop_decisions': {'stop_trigger': (iteration, bool), ...}}   # see _stop_decision

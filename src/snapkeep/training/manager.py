@@ -349,7 +349,7 @@ class ExtensionsManager:
     def _settle_staging(self) -> None:
         """The end of ``run_iteration``: a safe point for overlapped staging. Extensions with a
         ``settle_staging()`` (snapkeep's snapshot) validate a background copy that is done, so
-        its snapshot is published now (see :mod:`snapkeep._core.overlap`)."""
+        its snapshot is published now (see :mod:`snapkeep._core.save.overlap`)."""
         for _, entry in self.extensions:
             settle = getattr(entry.extension, "settle_staging", None)
             if callable(settle):

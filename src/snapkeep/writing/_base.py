@@ -16,17 +16,17 @@ from typing import Any
 
 import torch
 
-from snapkeep._core.codec import torch_save
 from snapkeep._core.errors import SnapshotStorageError
-from snapkeep._core.executors import InlineRunner, Runner
-from snapkeep._core.job import CommitRecord, SaveJob
-from snapkeep._core.manifest import MANIFEST_SUFFIX
-from snapkeep._core.overlap import OnRace, StagingGuard, arm
-from snapkeep._core.prefault import prefault_before_first_snapshot
-from snapkeep._core.saver import SaveHandle, Saver, Ticket
+from snapkeep._core.format.codec import torch_save
+from snapkeep._core.format.manifest import MANIFEST_SUFFIX
+from snapkeep._core.save.executors import InlineRunner, Runner
+from snapkeep._core.save.job import CommitRecord, SaveJob
+from snapkeep._core.save.overlap import OnRace, StagingGuard, arm
+from snapkeep._core.save.prefault import prefault_before_first_snapshot
+from snapkeep._core.save.saver import SaveHandle, Saver, Ticket
+from snapkeep._core.save.ticket import StagedLoan
 from snapkeep._core.storage import Storage, resolve_storage
-from snapkeep._core.store import Retain
-from snapkeep._core.ticket import StagedLoan
+from snapkeep._core.store.files import Retain
 from snapkeep._version import __version__
 from snapkeep.writing._ppe_fs import PpeFileSystem
 
@@ -241,7 +241,8 @@ class Writer:
     ) -> bool:
         """Let the next save stage ``optimizers``' parameters and state in the background while
         training continues; their ``step()`` waits for the copy and ``guard`` validates it (see
-        :func:`snapkeep._core.overlap.arm`, the snapshot extension's ``overlap``). Call it right
+        :func:`snapkeep._core.save.overlap.arm`, the snapshot extension's ``overlap``). Call it
+        right
         before the save, on the training thread; :meth:`disarm_overlap` after it.
 
         Args:
@@ -263,7 +264,7 @@ class Writer:
         memory tier serialises it. Read ``loan.tree`` only after ``loan.wait_staged()`` and
         call ``loan.release()`` when done; until then this writer does not stage into that
         copy's buffers (its next snapshot may wait for the release). See
-        :class:`snapkeep._core.ticket.StagedLoan` for why the read is safe.
+        :class:`snapkeep._core.save.ticket.StagedLoan` for why the read is safe.
 
         Returns:
             None when there is nothing to lend: this writer does not stage (``SimpleWriter``),
@@ -282,7 +283,7 @@ class Writer:
         """Prepare this writer's staging buffers for the tree ``state_fn()`` returns, in a
         background thread, so the first save does not pay for them: now, or after the first
         ``step()`` of each optimizer without state yet (see
-        :func:`snapkeep._core.prefault.prefault_before_first_snapshot`).
+        :func:`snapkeep._core.save.prefault.prefault_before_first_snapshot`).
 
         Args:
             state_fn: returns the tree a save will stage (called on the caller's thread or right
@@ -371,10 +372,11 @@ def _check_incremental(tracker: Any, job: SaveJob) -> None:
     ``torch.save`` file committed with its manifest.
 
     Raises:
-        TypeError: ``tracker`` is not an :class:`~snapkeep._core.incremental.IncrementalTracker`.
+        TypeError: ``tracker`` is not an
+        :class:`~snapkeep._core.tiers.incremental.IncrementalTracker`.
         ValueError: append mode, or a ``savefun`` other than ``torch.save``.
     """
-    from snapkeep._core.incremental import IncrementalTracker
+    from snapkeep._core.tiers.incremental import IncrementalTracker
 
     if not isinstance(tracker, IncrementalTracker):
         raise TypeError(f"incremental must be an IncrementalTracker, got {tracker!r}")

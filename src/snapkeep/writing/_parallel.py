@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from snapkeep._core.executors import ProcessRunner, Runner, ThreadRunner
-from snapkeep._core.saver import Saver, Ticket
+from snapkeep._core.save.executors import ProcessRunner, Runner, ThreadRunner
+from snapkeep._core.save.saver import Saver, Ticket
 from snapkeep.writing._base import SaveFun
 from snapkeep.writing._standard import StandardWriter
 

@@ -39,10 +39,10 @@ from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
 from snapkeep._core.errors import SnapshotCorruptError
-from snapkeep._core.manifest import MANIFEST_DIR
-from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.format.manifest import MANIFEST_DIR
+from snapkeep._core.format.naming import FilenameTemplate
 from snapkeep._core.storage import Storage, is_temp_name, resolve_storage
-from snapkeep._core.store import Entry, SnapshotStore
+from snapkeep._core.store.files import Entry, SnapshotStore
 
 logger = logging.getLogger(__name__)
 

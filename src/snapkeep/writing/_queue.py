@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from snapkeep._core.errors import SnapshotSaveError, SnapshotTimeoutError, StagingRaceError
-from snapkeep._core.executors import ThreadRunner
-from snapkeep._core.saver import SaveHandle, Ticket
+from snapkeep._core.save.executors import ThreadRunner
+from snapkeep._core.save.saver import SaveHandle, Ticket
 from snapkeep.writing._base import SaveFun, SimpleWriter, Writer
 from snapkeep.writing._parallel import WorkerProcessMixin, check_picklable
 

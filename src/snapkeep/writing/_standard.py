@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from snapkeep._core.errors import SnapshotSaveError
-from snapkeep._core.executors import ThreadRunner
-from snapkeep._core.saver import SaveHandle, Ticket
+from snapkeep._core.save.executors import ThreadRunner
+from snapkeep._core.save.saver import SaveHandle, Ticket
 from snapkeep.writing._base import SaveFun, Writer
 
 
@@ -24,7 +24,7 @@ class StandardWriter(Writer):
     ``__call__`` stages a consistent copy of the target (training may mutate it as soon as the
     call returns), then calls :meth:`create_worker` and starts the worker. At most
     ``max_pending`` snapshots are in flight; when full, ``on_full`` decides (``'block'``,
-    ``'skip'``; see :class:`snapkeep._core.saver.Saver`). ``finalize()`` joins the workers and
+    ``'skip'``; see :class:`snapkeep._core.save.saver.Saver`). ``finalize()`` joins the workers and
     raises a failed save once as :class:`SnapshotSaveError` (a ``RuntimeError``, as ppe).
 
     Args:

@@ -19,7 +19,7 @@ from snapkeep._core.distributed.errors import (
     NoCommonSnapshotError,
     RankFailedError,
 )
-from snapkeep._core.store_kinds import CandidateRefused, Listed, newest_valid
+from snapkeep._core.store.contract import CandidateRefused, Listed, newest_valid
 
 
 def all_gather(group: dist.ProcessGroup | None, value: Any, *, what: str,
@@ -113,10 +113,10 @@ def agree_on_resume(
 
     The candidates are the union of every rank's ``listing`` (so a snapshot one rank lacks is
     noticed, not silently skipped by that rank alone). The store's one newest-valid-with-fallback
-    (:func:`~snapkeep._core.store_kinds.newest_valid`: order, skip, warning, error) walks them
+    (:func:`~snapkeep._core.store.contract.newest_valid`: order, skip, warning, error) walks them
     from the newest (highest key) down with a collective check: every rank runs ``check(name)``
     on its part and all ranks exchange the results; a snapshot any rank objects to is refused
-    on every rank (:class:`~snapkeep._core.store_kinds.CandidateRefused`), and the first one no
+    on every rank (:class:`~snapkeep._core.store.contract.CandidateRefused`), and the first one no
     rank objects to is chosen on every rank. A rank lacking a listed snapshot objects to it.
 
     Args:

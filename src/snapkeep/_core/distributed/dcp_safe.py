@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotError, UnsafeSnapshotError
+from snapkeep._core.format.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.storage import Storage, open_regular
 
 _DCP = "torch.distributed.checkpoint"

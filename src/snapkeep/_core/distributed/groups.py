@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from snapkeep._core.distributed.launcher import watch_launcher
-from snapkeep._core.preflight import check_timeout_s
+from snapkeep._core.load.preflight import check_timeout_s
 
 logger = logging.getLogger(__name__)
 

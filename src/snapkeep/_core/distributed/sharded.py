@@ -65,9 +65,9 @@ from snapkeep._core.errors import (
     SnapshotTimeoutError,
     StateMismatchError,
 )
-from snapkeep._core.exit_drain import DrainedAtExit
-from snapkeep._core.manifest import now_unix_s
-from snapkeep._core.store import Entry
+from snapkeep._core.format.manifest import now_unix_s
+from snapkeep._core.save.exit_drain import DrainedAtExit
+from snapkeep._core.store.files import Entry
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class ShardedSaver(DrainedAtExit):
         retain: called on rank 0 on the commit thread after each commit with the new manifest
             (retention); its exceptions are logged, never fatal.
 
-    Every saver registers with the exit drain (:mod:`snapkeep._core.exit_drain`): a script that
+    Every saver registers with the exit drain (:mod:`snapkeep._core.save.exit_drain`): a script that
     ends without ``close()`` (``finalize()`` of the manager, ``close()`` of the Checkpointer) has
     its snapshot in flight committed at interpreter exit, or named and the exit status 1.
     """

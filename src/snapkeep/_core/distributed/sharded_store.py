@@ -30,16 +30,16 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.distributed.dcp_safe import metadata_of
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
-from snapkeep._core.lock import StoreLock
-from snapkeep._core.manifest import MANIFEST_DIR
-from snapkeep._core.naming import FilenameTemplate
-from snapkeep._core.retention import RetentionPolicy, SnapshotInfo, plan_deletions
+from snapkeep._core.format.checksum import ALGORITHM, digest_stream, require_match
+from snapkeep._core.format.manifest import MANIFEST_DIR
+from snapkeep._core.format.naming import FilenameTemplate
 from snapkeep._core.storage import TEMP_MARKER, Storage
-from snapkeep._core.store import ON_ERROR_SUFFIX, Entry, HeldListing
-from snapkeep._core.store_kinds import IN_PROGRESS_NAME, MARKER_NAME, require_one_kind
+from snapkeep._core.store.contract import IN_PROGRESS_NAME, MARKER_NAME, require_one_kind
+from snapkeep._core.store.files import ON_ERROR_SUFFIX, Entry, HeldListing
+from snapkeep._core.store.lock import StoreLock
+from snapkeep._core.store.retention import RetentionPolicy, SnapshotInfo, plan_deletions
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class ShardedStore:
     def hold_listing(self) -> None:
         """Keep the first listing of the snapshot directory and answer from it, updated by this
         store's own saves (:meth:`mark_in_progress`) and deletes (see
-        :class:`~snapkeep._core.store.HeldListing`): the start-up (kind check, uncommitted,
+        :class:`~snapkeep._core.store.files.HeldListing`): the start-up (kind check, uncommitted,
         sweep, autoload) lists out_dir once and snapshots (with retention) never. Rank 0 only,
         whose store alone changes the directory there (the lock); other ranks list fresh."""
         self._listing.hold()
@@ -455,7 +455,7 @@ class ShardedStore:
 
     def check_kind(self) -> None:
         """Refuse a template that already names single-file snapshots here (see
-        :func:`~snapkeep._core.store_kinds.require_one_kind`)."""
+        :func:`~snapkeep._core.store.contract.require_one_kind`)."""
         require_one_kind(self.storage, self._parent(), self._base, expected="directory",
                          listed=self._listing.files())
 

@@ -84,7 +84,7 @@ class DirectFile:
             more than one, each chunk after the first is written by ``pwrite(2)`` at its offset
             in a background thread while the next one is gathered (or hashed); an error of such
             a write is raised by the next ``write`` or by :meth:`finish`.
-        hasher: an object with ``update(bytes)`` (e.g. :func:`~snapkeep._core.checksum.
+        hasher: an object with ``update(bytes)`` (e.g. :func:`~snapkeep._core.format.checksum.
             new_hasher`), fed every byte accepted by :meth:`write`, in order.
 
     Small writes are gathered in this thread's chunk buffer, so a ``savefun`` that writes many

@@ -2,7 +2,7 @@
 
 The storage layer owns this stream because the checksum it returns in
 :class:`~._commit.WriteResult` must cover exactly the bytes it made durable; what the checksum
-means to a reader (manifests, verification, fallback) is :mod:`snapkeep._core.checksum`'s.
+means to a reader (manifests, verification, fallback) is :mod:`snapkeep._core.format.checksum`'s.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Records how a run ended in its output directory (``.snapkeep/status.json``) for
-``extensions.preemption``; see :mod:`snapkeep._core.run_status` for the file and its states.
+``extensions.preemption``; see :mod:`snapkeep._core.session.run_status` for the file and its states.
 
 Only rank 0 writes (the states are agreed: a preemption is recorded after the outcome exchange),
 also when ``snapshot(saver_rank=k)`` writes the snapshots on another rank. Decided so because

@@ -16,7 +16,7 @@ Differences from ppe that users rely on:
 - One trainer per ``out_dir`` and template: ``initialize`` takes the store's lock (before
   autoload) and ``finalize`` releases it; a second trainer gets
   :class:`~snapkeep.errors.StoreLockedError` naming the holder. Local filesystems only; see
-  :mod:`snapkeep._core.lock` for what is not locked.
+  :mod:`snapkeep._core.store.lock` for what is not locked.
 - On-error snapshots (``snapshot_on_error=True``) get their own name (``<name>.on-error``), so
   they never replace or outrank a clean snapshot; autoload never resumes from one.
 
@@ -144,7 +144,7 @@ def snapshot(
             the loop has received) is saved; after a resume the loop's next ``iter(loader)``
             continues the epoch where it stopped, with the same batches in the same order, so
             ``for batch in loader`` ends with the manager's epoch. The loader object is hooked
-            in place (see ``snapkeep._core.data_position``). snapkeep addition; manager
+            in place (see ``snapkeep._core.state.data_position``). snapkeep addition; manager
             snapshots only.
         timeout_s: with ``saver_rank`` or ``SHARDED``: bound in seconds (default 600) of every
             collective snapkeep makes; a rank that fails raises the same error on every rank,
@@ -157,7 +157,7 @@ def snapshot(
             step, the end of ``run_iteration``, the next snapshot or ``finalize``). A modified
             tensor drops that snapshot (never a torn file): one ``RuntimeWarning`` names it and
             this extension copies in the call from then on; ``'strict'`` raises
-            :class:`snapkeep.StagingRaceError` there instead. See :mod:`snapkeep._core.overlap`
+            :class:`snapkeep.StagingRaceError` there instead. See :mod:`snapkeep._core.save.overlap`
             for what the check cannot see. ``False`` copies all of the state in the call.
         quiet: with ``autoload``, do not print the resume notice: by default ``initialize``
             writes on stderr (rank 0 only under torch.distributed) one line naming the snapshot
@@ -171,7 +171,7 @@ def snapshot(
             frozen backbone is written once). Autoload, ``snapkeep.load_latest`` and the CLI
             load and verify every blob; retention deletes a blob when no snapshot refers to it
             any more; a bare ``torch.load`` fails pointing to ``snapkeep convert`` (see
-            :mod:`snapkeep._core.incremental`). Default False. snapkeep addition.
+            :mod:`snapkeep._core.tiers.incremental`). Default False. snapkeep addition.
 
     Raises:
         TypeError: ``savefun`` and ``writer`` both given (as ppe); a wrong argument type

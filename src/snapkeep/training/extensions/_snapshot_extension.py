@@ -310,7 +310,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
 
         Raises:
             StagingRaceError: with ``overlap='strict'``, a tensor was modified in place after
-                the call (see :mod:`snapkeep._core.overlap`).
+                the call (see :mod:`snapkeep._core.save.overlap`).
         """
         self._staging_guard.settle(block=False)
 

@@ -1,0 +1,1 @@
+"""How a snapshot is named and encoded: {step} templates, manifests, codecs, checksums."""

@@ -1,0 +1,214 @@
+"""The run's status file: how the last run in an output directory ended, for a job script.
+
+Under torchrun a preempted worker's exit status does not reach the job script (torchrun reports
+any non-zero worker exit as a failure and exits 1), so ``extensions.preemption`` records the
+outcome in ``<out_dir>/.snapkeep/status.json`` (rank 0, through the storage layer: one atomic
+write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. States:
+
+- ``running``: written when training starts, with the writing process's ``pid``, ``host`` and
+  start token (``/proc/<pid>/stat``'s start time, so a reused pid is not taken for the run); still
+  there after the job ended means the run died without a word (SIGKILL, out of memory, a node
+  lost). On the same host :func:`is_alive` tells which (see there);
+- ``preempted``: written after the preemption snapshot is committed on every rank;
+- ``finished``: the manager was finalized without an error or a preemption;
+- ``failed``: the training loop raised (the exception's type and first line in ``reason``); on
+  another rank too, reported to rank 0 through the preemption extension's per-iteration
+  agreement: ``reason`` is then ``rank <r>: <type>: <first line>`` for each failing rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from snapkeep._core.format.manifest import MANIFEST_DIR
+from snapkeep._core.storage import Storage
+
+logger = logging.getLogger(__name__)
+
+STATUS_NAME = "status.json"
+"""File name of the status, under ``MANIFEST_DIR`` (``.snapkeep``) of the output directory."""
+
+STATES = ("running", "preempted", "finished", "failed")
+FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStatus:
+    """One run's outcome. ``step`` is the manager's iteration when it was recorded;
+    ``time_unix_s`` seconds since the epoch (UTC); ``snapshots`` the names committed for a
+    preemption; ``reason`` the signals or the error; ``world_size`` the number of ranks;
+    ``pid``, ``host`` and ``start_token`` the writing process (0 and '' in files written before
+    they were recorded)."""
+
+    state: str
+    step: int
+    time_unix_s: float
+    reason: str = ""
+    snapshots: tuple[str, ...] = ()
+    world_size: int = 1
+    pid: int = 0
+    host: str = ""
+    start_token: str = ""
+
+    def __post_init__(self) -> None:
+        if self.state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots)},
+                          sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RunStatus:
+        """Parse a status file.
+
+        Raises:
+            ValueError: not a status file of a known format (the message says what is wrong).
+        """
+        try:
+            raw: Any = json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise ValueError(f"not a snapkeep status of format {FORMAT}")
+        try:
+            return cls(state=str(raw["state"]), step=int(raw["step"]),
+                       time_unix_s=float(raw["time_unix_s"]), reason=str(raw.get("reason", "")),
+                       snapshots=tuple(str(s) for s in raw.get("snapshots", ())),
+                       world_size=int(raw.get("world_size", 1)), pid=int(raw.get("pid", 0)),
+                       host=str(raw.get("host", "")),
+                       start_token=str(raw.get("start_token", "")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"bad field: {e}") from None
+
+
+def status_path(storage: Storage, directory: str) -> str:
+    return storage.join(directory, MANIFEST_DIR, STATUS_NAME)
+
+
+def write_status(storage: Storage, directory: str, *, state: str, step: int, reason: str = "",
+                 snapshots: tuple[str, ...] = (), world_size: int = 1,
+                 clock: Any = time.time) -> RunStatus:
+    """Record ``state`` for the run in ``directory`` (replaces the previous status atomically).
+
+    Raises:
+        OSError: the status could not be written.
+    """
+    pid = os.getpid()
+    status = RunStatus(state=state, step=int(step), time_unix_s=float(clock()), reason=reason,
+                       snapshots=tuple(snapshots), world_size=world_size, pid=pid,
+                       host=socket.gethostname(), start_token=_start_token(pid) or "")
+    storage.makedirs(storage.join(directory, MANIFEST_DIR))
+    storage.write_bytes(status_path(storage, directory), status.to_bytes(), tag="status")
+    return status
+
+
+def failure_reason(error: BaseException | str) -> str:
+    """The ``reason`` of a ``failed`` status: the error's type and first line (at most 500
+    characters); a :class:`~snapkeep._core.distributed.errors.RankFailedError` (an error on
+    another rank, or on several) gives each failing rank's error instead."""
+    from snapkeep._core.distributed.errors import RankFailedError
+
+    if isinstance(error, RankFailedError):
+        text = "; ".join(f"rank {r}: {m}" for r, m in sorted(error.failed.items()))
+    elif isinstance(error, BaseException):
+        text = f"{type(error).__name__}: {error}"
+    else:
+        text = error
+    return text.splitlines()[0][:500] if text else ""
+
+
+class StatusLog:
+    """The status a door records for its run (rank 0 only; the states are agreed before they
+    are recorded): ``running`` when it starts, then ``preempted``, ``failed`` or ``finished``,
+    once. A status that cannot be written is logged, never raised: the snapshots are what
+    matter.
+
+    Args:
+        storage, directory: the output directory (``.snapkeep/status.json`` in it).
+        rank: this rank (only rank 0 writes).
+        world_size: the number of ranks, recorded.
+    """
+
+    def __init__(self, storage: Storage, directory: str, *, rank: int = 0,
+                 world_size: int = 1) -> None:
+        self.storage = storage
+        self.directory = directory
+        self.rank = rank
+        self.world_size = world_size
+        self.final: str | None = None
+
+    def record(self, state: str, step: int, **fields: Any) -> None:
+        """Record ``state`` at ``step`` (``reason``, ``snapshots``); nothing after a final
+        state (``preempted``, ``failed``, ``finished``) was recorded."""
+        if self.final is not None:
+            return
+        if state != "running":
+            self.final = state
+        if self.rank != 0:
+            return
+        try:
+            write_status(self.storage, self.directory, state=state, step=step,
+                         world_size=self.world_size, **fields)
+        except OSError as e:
+            logger.warning("rank 0: could not record the run's status %r in %s: %s", state,
+                           self.directory, e)
+
+
+def read_status(storage: Storage, directory: str) -> RunStatus | None:
+    """The status recorded in ``directory``; None when there is none.
+
+    Raises:
+        ValueError: the file exists but is not a valid status.
+        OSError: it could not be read.
+    """
+    try:
+        data = storage.read_bytes(status_path(storage, directory), max_bytes=1 << 20)
+    except FileNotFoundError:
+        return None
+    return RunStatus.from_bytes(data)
+
+
+def is_alive(status: RunStatus) -> bool | None:
+    """Whether the process that wrote ``status`` still runs: checked only on the host that wrote
+    it (``socket.gethostname()``), by its pid (``os.kill(pid, 0)``) and, where ``/proc`` exists,
+    its start token (a pid reused by another process is not the run; a zombie has exited).
+    None when this cannot be told: another host (a multi-node job's rank 0 node), or no pid
+    recorded."""
+    if status.pid <= 0 or not status.host or status.host != socket.gethostname():
+        return None
+    try:
+        os.kill(status.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process with that pid: it exists
+    token = _start_token(status.pid, live_only=True)
+    if token is None and os.path.isdir("/proc"):
+        return False  # gone meanwhile, or a zombie
+    if status.start_token and token is not None and token != status.start_token:
+        return False  # the pid was reused
+    return True
+
+
+def _start_token(pid: int, *, live_only: bool = False) -> str | None:
+    """Boot id and start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat``
+    field 22); None where ``/proc`` is not there (macOS), the process is gone, or (with
+    ``live_only``) it is a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().decode(errors="replace").strip()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # the name in parentheses may hold spaces
+    if len(fields) <= 19 or live_only and fields[0] in ("Z", "X"):
+        return None
+    return f"{boot}:{fields[19]}"

@@ -1,0 +1,2 @@
+"""The state layout beyond modules and optimizers: the data position, the RNG streams, wrapper-free
+model keys."""
