@@ -508,17 +508,11 @@ class Checkpointer:
             if on_error:
                 sharded_handle.committed.result()
             return sharded_handle
-        writer: Any = self._writer  # not sharded: a writer
         tree = self._payload(step, state)
         self._refuse_unloadable(tree)
-        # the retention input check (a KeepBest metric no snapshot records: ValueError, nothing
-        # written or deleted), then the retention stage the writer runs after the commit
-        retain = session.retention(name, step, recorded, on_error=on_error)
-        extra: dict[str, Any] = {"step": step, "retain": retain,  # snapkeep's writer extras
-                                 "metrics": recorded, "run_id": session.lineage.run_id}
-        if self._incremental is not None:
-            extra["incremental"] = self._incremental
-        handle = writer(name, self._location, tree, **extra)
+        handle = session.save(self._writer, name, self._location, tree, step=step,
+                              metrics=recorded, on_error=on_error,
+                              incremental=self._incremental)
         if on_error and handle is not None:
             handle.wait()
         return handle

@@ -98,7 +98,6 @@ from snapkeep.store import (
     Entry,
     FilenameTemplate,
     ManifestError,
-    Retain,
     RunControl,
     RunLineage,
     Session,
@@ -409,14 +408,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
         step = step if isinstance(step, int) and not isinstance(step, bool) else None
         with self._guard:
             metrics = self._metrics.pop(os.fspath(path), {})
-        session = found.session
-        # the retention input check (a KeepBest metric no snapshot records: ValueError before
-        # anything is written or deleted), then the Retain stage the writer runs after the commit
-        retain = session.retention(name, step, metrics) if step is not None \
-            else Retain(store=found.store)
-        writer: Any = self._writer  # snapkeep's writers take these extras (as the Checkpointer)
-        handle = writer(name, directory, checkpoint, step=step, retain=retain, metrics=metrics,
-                        run_id=session.lineage.run_id)
+        handle = found.session.save(self._writer, name, directory, checkpoint, step=step,
+                                    metrics=metrics)
         if handle is not None:
             with self._guard:
                 self._last_handle = handle

@@ -8,8 +8,9 @@ on the training thread::
     session.open()                      # once: list, kind check, lock, sweep (one order)
     run = session.track_run(...)        # the run status (+ preemption hook), when recorded
     session.resume(load, apply)         # at most once (single files; sharded: its own agreement)
-    retain = session.retention(...)     # before each save: the retention input check
-    ...                                 # the writer stages and commits; ``retain`` runs after
+    session.save(writer, name, ...)     # each save: retention input check, the door's
+                                        # pre-write step, the writer (stage + commit), whose
+                                        # Retain stage runs after the commit
     session.close()                     # idempotent: the lock is released, handlers put back
 
 so that every door has the same start-up, the same lineage (what retention may count and
@@ -575,6 +576,47 @@ class Session:
             raise TypeError(f"{self!r}: the Retain stage is for single-file stores")
         return Retain(store=self.store, lineage=self.lineage.members,
                       policy=None if on_error else self.policy)
+
+    def save(self, writer: Any, name: str, directory: str, state: Any, *, step: int | None,
+             metrics: Mapping[str, float], on_error: bool = False, incremental: Any = None,
+             before_write: Callable[[], None] | None = None, **writer_kwargs: Any) -> Any:
+        """The save of one single-file snapshot, the same for every door: the retention input
+        check (on the training thread, before anything is staged or deleted), the door's
+        ``before_write`` step (the ppe extension settles and arms its overlapped staging there),
+        then ``writer`` stages ``state`` and commits it as ``directory``/``name`` with this
+        session's :class:`Retain` stage, which it runs after the commit.
+
+        Args:
+            writer: a snapkeep writer (``snapkeep.writing``; its call takes the ``step``,
+                ``metrics``, ``retain``, ``run_id`` and ``incremental`` extras).
+            name: the snapshot's name in ``directory`` (an on-error snapshot's included).
+            directory: the output directory or URL the writer writes.
+            state: the state tree (tensors on any device; staged by the writer).
+            step: the training step the snapshot holds, or None where the door has none
+                (then nothing is retained: retention orders snapshots by step).
+            metrics: recorded in the manifest (``KeepBest`` reads them after a restart).
+            on_error: an on-error snapshot (``<name>.on-error``): never retained or checked.
+            incremental: the door's incremental tracker, for incremental snapshots.
+            before_write: called after the check, right before the writer.
+            writer_kwargs: passed to the writer as they are (``savefun=``).
+
+        Returns:
+            the writer's handle (``staged``/``committed`` futures), or None from a writer that
+            returns none.
+
+        Raises:
+            ValueError: a ``KeepBest`` metric of the policy is recorded by no snapshot of this
+                run, this one included (see :meth:`retention`); nothing is written or deleted.
+        """
+        retain = Retain(store=self._single_file("save")) if step is None \
+            else self.retention(name, step, metrics, on_error=on_error)
+        extra: dict[str, Any] = {"step": step, "retain": retain, "metrics": dict(metrics),
+                                 "run_id": self.lineage.run_id}
+        if incremental is not None:
+            extra["incremental"] = incremental
+        if before_write is not None:
+            before_write()
+        return writer(name, directory, state, **writer_kwargs, **extra)
 
     def check_retention_input(self, name: str, step: int, metrics: Mapping[str, float]) -> None:
         """The retention input check alone (sharded stores, whose saver retains itself); see

@@ -343,32 +343,42 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         state = self._state(manager)
         filename = self._template.format(manager)
         self._refuse_unloadable(state, filename)
-        extra: dict[str, Any] = {}
         if on_error:
             filename += ON_ERROR_SUFFIX
-        if isinstance(writer, _SnapkeepWriter):
-            extra = {"step": int(manager.iteration), "metrics": observed_metrics(manager),
-                     "run_id": self._run_id}
-            session = self._session_of(manager)
-            if session is not None:  # the retention input check, then the retention stage
-                extra["retain"] = session.retention(filename, extra["step"], extra["metrics"],
-                                                    on_error=on_error)
-            if self._incremental:
-                extra["incremental"] = self._tracker_of(manager)
-        if self._on_save_error == "log" and isinstance(writer, _SnapkeepWriter):
-            try:  # an earlier background failure is logged here, so this snapshot is still taken
-                writer.raise_pending_error()
-            except (SnapshotError, OSError) as e:
-                logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
-        self._staging_guard.settle()  # a safe point: the previous snapshot's verdict first
-        if self._overlap_on and isinstance(writer, _SnapkeepWriter):
-            target = manager if self._target is None else self._target
-            writer.arm_overlap(optimizers_in(target), self._staging_guard,
-                               before_copy=self._overlap_before_copy, on_race=self._on_staging_race)
-        self._staged_at = None
+        ours = isinstance(writer, _SnapkeepWriter)
+        session = self._session_of(manager) if ours else None
+
+        def before_write() -> None:  # after the retention input check, right before the writer
+            if self._on_save_error == "log" and ours:
+                try:  # an earlier background failure is logged here, so this one is still taken
+                    writer.raise_pending_error()
+                except (SnapshotError, OSError) as e:
+                    logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
+            self._staging_guard.settle()  # a safe point: the previous snapshot's verdict first
+            if self._overlap_on and ours:
+                target = manager if self._target is None else self._target
+                writer.arm_overlap(optimizers_in(target), self._staging_guard,
+                                   before_copy=self._overlap_before_copy,
+                                   on_race=self._on_staging_race)
+            self._staged_at = None
+
+        tracker = self._tracker_of(manager) if ours and self._incremental else None
         try:
-            writer(filename, manager.out, state, savefun=self._savefun, **extra)
-            if isinstance(writer, _SnapkeepWriter) and self._target is None and not on_error:
+            if session is not None:  # the one save path: check, before_write, writer, Retain
+                session.save(writer, filename, manager.out, state, step=int(manager.iteration),
+                             metrics=observed_metrics(manager), on_error=on_error,
+                             incremental=tracker, before_write=before_write,
+                             savefun=self._savefun)
+            else:  # ppe's own writers (their own format, no store), or no store to retain in
+                extra: dict[str, Any] = {}
+                if ours:
+                    extra = {"step": int(manager.iteration), "metrics": observed_metrics(manager),
+                             "run_id": self._run_id}
+                    if tracker is not None:
+                        extra["incremental"] = tracker
+                before_write()
+                writer(filename, manager.out, state, savefun=self._savefun, **extra)
+            if ours and self._target is None and not on_error:
                 self._staged_at = (int(manager.iteration), writer.last_handle)
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
