@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import signal
-import string
 import types
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -65,7 +64,6 @@ from snapkeep.staging import into_existing_state
 from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
-    FilenameTemplate,
     IncrementalTracker,
     MemoryTier,
     RunControl,
@@ -81,6 +79,7 @@ from snapkeep.store import (
     preemption_signals,
     resolve_storage,
     state_bytes,
+    step_template,
     tier_dir,
     unloadable_value,
     warn_user,
@@ -108,45 +107,6 @@ RUN_ID = "checkpointer"
 #: lock (flock) refuses other processes; within one process it lets a newer trainer take over
 #: from a forgotten one (a notebook cell run again), so open Checkpointers are checked here.
 _OPEN: weakref.WeakValueDictionary[tuple[str, str], Checkpointer] = weakref.WeakValueDictionary()
-
-
-class _Step:
-    """What a step template is formatted with (its ``{step}`` fields become ``{.iteration}``)."""
-
-    def __init__(self, step: int) -> None:
-        self.iteration = step
-
-
-def step_template(template: str) -> FilenameTemplate:
-    """``template`` (``'ckpt_{step}'``, ``'{step:08d}.pt'``, ``'run/{step}'``) as a
-    :class:`FilenameTemplate` whose names parse back to the step.
-
-    Raises:
-        TypeError: ``template`` is not a str.
-        ValueError: it has no ``{step}`` field, another field, or is malformed.
-    """
-    if not isinstance(template, str):
-        raise TypeError(f"template must be a str with one {{step}} field such as 'ckpt_{{step}}' "
-                        f"or '{{step:08d}}.pt', got {type(template).__name__}")
-    parts: list[str] = []
-    fields = 0
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise ValueError(f"template {template!r} is malformed: {e}") from e
-    for literal, field, spec, conversion in parsed:
-        parts.append(literal.replace("{", "{{").replace("}", "}}"))
-        if field is None:
-            continue
-        if field != "step" or conversion:
-            raise ValueError(f"template {template!r} has the field {{{field}}}; the only field "
-                             "is {step} (with an optional format spec such as {step:08d})")
-        fields += 1
-        parts.append("{.iteration" + (f":{spec}" if spec else "") + "}")
-    if fields != 1:
-        raise ValueError(f"template {template!r} must have exactly one {{step}} field (e.g. "
-                         f"'ckpt_{{step}}', '{{step:08d}}.pt'), it has {fields}")
-    return FilenameTemplate("".join(parts))
 
 
 def stateful(key: str, obj: Any) -> Any:
@@ -497,7 +457,7 @@ class Checkpointer:
 
     def _save_to_storage(self, session: Session, step: int, state: Mapping[str, Any],
                          recorded: dict[str, float], *, on_error: bool) -> Any:
-        name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
+        name = self._template.name_at(step) + (ON_ERROR_SUFFIX if on_error else "")
         if self._sharded is not None:
             _refuse_plain_loaders(_check_state(state))
             self._refuse_unloadable(self._payload(step, state))
@@ -528,7 +488,7 @@ class Checkpointer:
         it; the snapshot taken): wait until it is committed on every rank, record ``preempted``
         and exit with 143 (as ``extensions.preemption``)."""
         run = self._run_of()
-        name = self._template.format(_Step(step))
+        name = self._template.name_at(step)
         logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
                        "for its commit, then exiting with %d", run.rank, name, step,
                        EXIT_CODE_PREEMPTED)

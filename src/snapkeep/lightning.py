@@ -106,6 +106,7 @@ from snapkeep.store import (
     manifest_path,
     preemption_signals,
     read_manifest,
+    step_template,
     warn_user,
 )
 from snapkeep.writing import ThreadWriter, Writer
@@ -139,22 +140,6 @@ def _split(path: str) -> tuple[str, str]:
     if not name:
         raise ValueError(f"path must name a checkpoint file, got {path!r}")
     return directory or ".", name
-
-
-def _step_template(template: str) -> FilenameTemplate:
-    """``'ckpt_{step}'`` (a name with one ``{step}`` field, as the Checkpointer's) as the
-    store's template (``'ckpt_{.iteration}'``).
-
-    Raises:
-        ValueError: ``template`` has no ``{step}`` field or another field.
-    """
-    fields = re.findall(r"\{([^{}]*)\}", template)
-    if fields != ["step"]:
-        raise ValueError(f"template must hold exactly one {{step}} field and no other "
-                         f"('ckpt_{{step}}'), got {template!r}")
-    head, _, tail = template.partition("{step}")
-    escaped = [part.replace("{", "{{").replace("}", "}}") for part in (head, tail)]
-    return FilenameTemplate(f"{escaped[0]}{{.iteration}}{escaped[1]}")
 
 
 class _LightningStore(SnapshotStore):
@@ -302,7 +287,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
                                  and not found.session.opened):
                 storage, path = self._writer.storage_for(directory)
                 store = _LightningStore(storage, path, _TEMPLATE if template is None
-                                        else _step_template(template))
+                                        else step_template(template))
                 lineage = found.session.lineage if found is not None \
                     else RunLineage.named(RUN_ID)
                 session = Session(store, policy=self._policy, lineage=lineage,

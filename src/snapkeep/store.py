@@ -74,7 +74,7 @@ from snapkeep._core.memory_tier import (
     state_bytes,
 )
 from snapkeep._core.name_check import misnamed_reason
-from snapkeep._core.naming import FilenameTemplate
+from snapkeep._core.naming import FilenameTemplate, step_template
 from snapkeep._core.one_pass import one_pass_loader
 from snapkeep._core.preflight import check_timeout_s, check_writable
 from snapkeep._core.resume_notice import (
@@ -145,7 +145,7 @@ __all__ = [
     "local_shards", "state_bytes", "say", "newest_listed_step",
     "CheckpointDirs", "CheckpointMarker", "is_marker", "CHECKPOINT_PATTERN", "MARKER_FORMAT",
     "MARKER_NAME", "TEMPLATE", "FileRecord", "checkpoint_step", "commit_checkpoint", "read_marker",
-    "verify_checkpoint", "skip_message",
+    "verify_checkpoint", "skip_message", "step_template",
 ]
 
 
