@@ -209,7 +209,9 @@ class _Directory:
         self.store = store
         self.session = session
         self.template = template
-        self.key = store.storage.url(store.directory)
+        # the directory itself, however spelled (one trainer per directory, see the lock)
+        self.key = os.path.realpath(store.directory) if store.storage.is_local \
+            else store.storage.url(store.directory)
 
 
 def _finite_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -307,7 +309,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
                 lineage = found.session.lineage if found is not None \
                     else RunLineage.named(RUN_ID)
                 session = Session(store, policy=self._policy, lineage=lineage,
-                                  quiet=self._quiet, shown_template=template or "*.ckpt")
+                                  quiet=self._quiet, shown_template=template or "*.ckpt",
+                                  door=RUN_ID)
                 found = _Directory(store, session, template)
                 self._directories[directory] = found
             if lock and not found.session.opened:
@@ -358,7 +361,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
         back from it."""
         self.wait()
         found = self._directory(os.fspath(directory), lock=False, template=template)
-        entries = found.store.entries()
+        entries = found.session.own(found.store.entries())  # another door's: skipped, named
         return entries[-1].path if entries else None
 
     def announce_fresh(self, directory: str) -> None:

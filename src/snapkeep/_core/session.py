@@ -59,6 +59,7 @@ from snapkeep._core.run_control import RunControl
 from snapkeep._core.store import Entry, Retain, SnapshotStore
 from snapkeep._core.store_kinds import StoreKind, newest_valid
 from snapkeep._core.structure import describe
+from snapkeep._core.user_warnings import warn_user
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,18 @@ class Session:
         quiet: no resume notice on stderr (it is still logged at INFO).
         shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages;
             default the store's.
+        door: the door's name (``'checkpointer'``, ``'ppe'``, ``'lightning'``): recorded in
+            the manifest of each snapshot it saves, and its resume takes only snapshots
+            recording it (or none): another door's is skipped, named (:meth:`own`). Empty
+            (default): every snapshot is taken, nothing recorded.
     """
 
     def __init__(self, store: StoreKind, *, policy: RetentionPolicy | None = None,
                  lineage: RunLineage | None = None, quiet: bool = False,
-                 shown_template: str | None = None) -> None:
+                 shown_template: str | None = None, door: str = "") -> None:
         self.store = store
+        self.door = door
+        self._foreign_named: set[str] = set()
         self.policy = policy
         self.lineage = RunLineage.fresh() if lineage is None else lineage
         self.quiet = quiet
@@ -190,7 +197,7 @@ class Session:
             StateMismatchError, UnsafeSnapshotError: from ``apply`` / ``load``; nothing loaded.
         """
         store = self._single_file("resume")
-        candidates = store.entries() if candidates is None else candidates
+        candidates = self.own(store.entries() if candidates is None else candidates)
         notice = ResumeNotice(directory=store.storage.url(store.directory),
                               template=self.shown_template)
         if not candidates:
@@ -210,6 +217,33 @@ class Session:
         announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
                                      skipped=tuple(skipped)), quiet=self.quiet)
         return entry
+
+    def own(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` without the snapshots another door wrote (their manifest records
+        another ``door``: a Checkpointer's ``ckpt_100`` in a Lightning ``dirpath`` holds no
+        Lightning checkpoint), each named once in a ``RuntimeWarning`` (stderr): skipped,
+        never loaded into this door. Snapshots recording no door (written before doors were
+        recorded, by ppe, or without a manifest) are kept: the door's format check decides.
+        Without a ``door`` (a reader), ``entries`` unchanged. Reads each entry's manifest
+        (single-file stores; other kinds unchanged).
+        """
+        store = self.store
+        if not self.door or not isinstance(store, SnapshotStore):
+            return entries
+        kept = []
+        for entry in entries:
+            manifest = store.manifest(entry)
+            other = manifest.door if manifest is not None else ""
+            if other and other != self.door:
+                if entry.path not in self._foreign_named:
+                    self._foreign_named.add(entry.path)
+                    warn_user(f"skipped {entry.name} (step {entry.step}) in "
+                              f"{store.storage.url(store.directory)}: a snapshot of the "
+                              f"{other} door, not of this {self.door} door's run; it is never "
+                              "loaded here (move it to its own directory)", RuntimeWarning)
+                continue
+            kept.append(entry)
+        return kept
 
     def read_newest(
         self, *, check: Callable[[Entry, Any], Any] | None = None,
@@ -574,7 +608,7 @@ class Session:
         if not isinstance(self.store, SnapshotStore):
             raise TypeError(f"{self!r}: the Retain stage is for single-file stores")
         return Retain(store=self.store, lineage=self.lineage.members,
-                      policy=None if on_error else self.policy)
+                      policy=None if on_error else self.policy, door=self.door)
 
     def check_retention_input(self, name: str, step: int, metrics: Mapping[str, float]) -> None:
         """The retention input check alone (sharded stores, whose saver retains itself); see

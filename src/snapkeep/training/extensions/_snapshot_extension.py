@@ -454,7 +454,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             if session is not None:
                 session.close()
             session = self._session = Session(store, policy=self._retention,
-                                              lineage=self._shared, quiet=self._quiet)
+                                              lineage=self._shared, quiet=self._quiet,
+                                              door="ppe")
         return session
 
     def _choose(self, store: SnapshotStore) -> list[Entry] | None:
