@@ -174,7 +174,7 @@ def test_prune_of_a_live_lightning_directory_is_refused(
 
 
 def test_a_lightning_resume_skips_a_checkpointer_snapshot_naming_it(
-        tmp_path: pathlib.Path) -> None:
+        tmp_path: pathlib.Path, capfd: pytest.CaptureFixture[str]) -> None:
     """A Checkpointer's ``ckpt_100`` in a Lightning ``dirpath``: ``ckpt_path="last"`` skips it,
     naming it, and starts fresh (971f8e4: ``resuming from ckpt_100``, then ``KeyError:
     'pytorch-lightning_version'``)."""
@@ -205,11 +205,14 @@ def test_a_lightning_resume_skips_a_checkpointer_snapshot_naming_it(
                          enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[ModelCheckpoint(dirpath=tmp_path)],
                          plugins=[io], default_root_dir=tmp_path)
+    capfd.readouterr()
     try:
-        with pytest.warns(RuntimeWarning, match="skipped ckpt_100 .* checkpointer door"):
-            trainer.fit(Tiny(), ckpt_path="last")
+        trainer.fit(Tiny(), ckpt_path="last")
     finally:
         io.close()
+    err = capfd.readouterr().err
+    assert "starting fresh" in err and "snapkeep: skipped ckpt_100 (step 100): a snapshot of " \
+        "the checkpointer door, not of this lightning door's run" in err, err
     assert trainer.global_step == 2  # trained from the start
     assert "ckpt_100" in _files(tmp_path)  # another door's snapshot: left alone
 
@@ -228,9 +231,12 @@ def test_a_ppe_resume_skips_a_checkpointer_snapshot_of_the_same_name(
     manager = ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), 1,
                                 iters_per_epoch=2, writer=SimpleWriter(out_dir=str(tmp_path)))
     manager.extend(extensions.snapshot(autoload=True, n_retains=1), trigger=(1, "iteration"))
-    with pytest.warns(RuntimeWarning, match="skipped snapshot_iter_5 .* checkpointer door"):
-        manager.start_extensions()
+    capfd.readouterr()
+    manager.start_extensions()
     assert manager.iteration == 0
+    err = capfd.readouterr().err
+    assert "starting fresh" in err and "snapkeep: skipped snapshot_iter_5 (step 5): a snapshot " \
+        "of the checkpointer door, not of this ppe door's run" in err, err
     while not manager.stop_trigger:
         with manager.run_iteration():
             pass

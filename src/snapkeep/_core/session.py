@@ -59,7 +59,6 @@ from snapkeep._core.run_control import RunControl
 from snapkeep._core.store import Entry, Retain, SnapshotStore
 from snapkeep._core.store_kinds import StoreKind, newest_valid
 from snapkeep._core.structure import describe
-from snapkeep._core.user_warnings import warn_user
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ class Session:
                  shown_template: str | None = None, door: str = "") -> None:
         self.store = store
         self.door = door
-        self._foreign_named: set[str] = set()
+        self._foreign: dict[str, Skipped] = {}  # path -> another door's snapshot, for the notice
         self.policy = policy
         self.lineage = RunLineage.fresh() if lineage is None else lineage
         self.quiet = quiet
@@ -200,10 +199,10 @@ class Session:
         candidates = self.own(store.entries() if candidates is None else candidates)
         notice = ResumeNotice(directory=store.storage.url(store.directory),
                               template=self.shown_template)
+        skipped: list[Skipped] = list(self._foreign.values())
         if not candidates:
-            announce(notice, quiet=self.quiet)
+            announce(dataclasses.replace(notice, skipped=tuple(skipped)), quiet=self.quiet)
             return None
-        skipped: list[Skipped] = []
         found = self.read_newest(check=check, candidates=candidates,
                                  verify_while_loading=verify_while_loading,
                                  map_location=map_location, weights_only=weights_only,
@@ -221,8 +220,9 @@ class Session:
     def own(self, entries: list[Entry]) -> list[Entry]:
         """``entries`` without the snapshots another door wrote (their manifest records
         another ``door``: a Checkpointer's ``ckpt_100`` in a Lightning ``dirpath`` holds no
-        Lightning checkpoint), each named once in a ``RuntimeWarning`` (stderr): skipped,
-        never loaded into this door. Snapshots recording no door (written before doors were
+        Lightning checkpoint): skipped, never loaded into this door, each named on stderr by
+        the next resume notice (:meth:`resume`: ``snapkeep: skipped ckpt_100 (step 100): a
+        snapshot of the checkpointer door ...``). Snapshots recording no door (written before doors were
         recorded, by ppe, or without a manifest) are kept: the door's format check decides.
         Without a ``door`` (a reader), ``entries`` unchanged. Reads each entry's manifest
         (single-file stores; other kinds unchanged).
@@ -235,12 +235,11 @@ class Session:
             manifest = store.manifest(entry)
             other = manifest.door if manifest is not None else ""
             if other and other != self.door:
-                if entry.path not in self._foreign_named:
-                    self._foreign_named.add(entry.path)
-                    warn_user(f"skipped {entry.name} (step {entry.step}) in "
-                              f"{store.storage.url(store.directory)}: a snapshot of the "
-                              f"{other} door, not of this {self.door} door's run; it is never "
-                              "loaded here (move it to its own directory)", RuntimeWarning)
+                self._foreign[entry.path] = Skipped(
+                    name=entry.name, step=entry.step,
+                    reason=f"a snapshot of the {other} door, not of this {self.door} door's "
+                           "run: never loaded here (keep each door's snapshots in a directory "
+                           "of their own)")
                 continue
             kept.append(entry)
         return kept
@@ -335,7 +334,7 @@ class Session:
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
         store = self._single_file("resume_agreed")
-        entries = store.entries() if candidates is None else candidates
+        entries = self.own(store.entries() if candidates is None else candidates)
         by_name = {e.name: e for e in entries}
         # the same on every rank (node-local directories differ): the messages must be equal
         what = f"resuming {store.template.template!r} (saver rank {saver_rank})"
@@ -368,7 +367,7 @@ class Session:
             verified[name] = data
             return None
 
-        skipped: list[Skipped] = []
+        skipped: list[Skipped] = list(self._foreign.values())
         chosen = agree_on_resume(
             control, [(e.key, e.name) for e in entries], check, what=what, timeout_s=timeout_s,
             required=rank == saver_rank,
