@@ -232,8 +232,9 @@ class Checkpointer:
 
     Args:
         directory: where the snapshots go: a local path or an fsspec URL (``s3://bucket/run``).
-            Created if missing. One Checkpointer per directory and template at a time: the
-            directory lock (a second one, in this or another process, raises
+            Created if missing. One Checkpointer (or other trainer) per directory at a time,
+            whatever its template: the directory lock (a second one, in this or another
+            process, raises
             :class:`~snapkeep.errors.StoreLockedError`; object stores are not locked).
         keep: how many snapshots to keep: an int N keeps the newest N by step (Orbax's
             ``max_to_keep``, ppe's ``n_retains``); a policy from :mod:`snapkeep.retention`

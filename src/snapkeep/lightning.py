@@ -123,8 +123,8 @@ RUN_ID = "lightning"
 #: An alias record is read only when the file is at most this many bytes.
 _ALIAS_MAX_BYTES = 4096
 #: The store's template when the names carry more than the step (Lightning's default
-#: ``'{epoch}-{step}'``, metrics): it keys the directory lock and the sweep of temp files, and
-#: the snapshots are listed from their manifests.
+#: ``'{epoch}-{step}'``, metrics): the snapshots are listed from their manifests (the lock is
+#: the directory's, whatever the template).
 _TEMPLATE = FilenameTemplate("lightning-{.iteration}.ckpt")
 #: Default bound of the preemption agreement between ranks (seconds).
 _TIMEOUT_S = 600.0
@@ -338,8 +338,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
         Args:
             directory: the checkpoint directory (a local path or fsspec URL).
             template: the checkpoints' name with its step as ``{step}`` (``'ckpt_{step}'``,
-                ``'step={step}.ckpt'``), when the names carry nothing else; then the lock is
-                the one ``snapkeep prune`` checks and junk named alike is skipped by name.
+                ``'step={step}.ckpt'``), when the names carry nothing else; then junk named
+                alike is skipped by name.
                 :class:`ModelCheckpoint` passes it when its ``filename`` allows.
 
         Raises:

@@ -65,8 +65,8 @@ class Manifest:
         blob_area: where those blobs are, relative to the snapshot's directory
             (``'.snapkeep/blobs/<template key>'``); empty for a plain file.
         door: the front door whose state layout the snapshot holds (``'checkpointer'``,
-            ``'ppe'``, ``'lightning'``; empty: not recorded, e.g. written before snapkeep
-            0.x recorded it, or by a writer called directly). A door's resume skips, naming
+            ``'ppe'``, ``'lightning'``; empty: not recorded, e.g. written by an earlier
+            snapkeep or by a writer called directly). A door's resume skips, naming
             it, a snapshot recording another door (:meth:`Session.own
             <snapkeep._core.session.Session.own>`).
     """

@@ -119,7 +119,7 @@ class Session:
                 sharded extension notes the incomplete directories the sweep will remove).
 
         Raises:
-            StoreLockedError: another live trainer holds the directory and template.
+            StoreLockedError: another live trainer holds the directory.
             ValueError: the template already names snapshots of the other kind here (named
                 with ``shown_template``).
             SnapshotStorageError: the directory cannot be created or written.
@@ -222,8 +222,9 @@ class Session:
         another ``door``: a Checkpointer's ``ckpt_100`` in a Lightning ``dirpath`` holds no
         Lightning checkpoint): skipped, never loaded into this door, each named on stderr by
         the next resume notice (:meth:`resume`: ``snapkeep: skipped ckpt_100 (step 100): a
-        snapshot of the checkpointer door ...``). Snapshots recording no door (written before doors were
-        recorded, by ppe, or without a manifest) are kept: the door's format check decides.
+        snapshot of the checkpointer door ...``). Snapshots recording no door (written before
+        doors were recorded, by ppe, or without a manifest) are kept: the door's format check
+        decides.
         Without a ``door`` (a reader), ``entries`` unchanged. Reads each entry's manifest
         (single-file stores; other kinds unchanged).
         """

@@ -17,8 +17,8 @@ it is the manifest of the whole directory (each file's size, xxh3-128 checksum a
   so a crash in between leaves work of snapkeep's own that the next sweep removes.
 - On-error snapshots are committed under ``<name>`` + ``ON_ERROR_SUFFIX``: never listed, never
   resumed, never deleted by retention (as single files).
-- One trainer per directory and template: :meth:`ShardedStore.lock` takes the same lock file as
-  the single-file store (rank 0 only), so a single-file trainer and a sharded one collide too.
+- One trainer per directory: :meth:`ShardedStore.lock` takes the same lock file as the
+  single-file store (rank 0 only), so a single-file trainer and a sharded one collide too.
 """
 
 from __future__ import annotations

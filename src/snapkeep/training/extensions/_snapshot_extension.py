@@ -202,7 +202,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         name or None, as ppe).
 
         Raises:
-            StoreLockedError: another trainer holds this out_dir and template.
+            StoreLockedError: another trainer holds the directory the snapshots live in.
             NoValidSnapshotError: snapshot files exist but none verifies.
             StateMismatchError: the chosen snapshot does not fit the target (first 10 listed);
                 nothing was loaded.
