@@ -6,6 +6,7 @@ is removed or changes meaning) are documented in ``docs/cli.md``.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import re
@@ -39,6 +40,7 @@ from snapkeep._cli_files import (
     load_status,
     manifest_of,
     open_store,
+    recorded_snapshots,
     recorded_templates,
     require_directory,
     require_file,
@@ -66,6 +68,8 @@ def store_for(directory: str, template: str | None,
     """
     storage, path = resolve(directory, parse_storage_options(storage_options))
     require_directory(directory, storage, path)
+    if template is not None and GLOB.search(template):
+        template = _template_of_glob(directory, storage, path, template)
     if template is None:
         found = recorded_templates(storage, path)
         if len(found) == 1:
@@ -80,6 +84,29 @@ def store_for(directory: str, template: str | None,
         return open_store(storage, path, template)
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="'--template'") from e
+
+
+#: A ``-t`` holding one of these is a shell-style pattern of names (``'*.ckpt'``, as the
+#: Lightning door's resume line shows), not a template.
+GLOB = re.compile(r"[*?\[]")
+
+
+def _template_of_glob(directory: str, storage: Storage, path: str, pattern: str) -> str:
+    """The one recorded template (:func:`recorded_snapshots`) of the snapshots whose names
+    match ``pattern``; usage error when none or several do."""
+    matching = [t for t, names in recorded_snapshots(storage, path).items()
+                if any(fnmatch.fnmatchcase(n, pattern) for n in names)]
+    if len(matching) == 1:
+        return matching[0]
+    if not matching:
+        raise click.BadParameter(
+            f"no snapshot in {directory} recorded by snapkeep is named like {pattern!r}; "
+            "pass a template with a {.iteration} field, e.g. 'ckpt_{.iteration}'",
+            param_hint="'--template'")
+    raise click.BadParameter(
+        f"snapshots of {len(matching)} templates in {directory} are named like {pattern!r} "
+        f"({', '.join(repr(t) for t in matching[:5])}): pass one of them",
+        param_hint="'--template'")
 
 
 def none_found(store: SnapshotStore, directory: str, template: str) -> str:

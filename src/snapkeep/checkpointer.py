@@ -192,8 +192,9 @@ class Checkpointer:
 
     Args:
         directory: where the snapshots go: a local path or an fsspec URL (``s3://bucket/run``).
-            Created if missing. One Checkpointer per directory and template at a time: the
-            directory lock (a second one, in this or another process, raises
+            Created if missing. One Checkpointer (or other trainer) per directory at a time,
+            whatever its template: the directory lock (a second one, in this or another
+            process, raises
             :class:`~snapkeep.errors.StoreLockedError`; object stores are not locked).
         keep: how many snapshots to keep: an int N keeps the newest N by step (Orbax's
             ``max_to_keep``, ppe's ``n_retains``); a policy from :mod:`snapkeep.retention`
@@ -334,7 +335,7 @@ class Checkpointer:
             # input check and the resume notice (the snapshot extension's, see snapkeep.store)
             self._session = Session(self._store, policy=self._policy,
                                     lineage=RunLineage.named(RUN_ID),
-                                    shown_template=self.template)
+                                    shown_template=self.template, door=RUN_ID)
 
             if self._writer is not None:
                 self._claim(storage, path)
@@ -366,17 +367,18 @@ class Checkpointer:
             raise
 
     def _claim(self, storage: Storage, path: str) -> None:
-        """Refuse a second open Checkpointer of this process on this directory and template
-        (the store lock refuses other processes), and register this one."""
-        self._key = (os.path.realpath(path) if storage.is_local else storage.url(path),
-                     self._template.lock_key)
+        """Refuse a second open Checkpointer of this process on the directory its snapshots
+        live in, however spelled or split between directory and template (the store lock
+        refuses other processes), and register this one."""
+        owned = self._store.snapshot_directory
+        self._key = (os.path.realpath(owned) if storage.is_local else storage.url(owned), "")
         other = _OPEN.get(self._key)
         if other is not None and not other._closed:
             raise StoreLockedError(
-                f"snapshots of {self.template!r} in {self._location!r} are in use by another "
-                f"open Checkpointer of this process ({other!r}); two on one directory and "
-                "template would delete and overwrite each other's snapshots. close() the other "
-                "one first, or use another directory or template")
+                f"{storage.url(owned)!r} is in use by another open Checkpointer of this "
+                f"process ({other!r}); two on one snapshot directory would delete and "
+                "overwrite each other's snapshots, whatever their templates. close() the other "
+                "one first, or use another directory")
         _OPEN[self._key] = self
 
 

@@ -123,8 +123,8 @@ RUN_ID = "lightning"
 #: An alias record is read only when the file is at most this many bytes.
 _ALIAS_MAX_BYTES = 4096
 #: The store's template when the names carry more than the step (Lightning's default
-#: ``'{epoch}-{step}'``, metrics): it keys the directory lock and the sweep of temp files, and
-#: the snapshots are listed from their manifests.
+#: ``'{epoch}-{step}'``, metrics): the snapshots are listed from their manifests (the lock is
+#: the directory's, whatever the template).
 _TEMPLATE = FilenameTemplate("lightning-{.iteration}.ckpt")
 #: Default bound of the preemption agreement between ranks (seconds).
 _TIMEOUT_S = 600.0
@@ -193,7 +193,9 @@ class _Directory:
         self.store = store
         self.session = session
         self.template = template
-        self.key = store.storage.url(store.directory)
+        # the directory itself, however spelled (one trainer per directory, see the lock)
+        self.key = os.path.realpath(store.directory) if store.storage.is_local \
+            else store.storage.url(store.directory)
 
 
 def _finite_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -291,7 +293,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
                 lineage = found.session.lineage if found is not None \
                     else RunLineage.named(RUN_ID)
                 session = Session(store, policy=self._policy, lineage=lineage,
-                                  quiet=self._quiet, shown_template=template or "*.ckpt")
+                                  quiet=self._quiet, shown_template=template or "*.ckpt",
+                                  door=RUN_ID)
                 found = _Directory(store, session, template)
                 self._directories[directory] = found
             if lock and not found.session.opened:
@@ -319,8 +322,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
         Args:
             directory: the checkpoint directory (a local path or fsspec URL).
             template: the checkpoints' name with its step as ``{step}`` (``'ckpt_{step}'``,
-                ``'step={step}.ckpt'``), when the names carry nothing else; then the lock is
-                the one ``snapkeep prune`` checks and junk named alike is skipped by name.
+                ``'step={step}.ckpt'``), when the names carry nothing else; then junk named
+                alike is skipped by name.
                 :class:`ModelCheckpoint` passes it when its ``filename`` allows.
 
         Raises:
@@ -342,7 +345,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
         back from it."""
         self.wait()
         found = self._directory(os.fspath(directory), lock=False, template=template)
-        entries = found.store.entries()
+        entries = found.session.own(found.store.entries())  # another door's: skipped, named
         return entries[-1].path if entries else None
 
     def announce_fresh(self, directory: str) -> None:

@@ -136,6 +136,18 @@ class LightningDoor:
               keep: RetentionPolicy | None = None) -> torch.nn.Module:
         return train_lightning(directory, stop, keep=keep)
 
+    def plant_other_door(self, directory: pathlib.Path | str, step: int,
+                         storage_options: dict[str, Any] | None = None) -> str | None:
+        """The Checkpointer saves ``ckpt_<step>`` here: a Lightning resume must skip it."""
+        import snapkeep
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        with snapkeep.Checkpointer(directory, template="ckpt_{step}",
+                                   storage_options=storage_options) as ckpt:
+            ckpt.save(step, {"model": model})
+        return f"ckpt_{step}"
+
     #: the session ``SnapkeepCheckpointIO.open(DIR, template='ckpt_{step}')`` opens (the same
     #: store lock), without importing Lightning in the holder (seconds)
     hold_code = ("from snapkeep.store import Session, open_store\n"
@@ -211,6 +223,8 @@ def train_hf(directory: pathlib.Path | str, stop: int, *,
 class HFDoor:
     name = "hf"
     sharded = True  # its snapshots are directories (checkpoint-N), each with a marker
+    other_door_skip = ("its snapshots are checkpoint-N directories the Trainer writes; another "
+                       "door's single file under those names is no directory and never listed")
     skips = {
         "test_the_reading_doors_agree_with_the_training_door":
             "load_latest reads snapkeep's own snapshots; the Trainer reads its checkpoint-N "

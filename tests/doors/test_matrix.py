@@ -229,6 +229,16 @@ class Door:
     #: Python code opening the door on ``DIR`` and keeping it open (in another process).
     hold_code = ""
 
+    def plant_other_door(self, directory: pathlib.Path | str, step: int,
+                         storage_options: dict[str, Any] | None = None) -> str | None:
+        """Save, through another door, a snapshot named like this door's at ``step``
+        (``snapshot_name(step)``) into ``directory``; None: the other-door scenario skips
+        (``other_door_skip`` says why)."""
+        return None
+
+    #: Why :meth:`plant_other_door` cannot apply to this door.
+    other_door_skip = "no other door writes snapshots of this door's kind and names"
+
     def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str] | None:
         """The command of this door's worker (see matrix_worker.py: a DataLoader, dropout, a
         snapshot every step, ``step N DIGEST`` lines, ``final.pt``), or None: the subprocess
@@ -275,6 +285,12 @@ class CheckpointerDoor(Door):
 
     hold_code = "import snapkeep\nheld = snapkeep.Checkpointer(DIR)\n"
 
+    def plant_other_door(self, directory: pathlib.Path | str, step: int,
+                         storage_options: dict[str, Any] | None = None) -> str | None:
+        if self.sharded:
+            return None
+        return plant_with_the_extension(directory, "ckpt_{.iteration}", step, storage_options)
+
     def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str] | None:
         return [sys.executable, str(WORKER), self.name, directory, str(steps),
                 *([str(exit_at)] if exit_at is not None else [])]
@@ -285,6 +301,9 @@ class ShardedCheckpointerDoor(CheckpointerDoor):
 
     name = "checkpointer-sharded"
     sharded = True
+    other_door_skip = ("its snapshots are directories: another door's single file under its "
+                       "names is refused at start by the kind check "
+                       "(tests/storage/test_store_contract.py), never listed")
     hold_code = "import snapkeep\nheld = snapkeep.Checkpointer(DIR, sharded=True)\n"
 
 
@@ -336,6 +355,13 @@ class ExtensionDoor(Door):
             manager.finalize()
         return model
 
+    def plant_other_door(self, directory: pathlib.Path | str, step: int,
+                         storage_options: dict[str, Any] | None = None) -> str | None:
+        if self.sharded:
+            return None
+        return plant_with_the_checkpointer(directory, "snapshot_iter_{step}", step,
+                                           storage_options)
+
     hold_code = (
         "import torch\nfrom snapkeep.training import ExtensionsManager, extensions\n"
         "from snapkeep.writing import ThreadWriter\n"
@@ -355,6 +381,7 @@ class ShardedExtensionDoor(ExtensionDoor):
 
     name = "extension-sharded"
     sharded = True
+    other_door_skip = ShardedCheckpointerDoor.other_door_skip
     mode = extensions.SnapshotMode.SHARDED
     hold_code = ExtensionDoor.hold_code.replace(
         "extensions.snapshot(autoload=True)",
@@ -376,6 +403,36 @@ class IncrementalExtensionDoor(ExtensionDoor):
 
     name = "extension-incremental"
     incremental = True
+
+
+def plant_with_the_extension(directory: pathlib.Path | str, template: str, step: int,
+                             storage_options: dict[str, Any] | None = None) -> str:
+    """ppe's snapshot extension saves ``template`` at iteration ``step`` into ``directory``
+    (the manager runs ``step`` empty iterations); returns the name."""
+    model, optimizer = _model()
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=step,
+                                writer=ThreadWriter(out_dir=str(directory),
+                                                    storage_options=storage_options))
+    manager.extend(extensions.snapshot(filename=template, autoload=False),
+                   trigger=(step, "iteration"))
+    try:
+        while not manager.stop_trigger:
+            with manager.run_iteration():
+                pass
+    finally:
+        manager.finalize()
+    return template.replace("{.iteration}", str(step))
+
+
+def plant_with_the_checkpointer(directory: pathlib.Path | str, template: str, step: int,
+                                storage_options: dict[str, Any] | None = None) -> str:
+    """The Checkpointer saves ``template`` (a ``{step}`` template) at ``step`` into
+    ``directory``; returns the name."""
+    model, optimizer = _model()
+    with snapkeep.Checkpointer(directory, template=template,
+                               storage_options=storage_options) as ckpt:
+        ckpt.save(step, {"model": model, "optimizer": optimizer})
+    return template.replace("{step}", str(step))
 
 
 DOORS = [CheckpointerDoor(), ShardedCheckpointerDoor(), ExtensionDoor(), ShardedExtensionDoor(),
@@ -529,6 +586,93 @@ def test_a_second_trainer_and_a_prune_are_refused_while_one_runs(
     assert _snapshots(place, door) == [door.snapshot_name(3)]
     train(door, place, 4)
     assert _snapshots(place, door) == [door.snapshot_name(3), door.snapshot_name(4)]
+
+
+def _template(door: Door) -> str:
+    """The door's snapshot names as a CLI template (``ckpt_{.iteration}``)."""
+    return door.snapshot_name(0)[:-1] + "{.iteration}"
+
+
+def test_another_template_and_another_spelling_are_refused_while_one_runs(
+        door: Door, place: Place, zygote: Zygote, tmp_path: pathlib.Path) -> None:
+    """One trainer owns the directory, whatever names its files: beside a live trainer of this
+    door (another process), a Checkpointer of another template, on the directory spelled
+    ``DIR/.``, is refused naming it, and so are ``snapkeep prune DIR/. -t`` with another
+    spelling of the door's template (``{0.iteration}``) and ``snapkeep prune`` on a relative
+    path without ``-t``; nothing of the live trainer's is deleted. (971f8e4: the lock was
+    keyed by the template's text: the Checkpointer opened beside it and its sweep and
+    retention reached the directory; the prunes of a Lightning or sub-directory store deleted
+    the live trainer's snapshots.)"""
+    _local_only(place, NO_LOCK)
+    assert isinstance(place.directory, pathlib.Path)
+    train(door, place, 3)
+    before = _snapshots(place, door)
+    script = tmp_path / "holder.py"
+    script.write_text(f"DIR = {str(place.directory)!r}\n{door.hold_code}"
+                      "print('READY', flush=True)\nimport signal\nsignal.pause()\n")
+    pid, lines = zygote.run(str(script), [], cwd=str(tmp_path), env=killing.env(),
+                            fifo=str(tmp_path / "holder.fifo"), stderr=str(tmp_path / "err"))
+    try:
+        assert next(lines).strip() == "READY", (tmp_path / "err").read_text()
+        with pytest.raises(StoreLockedError, match=f"pid {pid}"):
+            snapkeep.Checkpointer(f"{place.directory}/.", template="other_{step}", keep=1)
+        spelled = _template(door).replace("{.iteration}", "{0.iteration}")
+        result = CliRunner().invoke(cli, ["prune", f"{place.directory}/.", "-t", spelled,
+                                          "--keep-latest", "1", "--yes"])
+        assert result.exit_code == 1 and f"pid {pid}" in result.output, result.output
+        result = CliRunner().invoke(cli, ["prune", os.path.relpath(place.directory),
+                                          "--keep-latest", "1", "--yes"])
+        assert result.exit_code == 1 and f"pid {pid}" in result.output, result.output
+        assert _snapshots(place, door) == before
+        assert not any(n.startswith("other_") for n in place.names())
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        lines.close()
+        assert zygote.wait(pid) == -signal.SIGKILL
+
+
+def test_a_resume_skips_another_doors_snapshot_naming_it(door: Door, place: Place,
+                                                        capfd: Any) -> None:
+    """Two doors on one directory, one after the other: another door's snapshot named like this
+    door's, at a higher step (step 50), is skipped by this door's first run (which starts
+    fresh) and by its resume (from its own newest), named on stderr each time; retention
+    (keep=2) never counts or deletes it; the result is the uninterrupted run's, bit for bit.
+    (971f8e4: a Lightning resume took a Checkpointer's ``ckpt_100`` and failed with
+    ``KeyError: 'pytorch-lightning_version'``; the other doors loaded it into the wrong
+    layout.)"""
+    plant = getattr(door, "plant_other_door", None)
+    storage_options = place.storage_options or None
+    other = plant(place.directory, 50, storage_options) if plant is not None else None
+    if other is None:
+        pytest.skip(f"the {door.name} door: {capability(door, 'other_door_skip')}")
+    assert door.snapshot_name(50) == other
+    capfd.readouterr()
+    train(door, place, 3, keep=KeepLatest(2))
+    err = capfd.readouterr().err
+    assert f"in {place.shown}, starting fresh" in err, err
+    assert f"snapkeep: skipped {other} (step 50): a snapshot of the " in err, err
+    model = train(door, place, 4, keep=KeepLatest(2))
+    err = capfd.readouterr().err
+    assert f"snapkeep: resuming from {door.snapshot_name(3)} (step 3) in {place.shown}" in err
+    assert f"snapkeep: skipped {other} (step 50): a snapshot of the " in err, err
+    assert _snapshots(place, door) == [door.snapshot_name(s) for s in (3, 4, 50)]
+    reference = train(door, place.sub("straight"), 4)
+    assert torch.equal(model.weight, reference.weight)
+
+
+def test_the_cli_lists_and_verifies_the_directory_without_a_template(
+        door: Door, place: Place) -> None:
+    """``snapkeep ls`` and ``snapkeep verify`` without ``-t`` on the door's directory: exit 0,
+    every snapshot with its step, and the newest as autoload's choice. (971f8e4: exit 2 on a
+    Lightning ``dirpath`` with default names; that case: tests/test_cli_door_directories.py.)"""
+    train(door, place, 3)
+    result = place.cli("ls", "--json")
+    assert result.exit_code == 0, result.output
+    assert [(s["name"], s["step"]) for s in json.loads(result.output)["snapshots"]] == [
+        (door.snapshot_name(s), s) for s in (1, 2, 3)]
+    result = place.cli("verify")
+    assert result.exit_code == 0, result.output
+    assert f"autoload would resume from {door.snapshot_name(3)}" in result.output, result.output
 
 
 def test_a_first_run_and_a_resume_are_said_on_stderr(door: Door, place: Place,

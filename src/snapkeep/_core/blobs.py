@@ -6,8 +6,8 @@ in one flat directory per filename template::
 
     <dir>/.snapkeep/blobs/<template key>/<32 hex digits>
 
-(``<template key>`` is the name of the template's lock file without ``.lock``, so templates
-that list the same files share one area and two templates never share one). Every blob is
+(``<template key>``: :func:`area_name`, so templates that list the same files share one area
+and two templates never share one). Every blob is
 published like any other snapkeep file: a temporary name in the same directory, written,
 flushed, ``fsync``-ed, renamed into place (:meth:`BlobArea.put`), and the area's directory is
 ``fsync``-ed (:meth:`BlobArea.sync`) before the snapshot that refers to it is published. A blob
@@ -20,13 +20,14 @@ process that could refer to it is in flight. Saves register with the ledger of t
 training thread, before anything is staged (:meth:`BlobLedger.begin`), and the digests they will
 refer to without writing are pinned until they end. A deletion pass runs only while no save is
 in flight (one started meanwhile waits for the pass to finish, see :meth:`BlobLedger.quiet`).
-Other processes are kept out by the store's directory lock (one trainer per template).
+Other processes are kept out by the store's directory lock (one trainer per directory).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import re
 import threading
@@ -36,7 +37,6 @@ from typing import Any, BinaryIO
 import torch
 
 from snapkeep._core.errors import SnapshotCorruptError
-from snapkeep._core.lock import lock_file_name
 from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.storage import Storage, WriteResult, is_temp_name, new_hasher
 
@@ -53,8 +53,17 @@ _READ_CHUNK_BYTES = 8 << 20
 def area_directory(storage: Storage, listed: str, lock_key: str) -> str:
     """The blob area of the template whose lock key is ``lock_key``, whose snapshots are listed
     in the directory ``listed`` (see the module docstring)."""
-    name = lock_file_name(lock_key)
-    return storage.join(listed, MANIFEST_DIR, BLOBS_DIR, name[:-len(".lock")])
+    return storage.join(listed, MANIFEST_DIR, BLOBS_DIR, area_name(lock_key))
+
+
+def area_name(lock_key: str) -> str:
+    """``<readable part of lock_key>-<hash>``: the area of the templates whose lock key (see
+    ``FilenameTemplate.lock_key``) is ``lock_key``; distinct keys get distinct areas (the name
+    the template's lock file had before the lock became one per directory, kept so directories
+    written by earlier versions resume)."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", lock_key)[:60]
+    digest = hashlib.sha256(lock_key.encode()).hexdigest()[:12]
+    return f"{readable}-{digest}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

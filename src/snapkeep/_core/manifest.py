@@ -64,6 +64,11 @@ class Manifest:
             What retention counts before it deletes a blob.
         blob_area: where those blobs are, relative to the snapshot's directory
             (``'.snapkeep/blobs/<template key>'``); empty for a plain file.
+        door: the front door whose state layout the snapshot holds (``'checkpointer'``,
+            ``'ppe'``, ``'lightning'``; empty: not recorded, e.g. written by an earlier
+            snapkeep or by a writer called directly). A door's resume skips, naming
+            it, a snapshot recording another door (:meth:`Session.own
+            <snapkeep._core.session.Session.own>`).
     """
 
     name: str
@@ -77,6 +82,7 @@ class Manifest:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     blobs: dict[str, int] = dataclasses.field(default_factory=dict)
     blob_area: str = ""
+    door: str = ""
 
     def to_bytes(self) -> bytes:
         """The manifest as strict JSON (UTF-8; never ``NaN`` or ``Infinity``, which other JSON
@@ -85,6 +91,8 @@ class Manifest:
         body["metrics"] = finite_metrics(self.metrics)
         if not self.blobs:  # a plain file's manifest stays as before incremental snapshots
             del body["blobs"], body["blob_area"]
+        if not self.door:  # not recorded: the file stays as before doors were recorded
+            del body["door"]
         return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode()
 
     @classmethod

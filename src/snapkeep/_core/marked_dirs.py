@@ -360,8 +360,8 @@ class CheckpointDirs:
         """The one-trainer lock of the output directory (None on object stores)."""
         if not self.storage.is_local:
             return None
-        return StoreLock.acquire(self.storage.join(self.directory, MANIFEST_DIR), TEMPLATE,
-                                 self.storage.url(self.directory), key=_TEMPLATE.lock_key)
+        return StoreLock.acquire(self.storage.join(self.directory, MANIFEST_DIR),
+                                 self.storage.url(self.directory), what=TEMPLATE)
 
     def sweep(self, lineage: frozenset[str | None] | None = None) -> list[str]:
         """Nothing: an unmarked directory may be the stock Trainer's (never removed)."""

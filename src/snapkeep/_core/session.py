@@ -75,12 +75,18 @@ class Session:
         quiet: no resume notice on stderr (it is still logged at INFO).
         shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages;
             default the store's.
+        door: the door's name (``'checkpointer'``, ``'ppe'``, ``'lightning'``): recorded in
+            the manifest of each snapshot it saves, and its resume takes only snapshots
+            recording it (or none): another door's is skipped, named (:meth:`own`). Empty
+            (default): every snapshot is taken, nothing recorded.
     """
 
     def __init__(self, store: StoreKind, *, policy: RetentionPolicy | None = None,
                  lineage: RunLineage | None = None, quiet: bool = False,
-                 shown_template: str | None = None) -> None:
+                 shown_template: str | None = None, door: str = "") -> None:
         self.store = store
+        self.door = door
+        self._foreign: dict[str, Skipped] = {}  # path -> another door's snapshot, for the notice
         self.policy = policy
         self.lineage = RunLineage.fresh() if lineage is None else lineage
         self.quiet = quiet
@@ -114,7 +120,7 @@ class Session:
                 sharded extension notes the incomplete directories the sweep will remove).
 
         Raises:
-            StoreLockedError: another live trainer holds the directory and template.
+            StoreLockedError: another live trainer holds the directory.
             ValueError: the template already names snapshots of the other kind here (named
                 with ``shown_template``).
             SnapshotStorageError: the directory cannot be created or written.
@@ -191,13 +197,13 @@ class Session:
             StateMismatchError, UnsafeSnapshotError: from ``apply`` / ``load``; nothing loaded.
         """
         store = self._single_file("resume")
-        candidates = store.entries() if candidates is None else candidates
+        candidates = self.own(store.entries() if candidates is None else candidates)
         notice = ResumeNotice(directory=store.storage.url(store.directory),
                               template=self.shown_template)
+        skipped: list[Skipped] = list(self._foreign.values())
         if not candidates:
-            announce(notice, quiet=self.quiet)
+            announce(dataclasses.replace(notice, skipped=tuple(skipped)), quiet=self.quiet)
             return None
-        skipped: list[Skipped] = []
         found = self.read_newest(check=check, candidates=candidates,
                                  verify_while_loading=verify_while_loading,
                                  map_location=map_location, weights_only=weights_only,
@@ -211,6 +217,34 @@ class Session:
         announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
                                      skipped=tuple(skipped)), quiet=self.quiet)
         return entry
+
+    def own(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` without the snapshots another door wrote (their manifest records
+        another ``door``: a Checkpointer's ``ckpt_100`` in a Lightning ``dirpath`` holds no
+        Lightning checkpoint): skipped, never loaded into this door, each named on stderr by
+        the next resume notice (:meth:`resume`: ``snapkeep: skipped ckpt_100 (step 100): a
+        snapshot of the checkpointer door ...``). Snapshots recording no door (written before
+        doors were recorded, by ppe, or without a manifest) are kept: the door's format check
+        decides.
+        Without a ``door`` (a reader), ``entries`` unchanged. Reads each entry's manifest
+        (single-file stores; other kinds unchanged).
+        """
+        store = self.store
+        if not self.door or not isinstance(store, SnapshotStore):
+            return entries
+        kept = []
+        for entry in entries:
+            manifest = store.manifest(entry)
+            other = manifest.door if manifest is not None else ""
+            if other and other != self.door:
+                self._foreign[entry.path] = Skipped(
+                    name=entry.name, step=entry.step,
+                    reason=f"a snapshot of the {other} door, not of this {self.door} door's "
+                           "run: never loaded here (keep each door's snapshots in a directory "
+                           "of their own)")
+                continue
+            kept.append(entry)
+        return kept
 
     def read_newest(
         self, *, check: Callable[[Entry, Any], Any] | None = None,
@@ -302,7 +336,7 @@ class Session:
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
         store = self._single_file("resume_agreed")
-        entries = store.entries() if candidates is None else candidates
+        entries = self.own(store.entries() if candidates is None else candidates)
         by_name = {e.name: e for e in entries}
         # the same on every rank (node-local directories differ): the messages must be equal
         what = f"resuming {store.template.template!r} (saver rank {saver_rank})"
@@ -335,7 +369,7 @@ class Session:
             verified[name] = data
             return None
 
-        skipped: list[Skipped] = []
+        skipped: list[Skipped] = list(self._foreign.values())
         chosen = agree_on_resume(
             control, [(e.key, e.name) for e in entries], check, what=what, timeout_s=timeout_s,
             required=rank == saver_rank,
@@ -575,7 +609,7 @@ class Session:
         if not isinstance(self.store, SnapshotStore):
             raise TypeError(f"{self!r}: the Retain stage is for single-file stores")
         return Retain(store=self.store, lineage=self.lineage.members,
-                      policy=None if on_error else self.policy)
+                      policy=None if on_error else self.policy, door=self.door)
 
     def save(self, writer: Any, name: str, directory: str, state: Any, *, step: int | None,
              metrics: Mapping[str, float], on_error: bool = False, incremental: Any = None,

@@ -17,8 +17,8 @@ it is the manifest of the whole directory (each file's size, xxh3-128 checksum a
   so a crash in between leaves work of snapkeep's own that the next sweep removes.
 - On-error snapshots are committed under ``<name>`` + ``ON_ERROR_SUFFIX``: never listed, never
   resumed, never deleted by retention (as single files).
-- One trainer per directory and template: :meth:`ShardedStore.lock` takes the same lock file as
-  the single-file store (rank 0 only), so a single-file trainer and a sharded one collide too.
+- One trainer per directory: :meth:`ShardedStore.lock` takes the same lock file as the
+  single-file store (rank 0 only), so a single-file trainer and a sharded one collide too.
 """
 
 from __future__ import annotations
@@ -440,8 +440,9 @@ class ShardedStore:
         return removed
 
     def lock(self) -> StoreLock | None:
-        """The lock of this template in this directory, shared with the single-file store
-        (same file): rank 0 takes it. None on storages without a local filesystem.
+        """The lock of the directory the snapshot directories live in (one trainer per
+        directory, as the single-file store's: same file): rank 0 takes it. None on storages
+        without a local filesystem.
 
         Raises:
             StoreLockedError: another live process holds it.
@@ -450,8 +451,8 @@ class ShardedStore:
             logger.info("%s: no directory lock on this storage", self.directory)
             return None
         return StoreLock.acquire(self.storage.join(self._parent(), MANIFEST_DIR),
-                                 str(self.template.template), self.storage.url(self.directory),
-                                 key=self.template.lock_key)
+                                 self.storage.url(self._parent()),
+                                 what=str(self.template.template))
 
     def check_kind(self) -> None:
         """Refuse a template that already names single-file snapshots here (see

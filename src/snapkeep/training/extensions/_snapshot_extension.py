@@ -202,7 +202,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         name or None, as ppe).
 
         Raises:
-            StoreLockedError: another trainer holds this out_dir and template.
+            StoreLockedError: another trainer holds the directory the snapshots live in.
             NoValidSnapshotError: snapshot files exist but none verifies.
             StateMismatchError: the chosen snapshot does not fit the target (first 10 listed);
                 nothing was loaded.
@@ -464,7 +464,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             if session is not None:
                 session.close()
             session = self._session = Session(store, policy=self._retention,
-                                              lineage=self._shared, quiet=self._quiet)
+                                              lineage=self._shared, quiet=self._quiet,
+                                              door="ppe")
         return session
 
     def _choose(self, store: SnapshotStore) -> list[Entry] | None:
