@@ -28,7 +28,13 @@ from snapkeep._core.manifest import (
     manifest_path,
     read_manifest,
 )
-from snapkeep._core.marked_dirs import CheckpointDirs, CheckpointMarker, is_marker
+from snapkeep._core.marked_dirs import (
+    CheckpointDirs,
+    CheckpointMarker,
+    is_marker,
+    marker_of_file,
+    verify_marked_file,
+)
 from snapkeep._core.memory_store import (
     Held,
     Identity,
@@ -129,7 +135,7 @@ __all__ = [
     "skipped_on_ranks", "StatusLog", "RunControl", "preemption_signals", "failure_reason",
     "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
     "local_shards", "state_bytes", "say", "newest_listed_step",
-    "CheckpointDirs", "CheckpointMarker", "is_marker",
+    "CheckpointDirs", "CheckpointMarker", "is_marker", "marker_of_file", "verify_marked_file",
 ]
 
 
