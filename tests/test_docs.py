@@ -29,7 +29,7 @@ def test_docs_have_runnable_examples() -> None:
     assert {page for page, _, _ in BLOCKS} >= {"index.md", "writers.md"}
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)  # two runs of up to 150 s each (doc_examples), on a loaded machine
 @pytest.mark.parametrize(("page", "index", "block"), BLOCKS,
                          ids=[f"{page}-{i}" for page, i, _ in BLOCKS])
 def test_docs_example_runs_as_written(tmp_path: pathlib.Path, page: str, index: int,
