@@ -45,10 +45,12 @@ from snapkeep.store import (
     is_marker,
     load_file,
     manifest_path,
+    marker_of_file,
     misnamed_reason,
     newest_valid,
     read_manifest,
     resolve_storage,
+    verify_marked_file,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3
@@ -310,10 +312,27 @@ def manifest_of(storage: Storage, path: str) -> Manifest | None:
 
 
 def file_checksum_status(storage: Storage, path: str) -> Status:
-    """:func:`checksum_status` of one file outside any template."""
+    """:func:`checksum_status` of one file outside any template; a file without a manifest
+    inside a marked directory (a Hugging Face ``checkpoint-N``) is checked against the record
+    of its directory's commit marker instead."""
     directory, name = storage.dirname(path), storage.basename(path)
     store = open_store(storage, directory, name.replace("{", "{{").replace("}", "}}"))
-    return checksum_status(store, Entry(name=name, path=path, key=(), step=None))
+    found = checksum_status(store, Entry(name=name, path=path, key=(), step=None))
+    if found.status != "no manifest":
+        return found
+    try:
+        marked = marker_of_file(storage, path)
+        if marked is None:
+            return found
+        marked_dir, relative, marker = marked
+        if relative not in marker.files:
+            return Status(status="no manifest", detail=f"not listed by the commit marker of "
+                          f"{marked_dir}")
+        checksum = verify_marked_file(storage, marked_dir, relative, marker)
+    except SnapshotCorruptError as e:
+        return Status(status="corrupt", detail=str(e))
+    return Status(status="ok", detail=f"{marker.algorithm} {checksum}, recorded by the commit "
+                  f"marker of {marked_dir}")
 
 
 #: The last run of ASCII digits in a name.

@@ -231,7 +231,8 @@ def verify(directory: str, template: str | None, storage_options: tuple[str, ...
             if as_json:
                 emit_json({"schema": "snapkeep.verify/1", "directory": directory,
                            "template": template, "snapshots": [], "bad": 0,
-                           "newest_loadable": None, "exit_code": EXIT_FAILED})
+                           "newest_loadable": None, "bad_blobs": [],
+                           "exit_code": EXIT_FAILED})
             else:
                 click.echo(message, err=True)
             sys.exit(EXIT_FAILED)
@@ -242,25 +243,68 @@ def verify(directory: str, template: str | None, storage_options: tuple[str, ...
                 found = load_status(store, entry)
                 bar.update(store.storage.size(entry.path))
                 results.append((entry, found))
+        blobs = bad_blobs(store, entries)
     bad = sum(found.status in ("corrupt", "unsafe") for _, found in results)
     loadable = resumable(results)
-    code = EXIT_FAILED if bad else 0
+    code = EXIT_FAILED if bad or blobs else 0
     if as_json:
         emit_json({
             "schema": "snapkeep.verify/1", "directory": directory, "template": template,
             "snapshots": [{"name": e.name, "step": e.step, "status": found.status,
                            "detail": found.detail} for e, found in results],
             "bad": bad, "newest_loadable": loadable[-1] if loadable else None,
-            "exit_code": code,
+            "bad_blobs": blobs, "exit_code": code,
         })
     else:
         for entry, found in results:
             click.echo(f"{found.status.upper():<10} {entry.name}  (step {entry.step})  "
                        f"{found.detail}")
+        for blob in blobs:
+            click.echo(f"BAD BLOB   {blob['blob']}: {blob['detail']}; referred to by "
+                       f"{plural(len(blob['snapshots']), 'snapshot')}: "
+                       f"{', '.join(blob['snapshots'])} (restore the blob from a good copy, or "
+                       "resume from a snapshot that does not refer to it)")
         click.echo(f"{plural(len(results), 'snapshot')}, {bad} corrupt or refused; autoload "
                    f"would resume from {loadable[-1] if loadable else 'none'}")
     if code:
         sys.exit(code)
+
+
+def bad_blobs(store: SnapshotStore, entries: list[Any]) -> list[dict[str, Any]]:
+    """The blobs of incremental snapshots (listed by their manifests) that are missing or
+    damaged, each once, with the names of the snapshots that refer to it, oldest first:
+    ``[{"blob": path, "digest": hex, "detail": why, "snapshots": [names]}]``. A blob read and
+    verified a moment ago by :func:`load_status` in this process is not read again (see
+    ``BlobArea.check``)."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    good: set[tuple[str, str]] = set()
+    for entry in entries:
+        manifest = store.manifest(entry)
+        if manifest is None or not manifest.blobs:
+            continue
+        area = store.blob_area_of(entry, manifest)
+        for digest, nbytes in sorted(manifest.blobs.items()):
+            key = (area.directory, digest)
+            if key in good:
+                continue
+            if key not in found:
+                try:
+                    area.check(digest, nbytes)
+                    good.add(key)
+                    continue
+                except (SnapshotCorruptError, ValueError) as e:
+                    found[key] = {"blob": store.storage.url(store.storage.join(area.directory,
+                                                                             digest)),
+                                  "digest": digest, "detail": _blob_detail(str(e)),
+                                  "snapshots": []}
+            found[key]["snapshots"].append(entry.name)
+    return list(found.values())
+
+
+def _blob_detail(message: str) -> str:
+    """The reason in a blob error (``'blob PATH: why'`` -> ``'why'``)."""
+    head, sep, rest = message.partition(": ")
+    return rest if sep and head.startswith("blob ") else message
 
 
 def resumable(results: list[tuple[Any, Status]]) -> list[str]:

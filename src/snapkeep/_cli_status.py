@@ -33,6 +33,12 @@ Exit codes:
 """
 
 
+def shown(text: str) -> str:
+    """``text`` as one printable line: control characters (a terminal escape sequence in a
+    status anyone could write) are shown escaped, never sent to the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 @click.command("status", epilog=STATUS_EPILOG)
 @click.argument("out_dir")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
@@ -42,7 +48,10 @@ def status(out_dir: str, as_json: bool) -> None:
         try:
             found = run_status(out_dir)
         except ValueError as e:
-            click.echo(f"{out_dir}: invalid status file: {e}", err=True)
+            click.echo(f"{out_dir}: invalid status file (.snapkeep/status.json, not as "
+                       f"snapkeep wrote it): {e}; the run's outcome is unknown: 'snapkeep ls "
+                       f"{out_dir}' lists its snapshots, and the same command resumes from the "
+                       "newest", err=True)
             raise click.exceptions.Exit(EXIT_NOT_DONE) from None
     if found is None:
         click.echo(f"{out_dir}: no run status (no run with extensions.preemption() wrote "
@@ -60,7 +69,7 @@ def status(out_dir: str, as_json: bool) -> None:
     else:
         text = found.state
         if found.state == "running":
-            where = f"pid {found.pid} on {found.host}" if found.pid else "no pid recorded"
+            where = f"pid {found.pid} on {shown(found.host)}" if found.pid else "no pid recorded"
             if alive is True:
                 text = f"running ({where})"
             elif alive is False:
@@ -75,9 +84,9 @@ def status(out_dir: str, as_json: bool) -> None:
         line = (f"{text} {at} {found.step} ({when:%Y-%m-%dT%H:%M:%SZ}, "
                 f"{found.world_size} rank(s))")
         if found.reason:
-            line += f": {found.reason}"
+            line += f": {shown(found.reason)}"
         if found.snapshots:
-            line += f"; snapshot {', '.join(found.snapshots)}"
+            line += f"; snapshot {', '.join(map(shown, found.snapshots))}"
         click.echo(line)
     code = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED}.get(found.state,
                                                                          EXIT_NOT_DONE)

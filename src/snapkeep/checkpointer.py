@@ -778,14 +778,18 @@ class Checkpointer:
         if missing:
             raise StateMismatchError(
                 f"snapshot {entry.path} (step {entry.step}) has no {missing} (it has "
-                f"{sorted(saved)[:20]}); nothing was loaded")
+                f"{sorted(saved)[:20]}); nothing was loaded. Next: leave {missing} out of "
+                "`into` for this load and set them up yourself (the next save adds them), or "
+                "start fresh with Checkpointer(<another directory>)")
         problems: list[str] = []
         for key, obj in objects.items():
             problems += [f"[{key!r}] {p}" for p in _fit_problems(obj, saved[key], key)]
         if problems:
             raise StateMismatchError(
                 f"snapshot {entry.path} (step {entry.step}) does not fit: {describe(problems)}. "
-                "Nothing was loaded.")
+                "Nothing was loaded. Next: build these objects as they were when that step was "
+                f"saved ('snapkeep inspect {entry.path}' shows what it holds), or start fresh "
+                "with Checkpointer(<another directory>)")
         optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
         with into_existing_state(optimizers):
             for key, obj in objects.items():

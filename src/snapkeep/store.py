@@ -39,8 +39,10 @@ from snapkeep._core.marked_dirs import (
     checkpoint_step,
     commit_checkpoint,
     is_marker,
+    marker_of_file,
     read_marker,
     verify_checkpoint,
+    verify_marked_file,
 )
 from snapkeep._core.memory_store import (
     Held,
@@ -146,6 +148,7 @@ __all__ = [
     "CheckpointDirs", "CheckpointMarker", "is_marker", "CHECKPOINT_PATTERN", "MARKER_FORMAT",
     "MARKER_NAME", "TEMPLATE", "FileRecord", "checkpoint_step", "commit_checkpoint", "read_marker",
     "verify_checkpoint", "skip_message", "step_template",
+    "marker_of_file", "verify_marked_file",
 ]
 
 

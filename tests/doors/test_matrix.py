@@ -226,6 +226,18 @@ class Door:
         ``Linear(4, features)``."""
         raise NotImplementedError
 
+    #: :meth:`train_frozen` exists: the door writes incremental snapshots, whose frozen
+    #: tensors are blobs (the damaged-blob scenario).
+    frozen_blobs = False
+
+    def train_frozen(self, directory: pathlib.Path | str, stop: int, *,
+                     storage_options: dict[str, Any] | None = None,
+                     after_save: Any = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """As :meth:`train`, with a frozen 1 MiB ``Linear(512, 512)`` backbone beside the model
+        (one blob); ``after_save(step)`` runs in the training process once the step's
+        snapshot is committed. Returns the model and the backbone."""
+        raise NotImplementedError
+
     #: Python code opening the door on ``DIR`` and keeping it open (in another process).
     hold_code = ""
 
@@ -391,11 +403,36 @@ class ShardedExtensionDoor(ExtensionDoor):
         return f"{name}/.metadata", True
 
 
+def _frozen_backbone() -> torch.nn.Module:
+    """A frozen 1 MiB layer: one blob, written once, referred to by every later snapshot."""
+    torch.manual_seed(1)
+    backbone = torch.nn.Linear(512, 512, bias=False)
+    backbone.requires_grad_(False)
+    return backbone
+
+
 class IncrementalCheckpointerDoor(CheckpointerDoor):
     """The Checkpointer with incremental snapshots (a skeleton file + shared blobs)."""
 
     name = "checkpointer-incremental"
     incremental = True
+    frozen_blobs = True
+
+    def train_frozen(self, directory: pathlib.Path | str, stop: int, *,
+                     storage_options: dict[str, Any] | None = None,
+                     after_save: Any = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+        model, optimizer = _model()
+        backbone = _frozen_backbone()
+        with snapkeep.Checkpointer(directory, storage_options=storage_options,
+                                   incremental=True) as ckpt:
+            state = {"model": model, "backbone": backbone, "optimizer": optimizer}
+            start = ckpt.load(into=state) or 0
+            for step in range(start + 1, stop + 1):
+                _step(model, optimizer, step)
+                ckpt.save(step, state, metrics={"val_loss": val_loss(step)}).wait()
+                if after_save is not None:
+                    after_save(step)
+        return model, backbone
 
 
 class IncrementalExtensionDoor(ExtensionDoor):
@@ -403,6 +440,30 @@ class IncrementalExtensionDoor(ExtensionDoor):
 
     name = "extension-incremental"
     incremental = True
+    frozen_blobs = True
+
+    def train_frozen(self, directory: pathlib.Path | str, stop: int, *,
+                     storage_options: dict[str, Any] | None = None,
+                     after_save: Any = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+        model, optimizer = _model()
+        backbone = _frozen_backbone()
+        writer = ThreadWriter(out_dir=str(directory), storage_options=storage_options)
+        manager = ExtensionsManager({"main": model, "backbone": backbone}, {"main": optimizer},
+                                    max_epochs=1, iters_per_epoch=stop, writer=writer)
+        manager.extend(extensions.snapshot(autoload=True, incremental=True),
+                       trigger=(1, "iteration"))
+        try:
+            while not manager.stop_trigger:
+                with manager.run_iteration(step_optimizers=["main"]):
+                    step = manager.iteration + 1
+                    snapkeep.report({"val_loss": val_loss(step)})
+                    model(X[step % 6]).pow(2).sum().backward()
+                writer.wait(timeout_s=120)
+                if after_save is not None:
+                    after_save(manager.iteration)
+        finally:
+            manager.finalize()
+        return model, backbone
 
 
 def plant_with_the_extension(directory: pathlib.Path | str, template: str, step: int,
@@ -804,6 +865,51 @@ def test_a_failing_restore_names_the_snapshot_and_step_and_loads_nothing(
     with pytest.raises(StateMismatchError, match=rf"{door.snapshot_name(3)} \(step 3\)"):
         train(door, place, 5, features=3)
     assert _snapshots(place, door) == [door.snapshot_name(s) for s in (1, 2, 3)]
+
+
+def test_a_damaged_blob_is_written_again_and_every_snapshot_loads(
+        door: Door, place: Place, capfd: Any) -> None:
+    """Incremental snapshots over a frozen backbone: steps 1, 2 saved; the backbone's blob gets
+    other bytes of the same size; ``snapkeep verify`` names the blob and the two snapshots that
+    refer to it (exit 1); the same process saves 3 and 4, which check the blob (not only its
+    size) and write it again from the live bytes; then every snapshot verifies and a restart
+    resumes from step 4, ending as the uninterrupted run. (Before: steps 3 and 4 referred to
+    the bad blob and the restart raised NoValidSnapshotError.)"""
+    if not capability(door, "frozen_blobs"):
+        pytest.skip(f"the {door.name} door writes no incremental snapshots")
+    options = {"storage_options": place.storage_options} if place.storage_options else {}
+    blobs_dir = ".snapkeep/blobs"
+    damaged: dict[str, bytes] = {}
+
+    def damage(step: int) -> None:
+        if step != 2:
+            return
+        (area,) = place.names(blobs_dir)
+        (digest,) = place.names(f"{blobs_dir}/{area}")  # the backbone's (the rest is inline)
+        path = f"{blobs_dir}/{area}/{digest}"
+        good = place.read(path)
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0xFF
+        place.write(path, bytes(bad))
+        damaged[path] = good
+        result = place.cli("verify")
+        assert result.exit_code == 1, result.output
+        assert re.search(rf"BAD BLOB +\S*{digest}: .*referred to by 2 snapshots: "
+                         rf"{door.snapshot_name(1)}, {door.snapshot_name(2)} ", result.output), \
+            result.output
+
+    door.train_frozen(place.directory, 4, after_save=damage, **options)
+    ((path, good),) = damaged.items()
+    assert place.read(path) == good  # written again by step 3's save
+    result = place.cli("verify")
+    assert result.exit_code == 0 and "BAD BLOB" not in result.output, result.output
+    capfd.readouterr()
+    model, backbone = door.train_frozen(place.directory, 6, **options)
+    assert f"snapkeep: resuming from {door.snapshot_name(4)} (step 4)" in capfd.readouterr().err
+    reference, reference_backbone = door.train_frozen(place.sub("straight").directory, 6,
+                                                      **options)
+    assert torch.equal(model.weight, reference.weight)
+    assert torch.equal(backbone.weight, reference_backbone.weight)
 
 
 # -- kill -9 and exit without close: the door's worker in a subprocess ---------------------------

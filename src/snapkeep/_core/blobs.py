@@ -11,8 +11,20 @@ and two templates never share one). Every blob is
 published like any other snapkeep file: a temporary name in the same directory, written,
 flushed, ``fsync``-ed, renamed into place (:meth:`BlobArea.put`), and the area's directory is
 ``fsync``-ed (:meth:`BlobArea.sync`) before the snapshot that refers to it is published. A blob
-under its final name is therefore always complete; it can only be wrong if the disk corrupted
-it, which every reader detects (the name is the checksum: :meth:`BlobArea.read`).
+under its final name is therefore always complete when published; it can still be damaged or
+replaced later (the disk, a copy, a hand), which every reader detects (the name is the
+checksum: :meth:`BlobArea.read`).
+
+A snapshot that refers to a blob without writing it (an unchanged storage, or bytes already
+there) first makes sure the blob's bytes are right (:meth:`BlobArea.intact`): either this process
+holds a *proof* -- it wrote the file or read and verified it, and the file's fingerprint (local:
+device, inode, mode, size, mtime and ctime in ns; object stores: ETag or modification time, see
+``Storage.fingerprint``) is unchanged since -- or the blob is read and hashed now. A damaged or
+replaced blob is written again from the live bytes, so one bad blob never makes every later
+snapshot unloadable (and the earlier ones that share it load again). The proof costs one
+``stat`` per blob and save; what it cannot see is a change that keeps every field of the
+fingerprint (bit rot under the file system, a write within the file system's timestamp
+granularity of the proof): readers still verify every byte they load.
 
 Who may delete a blob (:class:`BlobLedger`): a blob is deleted only when no snapshot of the
 template refers to it (counted from the manifests, see ``SnapshotStore``) and no save of this
@@ -29,6 +41,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -89,13 +102,33 @@ class BlobArea:
             raise ValueError(f"not a blob digest: {digest!r}")
         return self.storage.join(self.directory, digest)
 
-    def has(self, digest: str, nbytes: int) -> bool:
-        """Whether the blob of ``digest`` is there with ``nbytes`` bytes (its bytes are not
-        read)."""
+    def intact(self, digest: str, nbytes: int) -> bool:
+        """Whether the blob of ``digest`` is there with the right bytes, so that a snapshot may
+        refer to it without writing it (see the module docstring): proven without reading when
+        it is the file this process wrote or verified, unchanged since; otherwise read and
+        hashed (one pass through a reused buffer) and proven from then on.
+
+        Returns:
+            False when it is missing, of another size, not a regular file or its bytes hash to
+            another digest (a damaged one is logged as a warning): the caller writes it again.
+
+        Raises:
+            SnapshotStorageError: the store could not be reached.
+        """
+        path = self.path(digest)
         try:
-            return self.storage.size(self.path(digest)) == nbytes
+            before = self.storage.fingerprint(path)
         except FileNotFoundError:
             return False
+        if before is not None and _proof(self.storage.url(path)) == before:
+            return True
+        try:
+            self._verify(path, digest, nbytes, None)
+        except SnapshotCorruptError as e:
+            logger.warning("%s; it is written again from the live bytes", e)
+            return False
+        self._prove(path, before)
+        return True
 
     def put(self, digest: str, write: Callable[[BinaryIO], None], *, tag: str) -> WriteResult:
         """Publish the blob of ``digest`` (temp, write, flush, ``fsync``, rename; see
@@ -110,16 +143,20 @@ class BlobArea:
         self.path(digest)  # a digest, not a path
         self.storage.makedirs(self.directory)
         try:
-            return self.storage.publish_by_content(self.directory, write, tag=tag,
-                                                   expect=digest)
+            result = self.storage.publish_by_content(self.directory, write, tag=tag,
+                                                     expect=digest)
         except ValueError as e:
             raise SnapshotCorruptError(f"blob {e}") from e
+        self._prove(result.path)
+        return result
 
     def put_new(self, write: Callable[[BinaryIO], None], *, tag: str) -> WriteResult:
         """Publish a blob whose digest is not known yet: written and hashed in one pass under a
         temporary name, then renamed to its digest (see ``Storage.publish_by_content``)."""
         self.storage.makedirs(self.directory)
-        return self.storage.publish_by_content(self.directory, write, tag=tag)
+        result = self.storage.publish_by_content(self.directory, write, tag=tag)
+        self._prove(result.path)
+        return result
 
     def sync(self) -> None:
         """Make the blobs published so far durable (``fsync`` of the area's directory)."""
@@ -127,7 +164,8 @@ class BlobArea:
 
     def read(self, digest: str, nbytes: int) -> torch.UntypedStorage:
         """The blob of ``digest`` in a new CPU storage, verified: exactly ``nbytes`` bytes that
-        hash to ``digest`` (hashed while read, in one pass).
+        hash to ``digest`` (hashed while read, in one pass). A blob read and verified is proven
+        for :meth:`intact` (a resumed run's saves do not read it again).
 
         Raises:
             SnapshotCorruptError: missing, of another size, or its bytes do not hash to its name
@@ -135,17 +173,65 @@ class BlobArea:
             SnapshotStorageError: the store could not be reached.
         """
         path = self.path(digest)
+        before = self._fingerprint(path)
         target = torch.UntypedStorage(nbytes)
+        self._verify(path, digest, nbytes,
+                     memoryview(_byte_view(target)) if nbytes else memoryview(b""))
+        self._prove(path, before)
+        return target
+
+    def check(self, digest: str, nbytes: int) -> None:
+        """Verify the blob of ``digest`` (see :meth:`read`) without keeping its bytes; a blob
+        this process proved unchanged since it wrote or verified it is not read again.
+
+        Raises:
+            SnapshotCorruptError: as :meth:`read`.
+            SnapshotStorageError: the store could not be reached.
+        """
+        path = self.path(digest)
+        before = self._fingerprint(path)
+        if before is not None and _proof(self.storage.url(path)) == before:
+            return
+        self._verify(path, digest, nbytes, None)
+        self._prove(path, before)
+
+    def _fingerprint(self, path: str) -> tuple[Any, ...] | None:
+        try:
+            return self.storage.fingerprint(path)
+        except FileNotFoundError:
+            return None
+
+    def _prove(self, path: str, before: tuple[Any, ...] | None = None) -> None:
+        """Record the proof of the file at ``path`` just written or verified: its fingerprint
+        now, if ``before`` (taken before it was read) is None or still the same."""
+        now = self._fingerprint(path)
+        url = self.storage.url(path)
+        with _PROOFS_LOCK:
+            if now is not None and (before is None or before == now):
+                _PROOFS[url] = now
+            else:
+                _PROOFS.pop(url, None)
+
+    def _verify(self, path: str, digest: str, nbytes: int, into: memoryview | None) -> None:
+        """Read the blob at ``path`` (into ``into``, or through a reused buffer) and check it
+        holds exactly ``nbytes`` bytes hashing to ``digest``.
+
+        Raises:
+            SnapshotCorruptError: missing, unreadable, another size or another digest.
+            SnapshotStorageError: the store could not be reached.
+        """
         hasher = new_hasher()
+        buffer = memoryview(bytearray(min(_READ_CHUNK_BYTES, nbytes))) if into is None else None
         try:
             with self.storage.open_read(path, whole=True) as f:
-                view = memoryview(_byte_view(target)) if nbytes else memoryview(b"")
                 got = 0
                 while got < nbytes:
-                    n = f.readinto(view[got:got + _READ_CHUNK_BYTES])  # type: ignore[attr-defined]
+                    want = min(_READ_CHUNK_BYTES, nbytes - got)
+                    chunk = into[got:got + want] if into is not None else buffer[:want]  # type: ignore[index]
+                    n = f.readinto(chunk)  # type: ignore[attr-defined]
                     if not n:
                         break
-                    hasher.update(view[got:got + n])
+                    hasher.update(chunk[:n])
                     got += n
                 extra = f.read(1) if got == nbytes else b""
         except FileNotFoundError:
@@ -167,11 +253,6 @@ class BlobArea:
             raise SnapshotCorruptError(
                 f"blob {path}: its bytes hash to {found}, not to its name (corrupted; restore "
                 "a good copy or use an older snapshot)")
-        return target
-
-    def check(self, digest: str, nbytes: int) -> None:
-        """Verify the blob of ``digest`` (see :meth:`read`) without keeping its bytes."""
-        self.read(digest, nbytes)
 
     def listing(self) -> tuple[list[str], list[dict[str, Any]]]:
         """``(blob digests, raw entries)`` of the area (temporary files in the raw entries
@@ -187,6 +268,8 @@ class BlobArea:
         """Delete one blob; False (logged) when the delete failed; a blob already gone is
         not an error."""
         path = self.path(digest)
+        with _PROOFS_LOCK:
+            _PROOFS.pop(self.storage.url(path), None)
         try:
             self.storage.remove(path)
         except FileNotFoundError:
@@ -203,6 +286,27 @@ class BlobArea:
                    for e in raw):
             return []
         return self.storage.remove_stale_temps(self.directory, raw)
+
+
+#: This process's proofs (see :meth:`BlobArea.intact`): blob URL -> the fingerprint of the file
+#: when this process wrote it or read and verified its bytes.
+_PROOFS: dict[str, tuple[Any, ...]] = {}
+_PROOFS_LOCK = threading.Lock()
+
+
+def _reset_proofs_lock_in_child() -> None:
+    """A fork while another thread held the lock must not leave the child's copy held."""
+    global _PROOFS_LOCK
+    _PROOFS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_proofs_lock_in_child)
+
+
+def _proof(url: str) -> tuple[Any, ...] | None:
+    with _PROOFS_LOCK:
+        return _PROOFS.get(url)
 
 
 def _byte_view(storage: torch.UntypedStorage) -> Any:

@@ -43,6 +43,13 @@ import time
 from typing import Any
 
 from snapkeep._core.errors import SnapshotStorageError, StoreLockedError
+from snapkeep._core.json_records import (
+    RecordError,
+    int_field,
+    number_field,
+    parse_json,
+    str_field,
+)
 
 try:
     import fcntl
@@ -235,12 +242,25 @@ def _flock(fd: int, path: str, where: str, what: str) -> None:
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
+    """The holder's line (at most 4 KiB of bounded JSON, anyone may have written it): its
+    ``pid``, ``host`` and ``since_unix_s`` where each is in range, else {} or without that
+    field (the lock itself does not depend on it)."""
     try:
         data = os.pread(fd, 4096, 0)
-        holder = json.loads(data.decode()) if data else {}
-    except (OSError, ValueError, UnicodeDecodeError):
+        holder = parse_json(data, max_bytes=4096, max_depth=4) if data else {}
+    except (OSError, RecordError):
         return {}
-    return holder if isinstance(holder, dict) else {}
+    if not isinstance(holder, dict):
+        return {}
+    checked: dict[str, Any] = {}
+    for name, check in (("pid", lambda: int_field(holder, "pid", high=1 << 31)),
+                        ("host", lambda: str_field(holder, "host", max_chars=255)),
+                        ("since_unix_s", lambda: number_field(holder, "since_unix_s"))):
+        try:
+            checked[name] = check()
+        except RecordError:
+            continue
+    return checked
 
 
 def _describe(holder: dict[str, Any]) -> str:
@@ -248,7 +268,8 @@ def _describe(holder: dict[str, Any]) -> str:
         return "holder unknown"
     since = holder.get("since_unix_s")
     when = "unknown time"
-    if isinstance(since, (int, float)):
+    if isinstance(since, float):
         when = datetime.datetime.fromtimestamp(since, datetime.timezone.utc).strftime(
             "%Y-%m-%d %H:%M:%S UTC")
-    return f"pid {holder.get('pid')} on host {holder.get('host')}, since {when}"
+    host = "".join(c if c.isprintable() else "?" for c in holder.get("host", "?"))
+    return f"pid {holder.get('pid', '?')} on host {host}, since {when}"

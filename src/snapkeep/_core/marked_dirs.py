@@ -25,6 +25,7 @@ from typing import Any
 
 from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
+from snapkeep._core.json_records import INT64_LIMIT, RecordError, parse_json
 from snapkeep._core.lock import StoreLock
 from snapkeep._core.manifest import (
     CHECKSUM_HEX_CHARS,
@@ -41,6 +42,7 @@ from snapkeep._version import __version__
 
 __all__ = [
     "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "MAX_FILES", "TEMPLATE",
+    "marker_of_file", "verify_marked_file",
     "CheckpointDirs", "CheckpointMarker", "FileRecord", "checkpoint_step", "commit_checkpoint",
     "is_marker", "read_marker", "verify_checkpoint",
 ]
@@ -122,8 +124,8 @@ class CheckpointMarker:
         if len(data) > MAX_MANIFEST_BYTES:
             raise bad(f"{len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
         try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            body = parse_json(data, max_bytes=MAX_MANIFEST_BYTES, allow_nan=True)
+        except RecordError as e:
             raise bad(f"not valid UTF-8 JSON ({e})") from None
         if not isinstance(body, dict) or body.get("format") != MARKER_FORMAT:
             raise bad(f"not a {MARKER_FORMAT!r} marker")
@@ -166,7 +168,7 @@ class CheckpointMarker:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and value < INT64_LIMIT
 
 
 def _is_number(value: Any) -> bool:
@@ -293,21 +295,69 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointMarke
         raise SnapshotCorruptError(
             f"{path}: no commit marker {MARKER_NAME} (the save did not finish, or it was not "
             "written with snapkeep.hf.SnapkeepCallback)")
-    for relative, record in marker.files.items():
-        file_path = _path_in(storage, path, relative)
+    for relative in marker.files:
+        verify_marked_file(storage, path, relative, marker)
+    return marker
+
+
+def verify_marked_file(storage: Storage, directory: str, relative: str,
+                       marker: CheckpointMarker) -> str:
+    """Check the file ``relative`` of the marked ``directory`` against ``marker``'s record of
+    it (present, a regular file, its size and checksum); returns its checksum.
+
+    Raises:
+        KeyError: the marker does not list ``relative``.
+        SnapshotCorruptError: missing, not a regular file, truncated or changed (named).
+        SnapshotStorageError: the storage could not be reached.
+    """
+    record = marker.files[relative]
+    file_path = _path_in(storage, directory, relative)
+    try:
+        with storage.open_read(file_path) as f:
+            checksum, size = digest_stream(f)
+    except FileNotFoundError:
+        raise SnapshotCorruptError(f"{file_path}: listed by the marker, missing") from None
+    except SnapshotStorageError:
+        raise
+    except OSError as e:
+        raise SnapshotCorruptError(f"{file_path}: {e}") from e
+    require_match(file_path, checksum, size, recorded_checksum=record.checksum,
+                  recorded_size=record.size_bytes, algorithm=marker.algorithm, record="marker")
+    return checksum
+
+
+def marker_of_file(storage: Storage, file_path: str, *, levels: int = 4
+                   ) -> tuple[str, str, CheckpointMarker] | None:
+    """The marked directory holding ``file_path`` (its own directory or one up to ``levels``
+    above, the nearest with a :data:`MARKER_NAME` of this kind): ``(directory, the file's path
+    relative to it, its marker)``; None when there is none (a sharded snapshot's marker is not
+    one of these).
+
+    Raises:
+        SnapshotCorruptError: the nearest marker is invalid, too large or not a regular file.
+        SnapshotStorageError: the storage could not be reached.
+    """
+    directory, relative = storage.dirname(file_path), storage.basename(file_path)
+    for _ in range(levels):
+        marker_path = storage.join(directory, MARKER_NAME)
         try:
-            with storage.open_read(file_path) as f:
-                checksum, size = digest_stream(f)
+            data = storage.read_bytes(marker_path, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
-            raise SnapshotCorruptError(f"{file_path}: listed by the marker, missing") from None
+            data = None
         except SnapshotStorageError:
             raise
         except OSError as e:
-            raise SnapshotCorruptError(f"{file_path}: {e}") from e
-        require_match(file_path, checksum, size, recorded_checksum=record.checksum,
-                      recorded_size=record.size_bytes, algorithm=marker.algorithm,
-                      record="marker")
-    return marker
+            raise SnapshotCorruptError(f"{marker_path}: {e}") from e
+        if data is not None:
+            if not is_marker(data):
+                return None
+            return directory, relative, CheckpointMarker.from_bytes(data, source=marker_path)
+        parent = storage.dirname(directory)
+        if not parent or parent == directory:
+            return None
+        relative = f"{storage.basename(directory)}/{relative}"
+        directory = parent
+    return None
 
 
 def _checkpoints(storage: Storage, output_dir: str) -> list[tuple[int, str]]:
@@ -454,7 +504,7 @@ def is_marker(data: bytes) -> bool:
     """Whether ``data`` (a marker file's bytes) claims to be a marked directory's marker (its
     ``format``); not validated further (the CLI tells the two kinds of marker apart by it)."""
     try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        body = parse_json(data, max_bytes=MAX_MANIFEST_BYTES, allow_nan=True)
+    except RecordError:
         return False
     return isinstance(body, dict) and body.get("format") == MARKER_FORMAT

@@ -18,6 +18,7 @@ write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. St
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -26,6 +27,14 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from snapkeep._core.errors import SnapshotStorageError
+from snapkeep._core.json_records import (
+    RecordError,
+    int_field,
+    number_field,
+    parse_json,
+    str_field,
+)
 from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.storage import Storage
 
@@ -36,6 +45,10 @@ STATUS_NAME = "status.json"
 
 STATES = ("running", "preempted", "finished", "failed")
 FORMAT = 1
+#: Largest status file read, in bytes; most names listed; longest ``reason`` read.
+MAX_STATUS_BYTES = 1 << 20
+MAX_SNAPSHOTS = 4096
+MAX_REASON_CHARS = 64 << 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,26 +79,35 @@ class RunStatus:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunStatus:
-        """Parse a status file.
+        """Parse a status file (untrusted: bounded JSON, see
+        :mod:`snapkeep._core.json_records`, every field's type and range checked).
 
         Raises:
-            ValueError: not a status file of a known format (the message says what is wrong).
+            ValueError: not a status file of a known format, or a field out of its range (the
+                message names the field and what is accepted).
         """
         try:
-            raw: Any = json.loads(data)
-        except ValueError as e:
-            raise ValueError(f"not JSON: {e}") from None
+            raw: Any = parse_json(data, max_bytes=MAX_STATUS_BYTES)
+        except RecordError as e:
+            raise ValueError(str(e)) from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ValueError(f"not a snapkeep status of format {FORMAT}")
-        try:
-            return cls(state=str(raw["state"]), step=int(raw["step"]),
-                       time_unix_s=float(raw["time_unix_s"]), reason=str(raw.get("reason", "")),
-                       snapshots=tuple(str(s) for s in raw.get("snapshots", ())),
-                       world_size=int(raw.get("world_size", 1)), pid=int(raw.get("pid", 0)),
-                       host=str(raw.get("host", "")),
-                       start_token=str(raw.get("start_token", "")))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"bad field: {e}") from None
+        state = str_field(raw, "state", max_chars=16)
+        if state not in STATES:
+            raise ValueError(f"field 'state' must be one of {STATES}, got {state[:20]!r}")
+        snapshots = raw.get("snapshots", [])
+        if not isinstance(snapshots, list) or len(snapshots) > MAX_SNAPSHOTS \
+                or not all(isinstance(s, str) and len(s) <= 4096 for s in snapshots):
+            raise ValueError(f"field 'snapshots' must be a list of at most {MAX_SNAPSHOTS} "
+                             "names")
+        return cls(state=state, step=int_field(raw, "step"),
+                   time_unix_s=number_field(raw, "time_unix_s"),
+                   reason=str_field(raw, "reason", max_chars=MAX_REASON_CHARS, default=""),
+                   snapshots=tuple(snapshots),
+                   world_size=int_field(raw, "world_size", low=1, high=1 << 31, default=1),
+                   pid=int_field(raw, "pid", high=1 << 31, default=0),
+                   host=str_field(raw, "host", max_chars=1024, default=""),
+                   start_token=str_field(raw, "start_token", max_chars=1024, default=""))
 
 
 def status_path(storage: Storage, directory: str) -> str:
@@ -165,13 +187,19 @@ def read_status(storage: Storage, directory: str) -> RunStatus | None:
     """The status recorded in ``directory``; None when there is none.
 
     Raises:
-        ValueError: the file exists but is not a valid status.
+        ValueError: the file exists but is not a valid status (also: larger than
+            :data:`MAX_STATUS_BYTES`, or not a regular file).
         OSError: it could not be read.
     """
+    path = status_path(storage, directory)
     try:
-        data = storage.read_bytes(status_path(storage, directory), max_bytes=1 << 20)
+        data = storage.read_bytes(path, max_bytes=MAX_STATUS_BYTES)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        if e.errno in (errno.EFBIG, errno.EINVAL) and not isinstance(e, SnapshotStorageError):
+            raise ValueError(str(e)) from None  # what is there is no status file
+        raise
     return RunStatus.from_bytes(data)
 
 

@@ -559,7 +559,9 @@ class Session:
                 if found:
                     raise StateMismatchError(
                         f"snapshot {entry.path} (step {entry.step}) does not fit: "
-                        f"{describe(found)}. Nothing was loaded or deleted.")
+                        f"{describe(found)}. Nothing was loaded or deleted. Next: build the "
+                        "state as it was when that step was saved (the keys and shapes above), "
+                        "or start fresh in another directory")
             except Exception as e:  # exchanged below: every rank refuses together
                 error = e
             together(control, error, what=f"{what}: checking {entry.path}",

@@ -380,7 +380,9 @@ def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
     if mismatches:  # DCP would say "Size mismatch" from inside the load, read as corrupt
         raise StateMismatchError(
             f"snapshot {entry.path} (step {entry.step}) does not fit: {len(mismatches)} "
-            f"mismatch(es): {'; '.join(mismatches[:5])}. Nothing was loaded.")
+            f"mismatch(es): {'; '.join(mismatches[:5])}. Nothing was loaded. Next: build the "
+            "model as it was when that step was saved (the shapes above), or start fresh in "
+            "another directory")
     reader = reader_for(store.storage, entry.path, store.storage_options,
                         weights_only=weights_only, listed=listed)
     group = groups.control if groups else None

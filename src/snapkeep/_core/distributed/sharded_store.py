@@ -33,6 +33,7 @@ from typing import Any
 from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.distributed.dcp_safe import metadata_of
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
+from snapkeep._core.json_records import INT64_LIMIT, parse_json
 from snapkeep._core.lock import StoreLock
 from snapkeep._core.manifest import MANIFEST_DIR
 from snapkeep._core.naming import FilenameTemplate
@@ -105,10 +106,7 @@ class ShardedManifest:
             ValueError: not a snapkeep sharded marker, or a field of the wrong type or value
                 (a file name that is not a plain name inside the directory included).
         """
-        try:
-            body = json.loads(data.decode())
-        except (UnicodeDecodeError, RecursionError) as e:
-            raise ValueError(f"not JSON ({type(e).__name__})") from e
+        body = parse_json(data, max_bytes=MAX_MARKER_BYTES, allow_nan=True)  # RecordError
         if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
             raise ValueError("not a snapkeep sharded-snapshot marker")
         files = body.pop("files", None)
@@ -125,8 +123,8 @@ class ShardedManifest:
         return cls(files=records, **values)
 
 
-def _is_int(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+def _is_int(value: Any, low: int = 0, high: int = INT64_LIMIT) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
 def _is_number(value: Any) -> bool:
@@ -136,7 +134,7 @@ def _is_number(value: Any) -> bool:
 
 _MARKER_FIELDS: dict[str, Callable[[Any], bool]] = {
     "name": lambda v: isinstance(v, str) and 0 < len(v) <= 4096,
-    "world_size": lambda v: _is_int(v, 1),
+    "world_size": lambda v: _is_int(v, 1, 1 << 31),
     "algorithm": lambda v: v == ALGORITHM,
     "step": lambda v: v is None or _is_int(v),
     "created_unix_s": _is_number,
@@ -162,7 +160,7 @@ def _file_record(name: str, value: Any) -> FileRecord:
     if not isinstance(value, dict) or set(value) != {"size_bytes", "checksum", "rank"}:
         raise ValueError(f"the record of {name!r:.80} is not {{size_bytes, checksum, rank}}")
     size, checksum, rank = value["size_bytes"], value["checksum"], value["rank"]
-    if not _is_int(size) or not _is_int(rank) or not isinstance(checksum, str) \
+    if not _is_int(size) or not _is_int(rank, 0, 1 << 31) or not isinstance(checksum, str) \
             or not 0 < len(checksum) <= 128:
         raise ValueError(f"the record of {name!r:.80} has a field of the wrong type")
     return FileRecord(size_bytes=size, checksum=checksum, rank=rank)

@@ -283,6 +283,30 @@ class Storage:
         with self._backend_errors("checking", path):
             return dict(self.fs.info(path))
 
+    #: fsspec info fields that change when an object is written again (object stores, memory).
+    _IDENTITY_FIELDS = ("ETag", "etag", "generation", "md5Hash", "VersionId", "LastModified",
+                        "last_modified", "mtime", "created")
+
+    def fingerprint(self, path: str) -> tuple[Any, ...] | None:
+        """What changes whenever the file at ``path`` is written or replaced, to prove it is the
+        file seen before without reading it: on the local filesystem ``(device, inode, mode,
+        size, mtime_ns, ctime_ns)`` of ``lstat`` (no write, rename or replacement keeps all of
+        them); elsewhere the size and the ETag, generation or modification times the backend
+        reports; None where it reports none (the caller must read the bytes).
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            SnapshotStorageError: the store could not be reached.
+        """
+        if self.is_local:
+            st = os.lstat(path)
+            return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns,
+                    st.st_ctime_ns)
+        info = self.info(path)
+        found = tuple((key, str(info[key])) for key in self._IDENTITY_FIELDS
+                      if info.get(key) is not None)
+        return (info.get("type"), info.get("size"), *found) if found else None
+
     def isdir(self, path: str) -> bool:
         """Whether ``path`` is a directory (on object stores: a key prefix), fresh."""
         self.fs.invalidate_cache(path)

@@ -135,6 +135,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         self._staging_guard = StagingGuard()
         self._overlap_before_copy: Callable[[], None] | None = None  # a test seam (a gate)
         self._race_warned = False
+        self._unloadable_warned = False  # the autoload=False warning, once
         self._staged_at: tuple[int, Any] | None = None  # (iteration, handle) of the last save
         policies = [p for p in (KeepLatest(n_retains) if n_retains > 0 else None, retention) if p]
         self._retention: RetentionPolicy | None = None
@@ -342,7 +343,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             return
         state = self._state(manager)
         filename = self._template.format(manager)
-        self._refuse_unloadable(state, filename)
+        self._refuse_unloadable(state, filename, writer)
         if on_error:
             filename += ON_ERROR_SUFFIX
         ours = isinstance(writer, _SnapkeepWriter)
@@ -389,20 +390,34 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             if isinstance(writer, _SnapkeepWriter):
                 writer.disarm_overlap()  # never left armed for a direct writer call
 
-    def _refuse_unloadable(self, state: Any, filename: str) -> None:
-        """TypeError before anything is written when autoload (``weights_only=True``) could not
-        load a value of the snapshot: a run must never save snapshots it cannot resume from
-        (a ``savefun`` of the user's chooses its own format: not checked)."""
-        if not self._weights_only or self._savefun is not None:
+    def _refuse_unloadable(self, state: Any, filename: str, writer: Any) -> None:
+        """Protect autoload where snapkeep chooses the format: with a snapkeep writer, no
+        ``savefun`` and ``weights_only=True``, a value ``torch.load(weights_only=True)`` could not
+        load raises TypeError before anything is written when this extension autoloads (a run
+        must never save snapshots it cannot resume from), and warns once otherwise (a later
+        autoload of these files would refuse them). A writer or ``savefun`` of the user's
+        chooses its own format and is never checked (as ppe, which checks nothing)."""
+        if (not self._weights_only or self._savefun is not None
+                or not isinstance(writer, _SnapkeepWriter)):
+            return
+        if not self.autoload and self._unloadable_warned:
             return
         where = unloadable_value(state)
-        if where is not None:
+        if where is None:
+            return
+        advice = ("Keep tensors, numbers, strings and containers of them in state_dict()s, or "
+                  "pass extensions.snapshot(weights_only=False) to save and load arbitrary "
+                  "objects (trusted files only)")
+        if self.autoload:
             raise TypeError(
                 f"snapshot {filename}: {where!r} holds an object that autoload, which loads with "
                 "torch.load(weights_only=True), would refuse, so this snapshot could never be "
-                "resumed; nothing was saved. Keep tensors, numbers, strings and containers of "
-                "them in state_dict()s, or pass extensions.snapshot(weights_only=False) to save "
-                "and load arbitrary objects (trusted files only)")
+                f"resumed; nothing was saved. {advice}")
+        self._unloadable_warned = True
+        warn_user(f"snapshot {filename}: {where!r} holds an object that autoload, which loads "
+                  "with torch.load(weights_only=True), would refuse: this extension does not "
+                  "autoload, but a run that autoloads these snapshots could not resume from "
+                  f"them. {advice}", RuntimeWarning)
 
     def lend_staged(self, manager: Any) -> StagedLoan | None:
         """The copy of the manager's state this extension's writer staged at this iteration,
