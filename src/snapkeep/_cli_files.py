@@ -357,7 +357,11 @@ def _sharded_templates(storage: Storage, directory: str, found: list[str]) -> No
         except (OSError, ValueError, UnicodeDecodeError, TypeError, KeyError,
                 SnapshotCorruptError):
             continue
-        template = _as_template(name, manifest.step)
+        # a checkpoint-N is of its kind's template whatever step its marker records (a copy,
+        # checkpoint-40 of step 4, is listed and reported bad, not a template of its own)
+        kind = CheckpointDirs.template
+        template = str(kind.template) if is_marker(data) and kind.parse(name) is not None \
+            else _as_template(name, manifest.step)
         if template not in found:
             found.append(template)
 

@@ -63,8 +63,9 @@ from snapkeep.distributed import (
     is_distributed,
     parse_signals,
 )
+from snapkeep.errors import SnapshotCorruptError
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
-from snapkeep.store import Entry, Session, StatusLog, Storage, resolve_storage
+from snapkeep.store import Entry, Session, StatusLog, Storage, resolve_storage, say
 
 __all__ = [
     "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "CheckpointDirs", "CheckpointMarker",
@@ -117,7 +118,23 @@ def latest_verified(output_dir: str | os.PathLike[str], *, quiet: bool = False) 
     if not store.storage.isdir(store.directory):
         session.choose(store.verify, candidates=[])
         return None
-    entry = session.choose(store.verify)
+    adopted: list[Entry] = []
+
+    def check(entry: Entry) -> Any:
+        try:
+            return store.verify(entry)
+        except SnapshotCorruptError as e:
+            why = store.adoptable(entry)
+            if why:
+                raise SnapshotCorruptError(f"{e} ({why})") from e
+            adopted.append(entry)  # the stock Trainer's, from before snapkeep: unverified
+            return None
+
+    entry = session.choose(check)
+    if entry is not None and entry in adopted:
+        say(f"{entry.name} has no commit marker (written by the Trainer before snapkeep was "
+            "added): resumed unverified, as the Trainer wrote it; the next checkpoints are "
+            "committed", quiet=quiet)
     return None if entry is None else str(entry.path)
 
 
@@ -325,6 +342,7 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             logger.info("snapkeep: new best %s=%s at step %d, not a save step: saving it",
                         name, value, state.global_step)
             control.should_save = True
+            self.claim(args, state, control)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -337,7 +355,30 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
                 self.preempted = agreed
                 control.should_save = True
                 control.should_training_stop = True
+        self.claim(args, state, control)
         self.uncommit(args, state, control)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        self.claim(args, state, control)
+        self.uncommit(args, state, control)
+
+    def claim(self, args: TrainingArguments, state: TrainerState,
+              control: TrainerControl) -> None:
+        """Before the Trainer writes ``checkpoint-N`` (a save is decided at this step): the
+        directory is claimed as the owned save claims it (:meth:`CheckpointDirs.claim`): a
+        directory there that snapkeep did not commit and no Trainer wrote (a user's
+        ``checkpoint-4/my_eval_notes.txt``) stops the run with ``SnapshotStorageError`` naming
+        it, its files untouched, never committed or rotated.
+
+        Raises:
+            SnapshotStorageError: such a directory is at the name; nothing was written.
+        """
+        if not (control.should_save and args.should_save):
+            return
+        storage, path = _storage(self._dir(args))
+        CheckpointDirs(storage, path).claim(
+            storage.join(path, f"checkpoint-{state.global_step}"), state.global_step)
 
     def uncommit(self, args: TrainingArguments, state: TrainerState,
                  control: TrainerControl) -> None:
@@ -367,6 +408,7 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         metrics = self.check_retention(state)
         commit_checkpoint(checkpoint, step=state.global_step, run_id=self.run_id,
                           metrics=metrics)
+        CheckpointDirs(storage, path).release(f"checkpoint-{state.global_step}")
         self.retain(state)
 
     def check_retention(self, state: TrainerState) -> dict[str, float]:
@@ -586,6 +628,8 @@ class SnapkeepSaveMixin:
         state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
         callback = self._snapkeep_callback
         commit_checkpoint(path, step=step, run_id=callback.run_id, metrics=metrics)
+        CheckpointDirs(*_storage(trainer._get_output_dir(trial=None))).release(
+            f"checkpoint-{step}")
         callback.retain(state)
 
     def _load_best_model(self) -> None:

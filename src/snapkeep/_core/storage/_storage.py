@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import posixpath
+import stat
 from collections.abc import Callable, Iterator
 from typing import IO, Any, BinaryIO
 
@@ -283,6 +284,24 @@ class Storage:
         self.fs.invalidate_cache(path)
         with self._backend_errors("checking", path):
             return dict(self.fs.info(path))
+
+    def is_plain_file(self, path: str) -> bool:
+        """Whether ``path`` is a regular file reached without a symbolic link (local: its own
+        entry, ``lstat``; a link to a regular file is not one); elsewhere, a ``'file'``
+        object. False when nothing is there. Never blocks (a FIFO is not opened).
+
+        Raises:
+            SnapshotStorageError: the store could not be reached.
+        """
+        if self.is_local:
+            try:
+                return stat.S_ISREG(os.lstat(path).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+        try:
+            return self.info(path).get("type") == "file"
+        except FileNotFoundError:
+            return False
 
     def isdir(self, path: str) -> bool:
         """Whether ``path`` is a directory (on object stores: a key prefix), fresh."""
