@@ -15,10 +15,12 @@ N* whose marker verifies. The callback also takes over ``save_total_limit`` rota
 :class:`SnapkeepCallback`), so the best and the newest committed checkpoints are never deleted.
 
 Nothing is renamed or moved: the directories stay what the Trainer and ``from_pretrained``
-read. A directory without a valid marker is *ignored* (with a warning naming it), never
-quarantined or deleted: snapkeep cannot tell a crashed save from a checkpoint the stock Trainer
-wrote before the callback was added, and ``trainer_state.json`` of other checkpoints may name it
-(``best_model_checkpoint``).
+read. A directory without a valid marker is never quarantined, counted or deleted
+(``trainer_state.json`` of other checkpoints may name it: ``best_model_checkpoint``): one that
+snapkeep's save claimed (an interrupted save) is skipped, named on stderr; a complete one the
+stock Trainer wrote before the callback was added is resumed unverified, said on stderr
+(:meth:`CheckpointDirs.adoptable`). The callback claims each ``checkpoint-N`` before the Trainer
+writes it, refusing a directory there that neither snapkeep nor a Trainer wrote.
 
 Requires ``transformers`` (``pip install snapkeep[hf]``); ``import snapkeep`` does not import it.
 """
@@ -98,9 +100,12 @@ def latest_verified(output_dir: str | os.PathLike[str], *, quiet: bool = False) 
 
     The engine session's resume choice (as every door's): the newest one that verifies, said
     on stderr (rank 0: ``snapkeep: resuming from checkpoint-N (step N) in DIR``), each one
-    skipped named with why (no marker: a save killed midway; a truncated or changed file), or
-    that the run starts fresh. Skipped directories are left as they are (not deleted or
-    moved; see the module docstring).
+    skipped named with why (no marker: a save killed midway; a truncated or changed file; a
+    marker of another step: a copy), or that the run starts fresh. A complete checkpoint the
+    stock Trainer wrote before snapkeep was added (no marker, never claimed by snapkeep's save,
+    ``trainer_state.json`` of step N) counts too, unverified (no checksums), said on stderr.
+    Skipped directories are left as they are (not deleted or moved; see the module
+    docstring).
 
     Args:
         output_dir: the Trainer's ``args.output_dir`` (a local path).

@@ -33,7 +33,13 @@ What they change (each from Lightning's own code, 2.4-2.6):
   while it loads, safely unpickled, said on stderr (``snapkeep: resuming from NAME (step N) in
   DIR``); a corrupt or truncated file is skipped, named on stderr with why, and the next older
   one that verifies is loaded instead (:class:`~snapkeep.errors.NoValidSnapshotError` when none
-  does; nothing deleted).
+  does; nothing deleted). Lightning checkpoints written before snapkeep was added (no
+  manifest) count too, by the step in their name or the ``global_step`` they hold: the newest
+  loads unverified, said on stderr; snapkeep never overwrites or removes them (a stock full
+  ``last.ckpt`` stays; snapkeep's alias becomes ``last-v1.ckpt``). An alias is followed only
+  to a regular file of its directory (no symlink) whose manifest records the alias's step;
+  otherwise it is refused, said on stderr, and the newest verified snapshot loads. After a
+  fallback, Lightning's ``Restored all states from ...`` names the file really loaded.
 - **One trainer per directory.** The directory is opened as the Checkpointer opens its own
   (:meth:`snapkeep.store.Session.open`: created, checked writable, locked in ``.snapkeep/``,
   temp files of a killed writer swept) at ``setup`` (or the first save):
@@ -380,6 +386,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
         self._doomed: set[str] = set()  # removals held back while an alias names them
         self._metrics: dict[str, dict[str, float]] = {}  # path -> metrics of its next save
         self._loaded: tuple[str, str] | None = None  # (requested, loaded) of the last load
+        self._written: set[str] = set()  # paths this IO saved or aliased (never foreign)
         self._closed = False
 
     # -- directories ---------------------------------------------------------------------------
@@ -501,6 +508,9 @@ class SnapkeepCheckpointIO(CheckpointIO):
         store = self._directory(directory, lock=False).store
         storage = store.storage
         full = storage.join(store.directory, name)
+        with self._guard:
+            if full in self._written:  # this process's (its manifest may be in flight)
+                return False
         if not storage.is_plain_file(full):
             return False
         try:
@@ -572,7 +582,9 @@ class SnapkeepCheckpointIO(CheckpointIO):
             if name.startswith(_HPC_PREFIX):
                 handle.wait()  # Lightning requeues the SLURM job right after this save
         with self._guard:  # a full save replaces an alias of the same name
-            self._aliases.pop(found.store.storage.join(found.store.directory, name), None)
+            full = found.store.storage.join(found.store.directory, name)
+            self._aliases.pop(full, None)
+            self._written.add(full)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -768,6 +780,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
                 self._doomed.add(full)  # removed when its alias moves on
                 return
             self._aliases.pop(full, None)
+            self._written.discard(full)
             store.delete(Entry(name=name, path=full, key=(), step=None), by="lightning")
 
     def _write_alias(self, target: str, alias: str) -> None:
@@ -788,6 +801,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
             record = {"format": ALIAS_FORMAT, "target": storage.basename(target_path),
                       "step": manifest.step if manifest is not None else None}
             storage.write_bytes(alias_path, json.dumps(record).encode())
+            self._written.add(alias_path)
             try:  # a full last.ckpt it replaced had a manifest of its own
                 storage.remove(manifest_path(storage, alias_path))
             except FileNotFoundError:

@@ -195,7 +195,7 @@ def _read_holder(fd: int) -> dict[str, Any]:
     try:
         data = os.pread(fd, 4096, 0)
         holder = json.loads(data.decode()) if data else {}
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):  # a hostile record
         return {}
     return holder if isinstance(holder, dict) else {}
 

@@ -8,8 +8,11 @@ verified, retained by their markers' metrics and run ids; the door (:mod:`snapke
 CLI (``snapkeep verify``/``ls``) use the same code, without importing the program that wrote
 them.
 
-A directory without a valid marker is never counted, deleted, moved or quarantined: snapkeep
-cannot tell a crashed save from a directory written before snapkeep was added.
+A directory without a valid marker (or with the marker of another step: a copy) is never
+counted, deleted, moved or quarantined. snapkeep's saves claim each directory before the
+Trainer writes it (``.snapkeep/claims/``), so a crashed save of snapkeep's is told from a
+complete checkpoint the stock Trainer wrote before snapkeep was added
+(:meth:`CheckpointDirs.adoptable`: resumed unverified).
 """
 
 from __future__ import annotations
