@@ -694,6 +694,9 @@ class _OwnedCallback(SnapkeepCallback):
     def uncommit(self, *args: Any, **kwargs: Any) -> None:
         return None  # the owned write uncommits a directory it saves again itself
 
+    def claim(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the mixin's _save_checkpoint claims, before staging
+
     def on_save(self, *args: Any, **kwargs: Any) -> None:
         return None
 
