@@ -377,7 +377,12 @@ def _sharded_templates(storage: Storage, directory: str,
         except (OSError, ValueError, UnicodeDecodeError, TypeError, KeyError,
                 SnapshotCorruptError):
             continue
-        found.setdefault(_as_template(name, manifest.step), []).append(name)
+        # a checkpoint-N is of its kind's template whatever step its marker records (a copy,
+        # checkpoint-40 of step 4, is listed and reported bad, not a template of its own)
+        kind = CheckpointDirs.template
+        template = str(kind.template) if is_marker(data) and kind.parse(name) is not None \
+            else _as_template(name, manifest.step)
+        found.setdefault(template, []).append(name)
 
 
 #: A run of ASCII digits in a template's literal text (outside its fields).

@@ -148,6 +148,16 @@ class LightningDoor:
             ckpt.save(step, {"model": model})
         return f"ckpt_{step}"
 
+    def load_alias(self, directory: pathlib.Path | str, alias: str) -> Any:
+        """``SnapkeepCheckpointIO.load_checkpoint`` of the reference record ``alias``."""
+        from snapkeep.lightning import SnapkeepCheckpointIO
+
+        io = SnapkeepCheckpointIO()
+        try:
+            return io.load_checkpoint(os.path.join(os.fspath(directory), alias))
+        finally:
+            io.close()
+
     #: the session ``SnapkeepCheckpointIO.open(DIR, template='ckpt_{step}')`` opens (the same
     #: store lock), without importing Lightning in the holder (seconds)
     hold_code = ("from snapkeep.store import Session, open_store\n"

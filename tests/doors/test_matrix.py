@@ -1104,3 +1104,99 @@ def test_the_memory_tier_resumes_from_ram_or_falls_back_to_storage_saying_why(
                 and "checksum" in said[0] and "does not match" in said[0], err
     reference = train(door, place.sub("straight"), 8)
     assert torch.equal(model.weight, reference.weight)
+
+
+# -- the doors' edges: adoption, references, copies, a user's directory (issue 32) -----------------
+def _strip_snapkeep_records(place: Place, door: Door, names: list[str]) -> None:
+    """Make the snapshots ``names`` look as the tool before snapkeep wrote them: no manifests,
+    no lock directory (``.snapkeep/``), no commit markers in directories."""
+    place.remove(".snapkeep")
+    if door.sharded:
+        for name in names:
+            place.remove(f"{name}/.snapkeep-commit.json")
+
+
+def test_adoption_snapshots_written_before_snapkeep_are_resumed_or_named_never_fresh(
+        door: Door, place: Place, capfd: Any) -> None:
+    """A directory of snapshots written before snapkeep was added (no manifest, no marker, no
+    ``.snapkeep/``): the door resumes the newest (unverified, said on stderr) or refuses naming
+    them; never a silent fresh start, and they are never overwritten or deleted."""
+    if door.sharded and door.name != "hf":
+        pytest.skip(f"the {door.name} door removes a snapshot directory without snapkeep's "
+                    "commit marker as an interrupted save (it cannot tell one from a DCP "
+                    "checkpoint written before snapkeep): not adopted yet")
+    if getattr(door, "incremental", False):
+        pytest.skip("incremental snapshots are snapkeep's own format (a skeleton naming blobs "
+                    "under .snapkeep/): no tool wrote them before snapkeep")
+    train(door, place, 3)
+    names = _snapshots(place, door)
+    _strip_snapkeep_records(place, door, names)
+    capfd.readouterr()
+    try:
+        train(door, place, 5)
+    except SnapshotError as e:  # refused, naming them: nothing written over them
+        assert door.snapshot_name(3) in str(e), e
+        assert "starting fresh" not in capfd.readouterr().err
+    else:
+        err = capfd.readouterr().err
+        assert "starting fresh" not in err, err
+        assert f"snapkeep: resuming from {door.snapshot_name(3)} (step 3) in {place.shown}" \
+            in err, err
+    assert all(place.exists(n) for n in names), place.names()  # never deleted
+
+
+def test_an_alias_naming_a_file_out_of_its_directory_or_another_step_is_refused(
+        door: Door, place: Place, capfd: Any) -> None:
+    """A reference record (Lightning's ``last.ckpt`` alias) resolves only to a regular file of
+    its own directory whose manifest records the alias's step; else it is refused, said on
+    stderr, and the newest snapshot that verifies is loaded instead."""
+    load_alias = getattr(door, "load_alias", None)
+    if load_alias is None:
+        pytest.skip(f"the {door.name} door writes no reference record (its snapshots are "
+                    "named by the template only)")
+    _local_only(place, "a symbolic link out of the directory is a local file system's")
+    train(door, place, 3)
+    outside = pathlib.Path(place.directory).parent / "outside.ckpt"
+    torch.save({"global_step": 999}, outside)
+    os.symlink(outside, pathlib.Path(place.directory) / "link")
+    for target, step in (("link", 999), (door.snapshot_name(2), 3)):
+        place.write("last.ckpt", json.dumps({"format": "snapkeep.lightning.alias/1",
+                                             "target": target, "step": step}).encode())
+        capfd.readouterr()
+        assert load_alias(place.directory, "last.ckpt")["global_step"] == 3
+        assert "last.ckpt: alias refused" in capfd.readouterr().err
+
+
+def test_a_copied_snapshot_is_never_resumed_as_the_step_its_name_says(
+        door: Door, place: Place, capfd: Any) -> None:
+    """``cp -r`` of snapshot 3 (with its manifest) to the name of step 40: its records say step
+    3, so it is skipped, named with why, on every restart; the newest real one is resumed."""
+    train(door, place, 3)
+    fs, src, dst = place._fs(), place._path(door.snapshot_name(3)), \
+        place._path(door.snapshot_name(40))
+    fs.copy(src, dst, recursive=door.sharded)
+    if not door.sharded and place.exists(f".snapkeep/{door.snapshot_name(3)}.json"):
+        place.write(f".snapkeep/{door.snapshot_name(40)}.json",
+                    place.read(f".snapkeep/{door.snapshot_name(3)}.json"))
+    for stop in (4, 5):
+        capfd.readouterr()
+        train(door, place, stop)
+        err = capfd.readouterr().err
+        assert f"snapkeep: resuming from {door.snapshot_name(stop - 1)} (step {stop - 1})" \
+            in err, err
+        assert f"snapkeep: skipped {door.snapshot_name(40)} (step 40)" in err, err
+
+
+def test_a_users_directory_at_a_snapshot_name_is_refused_and_left_untouched(
+        door: Door, place: Place) -> None:
+    """A user's directory named like the snapshot of a step the run will save
+    (``checkpoint-4/my_eval_notes.txt``): the save is refused with an error naming it, its file
+    untouched; it is never committed, counted or rotated away."""
+    _local_only(place, "object stores have no directories to hold a user's file apart")
+    notes = f"{door.snapshot_name(2)}/my_eval_notes.txt"
+    place.write(notes, b"eval notes")
+    with pytest.raises((SnapshotError, OSError)) as raised:
+        train(door, place, 4, keep=KeepLatest(1))
+    assert door.snapshot_name(2) in str(raised.value), raised.value
+    assert place.names(door.snapshot_name(2)) == ["my_eval_notes.txt"]
+    assert place.read(notes) == b"eval notes"

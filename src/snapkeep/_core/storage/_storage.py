@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import posixpath
+import stat
 from collections.abc import Callable, Iterator
 from typing import IO, Any, BinaryIO
 
@@ -306,6 +307,24 @@ class Storage:
         found = tuple((key, str(info[key])) for key in self._IDENTITY_FIELDS
                       if info.get(key) is not None)
         return (info.get("type"), info.get("size"), *found) if found else None
+
+    def is_plain_file(self, path: str) -> bool:
+        """Whether ``path`` is a regular file reached without a symbolic link (local: its own
+        entry, ``lstat``; a link to a regular file is not one); elsewhere, a ``'file'``
+        object. False when nothing is there. Never blocks (a FIFO is not opened).
+
+        Raises:
+            SnapshotStorageError: the store could not be reached.
+        """
+        if self.is_local:
+            try:
+                return stat.S_ISREG(os.lstat(path).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+        try:
+            return self.info(path).get("type") == "file"
+        except FileNotFoundError:
+            return False
 
     def isdir(self, path: str) -> bool:
         """Whether ``path`` is a directory (on object stores: a key prefix), fresh."""
