@@ -9,7 +9,10 @@ write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. St
   start token (``/proc/<pid>/stat``'s start time, so a reused pid is not taken for the run); still
   there after the job ended means the run died without a word (SIGKILL, out of memory, a node
   lost). On the same host :func:`is_alive` tells which (see there);
-- ``preempted``: written after the preemption snapshot is committed on every rank;
+- ``preempted``: written after the preemption snapshot is committed on every rank; with a
+  deadline (see :mod:`snapkeep._core.deadline`), ``preemption`` records where it was committed
+  (``committed_to``: ``storage``, ``ram`` -- node RAM and peers, the durable write skipped --
+  or ``none``) and the estimates the decision used (seconds);
 - ``finished``: the manager was finalized without an error or a preemption;
 - ``failed``: the training loop raised (the exception's type and first line in ``reason``); on
   another rank too, reported to rank 0 through the preemption extension's per-iteration
@@ -23,7 +26,8 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from snapkeep._core.manifest import MANIFEST_DIR
@@ -44,7 +48,10 @@ class RunStatus:
     ``time_unix_s`` seconds since the epoch (UTC); ``snapshots`` the names committed for a
     preemption; ``reason`` the signals or the error; ``world_size`` the number of ranks;
     ``pid``, ``host`` and ``start_token`` the writing process (0 and '' in files written before
-    they were recorded)."""
+    they were recorded); ``preemption`` the decision of a preemption (``committed_to``:
+    ``'storage'``, ``'ram'`` or ``'none'``, ``remaining_s``, ``durable_estimate_s``,
+    ``stage_s``, ``commit_s``, ``pending_s``: seconds or None where unknown,
+    ``deadline_from``); empty when not preempted (or by a door without a deadline)."""
 
     state: str
     step: int
@@ -55,14 +62,21 @@ class RunStatus:
     pid: int = 0
     host: str = ""
     start_token: str = ""
+    preemption: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def durable(self) -> bool:
+        """Whether the step of a ``preempted`` status is in storage (True for the other
+        states and for statuses written before the preemption record existed)."""
+        return self.preemption.get("committed_to", "storage") == "storage"
 
     def __post_init__(self) -> None:
         if self.state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots)},
-                          sort_keys=True).encode()
+        return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots),
+                           "preemption": dict(self.preemption)}, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunStatus:
@@ -77,8 +91,11 @@ class RunStatus:
             raise ValueError(f"not JSON: {e}") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ValueError(f"not a snapkeep status of format {FORMAT}")
+        preemption = raw.get("preemption") or {}
+        if not isinstance(preemption, dict):
+            raise ValueError("bad field: preemption is not an object")
         try:
-            return cls(state=str(raw["state"]), step=int(raw["step"]),
+            return cls(preemption=preemption, state=str(raw["state"]), step=int(raw["step"]),
                        time_unix_s=float(raw["time_unix_s"]), reason=str(raw.get("reason", "")),
                        snapshots=tuple(str(s) for s in raw.get("snapshots", ())),
                        world_size=int(raw.get("world_size", 1)), pid=int(raw.get("pid", 0)),
@@ -94,6 +111,7 @@ def status_path(storage: Storage, directory: str) -> str:
 
 def write_status(storage: Storage, directory: str, *, state: str, step: int, reason: str = "",
                  snapshots: tuple[str, ...] = (), world_size: int = 1,
+                 preemption: Mapping[str, Any] | None = None,
                  clock: Any = time.time) -> RunStatus:
     """Record ``state`` for the run in ``directory`` (replaces the previous status atomically).
 
@@ -103,7 +121,8 @@ def write_status(storage: Storage, directory: str, *, state: str, step: int, rea
     pid = os.getpid()
     status = RunStatus(state=state, step=int(step), time_unix_s=float(clock()), reason=reason,
                        snapshots=tuple(snapshots), world_size=world_size, pid=pid,
-                       host=socket.gethostname(), start_token=_start_token(pid) or "")
+                       host=socket.gethostname(), start_token=_start_token(pid) or "",
+                       preemption=dict(preemption or {}))
     storage.makedirs(storage.join(directory, MANIFEST_DIR))
     storage.write_bytes(status_path(storage, directory), status.to_bytes(), tag="status")
     return status
