@@ -4,6 +4,7 @@ really slow storage (run by test_preemption_deadline.py and benchmarks' trial sc
 Usage: ``python deadline_worker.py OUT_DIR TIER_ROOT STEPS``. Environment: ``PAUSE_AT``
 (after that step, print ``paused N rank R pid P`` and wait for a line on stdin, or for the file
 ``GO_FILE`` when set, so a test signals it there), ``EVERY`` (storage interval, default 4),
+``STEP_SLEEP_S`` (a sleep after each step),
 ``SLOW_BPS`` (bytes per second of the storage; unset: local files), ``SNAPKEEP_GRACE_S``
 (snapkeep's), and under torchrun ``RANK``/``WORLD_SIZE`` (gloo; sharded snapshots: local
 files). Prints ``resumed at N``, ``step N``, ``committed N`` once a durable save is committed
@@ -45,6 +46,7 @@ def main() -> None:
     memory = snapkeep.MemoryTier(every=4, replicas=1 if world_size > 1 else 0, root=tier_root,
                                  timeout_s=60)
     every = int(os.environ.get("EVERY", "4"))
+    step_sleep_s = float(os.environ.get("STEP_SLEEP_S", "0"))
     with snapkeep.Checkpointer(out_dir, every=every, preemption=True, timeout_s=60,
                                writer=writer, memory=memory) as ckpt:
         step = ckpt.load(into=state) or 0
@@ -56,6 +58,8 @@ def main() -> None:
             step += 1
             handle = ckpt.save(step, state)
             print("step", step, flush=True)
+            if step_sleep_s:
+                time.sleep(step_sleep_s)  # a slower step: launchers' signals land mid-training
             if step == pause_at:
                 if handle is not None or step > every:
                     ckpt.wait()  # a durable save measured before the signal

@@ -37,9 +37,9 @@ def env(extra: dict[str, str]) -> dict[str, str]:
     return dict(base, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
 
 
-def run_to_end(root: pathlib.Path) -> subprocess.CompletedProcess[str]:
+def run_to_end(root: pathlib.Path, steps: int = STEPS) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(WORKER), str(root / "out"), str(root / "shm"),
-                           str(STEPS)], env=env({}), capture_output=True, text=True,
+                           str(steps)], env=env({}), capture_output=True, text=True,
                           timeout=BOUND_S)
 
 
