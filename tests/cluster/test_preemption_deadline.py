@@ -168,3 +168,26 @@ def test_torchrun_signal_to_one_rank_same_outcome_on_both(tmp_path: pathlib.Path
     b = torch.load(reference / "final.pt", weights_only=True)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
+
+
+def test_status_says_where_a_preempted_step_went(tmp_path: pathlib.Path) -> None:
+    from click.testing import CliRunner
+
+    from snapkeep.cli import cli
+    from snapkeep.store import resolve_storage, write_run_status
+
+    storage, path = resolve_storage(str(tmp_path))
+    record = {"committed_to": "ram", "remaining_s": 5.0, "durable_estimate_s": 11.5,
+              "deadline_from": "$SNAPKEEP_GRACE_S", "stage_s": 0.1, "commit_s": 8.1,
+              "pending_s": 0.0}
+    write_run_status(storage, path, state="preempted", step=7, reason="signal SIGTERM",
+                     preemption=record)
+    result = CliRunner().invoke(cli, ["status", str(tmp_path)])
+    assert result.exit_code == 79, result.output
+    assert "committed to the memory tier only (durable write skipped): 5.0 s left (deadline " \
+           "from $SNAPKEEP_GRACE_S), durable write estimated at 11.5 s" in result.output
+    as_json = CliRunner().invoke(cli, ["status", str(tmp_path), "--json"])
+    assert as_json.exit_code == 79 and '"committed_to": "ram"' in as_json.output
+    write_run_status(storage, path, state="preempted", step=7, reason="signal SIGTERM",
+                     preemption={**record, "committed_to": "storage"})
+    assert CliRunner().invoke(cli, ["status", str(tmp_path)]).exit_code == 75
