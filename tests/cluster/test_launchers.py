@@ -24,10 +24,13 @@ import threading
 import time
 
 import psutil
+import pytest
 import torch
 
 import snapkeep
 from support import deadline_trials
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 JOB_SCRIPT = ROOT / "docs" / "examples" / "slurm_job.sh"

@@ -86,6 +86,8 @@ def test_save_times_estimate_from_measured_saves() -> None:
     assert times.estimate().commit_s == 4.0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("grace_s", [deadline_trials.SHORT_GRACE_S,
                                      deadline_trials.LONG_GRACE_S], ids=["short", "fits"])
 def test_real_signal_real_grace_timer(tmp_path: pathlib.Path, grace_s: float) -> None:
@@ -111,6 +113,8 @@ def _torchrun_to_end(root: pathlib.Path, env: dict[str, str]) -> str:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(("every", "where", "code"), [("1000", "ram", 79),
                                                        ("4", "storage", 143)])
 def test_torchrun_signal_to_one_rank_same_outcome_on_both(tmp_path: pathlib.Path, every: str,

@@ -12,6 +12,8 @@ import pytest
 
 from support import ranks
 
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
 WORKER = pathlib.Path(__file__).with_name("world_size_worker.py")
 SAMPLES = 48
 
