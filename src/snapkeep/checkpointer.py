@@ -77,6 +77,7 @@ from snapkeep.store import (
     SnapshotStore,
     Storage,
     TierEngine,
+    check_grace_s,
     check_timeout_s,
     describe,
     find_mismatches,
@@ -336,6 +337,7 @@ class Checkpointer:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         timeout_s = check_timeout_s(timeout_s)  # type: ignore[assignment]
+        grace_s = check_grace_s(grace_s)  # before anything is created
         if sharded is None:
             sharded = is_distributed()
         if not isinstance(sharded, bool):

@@ -16,7 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from snapkeep._core.deadline import GRACE_ENV, Estimate, Grace, Plan, SaveTimes, grace_from
+from snapkeep._core.deadline import (
+    GRACE_ENV,
+    Estimate,
+    Grace,
+    Plan,
+    SaveTimes,
+    check_grace_s,
+    grace_from,
+)
 from snapkeep._core.incremental import IncrementalTracker
 from snapkeep._core.lineage import RunLineage, warn_about_existing
 from snapkeep._core.loading import load_file, unloadable_value
@@ -131,7 +139,7 @@ __all__ = [
     "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
     "local_shards", "state_bytes", "say", "newest_listed_step",
     "CheckpointDirs", "CheckpointMarker", "is_marker",
-    "GRACE_ENV", "Estimate", "Grace", "Plan", "SaveTimes", "grace_from",
+    "GRACE_ENV", "Estimate", "Grace", "Plan", "SaveTimes", "check_grace_s", "grace_from",
 ]
 
 

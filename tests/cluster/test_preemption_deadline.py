@@ -38,7 +38,7 @@ def test_decide(remaining_s: float, durable_s: float | None, tier: bool, where: 
     assert decide(remaining_s, durable_s, tier=tier) == where
 
 
-def test_grace_from_argument_environment_and_slurm() -> None:
+def test_grace_from_argument_environment_and_slurm(tmp_path: pathlib.Path) -> None:
     assert grace_from(7, {"SNAPKEEP_GRACE_S": "3", "SLURM_JOB_END_TIME": "100"}) == Grace(
         grace_s=7.0, source="grace_s=")
     assert grace_from(None, {"SNAPKEEP_GRACE_S": "3", "SLURM_JOB_END_TIME": "100"}) == Grace(
@@ -59,7 +59,8 @@ def test_grace_from_argument_environment_and_slurm() -> None:
         with pytest.raises(ValueError, match="SNAPKEEP_GRACE_S must be a number of seconds"):
             grace_from(None, {"SNAPKEEP_GRACE_S": bad})
     with pytest.raises(ValueError, match="grace_s must be a number of seconds"):
-        snapkeep.Checkpointer("unused-never-created", preemption=True, grace_s=0)
+        snapkeep.Checkpointer(tmp_path / "run", preemption=True, grace_s=0)
+    assert not (tmp_path / "run").exists()  # refused before anything was created
 
 
 def test_save_times_estimate_from_measured_saves() -> None:
