@@ -41,6 +41,8 @@ import torch
 from snapkeep._version import __version__
 from snapkeep.distributed import (
     EXIT_CODE_PREEMPTED,
+    EXIT_CODE_PREEMPTED_NOT_DURABLE,
+    exchange_outcomes,
     exit_cleanly_at_exit,
     is_distributed,
     job_rank,
@@ -66,12 +68,15 @@ from snapkeep.store import (
     Entry,
     IncrementalTracker,
     MemoryTier,
+    Plan,
     RunControl,
     RunLineage,
+    SaveTimes,
     Session,
     SnapshotStore,
     Storage,
     TierEngine,
+    check_grace_s,
     check_timeout_s,
     describe,
     find_mismatches,
@@ -240,7 +245,15 @@ class Checkpointer:
             torch.distributed the ranks agree there, one all-reduce of one int per call) every
             rank snapshots that step (``force``), waits until it is committed, the run status
             becomes ``preempted`` and the process exits with ``SystemExit(143)``. Default
-            False: signals keep their default action.
+            False: signals keep their default action. With a deadline (``grace_s``), the step
+            goes to storage only when this run's measured durable write fits the time left;
+            else to the memory tier only (``memory``), the durable write skipped, or nowhere,
+            and the process exits with ``SystemExit(79)`` (see ``docs/cluster.md``).
+        grace_s: seconds between the first preemption signal and SIGKILL (the launcher's
+            grace period: Kubernetes' ``terminationGracePeriodSeconds``, a Spot notice);
+            None (default): ``$SNAPKEEP_GRACE_S``, else SLURM's ``$SLURM_JOB_END_TIME``, else
+            no deadline (the preemption snapshot always goes to storage). See
+            :mod:`snapkeep._core.deadline` for the estimate and the decision.
         incremental: write incremental snapshots (single files only): each tensor storage of
             at least 1 MiB is stored once, as a content-addressed blob in
             ``directory/.snapkeep/blobs/``, and a snapshot refers to the blobs of the storages
@@ -271,6 +284,7 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S, memory: MemoryTier | None = None,
         preemption: bool | Sequence[signal.Signals | int] = False, incremental: bool = False,
+        grace_s: float | None = None,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or URL string, got "
@@ -284,6 +298,7 @@ class Checkpointer:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         timeout_s = check_timeout_s(timeout_s)  # type: ignore[assignment]
+        grace_s = check_grace_s(grace_s)  # before anything is created
         if sharded is None:
             sharded = is_distributed()
         if not isinstance(sharded, bool):
@@ -316,6 +331,7 @@ class Checkpointer:
         self._tier: TierEngine | None = None
         self._session: Session | None = None
         self._run: RunControl | None = None  # the run status and preemption hook
+        self._times = SaveTimes()  # this run's durable saves, timed: the preemption's estimate
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
         self._writer: Writer | None = None
@@ -361,7 +377,8 @@ class Checkpointer:
                 rank=groups.rank if groups is not None else job_rank(),
                 world_size=groups.world_size if groups is not None else 1,
                 signals=preemption_signals(preemption),
-                control=groups.control if groups else None, timeout_s=timeout_s)
+                control=groups.control if groups else None, timeout_s=timeout_s,
+                grace_s=grace_s)
         except BaseException:
             self.close()
             raise
@@ -443,6 +460,12 @@ class Checkpointer:
         run.at(step)
         agreed = run.agree() if not on_error else 0
         tier = self._tier
+        plan = run.plan(self._times.estimate(), tier=tier is not None) if agreed else None
+        if plan is not None and plan.where != "storage":  # the durable write would not fit
+            if plan.where == "ram":
+                self._open_tier(state)
+                self._save_to_ram(step, state, None)
+            self._preempt(step, agreed, plan)
         to_ram = tier is not None and not on_error and step % tier.tier.every == 0
         if to_ram:
             self._open_tier(state)
@@ -450,11 +473,14 @@ class Checkpointer:
             if to_ram:
                 self._save_to_ram(step, state, None)
             return None
+        started = self._times.start()
         handle = self._save_to_storage(session, step, state, recorded, on_error=on_error)
+        if handle is not None and not on_error:
+            self._times.staged(started, handle.committed)
         if to_ram:
             self._save_to_ram(step, state, handle)
         if agreed:
-            self._preempt(step, agreed)
+            self._preempt(step, agreed, plan)
         return handle
 
     def _save_to_storage(self, session: Session, step: int, state: Mapping[str, Any],
@@ -485,22 +511,40 @@ class Checkpointer:
             raise RuntimeError("the Checkpointer is closed")
         return run
 
-    def _preempt(self, step: int, agreed: int) -> None:
+    def _preempt(self, step: int, agreed: int, plan: Plan | None) -> None:
         """A preemption was agreed at ``step`` (``agreed``: a signal and a rank that received
-        it; the snapshot taken): wait until it is committed on every rank, record ``preempted``
-        and exit with 143 (as ``extensions.preemption``)."""
+        it; the snapshot taken where ``plan`` says): wait until it is committed on every rank,
+        record ``preempted`` and exit with 143 (in storage, as ``extensions.preemption``) or
+        79 (in RAM only, or nowhere: the durable write did not fit the deadline)."""
         run = self._run_of()
-        name = self._template.name_at(step)
-        logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
-                       "for its commit, then exiting with %d", run.rank, name, step,
-                       EXIT_CODE_PREEMPTED)
+        where = "storage" if plan is None else plan.where
+        name = self._template.name_at(step) if where == "storage" else ""
+        code = EXIT_CODE_PREEMPTED if where == "storage" else EXIT_CODE_PREEMPTED_NOT_DURABLE
+        logger.warning("rank %d: preemption requested; step %d taken (%s), waiting for its "
+                       "commit, then exiting with %d", run.rank, step, where, code)
         run.preempting = True
-        self.wait()  # committed on every rank (sharded: collective)
-        run.preempted(step, name, agreed)
+        if where == "storage":
+            self.wait()  # committed on every rank (sharded: collective)
+        else:
+            error: BaseException | None = None
+            try:
+                if self._tier is not None:
+                    self._tier.wait()
+            except Exception as e:  # exchanged: every rank raises, naming the failing one
+                error = e
+            groups = self._sharded.groups if self._sharded is not None else None
+            exchange_outcomes(groups.control if groups is not None else None, error,
+                              what=f"preemption RAM snapshot of step {step}",
+                              timeout_s=run.timeout_s)
+        run.preempted(step, name, agreed, plan)
         self.close()
-        if self._sharded is not None and self._sharded.groups is not None:
-            exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort (-6)
-        run.exit_preempted(step)
+        if where != "storage" or (self._sharded is not None
+                                  and self._sharded.groups is not None):
+            # teardown with gloo can abort (-6); and a deadline leaves no time for a slow
+            # interpreter teardown (seconds on a loaded machine): every atexit handler runs,
+            # then os._exit
+            exit_cleanly_at_exit(code)
+        run.exit_preempted(step, plan)
 
     # -- the memory tier -------------------------------------------------------------------------
     def _ram_tree(self, step: int, state: Mapping[str, Any]) -> Any:

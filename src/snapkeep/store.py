@@ -16,6 +16,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from snapkeep._core.deadline import (
+    GRACE_ENV,
+    Estimate,
+    Grace,
+    Plan,
+    SaveTimes,
+    check_grace_s,
+    grace_from,
+)
 from snapkeep._core.incremental import IncrementalTracker
 from snapkeep._core.lineage import RunLineage, warn_about_existing
 from snapkeep._core.loading import load_file, unloadable_value
@@ -149,6 +158,7 @@ __all__ = [
     "MARKER_NAME", "TEMPLATE", "FileRecord", "checkpoint_step", "commit_checkpoint", "read_marker",
     "verify_checkpoint", "skip_message", "step_template",
     "marker_of_file", "verify_marked_file",
+    "GRACE_ENV", "Estimate", "Grace", "Plan", "SaveTimes", "check_grace_s", "grace_from",
 ]
 
 

@@ -34,7 +34,7 @@ from snapkeep._core.codec import load_safetensors
 from snapkeep._core.distributed.sharded_store import ShardedManifest
 from snapkeep._core.errors import ManifestError, SnapshotCorruptError, StoreLockedError
 from snapkeep._core.json_records import RecordError, parse_json
-from snapkeep._core.lock import StoreLock, lock_file_name
+from snapkeep._core.lock import StoreLock, lock_path
 from snapkeep._core.manifest import Manifest
 from snapkeep._core.marked_dirs import CheckpointMarker, is_marker
 from snapkeep._core.memory_store import owner_alive, owners, write_owner
@@ -154,6 +154,18 @@ def test_a_valid_preempted_status_exits_75_and_prints_no_control_characters() ->
     assert code == 75 and "\\x1b]0;pwned\\x07 SIGTERM" in output, output
 
 
+def test_a_hostile_preemption_record_is_shown_bounded_never_a_traceback() -> None:
+    """The deadline's record (``preemption``) in a status: numbers that are strings, huge or
+    not finite read as 'unknown'; long strings are cut; a non-object is an invalid status."""
+    hostile = {"committed_to": "x" * 10_000, "remaining_s": "abc", "deadline_from": ["a"] * 50,
+               "durable_estimate_s": 1e308}
+    code, output = status_cli(dumps({**STATUS, "preemption": hostile}))
+    # not "storage": the step is not durable, exit 79 as documented
+    assert code == 79 and "unknown left" in output and "x" * 41 not in output, output
+    code, output = status_cli(dumps({**STATUS, "preemption": [1, 2]}))
+    assert code == 1 and "field 'preemption' must be an object" in output, output
+
+
 def test_a_status_that_is_too_large_or_not_a_file_is_invalid(tmp_path: pathlib.Path) -> None:
     code, output = status_cli(b" " * (2 << 20))
     assert code == 1 and "invalid status file" in output, output
@@ -266,13 +278,13 @@ def test_a_lock_holder_time_of_1e300_names_an_unknown_time(tmp_path: pathlib.Pat
 def _locked_by_another(tmp_path: pathlib.Path, holder_line: bytes) -> str:
     """The StoreLockedError message of a lock file holding ``holder_line`` and held (flock) by
     another open file, as by another process."""
-    path = tmp_path / lock_file_name("t_{step}")
+    path = pathlib.Path(lock_path(str(tmp_path)))
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, holder_line)
         with pytest.raises(StoreLockedError) as raised:
-            StoreLock.acquire(str(tmp_path), "t_{step}", "out")
+            StoreLock.acquire(str(tmp_path), "out", what="t_{step}")
         return str(raised.value)
     finally:
         os.close(fd)

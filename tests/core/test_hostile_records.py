@@ -16,7 +16,7 @@ from snapkeep.store import StoreLock
 
 def test_a_deeply_nested_lock_holder_record_still_gives_store_locked_error(
         tmp_path: pathlib.Path) -> None:
-    first = StoreLock.acquire(str(tmp_path), "ckpt_{.iteration}", str(tmp_path))
+    first = StoreLock.acquire(str(tmp_path), str(tmp_path), what="ckpt_{.iteration}")
     lock_path = first.path
     first.release()
     with open(lock_path, "wb") as f:  # the holder record, written by whoever holds it
@@ -25,6 +25,6 @@ def test_a_deeply_nested_lock_holder_record_still_gives_store_locked_error(
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by another open file description
         with pytest.raises(StoreLockedError, match="in use by another trainer"):
-            StoreLock.acquire(str(tmp_path), "ckpt_{.iteration}", str(tmp_path))
+            StoreLock.acquire(str(tmp_path), str(tmp_path), what="ckpt_{.iteration}")
     finally:
         os.close(fd)

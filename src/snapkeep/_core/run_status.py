@@ -9,7 +9,10 @@ write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. St
   start token (``/proc/<pid>/stat``'s start time, so a reused pid is not taken for the run); still
   there after the job ended means the run died without a word (SIGKILL, out of memory, a node
   lost). On the same host :func:`is_alive` tells which (see there);
-- ``preempted``: written after the preemption snapshot is committed on every rank;
+- ``preempted``: written after the preemption snapshot is committed on every rank; with a
+  deadline (see :mod:`snapkeep._core.deadline`), ``preemption`` records where it was committed
+  (``committed_to``: ``storage``, ``ram`` -- node RAM and peers, the durable write skipped --
+  or ``none``) and the estimates the decision used (seconds);
 - ``finished``: the manager was finalized without an error or a preemption;
 - ``failed``: the training loop raised (the exception's type and first line in ``reason``); on
   another rank too, reported to rank 0 through the preemption extension's per-iteration
@@ -24,7 +27,8 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from snapkeep._core.errors import SnapshotStorageError
@@ -57,7 +61,10 @@ class RunStatus:
     ``time_unix_s`` seconds since the epoch (UTC); ``snapshots`` the names committed for a
     preemption; ``reason`` the signals or the error; ``world_size`` the number of ranks;
     ``pid``, ``host`` and ``start_token`` the writing process (0 and '' in files written before
-    they were recorded)."""
+    they were recorded); ``preemption`` the decision of a preemption (``committed_to``:
+    ``'storage'``, ``'ram'`` or ``'none'``, ``remaining_s``, ``durable_estimate_s``,
+    ``stage_s``, ``commit_s``, ``pending_s``: seconds or None where unknown,
+    ``deadline_from``); empty when not preempted (or by a door without a deadline)."""
 
     state: str
     step: int
@@ -68,14 +75,21 @@ class RunStatus:
     pid: int = 0
     host: str = ""
     start_token: str = ""
+    preemption: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def durable(self) -> bool:
+        """Whether the step of a ``preempted`` status is in storage (True for the other
+        states and for statuses written before the preemption record existed)."""
+        return self.preemption.get("committed_to", "storage") == "storage"
 
     def __post_init__(self) -> None:
         if self.state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots)},
-                          sort_keys=True).encode()
+        return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots),
+                           "preemption": dict(self.preemption)}, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunStatus:
@@ -100,7 +114,10 @@ class RunStatus:
                 or not all(isinstance(s, str) and len(s) <= 4096 for s in snapshots):
             raise ValueError(f"field 'snapshots' must be a list of at most {MAX_SNAPSHOTS} "
                              "names")
-        return cls(state=state, step=int_field(raw, "step"),
+        preemption = raw.get("preemption") or {}
+        if not isinstance(preemption, dict) or len(preemption) > 64:
+            raise ValueError("field 'preemption' must be an object of at most 64 fields")
+        return cls(preemption=preemption, state=state, step=int_field(raw, "step"),
                    time_unix_s=number_field(raw, "time_unix_s"),
                    reason=str_field(raw, "reason", max_chars=MAX_REASON_CHARS, default=""),
                    snapshots=tuple(snapshots),
@@ -116,6 +133,7 @@ def status_path(storage: Storage, directory: str) -> str:
 
 def write_status(storage: Storage, directory: str, *, state: str, step: int, reason: str = "",
                  snapshots: tuple[str, ...] = (), world_size: int = 1,
+                 preemption: Mapping[str, Any] | None = None,
                  clock: Any = time.time) -> RunStatus:
     """Record ``state`` for the run in ``directory`` (replaces the previous status atomically).
 
@@ -125,7 +143,8 @@ def write_status(storage: Storage, directory: str, *, state: str, step: int, rea
     pid = os.getpid()
     status = RunStatus(state=state, step=int(step), time_unix_s=float(clock()), reason=reason,
                        snapshots=tuple(snapshots), world_size=world_size, pid=pid,
-                       host=socket.gethostname(), start_token=_start_token(pid) or "")
+                       host=socket.gethostname(), start_token=_start_token(pid) or "",
+                       preemption=dict(preemption or {}))
     storage.makedirs(storage.join(directory, MANIFEST_DIR))
     storage.write_bytes(status_path(storage, directory), status.to_bytes(), tag="status")
     return status

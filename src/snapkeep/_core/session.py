@@ -661,13 +661,14 @@ class Session:
 
     # -- the run ----------------------------------------------------------------------------------
     def track_run(self, *, rank: int = 0, world_size: int = 1, signals: Sequence[int] = (),
-                  control: Any = None, timeout_s: float = 600.0) -> RunControl:
+                  control: Any = None, timeout_s: float = 600.0,
+                  grace_s: float | None = None) -> RunControl:
         """Record this run's status in the store's directory and, with ``signals``, install the
         preemption hook (see :mod:`snapkeep._core.run_control`, whose :class:`RunControl`
         this returns and keeps as :attr:`run`; the arguments are its own)."""
         self.run = RunControl(self.store.storage, self.store.directory, rank=rank,
                               world_size=world_size, signals=signals, control=control,
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s, grace_s=grace_s)
         self.run.install()
         return self.run
 
