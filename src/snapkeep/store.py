@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from snapkeep._core.incremental import IncrementalTracker
+from snapkeep._core.json_records import RecordError, parse_json
 from snapkeep._core.lineage import RunLineage, warn_about_existing
 from snapkeep._core.loading import load_file, unloadable_value
 from snapkeep._core.lock import StoreLock
@@ -136,6 +137,7 @@ __all__ = [
     "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
     "local_shards", "state_bytes", "say", "newest_listed_step",
     "CheckpointDirs", "CheckpointMarker", "is_marker", "marker_of_file", "verify_marked_file",
+    "RecordError", "parse_json",
 ]
 
 
