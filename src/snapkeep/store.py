@@ -26,6 +26,7 @@ from snapkeep._core.deadline import (
     grace_from,
 )
 from snapkeep._core.incremental import IncrementalTracker
+from snapkeep._core.json_records import RecordError, parse_json
 from snapkeep._core.lineage import RunLineage, warn_about_existing
 from snapkeep._core.loading import load_file, unloadable_value
 from snapkeep._core.lock import StoreLock
@@ -159,6 +160,7 @@ __all__ = [
     "verify_checkpoint", "skip_message", "step_template",
     "marker_of_file", "verify_marked_file",
     "GRACE_ENV", "Estimate", "Grace", "Plan", "SaveTimes", "check_grace_s", "grace_from",
+    "RecordError", "parse_json",
 ]
 
 

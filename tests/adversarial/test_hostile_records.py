@@ -327,3 +327,16 @@ def test_parse_json_is_linear_on_unterminated_strings() -> None:
     once now (json's C scanner; bounded work whatever the content)."""
     with pytest.raises(RecordError):
         parse_json(b'"\\' * (1 << 19), max_bytes=1 << 20)
+
+
+def test_a_log_report_state_with_a_deep_log_is_a_value_error_and_nan_is_kept() -> None:
+    """LogReport's saved log (a JSON string inside the snapshot): a 100,000-deep array raised
+    RecursionError out of load_state_dict; ppe's NaN values still load."""
+    from snapkeep.training import extensions
+
+    report = extensions.LogReport()
+    summary = report.state_dict()["_summary"]
+    with pytest.raises(ValueError, match="nested deeper than"):
+        report.load_state_dict({"_summary": summary, "_log": DEEP.text})
+    report.load_state_dict({"_summary": summary, "_log": '[{"loss": NaN}]'})
+    assert report.state_dict()["_log"] == '[{"loss": NaN}]'

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
 from snapkeep import reporting
-from snapkeep._core.json_records import RecordError, parse_json
+from snapkeep.store import RecordError, parse_json
 from snapkeep.training import extension
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
 from snapkeep.training._trigger_util import TriggerLike, get_trigger
