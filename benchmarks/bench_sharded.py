@@ -154,7 +154,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
         durable = time.perf_counter() - start
         rows["snapkeep_stall"].append(_slowest(stall))
         rows["snapkeep_durable"].append(_slowest(durable))
-        seen = {"stage": saver.last_stage_s, **saver.last_commit_phases_s}
+        seen = {"stage": saver.last_stage_s, **getattr(saver, "last_commit_phases_s", {})}
         for key, value in zip(PHASES, _slowest_each([seen.get(k, 0.0) for k in PHASES])):
             phases[key].append(value)
 
