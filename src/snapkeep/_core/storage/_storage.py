@@ -8,6 +8,7 @@ are :mod:`._commit`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno as errno_mod
 import io
@@ -49,6 +50,9 @@ from snapkeep._core.storage._temps import (
 
 logger = logging.getLogger(__name__)
 
+#: directories remembered as made on a store without real directories (see ``makedirs``)
+_KNOWN_DIRS = 64
+
 
 class Storage:
     """One filesystem (local, memory, an object store, a pfio-style object) and how to commit a
@@ -76,7 +80,9 @@ class Storage:
         self.fs = fs
         self.strategy = commit_strategy_for(fs) if strategy is None else strategy
         self.is_local = isinstance(fs, LocalFileSystem)
-        self._known_dirs: set[str] = set()
+        # directories made on a store without real ones (the bucket checked once per path):
+        # the latest few only, so that a run making one per snapshot never grows
+        self._known_dirs: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def __repr__(self) -> str:
         return f"Storage({self.protocol}, {type(self.strategy).__name__})"
@@ -205,7 +211,10 @@ class Storage:
             SnapshotStorageError: the directory cannot be created or the store is unreachable
                 (errno, URL and endpoint named).
         """
-        if not path or (not self.strategy.real_directories and path in self._known_dirs):
+        if not path:
+            return
+        if not self.strategy.real_directories and path in self._known_dirs:
+            self._known_dirs.move_to_end(path)
             return
         try:
             with self._backend_errors("creating directory", path):
@@ -218,7 +227,10 @@ class Storage:
         except OSError as e:
             raise storage_error(e, self.url(path), None, "creating directory",
                                 self.endpoint) from e
-        self._known_dirs.add(path)
+        if not self.strategy.real_directories:
+            self._known_dirs[path] = None
+            while len(self._known_dirs) > _KNOWN_DIRS:
+                self._known_dirs.popitem(last=False)
 
     def _fresh_ls(self, directory: str) -> list[dict[str, Any]]:
         self.fs.invalidate_cache(directory)
