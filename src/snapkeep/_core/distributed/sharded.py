@@ -46,7 +46,6 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from snapkeep._core.checksum import HashingWriter
 from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
 from snapkeep._core.distributed.dcp_safe import (
     METADATA_NAME,
@@ -71,6 +70,7 @@ from snapkeep._core.errors import (
 )
 from snapkeep._core.exit_drain import DrainedAtExit
 from snapkeep._core.manifest import now_unix_s
+from snapkeep._core.storage import HashingWriter
 from snapkeep._core.store import Entry
 
 logger = logging.getLogger(__name__)
