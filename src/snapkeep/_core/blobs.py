@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import mmap
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -118,8 +120,13 @@ class BlobArea:
         self.storage.sync_directory(self.directory)
 
     def read(self, digest: str, nbytes: int) -> torch.UntypedStorage:
-        """The blob of ``digest`` in a new CPU storage, verified: exactly ``nbytes`` bytes that
-        hash to ``digest`` (hashed while read, in one pass).
+        """The blob of ``digest`` in a CPU storage, verified: exactly ``nbytes`` bytes that
+        hash to ``digest`` (hashed as they are reached, in one pass).
+
+        A local blob is mapped (a private, copy-on-write mapping of the file, as
+        ``torch.load(mmap=True)`` maps a snapshot) and hashed in place: the pages the state
+        will use are faulted in by the hash, nothing is copied, and the kernel reads the file
+        ahead of it. A remote blob is read into a new storage while it is hashed.
 
         Raises:
             SnapshotCorruptError: missing, of another size, or its bytes do not hash to its name
@@ -127,19 +134,31 @@ class BlobArea:
             SnapshotStorageError: the store could not be reached.
         """
         path = self.path(digest)
-        target = torch.UntypedStorage(nbytes)
         hasher = new_hasher()
         try:
             with self.storage.open_read(path, whole=True) as f:
-                view = memoryview(_byte_view(target)) if nbytes else memoryview(b"")
-                got = 0
-                while got < nbytes:
-                    n = f.readinto(view[got:got + _READ_CHUNK_BYTES])  # type: ignore[attr-defined]
-                    if not n:
-                        break
-                    hasher.update(view[got:got + n])
-                    got += n
-                extra = f.read(1) if got == nbytes else b""
+                if self.storage.is_local and nbytes:
+                    got = os.fstat(f.fileno()).st_size
+                    extra = b""
+                    if got != nbytes:  # checked before mapping: no page past the end is touched
+                        target = None
+                    else:
+                        target, view = _mapped(f.fileno(), nbytes)
+                        for start in range(0, nbytes, _READ_CHUNK_BYTES):
+                            hasher.update(view[start:start + _READ_CHUNK_BYTES])
+                        view.release()
+                else:
+                    target = torch.UntypedStorage(nbytes)
+                    view = memoryview(_byte_view(target)) if nbytes else memoryview(b"")
+                    got = 0
+                    while got < nbytes:
+                        n = f.readinto(  # type: ignore[attr-defined]
+                            view[got:got + _READ_CHUNK_BYTES])
+                        if not n:
+                            break
+                        hasher.update(view[got:got + n])
+                        got += n
+                    extra = f.read(1) if got == nbytes else b""
         except FileNotFoundError:
             raise SnapshotCorruptError(
                 f"blob {path} is missing (deleted by hand, or an incomplete copy of the "
@@ -149,7 +168,7 @@ class BlobArea:
             if isinstance(e, SnapshotCorruptError) or type(e).__name__ == "SnapshotStorageError":
                 raise
             raise SnapshotCorruptError(f"blob {path}: unreadable ({e})") from e
-        if got != nbytes or extra:
+        if got != nbytes or extra or target is None:
             raise SnapshotCorruptError(
                 f"blob {path}: {'more than ' if extra else ''}{got} bytes, the snapshot "
                 f"records {nbytes} (truncated or overwritten; restore a good copy or use an "
@@ -195,6 +214,16 @@ class BlobArea:
                    for e in raw):
             return []
         return self.storage.remove_stale_temps(self.directory, raw)
+
+
+def _mapped(fd: int, nbytes: int) -> tuple[torch.UntypedStorage, memoryview]:
+    """A private (copy-on-write) mapping of the first ``nbytes`` of the file ``fd`` as a CPU
+    storage (the storage keeps the mapping alive) and a byte view of it."""
+    mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+        mapping.madvise(mmap.MADV_SEQUENTIAL)
+    storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+    return storage, memoryview(mapping)
 
 
 def _byte_view(storage: torch.UntypedStorage) -> Any:

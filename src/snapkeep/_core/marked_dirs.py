@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
+from snapkeep._core.checksum import ALGORITHM, digest_open_file, digest_stream, require_match
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep._core.lock import StoreLock
 from snapkeep._core.manifest import (
@@ -296,8 +296,8 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointMarke
     for relative, record in marker.files.items():
         file_path = _path_in(storage, path, relative)
         try:
-            with storage.open_read(file_path) as f:
-                checksum, size = digest_stream(f)
+            with storage.open_read(file_path) as f:  # a local file: hashed in place, mapped
+                checksum, size = digest_open_file(f) if storage.is_local else digest_stream(f)
         except FileNotFoundError:
             raise SnapshotCorruptError(f"{file_path}: listed by the marker, missing") from None
         except SnapshotStorageError:
