@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import mmap
 import os
 import re
 import threading
@@ -106,7 +107,8 @@ class BlobArea:
         """Whether the blob of ``digest`` is there with the right bytes, so that a snapshot may
         refer to it without writing it (see the module docstring): proven without reading when
         it is the file this process wrote or verified, unchanged since; otherwise read and
-        hashed (one pass through a reused buffer) and proven from then on.
+        hashed (one pass, through a mapping locally, a reused buffer elsewhere) and proven from
+        then on.
 
         Returns:
             False when it is missing, of another size, not a regular file or its bytes hash to
@@ -123,7 +125,7 @@ class BlobArea:
         if before is not None and _proof(self.storage.url(path)) == before:
             return True
         try:
-            self._verify(path, digest, nbytes, None)
+            self._verify(path, digest, nbytes, keep=False)
         except SnapshotCorruptError as e:
             logger.warning("%s; it is written again from the live bytes", e)
             return False
@@ -163,9 +165,14 @@ class BlobArea:
         self.storage.sync_directory(self.directory)
 
     def read(self, digest: str, nbytes: int) -> torch.UntypedStorage:
-        """The blob of ``digest`` in a new CPU storage, verified: exactly ``nbytes`` bytes that
-        hash to ``digest`` (hashed while read, in one pass). A blob read and verified is proven
-        for :meth:`intact` (a resumed run's saves do not read it again).
+        """The blob of ``digest`` in a CPU storage, verified: exactly ``nbytes`` bytes that
+        hash to ``digest`` (hashed as they are reached, in one pass). A blob read and verified
+        is proven for :meth:`intact` (a resumed run's saves do not read it again).
+
+        A local blob is mapped (a private, copy-on-write mapping of the file, as
+        ``torch.load(mmap=True)`` maps a snapshot) and hashed in place: the pages the state
+        will use are faulted in by the hash, nothing is copied, and the kernel reads the file
+        ahead of it. A remote blob is read into a new storage while it is hashed.
 
         Raises:
             SnapshotCorruptError: missing, of another size, or its bytes do not hash to its name
@@ -174,10 +181,9 @@ class BlobArea:
         """
         path = self.path(digest)
         before = self._fingerprint(path)
-        target = torch.UntypedStorage(nbytes)
-        self._verify(path, digest, nbytes,
-                     memoryview(_byte_view(target)) if nbytes else memoryview(b""))
+        target = self._verify(path, digest, nbytes, keep=True)
         self._prove(path, before)
+        assert target is not None
         return target
 
     def check(self, digest: str, nbytes: int) -> None:
@@ -192,7 +198,7 @@ class BlobArea:
         before = self._fingerprint(path)
         if before is not None and _proof(self.storage.url(path)) == before:
             return
-        self._verify(path, digest, nbytes, None)
+        self._verify(path, digest, nbytes, keep=False)
         self._prove(path, before)
 
     def _fingerprint(self, path: str) -> tuple[Any, ...] | None:
@@ -212,28 +218,47 @@ class BlobArea:
             else:
                 _PROOFS.pop(url, None)
 
-    def _verify(self, path: str, digest: str, nbytes: int, into: memoryview | None) -> None:
-        """Read the blob at ``path`` (into ``into``, or through a reused buffer) and check it
-        holds exactly ``nbytes`` bytes hashing to ``digest``.
+    def _verify(self, path: str, digest: str, nbytes: int, *, keep: bool
+                ) -> torch.UntypedStorage | None:
+        """Check that the blob at ``path`` holds exactly ``nbytes`` bytes hashing to ``digest``,
+        and return them as a storage when ``keep`` (local: a private mapping hashed in place;
+        remote: read into a new storage, or through a reused buffer when not kept).
 
         Raises:
             SnapshotCorruptError: missing, unreadable, another size or another digest.
             SnapshotStorageError: the store could not be reached.
         """
         hasher = new_hasher()
-        buffer = memoryview(bytearray(min(_READ_CHUNK_BYTES, nbytes))) if into is None else None
         try:
             with self.storage.open_read(path, whole=True) as f:
-                got = 0
-                while got < nbytes:
-                    want = min(_READ_CHUNK_BYTES, nbytes - got)
-                    chunk = into[got:got + want] if into is not None else buffer[:want]  # type: ignore[index]
-                    n = f.readinto(chunk)  # type: ignore[attr-defined]
-                    if not n:
-                        break
-                    hasher.update(chunk[:n])
-                    got += n
-                extra = f.read(1) if got == nbytes else b""
+                target: torch.UntypedStorage | None = None
+                if self.storage.is_local and nbytes:
+                    got = os.fstat(f.fileno()).st_size
+                    extra = b""
+                    if got == nbytes:  # checked before mapping: no page past the end is touched
+                        mapped, view = _mapped(f.fileno(), nbytes)
+                        for start in range(0, nbytes, _READ_CHUNK_BYTES):
+                            hasher.update(view[start:start + _READ_CHUNK_BYTES])
+                        view.release()
+                        target = mapped if keep else None
+                else:
+                    if keep:
+                        target = torch.UntypedStorage(nbytes)
+                    into = (memoryview(_byte_view(target)) if nbytes else memoryview(b"")) \
+                        if target is not None else None
+                    buffer = memoryview(bytearray(min(_READ_CHUNK_BYTES, nbytes))) \
+                        if into is None else None
+                    got = 0
+                    while got < nbytes:
+                        want = min(_READ_CHUNK_BYTES, nbytes - got)
+                        chunk = into[got:got + want] if into is not None \
+                            else buffer[:want]  # type: ignore[index]
+                        n = f.readinto(chunk)  # type: ignore[attr-defined]
+                        if not n:
+                            break
+                        hasher.update(chunk[:n])
+                        got += n
+                    extra = f.read(1) if got == nbytes else b""
         except FileNotFoundError:
             raise SnapshotCorruptError(
                 f"blob {path} is missing (deleted by hand, or an incomplete copy of the "
@@ -253,6 +278,7 @@ class BlobArea:
             raise SnapshotCorruptError(
                 f"blob {path}: its bytes hash to {found}, not to its name (corrupted; restore "
                 "a good copy or use an older snapshot)")
+        return target
 
     def listing(self) -> tuple[list[str], list[dict[str, Any]]]:
         """``(blob digests, raw entries)`` of the area (temporary files in the raw entries
@@ -307,6 +333,16 @@ if hasattr(os, "register_at_fork"):
 def _proof(url: str) -> tuple[Any, ...] | None:
     with _PROOFS_LOCK:
         return _PROOFS.get(url)
+
+
+def _mapped(fd: int, nbytes: int) -> tuple[torch.UntypedStorage, memoryview]:
+    """A private (copy-on-write) mapping of the first ``nbytes`` of the file ``fd`` as a CPU
+    storage (the storage keeps the mapping alive) and a byte view of it."""
+    mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+        mapping.madvise(mmap.MADV_SEQUENTIAL)
+    storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+    return storage, memoryview(mapping)
 
 
 def _byte_view(storage: torch.UntypedStorage) -> Any:

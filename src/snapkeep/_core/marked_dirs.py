@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from snapkeep._core.checksum import ALGORITHM, digest_stream, require_match
+from snapkeep._core.checksum import ALGORITHM, digest_open_file, digest_stream, require_match
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep._core.json_records import INT64_LIMIT, RecordError, parse_json
 from snapkeep._core.lock import StoreLock
@@ -319,8 +319,8 @@ def verify_marked_file(storage: Storage, directory: str, relative: str,
     record = marker.files[relative]
     file_path = _path_in(storage, directory, relative)
     try:
-        with storage.open_read(file_path) as f:
-            checksum, size = digest_stream(f)
+        with storage.open_read(file_path) as f:  # a local file: hashed in place, mapped
+            checksum, size = digest_open_file(f) if storage.is_local else digest_stream(f)
     except FileNotFoundError:
         raise SnapshotCorruptError(f"{file_path}: listed by the marker, missing") from None
     except SnapshotStorageError:
