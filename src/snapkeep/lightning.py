@@ -725,6 +725,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self._stream = RngStream()  # the global generators as the training steps see them
         self._position: dict[str, Any] = {}  # the train loaders' at the last step's end
         self._resumed_position: dict[str, Any] | None = None  # loaded, applied at train start
+        self._next_epoch: tuple[list[Any], list[Any]] | None = None  # resumed at an epoch end
 
     # -- start-up and resume ----------------------------------------------------------------------
     def step_template(self) -> str | None:
@@ -794,10 +795,13 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_epoch_start(trainer, pl_module)
+        if self._next_epoch is not None:  # resumed at an epoch's end: Lightning builds the
+            self._set_generators(*self._next_epoch)  # next epoch's iterator itself
         self._stream.epoch_start()  # the epoch's iterator is built next (its draws)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
+        self._next_epoch = None
         self._stream.step_start()
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
@@ -809,6 +813,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
                            else [] for dl in loaders],
             "kinds": ["stateful" if is_stateful_loader(dl) else type(dl).__name__
                       for dl in loaders]}
+
+    @staticmethod
+    def _set_generators(loaders: list[Any], saved: list[Any]) -> None:
+        for index, (loader, states) in enumerate(zip(loaders, saved, strict=True)):
+            if isinstance(loader, torch.utils.data.DataLoader):
+                set_generator_states(loader, list(states), f"train {index}")
 
     def _resume_loaders(self, trainer: Any) -> None:
         """At ``on_train_start`` of a resumed fit (Lightning has built the train iterator in
@@ -829,14 +839,16 @@ class ModelCheckpoint(LightningModelCheckpoint):
                       "the resumed run is not bit-identical to the uninterrupted one",
                       RuntimeWarning)
             return
-        for index, (loader, states) in enumerate(zip(loaders, saved, strict=True)):
-            if isinstance(loader, torch.utils.data.DataLoader):
-                set_generator_states(loader, list(states), f"train {index}")
+        self._set_generators(loaders, saved)
         if at_epoch_end:
+            # the next epoch's iterator, built as the uninterrupted run built it (Lightning's
+            # was built from other states, or continues the finished epoch); if Lightning
+            # builds one more at on_train_epoch_start, it is built from the same states
             self._stream.epoch_start()
             fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
             if fetcher is not None:
-                iter(fetcher)  # the next epoch's iterator, as the uninterrupted run builds it
+                iter(fetcher)
+            self._next_epoch = (loaders, saved)
             return
         plain = [type(dl).__name__ for dl in loaders if not is_stateful_loader(dl)]
         if plain:
