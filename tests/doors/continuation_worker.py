@@ -73,13 +73,10 @@ def _kill_self() -> None:
 
 # -- Lightning -----------------------------------------------------------------------------------
 def lightning(a: argparse.Namespace) -> None:
-    import warnings
-
     import lightning.pytorch as pl
 
     from snapkeep.lightning import ModelCheckpoint, SnapkeepCheckpointIO
 
-    warnings.filterwarnings("ignore")
     for name in ("lightning.pytorch", "lightning.fabric"):
         import logging
 
@@ -247,6 +244,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--ignore-data-skip", action="store_true", help="HF: the Trainer's flag")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
+    import warnings
+
+    warnings.filterwarnings("ignore")  # the frameworks' own; snapkeep's are what is tested
+    warnings.filterwarnings("always", message="snapkeep: ")
     lightning(a) if a.door == "lightning" else hf(a)
 
 
