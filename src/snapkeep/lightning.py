@@ -672,6 +672,14 @@ def _train_loaders(trainer: Any) -> list[Any]:
     return list(combined.flattened) if combined is not None else []
 
 
+def _rebuild_iterator(trainer: Any) -> None:
+    """Build the fit's train iterator again (Lightning's ``_data_fetcher``), from the loaders'
+    and the global generators' states now."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is not None:
+        iter(fetcher)
+
+
 def _epoch_length(trainer: Any) -> int | None:
     length = trainer.num_training_batches
     return int(length) if isinstance(length, int) or (
@@ -795,9 +803,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_epoch_start(trainer, pl_module)
-        if self._next_epoch is not None:  # resumed at an epoch's end: Lightning builds the
-            self._set_generators(*self._next_epoch)  # next epoch's iterator itself
         self._stream.epoch_start()  # the epoch's iterator is built next (its draws)
+        pending, self._next_epoch = self._next_epoch, None
+        if pending is not None:  # resumed at an epoch's end
+            self._set_generators(*pending)
+            loop = trainer.fit_loop
+            if not (trainer.current_epoch > 0 and not loop.is_resuming
+                    and not loop.epoch_loop.restarting):  # Lightning builds none: build it
+                _rebuild_iterator(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
@@ -841,14 +854,16 @@ class ModelCheckpoint(LightningModelCheckpoint):
             return
         self._set_generators(loaders, saved)
         if at_epoch_end:
-            # the next epoch's iterator, built as the uninterrupted run built it (Lightning's
-            # was built from other states, or continues the finished epoch); if Lightning
-            # builds one more at on_train_epoch_start, it is built from the same states
-            self._stream.epoch_start()
-            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-            if fetcher is not None:
-                iter(fetcher)
-            self._next_epoch = (loaders, saved)
+            # the next epoch's iterator must be built from these states, as the uninterrupted
+            # run built it (Lightning's was built from other states, or continues the
+            # finished epoch): at on_train_epoch_start when Lightning calls it next (it may
+            # build the iterator itself there), else now
+            loop = trainer.fit_loop
+            if loop.restarted_mid_epoch or loop.restarted_on_epoch_end:
+                self._stream.epoch_start()
+                _rebuild_iterator(trainer)
+            else:
+                self._next_epoch = (loaders, saved)
             return
         plain = [type(dl).__name__ for dl in loaders if not is_stateful_loader(dl)]
         if plain:
