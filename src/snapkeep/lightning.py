@@ -856,14 +856,14 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if at_epoch_end:
             # the next epoch's iterator must be built from these states, as the uninterrupted
             # run built it (Lightning's was built from other states, or continues the
-            # finished epoch): at on_train_epoch_start when Lightning calls it next (it may
-            # build the iterator itself there), else now
+            # finished epoch): now, when Lightning may go on to the next batch without an
+            # epoch start; and again at on_train_epoch_start if it calls that first (it may
+            # build the iterator itself there)
             loop = trainer.fit_loop
             if loop.restarted_mid_epoch or loop.restarted_on_epoch_end:
                 self._stream.epoch_start()
                 _rebuild_iterator(trainer)
-            else:
-                self._next_epoch = (loaders, saved)
+            self._next_epoch = (loaders, saved)
             return
         plain = [type(dl).__name__ for dl in loaders if not is_stateful_loader(dl)]
         if plain:
