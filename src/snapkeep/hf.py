@@ -72,6 +72,7 @@ from snapkeep.store import (
     resolve_storage,
     say,
     verify_checkpoint,
+    warn_user,
 )
 
 __all__ = [
@@ -289,6 +290,8 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             session = self.open(directory)
         else:  # the other ranks: the lineage only
             session = self.session = _session(directory)
+        if state.global_step > 0:
+            _warn_if_not_exact(args, state, kwargs.get("train_dataloader"))
         if state.global_step > 0:  # resumed: inherit the lineage of the checkpoint resumed
             store: Any = session.store
             marker = store.manifest(Entry(
@@ -445,6 +448,23 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
                                protect=[f"checkpoint-{state.global_step}",
                                         state.best_model_checkpoint])
         return [e.path for e in deleted]
+
+
+def _warn_if_not_exact(args: TrainingArguments, state: TrainerState, loader: Any) -> None:
+    """A resume mid-epoch with ``ignore_data_skip=True`` is not exact (the Trainer starts the
+    epoch's data over): said once, at the start."""
+    if not args.ignore_data_skip:
+        return
+    try:
+        per_epoch = max(1, len(loader) // max(1, args.gradient_accumulation_steps))
+    except TypeError:  # no loader, or one without a length
+        return
+    done = state.global_step % per_epoch
+    if done:
+        warn_user(f"snapkeep: resuming {done} steps into an epoch of {per_epoch} with "
+                  "ignore_data_skip=True: the Trainer starts the epoch's data over, so the "
+                  "batches (and what follows) differ from the uninterrupted run's. Leave "
+                  "ignore_data_skip=False for an exact resume", RuntimeWarning)
 
 
 def step_metrics(state: TrainerState) -> dict[str, float]:

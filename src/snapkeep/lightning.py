@@ -49,11 +49,15 @@ What they change (each from Lightning's own code, 2.4-2.6):
   commit as the Checkpointer's ``keep`` (its lineage: only this door's snapshots, never the
   newest; a misspelled ``KeepBest`` metric refused before anything is written or deleted);
   each manifest records Lightning's ``callback_metrics`` of its step.
-- **Exact continuation at epoch boundaries.** snapkeep's :class:`ModelCheckpoint` keeps the
-  global random generators (Python, NumPy, torch) in its callback state, so a run resumed
-  from an end-of-epoch snapshot draws the same shuffles and dropout masks. Lightning itself
-  restarts a plain ``DataLoader`` mid-epoch from the start of its order, so a mid-epoch
-  snapshot resumes with a different data order: save at epoch ends for bit-identical runs.
+- **Exact continuation from any snapshot.** snapkeep's :class:`ModelCheckpoint` keeps the
+  global random generators as the training steps see them
+  (:class:`snapkeep._core.rng_state.RngStream`: recorded at each training step's end, set
+  back at the next one's start, Lightning's draws in between made from streams seeded from
+  them) and each train loader's generator states, so a run resumed mid-epoch (torchdata's
+  ``StatefulDataLoader``, whose position Lightning saves) or at an epoch's end (any loader),
+  with any integer ``val_check_interval`` and ``every_n_train_steps``, draws the same
+  shuffles and dropout masks as the uninterrupted run. A plain ``DataLoader`` resumed
+  mid-epoch is restarted by Lightning from its epoch's start: the resume says so (a warning).
 - **Preemption through snapkeep's agreement** (``ModelCheckpoint(preemption=True)``, the
   default): SIGTERM and SIGUSR1 are recorded by the run control every door uses
   (:class:`snapkeep.store.RunControl`, replacing Lightning's handlers while fitting);
@@ -92,6 +96,12 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from snapkeep._core.data_position import (
+    generator_states,
+    is_stateful_loader,
+    set_generator_states,
+)
+from snapkeep._core.rng_state import RngStream
 from snapkeep.distributed import (
     EXIT_CODE_PREEMPTED,
     background_groups,
@@ -104,7 +114,6 @@ from snapkeep.errors import (
     StoreLockedError,
     UnsafeSnapshotError,
 )
-from snapkeep.layout import RngState
 from snapkeep.retention import RetentionPolicy, keep_policy
 from snapkeep.store import (
     DECODE_ERRORS,
@@ -843,6 +852,27 @@ def _nothing_to_apply(entry: Entry, state: Any) -> None:
     raise AssertionError(f"nothing to apply on a first run, got {entry!r}")
 
 
+def _train_loaders(trainer: Any) -> list[Any]:
+    """The fit's train loaders (Lightning's combined loader, flattened), [] before it has
+    them."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+def _rebuild_iterator(trainer: Any) -> None:
+    """Build the fit's train iterator again (Lightning's ``_data_fetcher``), from the loaders'
+    and the global generators' states now."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is not None:
+        iter(fetcher)
+
+
+def _epoch_length(trainer: Any) -> int | None:
+    length = trainer.num_training_batches
+    return int(length) if isinstance(length, int) or (
+        isinstance(length, float) and math.isfinite(length)) else None
+
+
 def _snapkeep_io(trainer: Any) -> SnapkeepCheckpointIO | None:
     io = getattr(trainer.strategy, "checkpoint_io", None)
     return io if isinstance(io, SnapkeepCheckpointIO) else None
@@ -853,9 +883,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
     module docstring): ``save_last`` (``True`` or ``"link"``) writes an alias record after the
     commit instead of a second full copy, ``ckpt_path="last"`` resolves to the snapshot with the
     highest step, removals wait for the commit (in the IO), the directory is opened (locked) at
-    ``setup``, the global random generators are kept in the callback state (exact continuation
-    from end-of-epoch snapshots), each snapshot's manifest records Lightning's
-    ``callback_metrics`` (for ``keep=KeepBest(...)``), the run status is kept in
+    ``setup``, the random streams and the train loaders' generators are kept in the callback
+    state (exact continuation from any snapshot; see the module docstring), each snapshot's
+    manifest records Lightning's ``callback_metrics`` (for ``keep=KeepBest(...)``), the run
+    status is kept in
     ``.snapkeep/status.json``, and a preemption signal ends the run with a committed snapshot.
 
     Args:
@@ -886,6 +917,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
         check_timeout_s(timeout_s)
         self._timeout_s = float(timeout_s)
         self._run: RunControl | None = None  # the run status and the preemption hook
+        self._stream = RngStream()  # the global generators as the training steps see them
+        self._position: dict[str, Any] = {}  # the train loaders' at the last step's end
+        self._resumed_position: dict[str, Any] | None = None  # loaded, applied at train start
+        self._next_epoch: tuple[list[Any], list[Any]] | None = None  # resumed at an epoch end
 
     # -- start-up and resume ----------------------------------------------------------------------
     def step_template(self) -> str | None:
@@ -949,15 +984,108 @@ class ModelCheckpoint(LightningModelCheckpoint):
             connector._ckpt_path = f"{head}/{really}" if head else really
 
     def state_dict(self) -> dict[str, Any]:
+        """Lightning's, plus the continuation state recorded at the end of the last training
+        step (also when the save runs later, at an epoch's or a validation's end):
+        ``snapkeep_rng``, the global generators' states (:class:`~snapkeep._core.rng_state.
+        RngStream`), and ``snapkeep_position``: how many batches of the epoch the loop had
+        received, the epoch's length in batches, and the states of each train loader's
+        ``torch.Generator`` objects."""
         state = super().state_dict()
-        state["snapkeep_rng"] = RngState().state_dict()
+        state["snapkeep_rng"] = self._stream.state_dict()
+        if self._position:
+            state["snapkeep_position"] = dict(self._position)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         rng = state_dict.get("snapkeep_rng")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "snapkeep_rng"})
+        position = state_dict.get("snapkeep_position")
+        super().load_state_dict({k: v for k, v in state_dict.items()
+                                 if k not in ("snapkeep_rng", "snapkeep_position")})
         if rng is not None:
-            RngState().load_state_dict(rng)
+            self._stream.load_state_dict(rng)  # the next step starts from it
+        self._resumed_position = dict(position) if isinstance(position, Mapping) else None
+
+    # -- exact continuation ----------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Install the preemption handlers (after Lightning's own, which they replace while
+        fitting); on a resume, put the train loaders where the uninterrupted run had them."""
+        super().on_train_start(trainer, pl_module)
+        self._resume_loaders(trainer)
+        self._arm(trainer)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._stream.epoch_start()  # the epoch's iterator is built next (its draws)
+        pending, self._next_epoch = self._next_epoch, None
+        if pending is not None:  # resumed at an epoch's end
+            self._set_generators(*pending)
+            loop = trainer.fit_loop
+            if not (trainer.current_epoch > 0 and not loop.is_resuming
+                    and not loop.epoch_loop.restarting):  # Lightning builds none: build it
+                _rebuild_iterator(trainer)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        self._next_epoch = None
+        self._stream.step_start()
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def _record_position(self, trainer: Any, batch_idx: int) -> None:
+        loaders = _train_loaders(trainer)
+        self._position = {
+            "batches": int(batch_idx) + 1, "length": _epoch_length(trainer),
+            "generators": [generator_states(dl) if isinstance(dl, torch.utils.data.DataLoader)
+                           else [] for dl in loaders],
+            "kinds": ["stateful" if is_stateful_loader(dl) else type(dl).__name__
+                      for dl in loaders]}
+
+    @staticmethod
+    def _set_generators(loaders: list[Any], saved: list[Any]) -> None:
+        for index, (loader, states) in enumerate(zip(loaders, saved, strict=True)):
+            if isinstance(loader, torch.utils.data.DataLoader):
+                set_generator_states(loader, list(states), f"train {index}")
+
+    def _resume_loaders(self, trainer: Any) -> None:
+        """At ``on_train_start`` of a resumed fit (Lightning has built the train iterator in
+        ``setup_data``, after the snapshot was loaded): set each train loader's generators to
+        their states at the snapshot; at an epoch's end, build the next epoch's iterator again
+        from them (Lightning's was built from other states, or is the finished epoch's).
+        A plain ``DataLoader`` resumed mid-epoch cannot be exact: said once."""
+        position, self._resumed_position = self._resumed_position, None
+        if not position:
+            return
+        loaders = _train_loaders(trainer)
+        saved = list(position.get("generators", []))
+        batches, length = int(position.get("batches", 0)), position.get("length")
+        at_epoch_end = isinstance(length, int) and batches >= length
+        if len(saved) != len(loaders):
+            warn_user(f"snapkeep: the snapshot recorded {len(saved)} train loaders, this fit has "
+                      f"{len(loaders)}; their order and random streams are not restored, so "
+                      "the resumed run is not bit-identical to the uninterrupted one",
+                      RuntimeWarning)
+            return
+        self._set_generators(loaders, saved)
+        if at_epoch_end:
+            # the next epoch's iterator must be built from these states, as the uninterrupted
+            # run built it (Lightning's was built from other states, or continues the
+            # finished epoch): now, when Lightning may go on to the next batch without an
+            # epoch start; and again at on_train_epoch_start if it calls that first (it may
+            # build the iterator itself there)
+            loop = trainer.fit_loop
+            if loop.restarted_mid_epoch or loop.restarted_on_epoch_end:
+                self._stream.epoch_start()
+                _rebuild_iterator(trainer)
+            self._next_epoch = (loaders, saved)
+            return
+        plain = [type(dl).__name__ for dl in loaders if not is_stateful_loader(dl)]
+        if plain:
+            warn_user(
+                f"snapkeep: resuming {batches} batches into an epoch of {length} with a "
+                f"{plain[0]} that cannot resume mid-epoch: Lightning starts its epoch over, so "
+                "the batches (and what follows) differ from the uninterrupted run's. For an "
+                "exact resume from any step use torchdata's StatefulDataLoader (pip install "
+                "torchdata), whose position Lightning saves; or resume from snapshots taken at "
+                "epoch ends", RuntimeWarning)
 
     # -- saving ----------------------------------------------------------------------------------
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -991,10 +1119,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self._remove_checkpoint(trainer, previous)
 
     # -- preemption and the run status -----------------------------------------------------------
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Install the preemption handlers (after Lightning's own, which they replace while
-        fitting)."""
-        super().on_train_start(trainer, pl_module)
+    def _arm(self, trainer: Any) -> None:
         run = self._run
         if not self._signals or _snapkeep_io(trainer) is None or run is None \
                 or run.watch is not None:
@@ -1005,6 +1130,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._stream.step_end()  # before this step's snapshot: what the next step starts from
+        self._record_position(trainer, batch_idx)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         run = self._run
         if run is None or run.watch is None:

@@ -3,9 +3,10 @@ the Hugging Face Trainer, each driven as its users drive it, resuming first, sav
 at every step with a ``val_loss`` metric, under snapkeep's retention (``keep=``).
 
 The rows have the matrix's door interface (``name``, ``sharded``, ``snapshot_name``, ``train``,
-``hold_code``), duck-typed (``test_matrix`` imports this module; a subclass of its ``Door``
-would import it back). ``skips``: scenario -> why it cannot apply to the door (skipped with that
-reason by ``conftest.py``).
+``hold_code``, ``worker_command``: ``continuation_worker.py``, so the kill -9 scenario resumes
+mid-epoch and at epoch ends through them), duck-typed (``test_matrix`` imports this module;
+a subclass of its ``Door`` would import it back). ``skips``: scenario -> why it cannot apply
+to the door (skipped with that reason by ``conftest.py``).
 
 Also a worker, for the preemption tests (a real signal to a real Trainer process)::
 
@@ -33,6 +34,14 @@ import torch
 from snapkeep.retention import RetentionPolicy
 
 X = torch.linspace(-1, 1, 24).reshape(6, 4)
+#: The subprocess scenario's worker (a shuffled loader, dropout, a snapshot every step):
+#: mid-epoch and epoch-end resumes through the door.
+CONTINUATION_WORKER = pathlib.Path(__file__).with_name("continuation_worker.py")
+
+
+def _worker_command(door: str, directory: str, steps: int, exit_at: int | None) -> list[str]:
+    return [sys.executable, str(CONTINUATION_WORKER), door, directory, str(steps),
+            *([str(exit_at)] if exit_at is not None else [])]
 
 
 def val_loss(step: int) -> float:
@@ -158,6 +167,11 @@ class LightningDoor:
         finally:
             io.close()
 
+    def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str]:
+        """torchdata's StatefulDataLoader (the loader Lightning resumes mid-epoch), 4 batches
+        an epoch, a snapshot every step (``ckpt_<step>``)."""
+        return _worker_command("lightning", directory, steps, exit_at)
+
     #: the session ``SnapkeepCheckpointIO.open(DIR, template='ckpt_{step}')`` opens (the same
     #: store lock), without importing Lightning in the holder (seconds)
     hold_code = ("from snapkeep.store import Session, open_store\n"
@@ -247,6 +261,10 @@ class HFDoor:
     def train(self, directory: pathlib.Path, stop: int, *,
               keep: RetentionPolicy | None = None) -> torch.nn.Module:
         return train_hf(directory, stop, keep=keep)
+
+    def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str]:
+        """``SnapkeepTrainer``, 4 batches an epoch, ``checkpoint-N`` every step."""
+        return _worker_command("hf", directory, steps, exit_at)
 
     #: the session ``SnapkeepCallback(output_dir=DIR).open()`` opens, without importing
     #: transformers in the holder (seconds)

@@ -91,8 +91,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = ["LOADER_KINDS", "LoaderPosition", "StatefulLoaderState", "check_loaders",
-           "geometry_problems", "is_stateful_loader", "loader_geometry", "loader_position",
-           "sampler_epoch"]
+           "generator_states", "geometry_problems", "is_stateful_loader", "loader_geometry",
+           "loader_position", "sampler_epoch", "set_generator_states"]
 
 logger = logging.getLogger(__name__)
 
@@ -347,6 +347,30 @@ def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
     return found
+
+
+def generator_states(loader: DataLoader[Any]) -> list[torch.Tensor]:
+    """The states (uint8 CPU tensors, 5,056 bytes each) of every distinct ``torch.Generator``
+    the loader and its samplers draw from (``generator=``, a sampler's own generator:
+    torchdata's ``RandomSampler`` always holds one), in a fixed order."""
+    return [g.get_state() for g in _generators(loader)]
+
+
+def set_generator_states(loader: DataLoader[Any], states: list[torch.Tensor],
+                         name: str) -> None:
+    """Set the loader's generators to ``states`` (:func:`generator_states`' order).
+
+    Raises:
+        ValueError: the loader holds another number of generators than ``states`` (``name``
+            names the loader); nothing is changed.
+    """
+    generators = _generators(loader)
+    if len(generators) != len(states):
+        raise ValueError(f"loaders[{name!r}]: the snapshot's loader drew from {len(states)} "
+                         f"torch.Generator objects, this one from {len(generators)}; build the "
+                         "loader with the same sampler and generator arguments")
+    for g, state in zip(generators, states, strict=True):
+        g.set_state(state)
 
 
 class _Epoch:
