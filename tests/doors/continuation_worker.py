@@ -1,5 +1,5 @@
 """Exact continuation through the framework doors: a Lightning fit or a Hugging Face Trainer
-run with dropout, killed at a step and rerun, for ``test_continuation.py``, the matrix's
+run with dropout, killed at a step and rerun, for ``test_framework_continuation.py``, the matrix's
 subprocess scenario (``test_matrix.py``), ``tools/lightning_crash_trials.py --continuation``
 and ``benchmarks/hf_kill_trials.py --mid-epoch``.
 
