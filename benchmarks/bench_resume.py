@@ -12,6 +12,14 @@ mapped file pages count, from ``VmHWM``) and its RSS before the resume.
 page cache first (``fsync`` + ``posix_fadvise(DONTNEED)``). Linux only.
 
     python benchmarks/bench_resume.py --state-gib 1 --reps 2 --json results/resume.json
+
+``--doors`` adds every door of snapkeep (ppe extension, ``Checkpointer`` full and incremental,
+``load_latest``, Lightning's ``load_checkpoint``, HF's ``latest_verified`` + the Trainer's
+reads) and the stock Lightning and HF loads of the same state, each with its ratio to
+``torch.load(mmap=True)`` + ``load_state_dict`` (of the medians, and the median of the ratios
+paired by repetition) and, for the framework doors, to its stock load:
+
+    python benchmarks/bench_resume.py --state-gib 0.5 --reps 4 --doors --cache warm
 """
 
 from __future__ import annotations
@@ -33,12 +41,18 @@ from snapkeep.training import ExtensionsManager, extensions
 from snapkeep.writing import SimpleWriter
 
 CONTENDERS = ("torch.load", "torch.load(mmap=True)", "DCP load", "snapkeep autoload",
-              "read file")
+              "read file", "xxh3 of the file")
 #: Every door of snapkeep over the same state (``--doors``), each timed from the door's
 #: construction (the manager with its default-style ThreadWriter, the Checkpointer) to every
 #: optimizer page resident, as a restarted trainer sees it (issue 24's cold-resume target).
 DOORS = ("door: extension autoload (ThreadWriter; built in the timing)",
-         "door: Checkpointer.load", "door: load_latest + load_state_dict")
+         "door: Checkpointer.load", "door: load_latest + load_state_dict",
+         "door: Lightning load_checkpoint", "door: Checkpointer.load (incremental)",
+         "door: HF latest_verified + Trainer's load")
+#: What the framework doors do without snapkeep, on the same state (``--doors``): Lightning's
+#: ``TorchCheckpointIO.load_checkpoint`` (``torch.load``) and the HF Trainer's resume reads
+#: (safetensors ``load_file`` of the model, ``torch.load`` of ``optimizer.pt``).
+STOCK = ("stock: Lightning TorchCheckpointIO", "stock: HF Trainer's load")
 #: How snapkeep could verify and load (``--variants``): the choice behind autoload's path.
 VARIANTS = ("one pass into new storages", "read+hash then mmap load",
             "mmap+hash then mmap load")
@@ -76,7 +90,63 @@ def save(state_gib: float, out: str) -> str:
 
     with snapkeep.Checkpointer(os.path.join(out, "ckpt"), writer=SimpleWriter()) as ckpt:
         ckpt.save(1, {"model": model, "optimizer": optimizer}, force=True)
+    with snapkeep.Checkpointer(os.path.join(out, "incr"), incremental=True) as ckpt:
+        ckpt.save(1, {"model": model, "optimizer": optimizer}, force=True)
+    save_frameworks(model, optimizer, out)
     return os.path.join(out, "snapshot_iter_1")
+
+
+def lightning_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> dict[str, Any]:
+    """The part of Lightning's checkpoint dict that holds the state."""
+    return {"epoch": 0, "global_step": 1, "state_dict": model.state_dict(),
+            "optimizer_states": [optimizer.state_dict()], "lr_schedulers": []}
+
+
+def save_frameworks(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: str) -> None:
+    """The same state as a Lightning checkpoint (snapkeep's door and stock ``torch.save``) and
+    an HF ``checkpoint-1`` directory (``model.safetensors``, ``optimizer.pt``, committed by
+    snapkeep's marker)."""
+    from safetensors.torch import save_file
+
+    from snapkeep.hf import commit_checkpoint
+    from snapkeep.lightning import SnapkeepCheckpointIO
+
+    io = SnapkeepCheckpointIO()
+    os.makedirs(os.path.join(out, "lightning"))
+    io.save_checkpoint(lightning_checkpoint(model, optimizer),
+                       os.path.join(out, "lightning", "epoch=0-step=1.ckpt"))
+    io.teardown()
+    os.makedirs(os.path.join(out, "lightning-stock"))
+    torch.save(lightning_checkpoint(model, optimizer),
+               os.path.join(out, "lightning-stock", "epoch=0-step=1.ckpt"))
+    hf = os.path.join(out, "hf", "checkpoint-1")
+    os.makedirs(hf)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              os.path.join(hf, "model.safetensors"))
+    torch.save(optimizer.state_dict(), os.path.join(hf, "optimizer.pt"))
+    commit_checkpoint(hf, step=1)
+
+
+def door_files(contender: str, path: str) -> list[str]:
+    """The files a contender reads (their pages are dropped or read before it runs)."""
+    out = os.path.dirname(path)
+    sub = {DOORS[1]: "ckpt", DOORS[3]: "lightning", DOORS[4]: "incr", DOORS[5]: "hf",
+           STOCK[0]: "lightning-stock", STOCK[1]: "hf"}.get(contender)
+    if sub is None:
+        return [path]
+    return [os.path.join(d, f) for d, _, files in os.walk(os.path.join(out, sub))
+            for f in files if not f.endswith((".lock", ".json"))]
+
+
+def hf_load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: str) -> None:
+    """What the HF Trainer reads on resume: the model's safetensors file and ``optimizer.pt``
+    (``torch.load(weights_only=True)``), applied with ``load_state_dict``."""
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(os.path.join(checkpoint, "model.safetensors")))
+    optimizer.load_state_dict(torch.load(os.path.join(checkpoint, "optimizer.pt"),
+                                         map_location="cpu", weights_only=True))
 
 
 def door_load(contender: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -103,6 +173,36 @@ def door_load(contender: str, model: torch.nn.Module, optimizer: torch.optim.Opt
         model.load_state_dict(state["models"]["main"])
         optimizer.load_state_dict(state["optimizers"]["main"])
         del state
+    elif contender == DOORS[3]:
+        from snapkeep.lightning import SnapkeepCheckpointIO
+
+        io = SnapkeepCheckpointIO()
+        ckpt = io.load_checkpoint(os.path.join(out, "lightning", "epoch=0-step=1.ckpt"))
+        model.load_state_dict(ckpt["state_dict"])
+        optimizer.load_state_dict(ckpt["optimizer_states"][0])
+        del ckpt
+        io.teardown()
+    elif contender == DOORS[4]:
+        with snapkeep.Checkpointer(os.path.join(out, "incr"), incremental=True) as ckpt:
+            if ckpt.load(into={"model": model, "optimizer": optimizer}) != 1:
+                raise RuntimeError("Checkpointer.load (incremental) did not resume")
+    elif contender == DOORS[5]:
+        from snapkeep.hf import latest_verified
+
+        checkpoint = latest_verified(os.path.join(out, "hf"), quiet=True)
+        if checkpoint is None:
+            raise RuntimeError("latest_verified found nothing")
+        hf_load(model, optimizer, checkpoint)
+    elif contender == STOCK[0]:
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        ckpt = TorchCheckpointIO().load_checkpoint(
+            os.path.join(out, "lightning-stock", "epoch=0-step=1.ckpt"))
+        model.load_state_dict(ckpt["state_dict"])
+        optimizer.load_state_dict(ckpt["optimizer_states"][0])
+        del ckpt
+    elif contender == STOCK[1]:
+        hf_load(model, optimizer, os.path.join(out, "hf", "checkpoint-1"))
     else:
         raise ValueError(f"unknown door {contender!r}")
 
@@ -185,12 +285,19 @@ def _read_all(path: str) -> None:
 def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, optimizer = make_model(state_gib)
-    cached = os.path.join(os.path.dirname(path), "ckpt", "ckpt_1") \
-        if contender == DOORS[1] else path
-    if cold:
-        drop_cache(cached)
-    else:  # the whole file in the page cache (a cold mmap run before read only part of it)
-        _read_all(cached)
+    for cached in door_files(contender, path):
+        if cold:
+            drop_cache(cached)
+        else:  # the whole file in the page cache (a cold mmap run before read only part of it)
+            _read_all(cached)
+    if contender in (DOORS[3], STOCK[0]):  # imported before the timing, as in a trainer
+        import lightning.pytorch.plugins.io  # noqa: F401
+
+        import snapkeep.lightning  # noqa: F401
+    if contender in (DOORS[5], STOCK[1]):
+        import safetensors.torch  # noqa: F401
+
+        import snapkeep.hf  # noqa: F401
     before = _status_bytes("VmRSS")
     manager = manager_for(model, optimizer, os.path.dirname(path), autoload=True) \
         if contender == "snapkeep autoload" else None
@@ -199,7 +306,7 @@ def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, 
     t0 = time.perf_counter()
     if contender in VARIANTS:
         variant_load(contender, manager, path)
-    elif contender in DOORS:
+    elif contender in DOORS or contender in STOCK:
         door_load(contender, model, optimizer, path)
     elif contender == "DCP load":
         dcp_load(model, optimizer, path)
@@ -214,13 +321,17 @@ def child(contender: str, path: str, state_gib: float, cold: bool) -> dict[str, 
             raise RuntimeError(f"autoload did not resume (iteration {manager.iteration})")
     elif contender == "read file":
         _read_all(path)
+    elif contender == "xxh3 of the file":  # the hash any verified resume adds (one core)
+        from snapkeep._core.format.checksum import digest_file
+
+        digest_file(path)
     else:
         raise ValueError(f"unknown contender {contender!r}")
-    if contender != "read file":
+    if contender not in ("read file", "xxh3 of the file"):
         make_resident(optimizer)
     elapsed = time.perf_counter() - t0
     step_s = None
-    if contender != "read file":  # the loaded values, not just the time
+    if contender not in ("read file", "xxh3 of the file"):  # the loaded values
         first = next(iter(model.parameters()))
         if float(first[0, 0]) == 0.0 or len(optimizer.state) != N_PARAMS \
                 or float(optimizer.state[first]["exp_avg"][0, 0]) == 0.0:
@@ -405,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         size = os.path.getsize(path)
         runs: dict[tuple[str, bool], list[dict[str, Any]]] = {}
         names = list(CONTENDERS) + (list(VARIANTS) if args.variants else []) \
-            + (list(DOORS) if args.doors else [])
+            + (list(DOORS) + list(STOCK) if args.doors else [])
         if args.only:
             names = [n for n in names if n in args.only.split(",")]
         colds = {"both": (False, True), "cold": (True,), "warm": (False,)}[args.cache]
@@ -424,10 +535,22 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     rows = []
     med = {k: median([r["time_s"] for r in v]) for k, v in runs.items() if k[0] in CONTENDERS
-           or k[0] in VARIANTS or k[0] in DOORS}
+           or k[0] in VARIANTS or k[0] in DOORS or k[0] in STOCK}
 
     def ratio(t: float, key: tuple[str, bool]) -> float | None:
         return t / med[key] if key in med else None
+
+    def paired(results: list[dict[str, Any]], key: tuple[str, bool],
+               total: bool = False) -> list[float]:
+        """Per-run ratios to ``key``'s run of the same repetition (ABBA neighbours);
+        ``total``: resume + first step."""
+        if key not in runs:
+            return []
+
+        def t(r: dict[str, Any]) -> float:
+            return float(r["time_s"]) + (float(r["first_step_s"] or 0.0) if total else 0.0)
+
+        return sorted(t(a) / t(b) for a, b in zip(results, runs[key]))
 
     first_rows = [summarize_first(c, runs.pop((c, False))) for c in FIRST_SNAPSHOT
                   if (c, False) in runs]
@@ -440,6 +563,17 @@ def main(argv: list[str] | None = None) -> int:
             "x_torch_load": ratio(t, ("torch.load", cold)),
             "x_dcp": ratio(t, ("DCP load", cold)),
             "x_mmap": ratio(t, ("torch.load(mmap=True)", cold)),
+            "spread_s": f"{min(r['time_s'] for r in results):.2f}-"
+                        f"{max(r['time_s'] for r in results):.2f}",
+            "x_mmap_paired": median(paired(results, ("torch.load(mmap=True)", cold)))
+            if paired(results, ("torch.load(mmap=True)", cold)) else None,
+            "x_mmap_pairs": "-".join(f"{x:.2f}" for x in paired(
+                results, ("torch.load(mmap=True)", cold))[::max(1, len(results) - 1)]),
+            "x_mmap_total": median(paired(results, ("torch.load(mmap=True)", cold), True))
+            if paired(results, ("torch.load(mmap=True)", cold)) and steps else None,
+            "x_stock": median(paired(results, (STOCK[0] if "Lightning" in contender
+                                               else STOCK[1], cold)))
+            if contender in (DOORS[3], DOORS[5]) else None,
             "x_read": ratio(t, ("read file", True)) if cold else None,
             "peak_x": median([r["peak_rss"] for r in results]) / size,
             "extra_x": median([r["peak_rss"] - r["rss_before"] for r in results]) / size,
@@ -448,9 +582,11 @@ def main(argv: list[str] | None = None) -> int:
           f"average before {load_before[0]:.1f}, after {load_after[0]:.1f}")
     print(table(rows, [
         ("contender", "contender", ""), ("cache", "cache", ""), ("time_s", "resume s", ".3f"),
-        ("first_step_s", "first step s", ".3f"),
+        ("spread_s", "min-max s", ""), ("first_step_s", "first step s", ".3f"),
         ("x_torch_load", "x torch.load", ".2f"), ("x_dcp", "x DCP", ".2f"),
-        ("x_mmap", "x mmap", ".2f"),
+        ("x_mmap", "x mmap", ".2f"), ("x_mmap_paired", "x mmap, paired", ".2f"),
+        ("x_mmap_pairs", "paired min-max", ""),
+        ("x_mmap_total", "+ first step, x mmap", ".2f"), ("x_stock", "x stock door", ".2f"),
         ("x_read", "x read", ".2f"), ("peak_x", "peak RSS x state", ".2f"),
         ("extra_x", "RSS added x state", ".2f")]))
     if first_rows:

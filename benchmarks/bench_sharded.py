@@ -13,10 +13,17 @@ and the root), takes one Adam step (so Adam's moments exist) and then, ``--repea
 - **DCP save**: ``dcp.save`` (stall = durable);
 - **DCP async_save**: ``dcp.async_save`` on a gloo group: stall = the call, durable = its
   future;
+- **raw write+fsync** (the lower bound of any durable save): each rank writes its local
+  shards' bytes (parameters and Adam's moments, as staged) to one file, ``fsync``, then rank 0
+  fsyncs the directory;
 - **load**: snapkeep's ``load_sharded`` and ``dcp.load`` of the snapshot just written (same world
   size); **load resharded**: of the snapshot written by the previous (larger) world size.
 
-Figures are medians over repeats of the slowest rank (the step ends when every rank is done);
+The contenders run in rotating order within each repeat. Figures are medians over repeats
+of the slowest rank (the step ends when every rank is done), with the range over repeats;
+snapkeep's durable time is broken down by phase (each the slowest rank's, see
+``ShardedSaver.last_commit_phases_s``: stage, prepare, plan, write,
+dcp_finish, metadata_and_directory_fsync, gather, marker, agree_committed);
 peak RSS per rank is ``ru_maxrss`` (the largest rank). The machine is shared: compare rows of one
 run, not runs.
 """
@@ -53,6 +60,49 @@ def _slowest(value: float) -> float:
     return float(t.item())
 
 
+PHASES = ("stage", "prepare", "plan", "write", "dcp_finish",
+          "metadata_and_directory_fsync", "gather", "marker", "agree_committed")
+
+
+def _slowest_each(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]
+
+
+def _raw_write(state: dict[str, Any], path: str, directory: str) -> float:
+    """Write this rank's local tensor bytes to ``path`` and fsync it (rank 0 then fsyncs the
+    directory): the physical part of a durable save, in seconds (slowest rank)."""
+    from torch.distributed.tensor import DTensor
+
+    def leaves(tree: Any) -> Any:
+        if isinstance(tree, dict):
+            for v in tree.values():
+                yield from leaves(v)
+        elif isinstance(tree, (list, tuple)):
+            for v in tree:
+                yield from leaves(v)
+        elif isinstance(tree, torch.Tensor):
+            yield tree.to_local() if isinstance(tree, DTensor) else tree
+
+    tensors = [t.detach().contiguous() for t in leaves(state)]
+    dist.barrier()
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for t in tensors:
+            f.write(t.view(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return _slowest(time.perf_counter() - start)
+
+
 def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, results: str,
               previous: str | None) -> None:
     import torch.distributed.checkpoint as dcp
@@ -87,13 +137,14 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
     rows: dict[str, list[float]] = {k: [] for k in (
         "snapkeep_stall", "snapkeep_durable", "dcp_save", "dcp_async_stall",
         "dcp_async_durable", "snapkeep_load", "dcp_load", "snapkeep_load_resharded",
-        "dcp_load_resharded")}
+        "dcp_load_resharded", "raw_write_fsync")}
+    phases: dict[str, list[float]] = {k: [] for k in PHASES}
 
     def state() -> dict[str, Any]:
         msd, osd = get_state_dict(model, optimizer)
         return {"models": {"main": msd}, "optimizers": {"main": osd}}
 
-    for i in range(args.repeats):
+    def snapkeep_save(i: int) -> None:
         dist.barrier()
         start = time.perf_counter()
         handle = saver.save(state(), ShardedJob(name=f"snap_{i}", step=i))
@@ -103,9 +154,16 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
         durable = time.perf_counter() - start
         rows["snapkeep_stall"].append(_slowest(stall))
         rows["snapkeep_durable"].append(_slowest(durable))
+        seen = {"stage": saver.last_stage_s, **getattr(saver, "last_commit_phases_s", {})}
+        for key, value in zip(PHASES, _slowest_each([seen.get(k, 0.0) for k in PHASES])):
+            phases[key].append(value)
+
+    def dcp_save(i: int) -> None:
         dist.barrier()
         rows["dcp_save"].append(_slowest(_timed(
             dcp.save, state(), checkpoint_id=os.path.join(base, f"dcp{world}_{i}"))))
+
+    def dcp_async(i: int) -> None:
         dist.barrier()
         start = time.perf_counter()
         future = dcp.async_save(state(), checkpoint_id=os.path.join(base, f"dcpa{world}_{i}"),
@@ -115,6 +173,20 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
         durable = time.perf_counter() - start
         rows["dcp_async_stall"].append(_slowest(stall))
         rows["dcp_async_durable"].append(_slowest(durable))
+
+    def raw(i: int) -> None:
+        os.makedirs(os.path.join(base, f"raw{world}_{i}"), exist_ok=True)
+        dist.barrier()
+        rows["raw_write_fsync"].append(_raw_write(
+            state(), os.path.join(base, f"raw{world}_{i}", f"rank{rank}"),
+            os.path.join(base, f"raw{world}_{i}")))
+        os.remove(os.path.join(base, f"raw{world}_{i}", f"rank{rank}"))
+
+    contenders = [snapkeep_save, dcp_save, dcp_async, raw]
+    for i in range(args.repeats):
+        shift = i % len(contenders)  # rotating order: each goes first once in four repeats
+        for contender in contenders[shift:] + contenders[:shift]:
+            contender(i)
         dist.barrier()
         target = state()
         entry = store.entries()[-1]
@@ -139,7 +211,11 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
     # global sizes (a DTensor's numel is the global one): parameters + Adam's two moments
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
     if rank == 0:
-        summary = {k: statistics.median(v) if v else None for k, v in rows.items()}
+        summary: dict[str, Any] = {k: statistics.median(v) if v else None
+                                   for k, v in rows.items()}
+        summary.update({f"{k}_range": [min(v), max(v)] for k, v in rows.items() if v})
+        summary["phases"] = {k: statistics.median(v) for k, v in phases.items() if v}
+        summary["raw"] = {"rows": rows, "phases": phases}
         summary.update(world=world, peak_rss_mib_max_rank=float(rss.item()),
                        state_mib_total=state_bytes / 2**20)
         with open(results, "w") as f:
@@ -167,22 +243,40 @@ def main() -> None:
             with open(results) as f:
                 table.append(json.load(f))
             previous = world
-    header = ("| ranks | state MiB | snapkeep stall s | snapkeep durable s | DCP save s | "
-              "DCP async stall s | DCP async durable s | snapkeep load s | DCP load s | "
-              "snapkeep load resharded s | DCP load resharded s | peak RSS MiB/rank |")
-    lines = [header, "|" + "---|" * 12]
+    def fmt(row: dict[str, Any], key: str) -> str:
+        v = row.get(key)
+        if v is None:
+            return "-"
+        lo, hi = row.get(f"{key}_range", [v, v])
+        return f"{v:.3f} ({lo:.3f}-{hi:.3f})"
 
-    def fmt(v: Any) -> str:
-        return "-" if v is None else f"{v:.3f}"
+    def ratio(row: dict[str, Any], a: str, b: str) -> str:
+        return "-" if row.get(a) is None or not row.get(b) else f"{row[a] / row[b]:.2f}"
 
+    lines = ["| ranks | state MiB | snapkeep stall s | DCP async stall s | stall / DCP async | "
+             "snapkeep durable s | DCP save s | durable / DCP save | DCP async durable s | "
+             "raw write+fsync s | snapkeep load s | DCP load s | load / DCP | "
+             "snapkeep load resharded s | DCP load resharded s | peak RSS MiB/rank |",
+             "|" + "---|" * 16]
     for row in table:
         lines.append(
-            f"| {row['world']} | {row['state_mib_total']:.0f} | {fmt(row['snapkeep_stall'])} | "
-            f"{fmt(row['snapkeep_durable'])} | {fmt(row['dcp_save'])} | "
-            f"{fmt(row['dcp_async_stall'])} | {fmt(row['dcp_async_durable'])} | "
-            f"{fmt(row['snapkeep_load'])} | {fmt(row['dcp_load'])} | "
-            f"{fmt(row['snapkeep_load_resharded'])} | {fmt(row['dcp_load_resharded'])} | "
+            f"| {row['world']} | {row['state_mib_total']:.0f} | {fmt(row, 'snapkeep_stall')} | "
+            f"{fmt(row, 'dcp_async_stall')} | "
+            f"{ratio(row, 'snapkeep_stall', 'dcp_async_stall')} | "
+            f"{fmt(row, 'snapkeep_durable')} | {fmt(row, 'dcp_save')} | "
+            f"{ratio(row, 'snapkeep_durable', 'dcp_save')} | {fmt(row, 'dcp_async_durable')} | "
+            f"{fmt(row, 'raw_write_fsync')} | {fmt(row, 'snapkeep_load')} | "
+            f"{fmt(row, 'dcp_load')} | {ratio(row, 'snapkeep_load', 'dcp_load')} | "
+            f"{fmt(row, 'snapkeep_load_resharded')} | {fmt(row, 'dcp_load_resharded')} | "
             f"{row['peak_rss_mib_max_rank']:.0f} |")
+    lines += ["", "snapkeep's time to durable by phase (median over repeats of the slowest "
+              "rank's seconds):", "",
+              "| ranks | " + " | ".join(PHASES) + " | sum | durable |",
+              "|" + "---|" * (len(PHASES) + 3)]
+    for row in table:
+        ph = row["phases"]
+        lines.append(f"| {row['world']} | " + " | ".join(f"{ph.get(k, 0.0):.3f}" for k in PHASES)
+                     + f" | {sum(ph.values()):.3f} | {row['snapkeep_durable']:.3f} |")
     sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
         with open(args.json, "w") as f:

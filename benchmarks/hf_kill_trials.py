@@ -12,6 +12,12 @@ before snapkeep's marker), then:
 
     PYTHONPATH=src python benchmarks/hf_kill_trials.py [--trials 20] [--seed 0]
 
+``--mid-epoch``: the exact-continuation trials (issue 32): the run is
+``tests/doors/continuation_worker.py hf`` (``SnapkeepTrainer``, dropout, a checkpoint every
+step, 3 epochs of 5 batches); each trial SIGKILLs it once the checkpoint of a random mid-epoch
+step is committed and reruns it (``latest_verified``); every step after the resume must feed the
+same batch and dropout mask as the uninterrupted run and the end state must be bit-identical.
+
 Prints one line per trial and the tally.
 """
 
@@ -33,6 +39,8 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "doors" / "hf_worker.py"
+CONTINUATION = ROOT / "tests" / "doors" / "continuation_worker.py"
+MID_EPOCH_STEPS, PER_EPOCH = 15, 5
 STEPS, EVERY = 12, 2
 STAGES = ("model", "optimizer", "state")
 BOUND_S = 300
@@ -74,6 +82,61 @@ def identical(a: pathlib.Path, b: pathlib.Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
+def deep_equal(a: object, b: object) -> bool:
+    """Tensors bit for bit (dtype included), containers element by element."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            deep_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(
+            deep_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def continuation_run(cwd: pathlib.Path, *extra: str
+                     ) -> tuple[int, list[tuple[int, str]], str]:
+    cwd.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, str(CONTINUATION), "hf", "ckpt", str(MID_EPOCH_STEPS),
+                           "--batches-per-epoch", str(PER_EPOCH), *extra], cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=BOUND_S)
+    steps = [(int(line.split()[1]), line.split()[2]) for line in done.stdout.splitlines()
+             if line.startswith("step ")]
+    return done.returncode, steps, done.stderr
+
+
+def mid_epoch(trials: int, seed: int) -> int:
+    """The exact-continuation trials (``--mid-epoch``, module docstring)."""
+    rng = random.Random(seed)
+    mid = [s for s in range(1, MID_EPOCH_STEPS) if s % PER_EPOCH]
+    identical_runs = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        code, expected, err = continuation_run(root / "reference")
+        if code != 0:
+            print(f"the uninterrupted run failed: {err[-2000:]}")
+            return 2
+        for trial in range(trials):
+            step = rng.choice(mid)
+            cwd = root / f"m{trial}"
+            killed, _, _ = continuation_run(cwd, "--kill-at", str(step))
+            code, steps, err = continuation_run(cwd)
+            resumed = f"resuming from checkpoint-{step} (step {step})" in err
+            same = code == 0 and resumed and steps == expected[step:] \
+                and deep_equal(*(torch.load(p / "final.pt", weights_only=True)
+                                 for p in (root / "reference", cwd)))
+            identical_runs += same
+            print(f"trial {trial + 1:2d}: killed (rc {killed}) once checkpoint-{step} "
+                  f"({step % PER_EPOCH} of {PER_EPOCH} batches into epoch "
+                  f"{step // PER_EPOCH + 1}) was committed; resumed from it: {resumed}; "
+                  f"bit-identical: {same}" + ("" if same else f"  {err[-1500:]}"), flush=True)
+            shutil.rmtree(cwd)
+    print(f"\n{identical_runs}/{trials} mid-epoch resumes bit-identical to the uninterrupted run "
+          "(every step's batch and dropout mask, and the end state)")
+    return 0 if identical_runs == trials else 1
+
+
 def main() -> None:
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -82,7 +145,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mid-epoch", action="store_true",
+                   help="the exact-continuation trials (module docstring)")
     a = p.parse_args()
+    if a.mid_epoch:
+        sys.exit(mid_epoch(a.trials, a.seed))
     rng = random.Random(a.seed)
     tally = {"stock_broken": 0, "stock_resume_failed": 0, "ours_newest_complete": 0,
              "ours_identical": 0}

@@ -19,7 +19,7 @@ from support.storage_backends import BUCKET, MotoServer, s3_options, start_moto_
 
 #: How long a test's child processes may take to exit after it returns (a worker finishing its
 #: shutdown), in seconds; polled, never slept through.
-CHILD_EXIT_GRACE_S = 10.0
+CHILD_EXIT_GRACE_S = 30.0  # polled: a quiet machine never waits it out
 _SHM_DIR = "/dev/shm"
 #: Long-lived helpers multiprocessing starts once per test process; not a test's leak.
 _INFRASTRUCTURE = ("resource_tracker", "forkserver")

@@ -297,7 +297,7 @@ def test_model_size_help_is_lower_case() -> None:
     assert "hidden width preset (small=128" in output and "Hidden width" not in output
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # the demo in a subprocess: slow on a loaded machine
 def test_ctrl_c_on_the_demo_says_how_to_resume(tmp_path: Path) -> None:
     import os
     import signal
@@ -335,3 +335,26 @@ def test_ctrl_c_on_the_demo_says_how_to_resume(tmp_path: Path) -> None:
     assert proc.returncode == 130, stderr
     assert "Run the same command again to resume" in stderr and str(out) in stderr
     assert "Aborted!" not in stderr
+
+
+def test_inspect_checks_a_file_of_a_committed_checkpoint_dir_against_its_marker(
+        tmp_path: Path) -> None:
+    """``snapkeep inspect checkpoint-N/optimizer.pt``: the file has no manifest, but its
+    directory's commit marker records its checksum: it is verified against that (before: "no
+    manifest (unverified)"), and a changed byte is CORRUPT (exit 1)."""
+    from snapkeep._core.store.marked_dirs import commit_checkpoint
+
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    torch.save({"state": {0: {"exp_avg": torch.arange(64.0)}}}, checkpoint / "optimizer.pt")
+    commit_checkpoint(checkpoint, step=4)
+    result = CliRunner().invoke(cli, ["inspect", str(checkpoint / "optimizer.pt")])
+    assert result.exit_code == 0, result.output
+    assert "checksum: ok (xxh3_128 " in result.output
+    assert f"recorded by the commit marker of {checkpoint}" in result.output, result.output
+    data = bytearray((checkpoint / "optimizer.pt").read_bytes())
+    spot = bytes(data).index(torch.arange(64.0).numpy().tobytes()) + 17
+    data[spot] ^= 0x40  # a value of the tensor: the file still loads
+    (checkpoint / "optimizer.pt").write_bytes(bytes(data))
+    result = CliRunner().invoke(cli, ["inspect", str(checkpoint / "optimizer.pt")])
+    assert result.exit_code == 1 and "CORRUPT" in result.output, result.output

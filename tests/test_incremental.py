@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 
 import pytest
 import torch
@@ -159,6 +160,13 @@ def test_a_corrupt_blob_skips_its_snapshots_and_verify_names_it(
     blob.write_bytes(bytes(data))
     result = CliRunner().invoke(cli, ["verify", str(tmp_path), "--template", "ckpt_{step}"])
     assert result.exit_code != 0 and "hash to" in result.output
+    assert re.search(rf"BAD BLOB +\S*{blob.name}: its bytes hash to \w+, not to its name "
+                     r".*; referred to by 1 snapshot: ckpt_2 \(", result.output), result.output
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path), "--template", "ckpt_{step}",
+                                      "--json"])
+    report = json.loads(result.output)
+    assert [(b["digest"], b["snapshots"]) for b in report["bad_blobs"]] == \
+        [(blob.name, ["ckpt_2"])]
     fresh, fresh_opt = make(seed=1)
     capsys.readouterr()
     with Checkpointer(tmp_path, incremental=True) as ckpt:
@@ -225,8 +233,7 @@ def test_the_snapshot_extension_writes_incremental_snapshots(tmp_path: pathlib.P
 
 
 def test_no_blob_is_deleted_while_another_save_is_in_flight(tmp_path: pathlib.Path) -> None:
-    from snapkeep.checkpointer import step_template
-    from snapkeep.store import IncrementalTracker, open_store
+    from snapkeep.store import IncrementalTracker, open_store, step_template
 
     net, opt = make()
     state = {"model": net, "optim": opt}
@@ -263,3 +270,74 @@ def test_prune_deletes_the_blobs_no_snapshot_left_refers_to(tmp_path: pathlib.Pa
     assert blobs(tmp_path) == manifest_blobs(tmp_path) and len(blobs(tmp_path)) == 3
     result = CliRunner().invoke(cli, ["verify", str(tmp_path), "--template", "ckpt_{step}"])
     assert result.exit_code == 0, result.output
+
+
+def _damage(blob: pathlib.Path, how: str) -> None:
+    """Other bytes of the same size: written in place, or a new file renamed over it."""
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    if how == "in-place":
+        with open(blob, "r+b") as f:
+            f.write(bytes(data))
+    else:
+        other = blob.with_name("replacement")
+        other.write_bytes(bytes(data))
+        os.replace(other, blob)
+
+
+def _backbone_blob(directory: pathlib.Path, net: Net) -> pathlib.Path:
+    from snapkeep._core.format.checksum import new_hasher
+
+    hasher = new_hasher()
+    hasher.update(net.backbone.weight.detach().numpy().tobytes())
+    return next((directory / ".snapkeep" / "blobs").glob(f"*/{hasher.hexdigest()}"))
+
+
+@pytest.mark.parametrize("how", ["in-place", "replaced"])
+def test_a_damaged_blob_is_written_again_by_the_next_save_that_refers_to_it(
+        tmp_path: pathlib.Path, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Steps 1, 2 saved; the frozen backbone's blob gets other bytes of the same size; the same
+    process saves 3 and 4: the blob is checked (not only its size), found damaged and written
+    again from the live bytes, so a restart resumes from step 4 (and steps 1, 2 load again).
+    (Before: BlobArea.has checked the size only; every later snapshot referred to the bad blob
+    and the restart raised NoValidSnapshotError.)"""
+    net, opt = make()
+    with Checkpointer(tmp_path, incremental=True) as ckpt:
+        for step in (1, 2):
+            train(net, opt)
+            ckpt.save(step, {"model": net, "optim": opt}).wait()
+        blob = _backbone_blob(tmp_path, net)
+        good = blob.read_bytes()
+        _damage(blob, how)
+        assert blob.read_bytes() != good and blob.stat().st_size == len(good)
+        for step in (3, 4):
+            train(net, opt)
+            ckpt.save(step, {"model": net, "optim": opt}).wait()
+    assert blob.read_bytes() == good
+    assert "written again from the live bytes" in caplog.text
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path), "--template", "ckpt_{step}"])
+    assert result.exit_code == 0, result.output
+    for step in (4, 1):
+        fresh, fresh_opt = make(seed=1)
+        with Checkpointer(tmp_path, incremental=True) as ckpt:
+            assert ckpt.load({"model": fresh, "optim": fresh_opt}, step=step) == step
+    assert torch.equal(fresh.backbone.weight, net.backbone.weight)
+
+
+def test_a_resumed_run_checks_the_blobs_it_did_not_load(tmp_path: pathlib.Path) -> None:
+    """A resumed process's first save refers to blobs it finds there (hashed, not written):
+    a blob it did not read at the resume and whose bytes are wrong is written again, not
+    trusted by its size. (Before: the size matched, the blob was kept.)"""
+    net, opt = make()
+    with Checkpointer(tmp_path, incremental=True) as ckpt:
+        ckpt.save(1, {"model": net, "optim": opt}).wait()
+    blob = _backbone_blob(tmp_path, net)
+    good = blob.read_bytes()
+    _damage(blob, "replaced")
+    with Checkpointer(tmp_path, incremental=True) as ckpt:  # no load: a fresh start's save
+        ckpt.save(2, {"model": net, "optim": opt}).wait()
+    assert blob.read_bytes() == good
+    fresh, fresh_opt = make(seed=1)
+    with Checkpointer(tmp_path, incremental=True) as ckpt:
+        assert ckpt.load({"model": fresh, "optim": fresh_opt}) == 2
+    assert torch.equal(fresh.backbone.weight, net.backbone.weight)

@@ -191,14 +191,14 @@ def store_locked(tmp_path: Path) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys; from snapkeep._core.store.lock import StoreLock; "
-         f"lock = StoreLock.acquire({str(tmp_path)!r}, 'snapshot_iter_{{.iteration}}', 'run'); "
+         f"lock = StoreLock.acquire({str(tmp_path)!r}, 'run', what='snapshot_iter'); "
          "print('held', flush=True); sys.stdin.readline()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         from snapkeep._core.store.lock import StoreLock
 
-        StoreLock.acquire(str(tmp_path), "snapshot_iter_{.iteration}", "run")
+        StoreLock.acquire(str(tmp_path), "run", what="snapshot_iter")
     finally:
         holder.communicate("\n", timeout=60)
 
@@ -291,7 +291,7 @@ ERRORS = {
         "snapkeep convert SNAPSHOT OUT.pt")),
     "StoreLockedError": Row(snapkeep.StoreLockedError, store_locked, (
         "in use by another trainer", "pid", "Stop the other trainer",
-        "another output directory or filename template")),
+        "give this run another output directory", "whatever its filename template")),
     "ManifestError": Row(snapkeep.errors.ManifestError, bad_manifest, (
         "manifest.json", "required field 'name' is missing")),
     "StagingRaceError": Row(snapkeep.StagingRaceError, staging_race, (

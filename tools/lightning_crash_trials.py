@@ -13,6 +13,14 @@ of moment:
 - ``step``: right after a random optimizer step (1-47), mid-epoch or just after a save began;
 - ``in-save``: the k-th save (k random, 1-6) kills itself half-way through its temp file.
 
+``--continuation``: the exact-continuation trials (issue 32): the run is
+``tests/doors/continuation_worker.py lightning`` (torchdata's ``StatefulDataLoader``, dropout,
+``every_n_train_steps=2``, ``val_check_interval=3``, 5 batches an epoch, 15 steps), SIGKILLed
+right after a random step (1-14; a snapshot may be in flight), rerun; every step after the
+resume must feed the same batch and dropout mask as the uninterrupted run and the end state
+must be bit-identical. Prints one line per trial (the step resumed from, mid-epoch or at an
+epoch's end) and the tally.
+
 With ``--from-step 9`` every kill comes after the first save began (the time delay counts
 from step 9, steps are drawn from 9-47, in-save kills from saves 2-6), so a rerun has a
 committed snapshot to resume from unless that first save was still in flight.
@@ -40,6 +48,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, os.pardir, "tests", "doors", "lightning_worker.py")
+CONTINUATION = os.path.join(HERE, os.pardir, "tests", "doors", "continuation_worker.py")
+#: The continuation trials' run: 3 epochs of 5 batches, a snapshot every 2 steps, validation
+#: every 3 batches, torchdata's StatefulDataLoader.
+CONTINUATION_ARGS = ["15", "--loader", "stateful", "--every", "2", "--val-every", "3",
+                     "--batches-per-epoch", "5"]
 BOUND_S = 300.0
 
 
@@ -125,6 +138,74 @@ def _check_directory(ckpts: str) -> tuple[list[str], str | None]:
     return problems, newest
 
 
+def _continuation_run(cwd: str, *, kill_after: int | None = None
+                      ) -> tuple[int, list[tuple[int, str]], str]:
+    """One continuation worker run in ``cwd`` (SIGKILLed as soon as it says step
+    ``kill_after``): its exit status, ``(step, digest)`` lines and stderr."""
+    os.makedirs(cwd, exist_ok=True)
+    err_path = os.path.join(cwd, "stderr.txt")
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, CONTINUATION, "lightning", "ckpt",
+                                 *CONTINUATION_ARGS], cwd=cwd, env=_env(),
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        assert proc.stdout is not None
+        steps: list[tuple[int, str]] = []
+        try:
+            for line in proc.stdout:
+                if line.startswith("step "):
+                    steps.append((int(line.split()[1]), line.split()[2]))
+                    if kill_after is not None and steps[-1][0] >= kill_after:
+                        os.kill(proc.pid, signal.SIGKILL)
+                        break
+            proc.wait(timeout=BOUND_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+    with open(err_path) as f:
+        return proc.returncode, steps, f.read()
+
+
+def continuation(trials: int, seed: int, root: str) -> int:
+    """The exact-continuation trials (module docstring, ``--continuation``)."""
+    rng = random.Random(seed)
+    code, expected, err = _continuation_run(os.path.join(root, "ref"))
+    if code != 0:
+        print(f"the uninterrupted run failed: {err[-2000:]}")
+        return 2
+    final = torch.load(os.path.join(root, "ref", "final.pt"), weights_only=True)
+    per_epoch = int(CONTINUATION_ARGS[CONTINUATION_ARGS.index("--batches-per-epoch") + 1])
+    tally = {"trials": 0, "identical": 0, "mid_epoch_resumes": 0, "epoch_end_resumes": 0,
+             "fresh_starts": 0, "failures": 0}
+    for trial in range(trials):
+        cwd = os.path.join(root, f"c{trial:03d}")
+        kill_after = rng.randint(1, len(expected) - 1)
+        killed, _, _ = _continuation_run(cwd, kill_after=kill_after)
+        code, steps, err = _continuation_run(cwd)
+        said = [line for line in err.splitlines() if line.startswith("snapkeep: resuming from")
+                or line.startswith("snapkeep: no snapshot of")]
+        resumed = int(said[0].split("(step ")[1].split(")")[0]) \
+            if said and "(step " in said[0] else 0
+        kind = "fresh" if resumed == 0 else \
+            "epoch-end" if resumed % per_epoch == 0 else "mid-epoch"
+        tally["fresh_starts" if resumed == 0 else "epoch_end_resumes" if kind == "epoch-end"
+              else "mid_epoch_resumes"] += 1
+        same = code == 0 and steps == expected[resumed:] and _identical(
+            final, torch.load(os.path.join(cwd, "final.pt"), weights_only=True))
+        tally["identical"] += int(same)
+        tally["failures"] += int(not same)
+        tally["trials"] += 1
+        print(f"trial {trial + 1:2d} killed after step {kill_after:2d} (rc {killed}) resumed "
+              f"from step {resumed:2d} ({kind:9s}) bit-identical={same}"
+              + ("" if same else f"  rerun rc {code}: {err[-1500:]}"), flush=True)
+    print(json.dumps(tally))
+    print(f"{tally['identical']}/{tally['trials']} bit-identical (every step's batch and dropout "
+          f"mask, and the end state); {tally['mid_epoch_resumes']} resumed mid-epoch, "
+          f"{tally['epoch_end_resumes']} at an epoch's end, {tally['fresh_starts']} fresh")
+    return 0 if tally["failures"] == 0 else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=50)
@@ -133,9 +214,14 @@ def main() -> int:
     parser.add_argument("--from-step", type=int, default=0,
                         help="kill only from this step on (9: after the first save began; "
                              "in-save kills then pick saves 2-6); default 0: from the start")
+    parser.add_argument("--continuation", action="store_true",
+                        help="the exact-continuation trials (StatefulDataLoader, dropout, "
+                             "every_n_train_steps, an integer val_check_interval)")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     root = args.dir or tempfile.mkdtemp(prefix="lightning-trials-")
+    if args.continuation:
+        return continuation(args.trials, args.seed, root)
     started = time.monotonic()
     reference = subprocess.Popen([sys.executable, WORKER, os.path.join(root, "ref")], env=_env(),
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

@@ -8,7 +8,10 @@ the repository):
 1. ``pip download --no-deps --no-binary :all: pytorch-pfn-extras==0.9.0`` -- ppe's source
    distribution. (0.9.0's sdist ships no tests; the step is kept in case a later one does.)
 2. otherwise the source archive of the ``v0.9.0`` tag from the project's GitHub repository.
-3. ``--source DIR``: a ppe checkout or unpacked archive you already have (no network).
+3. ``--source DIR``: a ppe checkout or unpacked archive you already have (no network), such as
+   ``../shared/ppe-tests`` beside the clone (ppe 0.9.0's test files, unmodified). The test suite
+   runs ``--source ../shared/ppe-tests --patch-targets`` and expects 135 passed, 0 failed
+   (``tests/interop/test_ppe_tests_tool.py``).
 
 From ``tests/pytorch_pfn_extras_tests`` it takes the manager, extension, trigger, snapshot and
 writer tests (:data:`SELECTED`), rewrites the imports only (``import pytorch_pfn_extras as ppe``
@@ -244,10 +247,11 @@ def summarize(report: pathlib.Path) -> dict[str, int]:
 
 
 def run(tests_root: pathlib.Path, *, baseline: bool, patch_targets: bool,
-        pytest_args: list[str]) -> tuple[int, pathlib.Path]:
+        pytest_args: list[str], work: pathlib.Path = CACHE) -> tuple[int, pathlib.Path]:
     """Run the selected tests (rewritten for snapkeep, or unchanged against ppe when
-    ``baseline``); prints the counts. Returns pytest's exit status and its junit report."""
-    run_dir = CACHE / ("baseline" if baseline else "rewritten")
+    ``baseline``), copied under ``work``; prints the counts. Returns pytest's exit status and
+    its junit report."""
+    run_dir = work / ("baseline" if baseline else "rewritten")
     files = prepare(tests_root, run_dir, patch_targets=patch_targets, rewrite=not baseline)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not baseline:
@@ -284,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--patch-targets", action="store_true",
                         help="also point mock.patch('pytorch_pfn_extras.x.Y') targets at snapkeep "
                              "(ppe's writer tests patch StandardWriter/QueueWriter by name)")
+    parser.add_argument("--work", type=pathlib.Path, default=CACHE,
+                        help="where the rewritten copies and pytest's report go (default: the "
+                             "git-ignored .ppe_tests/ of the repository)")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     tree = args.source if args.source is not None else fetch()
@@ -295,11 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     under_ppe: dict[str, str] = {}
     if args.compare or args.baseline:
         status, report = run(tests_root, baseline=True, patch_targets=False,
-                             pytest_args=args.pytest_args)
+                             pytest_args=args.pytest_args, work=args.work)
         under_ppe = outcomes(report) if report.exists() else {}
     if not args.baseline:
         status, report = run(tests_root, baseline=False, patch_targets=args.patch_targets,
-                             pytest_args=args.pytest_args)
+                             pytest_args=args.pytest_args, work=args.work)
     if args.compare and report.exists():
         failed = sorted(t for t, outcome in outcomes(report).items() if outcome == "failed")
         for test in failed:

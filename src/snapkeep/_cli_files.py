@@ -45,10 +45,12 @@ from snapkeep.store import (
     is_marker,
     load_file,
     manifest_path,
+    marker_of_file,
     misnamed_reason,
     newest_valid,
     read_manifest,
     resolve_storage,
+    verify_marked_file,
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STORAGE = 0, 1, 2, 3
@@ -310,10 +312,27 @@ def manifest_of(storage: Storage, path: str) -> Manifest | None:
 
 
 def file_checksum_status(storage: Storage, path: str) -> Status:
-    """:func:`checksum_status` of one file outside any template."""
+    """:func:`checksum_status` of one file outside any template; a file without a manifest
+    inside a marked directory (a Hugging Face ``checkpoint-N``) is checked against the record
+    of its directory's commit marker instead."""
     directory, name = storage.dirname(path), storage.basename(path)
     store = open_store(storage, directory, name.replace("{", "{{").replace("}", "}}"))
-    return checksum_status(store, Entry(name=name, path=path, key=(), step=None))
+    found = checksum_status(store, Entry(name=name, path=path, key=(), step=None))
+    if found.status != "no manifest":
+        return found
+    try:
+        marked = marker_of_file(storage, path)
+        if marked is None:
+            return found
+        marked_dir, relative, marker = marked
+        if relative not in marker.files:
+            return Status(status="no manifest", detail=f"not listed by the commit marker of "
+                          f"{marked_dir}")
+        checksum = verify_marked_file(storage, marked_dir, relative, marker)
+    except SnapshotCorruptError as e:
+        return Status(status="corrupt", detail=str(e))
+    return Status(status="ok", detail=f"{marker.algorithm} {checksum}, recorded by the commit "
+                  f"marker of {marked_dir}")
 
 
 #: The last run of ASCII digits in a name.
@@ -332,9 +351,10 @@ def _as_template(stem: str, step: int | None) -> str:
         f"{stem[:number.start()]}{{.iteration}}{stem[number.end():]}"
 
 
-def _sharded_templates(storage: Storage, directory: str, found: list[str]) -> None:
+def _sharded_templates(storage: Storage, directory: str,
+                       found: dict[str, list[str]]) -> None:
     """Add the templates of sharded snapshot directories of ``directory`` (their commit markers,
-    regular files read bounded) to ``found``."""
+    regular files read bounded) to ``found`` (template -> the names it was made from)."""
     from snapkeep.distributed import MARKER_NAME, ShardedManifest
 
     try:
@@ -357,21 +377,50 @@ def _sharded_templates(storage: Storage, directory: str, found: list[str]) -> No
         except (OSError, ValueError, UnicodeDecodeError, TypeError, KeyError,
                 SnapshotCorruptError):
             continue
-        template = _as_template(name, manifest.step)
-        if template not in found:
-            found.append(template)
+        # a checkpoint-N is of its kind's template whatever step its marker records (a copy,
+        # checkpoint-40 of step 4, is listed and reported bad, not a template of its own)
+        kind = CheckpointDirs.template
+        template = str(kind.template) if is_marker(data) and kind.parse(name) is not None \
+            else _as_template(name, manifest.step)
+        found.setdefault(template, []).append(name)
 
 
-def recorded_templates(storage: Storage, directory: str) -> list[str]:
-    """Templates the manifests in ``directory`` record (and the commit markers of its sharded
-    snapshot directories), for ``ls`` on a directory of another template and the CLI's default
-    template: a manifest's ``template`` field when it has one, else its name with the recorded
-    step replaced by ``{.iteration}`` (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``), or,
-    without a recorded step, its last number (``iter_7`` -> ``iter_{.iteration}``). On-error
-    snapshots (``<name>.on-error``, kept for inspection) are not a template of their own: a
-    Checkpointer directory holding one still needs no ``-t``."""
+#: A run of ASCII digits in a template's literal text (outside its fields).
+_DIGITS_OR_FIELD = re.compile(r"(\{[^{}]*\})|[0-9]+")
+
+
+def _merge_numbered(found: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Templates that differ only in the other numbers of their names (Lightning's
+    ``epoch=0-step={.iteration}.ckpt`` and ``epoch=1-step={.iteration}.ckpt``) as one, those
+    numbers a second field (``epoch={.epoch}-step={.iteration}.ckpt``: the step still sorts
+    first); a template alone is kept as it is."""
+    def shape(template: str, field: str) -> str:
+        return _DIGITS_OR_FIELD.sub(lambda m: m.group(1) or field, template)
+
+    groups: dict[str, list[str]] = {}
+    for template in found:
+        groups.setdefault(shape(template, "#"), []).append(template)
+    merged: dict[str, list[str]] = {}
+    for members in groups.values():
+        key = members[0] if len(members) == 1 else shape(members[0], "{.epoch}")
+        for template in members:
+            merged.setdefault(key, []).extend(found[template])
+    return merged
+
+
+def recorded_snapshots(storage: Storage, directory: str) -> dict[str, list[str]]:
+    """The templates the manifests in ``directory`` record (and the commit markers of its
+    sharded snapshot directories), each with the names of the snapshots it was made from: for
+    ``ls`` on a directory of another template, the CLI's default template and ``-t GLOB``.
+    A template is a manifest's name with its recorded step replaced by ``{.iteration}``
+    (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``), or, without a recorded step, its last
+    number (``iter_7`` -> ``iter_{.iteration}``); templates differing only in another number
+    of the names are one, that number an ``{.epoch}`` field (Lightning's default
+    ``epoch=E-step=S.ckpt``: ``epoch={.epoch}-step={.iteration}.ckpt``). On-error snapshots
+    (``<name>.on-error``, kept for inspection) are not a template of their own: a Checkpointer
+    directory holding one still needs no ``-t``."""
     manifest_dir = storage.join(directory, MANIFEST_DIR)
-    found: list[str] = []
+    found: dict[str, list[str]] = {}
     try:
         names = storage.list_names(manifest_dir)
     except (OSError, ValueError):
@@ -387,10 +436,12 @@ def recorded_templates(storage: Storage, directory: str) -> list[str]:
             continue
         if manifest.name.endswith(ON_ERROR_SUFFIX):
             continue
-        template = getattr(manifest, "template", None)
-        if not isinstance(template, str):  # no step recorded (ppe's snapshot with a snapkeep
-            template = _as_template(manifest.name, manifest.step)  # writer): the last number
-        if template not in found:
-            found.append(template)
+        template = _as_template(manifest.name, manifest.step)
+        found.setdefault(template, []).append(manifest.name)
     _sharded_templates(storage, directory, found)
-    return found
+    return _merge_numbered(found)
+
+
+def recorded_templates(storage: Storage, directory: str) -> list[str]:
+    """The templates of :func:`recorded_snapshots`."""
+    return list(recorded_snapshots(storage, directory))

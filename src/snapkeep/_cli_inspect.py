@@ -6,6 +6,7 @@ is removed or changes meaning) are documented in ``docs/cli.md``.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import re
@@ -39,6 +40,7 @@ from snapkeep._cli_files import (
     load_status,
     manifest_of,
     open_store,
+    recorded_snapshots,
     recorded_templates,
     require_directory,
     require_file,
@@ -66,6 +68,8 @@ def store_for(directory: str, template: str | None,
     """
     storage, path = resolve(directory, parse_storage_options(storage_options))
     require_directory(directory, storage, path)
+    if template is not None and GLOB.search(template):
+        template = _template_of_glob(directory, storage, path, template)
     if template is None:
         found = recorded_templates(storage, path)
         if len(found) == 1:
@@ -80,6 +84,29 @@ def store_for(directory: str, template: str | None,
         return open_store(storage, path, template)
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="'--template'") from e
+
+
+#: A ``-t`` holding one of these is a shell-style pattern of names (``'*.ckpt'``, as the
+#: Lightning door's resume line shows), not a template.
+GLOB = re.compile(r"[*?\[]")
+
+
+def _template_of_glob(directory: str, storage: Storage, path: str, pattern: str) -> str:
+    """The one recorded template (:func:`recorded_snapshots`) of the snapshots whose names
+    match ``pattern``; usage error when none or several do."""
+    matching = [t for t, names in recorded_snapshots(storage, path).items()
+                if any(fnmatch.fnmatchcase(n, pattern) for n in names)]
+    if len(matching) == 1:
+        return matching[0]
+    if not matching:
+        raise click.BadParameter(
+            f"no snapshot in {directory} recorded by snapkeep is named like {pattern!r}; "
+            "pass a template with a {.iteration} field, e.g. 'ckpt_{.iteration}'",
+            param_hint="'--template'")
+    raise click.BadParameter(
+        f"snapshots of {len(matching)} templates in {directory} are named like {pattern!r} "
+        f"({', '.join(repr(t) for t in matching[:5])}): pass one of them",
+        param_hint="'--template'")
 
 
 def none_found(store: SnapshotStore, directory: str, template: str) -> str:
@@ -204,7 +231,8 @@ def verify(directory: str, template: str | None, storage_options: tuple[str, ...
             if as_json:
                 emit_json({"schema": "snapkeep.verify/1", "directory": directory,
                            "template": template, "snapshots": [], "bad": 0,
-                           "newest_loadable": None, "exit_code": EXIT_FAILED})
+                           "newest_loadable": None, "bad_blobs": [],
+                           "exit_code": EXIT_FAILED})
             else:
                 click.echo(message, err=True)
             sys.exit(EXIT_FAILED)
@@ -215,25 +243,68 @@ def verify(directory: str, template: str | None, storage_options: tuple[str, ...
                 found = load_status(store, entry)
                 bar.update(store.storage.size(entry.path))
                 results.append((entry, found))
+        blobs = bad_blobs(store, entries)
     bad = sum(found.status in ("corrupt", "unsafe") for _, found in results)
     loadable = resumable(results)
-    code = EXIT_FAILED if bad else 0
+    code = EXIT_FAILED if bad or blobs else 0
     if as_json:
         emit_json({
             "schema": "snapkeep.verify/1", "directory": directory, "template": template,
             "snapshots": [{"name": e.name, "step": e.step, "status": found.status,
                            "detail": found.detail} for e, found in results],
             "bad": bad, "newest_loadable": loadable[-1] if loadable else None,
-            "exit_code": code,
+            "bad_blobs": blobs, "exit_code": code,
         })
     else:
         for entry, found in results:
             click.echo(f"{found.status.upper():<10} {entry.name}  (step {entry.step})  "
                        f"{found.detail}")
+        for blob in blobs:
+            click.echo(f"BAD BLOB   {blob['blob']}: {blob['detail']}; referred to by "
+                       f"{plural(len(blob['snapshots']), 'snapshot')}: "
+                       f"{', '.join(blob['snapshots'])} (restore the blob from a good copy, or "
+                       "resume from a snapshot that does not refer to it)")
         click.echo(f"{plural(len(results), 'snapshot')}, {bad} corrupt or refused; autoload "
                    f"would resume from {loadable[-1] if loadable else 'none'}")
     if code:
         sys.exit(code)
+
+
+def bad_blobs(store: SnapshotStore, entries: list[Any]) -> list[dict[str, Any]]:
+    """The blobs of incremental snapshots (listed by their manifests) that are missing or
+    damaged, each once, with the names of the snapshots that refer to it, oldest first:
+    ``[{"blob": path, "digest": hex, "detail": why, "snapshots": [names]}]``. A blob read and
+    verified a moment ago by :func:`load_status` in this process is not read again (see
+    ``BlobArea.check``)."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    good: set[tuple[str, str]] = set()
+    for entry in entries:
+        manifest = store.manifest(entry)
+        if manifest is None or not manifest.blobs:
+            continue
+        area = store.blob_area_of(entry, manifest)
+        for digest, nbytes in sorted(manifest.blobs.items()):
+            key = (area.directory, digest)
+            if key in good:
+                continue
+            if key not in found:
+                try:
+                    area.check(digest, nbytes)
+                    good.add(key)
+                    continue
+                except (SnapshotCorruptError, ValueError) as e:
+                    found[key] = {"blob": store.storage.url(store.storage.join(area.directory,
+                                                                             digest)),
+                                  "digest": digest, "detail": _blob_detail(str(e)),
+                                  "snapshots": []}
+            found[key]["snapshots"].append(entry.name)
+    return list(found.values())
+
+
+def _blob_detail(message: str) -> str:
+    """The reason in a blob error (``'blob PATH: why'`` -> ``'why'``)."""
+    head, sep, rest = message.partition(": ")
+    return rest if sep and head.startswith("blob ") else message
 
 
 def resumable(results: list[tuple[Any, Status]]) -> list[str]:

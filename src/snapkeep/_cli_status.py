@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
+from collections.abc import Mapping
+from typing import Any
 
 import click
 
@@ -16,6 +19,12 @@ EXIT_FINISHED = 0
 EXIT_PREEMPTED = 75
 """Exit code of ``snapkeep status`` for a preempted run: ``EX_TEMPFAIL`` of sysexits.h
 ("temporary failure, retry"): the job should run the same command again."""
+EXIT_PREEMPTED_NOT_DURABLE = 79
+"""Exit code of ``snapkeep status`` for a run preempted with a deadline its durable write did
+not fit: the step is in the memory tier only (node RAM and peers) or nowhere (the status's
+``preemption.committed_to`` says which); the same code the trainer exited with
+(``snapkeep.distributed.EXIT_CODE_PREEMPTED_NOT_DURABLE``). Requeue as for 75: the rerun
+resumes from RAM on the same nodes, else from storage's newest snapshot."""
 EXIT_NOT_DONE = 1
 """Failed, still running, died without a word (still ``running``), no status, or an unreadable
 one."""
@@ -23,14 +32,24 @@ one."""
 STATUS_EPILOG = """\b
 Exit codes:
   0   finished: the manager was finalized without error or preemption
-  75  preempted: the preemption snapshot is committed; run the same
-      command again (requeue) to resume
+  75  preempted: the preemption snapshot is committed to storage; run
+      the same command again (requeue) to resume
+  79  preempted, but the grace period was too short for the durable
+      write: the step is in the memory tier only (RAM, peers) or
+      nowhere; requeue: the rerun resumes from RAM on the same nodes,
+      else from storage's newest snapshot
   1   failed, or 'running': still running (checked by pid on the host
       that wrote the status) or died without a word (killed, out of
       memory, node lost), or no status file, or an invalid one
   2   usage error
   3   storage error: unreachable endpoint, credentials, permissions
 """
+
+
+def shown(text: str) -> str:
+    """``text`` as one printable line: control characters (a terminal escape sequence in a
+    status anyone could write) are shown escaped, never sent to the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @click.command("status", epilog=STATUS_EPILOG)
@@ -42,7 +61,10 @@ def status(out_dir: str, as_json: bool) -> None:
         try:
             found = run_status(out_dir)
         except ValueError as e:
-            click.echo(f"{out_dir}: invalid status file: {e}", err=True)
+            click.echo(f"{out_dir}: invalid status file (.snapkeep/status.json, not as "
+                       f"snapkeep wrote it): {e}; the run's outcome is unknown: 'snapkeep ls "
+                       f"{out_dir}' lists its snapshots, and the same command resumes from the "
+                       "newest", err=True)
             raise click.exceptions.Exit(EXIT_NOT_DONE) from None
     if found is None:
         click.echo(f"{out_dir}: no run status (no run with extensions.preemption() wrote "
@@ -56,11 +78,12 @@ def status(out_dir: str, as_json: bool) -> None:
                                "time_unix_s": found.time_unix_s, "reason": found.reason,
                                "snapshots": list(found.snapshots),
                                "world_size": found.world_size, "pid": found.pid,
-                               "host": found.host, "alive": alive}, sort_keys=True))
+                               "host": found.host, "alive": alive,
+                               "preemption": dict(found.preemption)}, sort_keys=True))
     else:
         text = found.state
         if found.state == "running":
-            where = f"pid {found.pid} on {found.host}" if found.pid else "no pid recorded"
+            where = f"pid {found.pid} on {shown(found.host)}" if found.pid else "no pid recorded"
             if alive is True:
                 text = f"running ({where})"
             elif alive is False:
@@ -75,10 +98,35 @@ def status(out_dir: str, as_json: bool) -> None:
         line = (f"{text} {at} {found.step} ({when:%Y-%m-%dT%H:%M:%SZ}, "
                 f"{found.world_size} rank(s))")
         if found.reason:
-            line += f": {found.reason}"
+            line += f": {shown(found.reason)}"
         if found.snapshots:
-            line += f"; snapshot {', '.join(found.snapshots)}"
+            line += f"; snapshot {', '.join(map(shown, found.snapshots))}"
+        if found.preemption:
+            line += "; " + _describe_plan(found.preemption)
         click.echo(line)
     code = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED}.get(found.state,
                                                                          EXIT_NOT_DONE)
+    if found.state == "preempted" and not found.durable:
+        code = EXIT_PREEMPTED_NOT_DURABLE
     raise click.exceptions.Exit(code)
+
+
+def _describe_plan(plan: Mapping[str, Any]) -> str:
+    """A preemption record as one phrase: where the step went, the time left and the
+    estimate."""
+    where = {"storage": "committed to storage",
+             "ram": "committed to the memory tier only (durable write skipped)",
+             "none": "not committed (no time for the durable write, no memory tier)"}.get(
+                 str(plan.get("committed_to")),
+                 f"committed to {str(plan.get('committed_to'))[:40]}")
+
+    def seconds(key: str) -> str:  # the record is untrusted: a number or 'unknown'
+        value = plan.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or abs(value) > 1e9:
+            return "unknown"
+        return f"{value:.1f} s"
+
+    return (f"{where}: {seconds('remaining_s')} left (deadline from "
+            f"{str(plan.get('deadline_from') or 'none')[:40]}), durable write estimated at "
+            f"{seconds('durable_estimate_s')}")

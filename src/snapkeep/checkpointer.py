@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import signal
-import string
 import types
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -42,6 +41,8 @@ import torch
 from snapkeep._version import __version__
 from snapkeep.distributed import (
     EXIT_CODE_PREEMPTED,
+    EXIT_CODE_PREEMPTED_NOT_DURABLE,
+    exchange_outcomes,
     exit_cleanly_at_exit,
     is_distributed,
     job_rank,
@@ -65,15 +66,17 @@ from snapkeep.staging import into_existing_state
 from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
-    FilenameTemplate,
     IncrementalTracker,
     MemoryTier,
+    Plan,
     RunControl,
     RunLineage,
+    SaveTimes,
     Session,
     SnapshotStore,
     Storage,
     TierEngine,
+    check_grace_s,
     check_timeout_s,
     describe,
     find_mismatches,
@@ -81,6 +84,7 @@ from snapkeep.store import (
     preemption_signals,
     resolve_storage,
     state_bytes,
+    step_template,
     tier_dir,
     unloadable_value,
     warn_user,
@@ -108,45 +112,6 @@ RUN_ID = "checkpointer"
 #: lock (flock) refuses other processes; within one process it lets a newer trainer take over
 #: from a forgotten one (a notebook cell run again), so open Checkpointers are checked here.
 _OPEN: weakref.WeakValueDictionary[tuple[str, str], Checkpointer] = weakref.WeakValueDictionary()
-
-
-class _Step:
-    """What a step template is formatted with (its ``{step}`` fields become ``{.iteration}``)."""
-
-    def __init__(self, step: int) -> None:
-        self.iteration = step
-
-
-def step_template(template: str) -> FilenameTemplate:
-    """``template`` (``'ckpt_{step}'``, ``'{step:08d}.pt'``, ``'run/{step}'``) as a
-    :class:`FilenameTemplate` whose names parse back to the step.
-
-    Raises:
-        TypeError: ``template`` is not a str.
-        ValueError: it has no ``{step}`` field, another field, or is malformed.
-    """
-    if not isinstance(template, str):
-        raise TypeError(f"template must be a str with one {{step}} field such as 'ckpt_{{step}}' "
-                        f"or '{{step:08d}}.pt', got {type(template).__name__}")
-    parts: list[str] = []
-    fields = 0
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise ValueError(f"template {template!r} is malformed: {e}") from e
-    for literal, field, spec, conversion in parsed:
-        parts.append(literal.replace("{", "{{").replace("}", "}}"))
-        if field is None:
-            continue
-        if field != "step" or conversion:
-            raise ValueError(f"template {template!r} has the field {{{field}}}; the only field "
-                             "is {step} (with an optional format spec such as {step:08d})")
-        fields += 1
-        parts.append("{.iteration" + (f":{spec}" if spec else "") + "}")
-    if fields != 1:
-        raise ValueError(f"template {template!r} must have exactly one {{step}} field (e.g. "
-                         f"'ckpt_{{step}}', '{{step:08d}}.pt'), it has {fields}")
-    return FilenameTemplate("".join(parts))
 
 
 def stateful(key: str, obj: Any) -> Any:
@@ -232,8 +197,9 @@ class Checkpointer:
 
     Args:
         directory: where the snapshots go: a local path or an fsspec URL (``s3://bucket/run``).
-            Created if missing. One Checkpointer per directory and template at a time: the
-            directory lock (a second one, in this or another process, raises
+            Created if missing. One Checkpointer (or other trainer) per directory at a time,
+            whatever its template: the directory lock (a second one, in this or another
+            process, raises
             :class:`~snapkeep.errors.StoreLockedError`; object stores are not locked).
         keep: how many snapshots to keep: an int N keeps the newest N by step (Orbax's
             ``max_to_keep``, ppe's ``n_retains``); a policy from :mod:`snapkeep.retention`
@@ -279,7 +245,15 @@ class Checkpointer:
             torch.distributed the ranks agree there, one all-reduce of one int per call) every
             rank snapshots that step (``force``), waits until it is committed, the run status
             becomes ``preempted`` and the process exits with ``SystemExit(143)``. Default
-            False: signals keep their default action.
+            False: signals keep their default action. With a deadline (``grace_s``), the step
+            goes to storage only when this run's measured durable write fits the time left;
+            else to the memory tier only (``memory``), the durable write skipped, or nowhere,
+            and the process exits with ``SystemExit(79)`` (see ``docs/cluster.md``).
+        grace_s: seconds between the first preemption signal and SIGKILL (the launcher's
+            grace period: Kubernetes' ``terminationGracePeriodSeconds``, a Spot notice);
+            None (default): ``$SNAPKEEP_GRACE_S``, else SLURM's ``$SLURM_JOB_END_TIME``, else
+            no deadline (the preemption snapshot always goes to storage). See
+            :mod:`snapkeep._core.session.deadline` for the estimate and the decision.
         incremental: write incremental snapshots (single files only): each tensor storage of
             at least 1 MiB is stored once, as a content-addressed blob in
             ``directory/.snapkeep/blobs/``, and a snapshot refers to the blobs of the storages
@@ -310,6 +284,7 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S, memory: MemoryTier | None = None,
         preemption: bool | Sequence[signal.Signals | int] = False, incremental: bool = False,
+        grace_s: float | None = None,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or URL string, got "
@@ -323,6 +298,7 @@ class Checkpointer:
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         timeout_s = check_timeout_s(timeout_s)  # type: ignore[assignment]
+        grace_s = check_grace_s(grace_s)  # before anything is created
         if sharded is None:
             sharded = is_distributed()
         if not isinstance(sharded, bool):
@@ -355,6 +331,7 @@ class Checkpointer:
         self._tier: TierEngine | None = None
         self._session: Session | None = None
         self._run: RunControl | None = None  # the run status and preemption hook
+        self._times = SaveTimes()  # this run's durable saves, timed: the preemption's estimate
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
         self._writer: Writer | None = None
@@ -374,7 +351,7 @@ class Checkpointer:
             # input check and the resume notice (the snapshot extension's, see snapkeep.store)
             self._session = Session(self._store, policy=self._policy,
                                     lineage=RunLineage.named(RUN_ID),
-                                    shown_template=self.template)
+                                    shown_template=self.template, door=RUN_ID)
 
             if self._writer is not None:
                 self._claim(storage, path)
@@ -400,23 +377,25 @@ class Checkpointer:
                 rank=groups.rank if groups is not None else job_rank(),
                 world_size=groups.world_size if groups is not None else 1,
                 signals=preemption_signals(preemption),
-                control=groups.control if groups else None, timeout_s=timeout_s)
+                control=groups.control if groups else None, timeout_s=timeout_s,
+                grace_s=grace_s)
         except BaseException:
             self.close()
             raise
 
     def _claim(self, storage: Storage, path: str) -> None:
-        """Refuse a second open Checkpointer of this process on this directory and template
-        (the store lock refuses other processes), and register this one."""
-        self._key = (os.path.realpath(path) if storage.is_local else storage.url(path),
-                     self._template.lock_key)
+        """Refuse a second open Checkpointer of this process on the directory its snapshots
+        live in, however spelled or split between directory and template (the store lock
+        refuses other processes), and register this one."""
+        owned = self._store.snapshot_directory
+        self._key = (os.path.realpath(owned) if storage.is_local else storage.url(owned), "")
         other = _OPEN.get(self._key)
         if other is not None and not other._closed:
             raise StoreLockedError(
-                f"snapshots of {self.template!r} in {self._location!r} are in use by another "
-                f"open Checkpointer of this process ({other!r}); two on one directory and "
-                "template would delete and overwrite each other's snapshots. close() the other "
-                "one first, or use another directory or template")
+                f"{storage.url(owned)!r} is in use by another open Checkpointer of this "
+                f"process ({other!r}); two on one snapshot directory would delete and "
+                "overwrite each other's snapshots, whatever their templates. close() the other "
+                "one first, or use another directory")
         _OPEN[self._key] = self
 
 
@@ -481,6 +460,12 @@ class Checkpointer:
         run.at(step)
         agreed = run.agree() if not on_error else 0
         tier = self._tier
+        plan = run.plan(self._times.estimate(), tier=tier is not None) if agreed else None
+        if plan is not None and plan.where != "storage":  # the durable write would not fit
+            if plan.where == "ram":
+                self._open_tier(state)
+                self._save_to_ram(step, state, None)
+            self._preempt(step, agreed, plan)
         to_ram = tier is not None and not on_error and step % tier.tier.every == 0
         if to_ram:
             self._open_tier(state)
@@ -488,16 +473,19 @@ class Checkpointer:
             if to_ram:
                 self._save_to_ram(step, state, None)
             return None
+        started = self._times.start()
         handle = self._save_to_storage(session, step, state, recorded, on_error=on_error)
+        if handle is not None and not on_error:
+            self._times.staged(started, handle.committed)
         if to_ram:
             self._save_to_ram(step, state, handle)
         if agreed:
-            self._preempt(step, agreed)
+            self._preempt(step, agreed, plan)
         return handle
 
     def _save_to_storage(self, session: Session, step: int, state: Mapping[str, Any],
                          recorded: dict[str, float], *, on_error: bool) -> Any:
-        name = self._template.format(_Step(step)) + (ON_ERROR_SUFFIX if on_error else "")
+        name = self._template.name_at(step) + (ON_ERROR_SUFFIX if on_error else "")
         if self._sharded is not None:
             _refuse_plain_loaders(_check_state(state))
             self._refuse_unloadable(self._payload(step, state))
@@ -508,17 +496,11 @@ class Checkpointer:
             if on_error:
                 sharded_handle.committed.result()
             return sharded_handle
-        writer: Any = self._writer  # not sharded: a writer
         tree = self._payload(step, state)
         self._refuse_unloadable(tree)
-        # the retention input check (a KeepBest metric no snapshot records: ValueError, nothing
-        # written or deleted), then the retention stage the writer runs after the commit
-        retain = session.retention(name, step, recorded, on_error=on_error)
-        extra: dict[str, Any] = {"step": step, "retain": retain,  # snapkeep's writer extras
-                                 "metrics": recorded, "run_id": session.lineage.run_id}
-        if self._incremental is not None:
-            extra["incremental"] = self._incremental
-        handle = writer(name, self._location, tree, **extra)
+        handle = session.save(self._writer, name, self._location, tree, step=step,
+                              metrics=recorded, on_error=on_error,
+                              incremental=self._incremental)
         if on_error and handle is not None:
             handle.wait()
         return handle
@@ -529,22 +511,40 @@ class Checkpointer:
             raise RuntimeError("the Checkpointer is closed")
         return run
 
-    def _preempt(self, step: int, agreed: int) -> None:
+    def _preempt(self, step: int, agreed: int, plan: Plan | None) -> None:
         """A preemption was agreed at ``step`` (``agreed``: a signal and a rank that received
-        it; the snapshot taken): wait until it is committed on every rank, record ``preempted``
-        and exit with 143 (as ``extensions.preemption``)."""
+        it; the snapshot taken where ``plan`` says): wait until it is committed on every rank,
+        record ``preempted`` and exit with 143 (in storage, as ``extensions.preemption``) or
+        79 (in RAM only, or nowhere: the durable write did not fit the deadline)."""
         run = self._run_of()
-        name = self._template.format(_Step(step))
-        logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
-                       "for its commit, then exiting with %d", run.rank, name, step,
-                       EXIT_CODE_PREEMPTED)
+        where = "storage" if plan is None else plan.where
+        name = self._template.name_at(step) if where == "storage" else ""
+        code = EXIT_CODE_PREEMPTED if where == "storage" else EXIT_CODE_PREEMPTED_NOT_DURABLE
+        logger.warning("rank %d: preemption requested; step %d taken (%s), waiting for its "
+                       "commit, then exiting with %d", run.rank, step, where, code)
         run.preempting = True
-        self.wait()  # committed on every rank (sharded: collective)
-        run.preempted(step, name, agreed)
+        if where == "storage":
+            self.wait()  # committed on every rank (sharded: collective)
+        else:
+            error: BaseException | None = None
+            try:
+                if self._tier is not None:
+                    self._tier.wait()
+            except Exception as e:  # exchanged: every rank raises, naming the failing one
+                error = e
+            groups = self._sharded.groups if self._sharded is not None else None
+            exchange_outcomes(groups.control if groups is not None else None, error,
+                              what=f"preemption RAM snapshot of step {step}",
+                              timeout_s=run.timeout_s)
+        run.preempted(step, name, agreed, plan)
         self.close()
-        if self._sharded is not None and self._sharded.groups is not None:
-            exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort (-6)
-        run.exit_preempted(step)
+        if where != "storage" or (self._sharded is not None
+                                  and self._sharded.groups is not None):
+            # teardown with gloo can abort (-6); and a deadline leaves no time for a slow
+            # interpreter teardown (seconds on a loaded machine): every atexit handler runs,
+            # then os._exit
+            exit_cleanly_at_exit(code)
+        run.exit_preempted(step, plan)
 
     # -- the memory tier -------------------------------------------------------------------------
     def _ram_tree(self, step: int, state: Mapping[str, Any]) -> Any:
@@ -822,14 +822,18 @@ class Checkpointer:
         if missing:
             raise StateMismatchError(
                 f"snapshot {entry.path} (step {entry.step}) has no {missing} (it has "
-                f"{sorted(saved)[:20]}); nothing was loaded")
+                f"{sorted(saved)[:20]}); nothing was loaded. Next: leave {missing} out of "
+                "`into` for this load and set them up yourself (the next save adds them), or "
+                "start fresh with Checkpointer(<another directory>)")
         problems: list[str] = []
         for key, obj in objects.items():
             problems += [f"[{key!r}] {p}" for p in _fit_problems(obj, saved[key], key)]
         if problems:
             raise StateMismatchError(
                 f"snapshot {entry.path} (step {entry.step}) does not fit: {describe(problems)}. "
-                "Nothing was loaded.")
+                "Nothing was loaded. Next: build these objects as they were when that step was "
+                f"saved ('snapkeep inspect {entry.path}' shows what it holds), or start fresh "
+                "with Checkpointer(<another directory>)")
         optimizers = [o for o in objects.values() if isinstance(o, torch.optim.Optimizer)]
         with into_existing_state(optimizers):
             for key, obj in objects.items():

@@ -1,5 +1,5 @@
 """The ``snapkeep`` command line: ``demo``, ``ls``, ``verify``, ``inspect``, ``diff``, ``prune``,
-``convert`` and ``status``.
+``convert``, ``status`` and ``flush``.
 
 Run ``snapkeep --help`` (or ``python -m snapkeep.cli --help``) for the options; exit codes and
 JSON shapes are in ``docs/cli.md`` and each command's ``--help``.
@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from snapkeep._cli_common import DEFAULT_TEMPLATE, EXIT_CODES_EPILOG, plural
+from snapkeep._cli_flush import flush
 from snapkeep._cli_inspect import diff, inspect, ls_command, verify
 from snapkeep._cli_maintain import convert, prune
 from snapkeep._cli_status import status
@@ -131,7 +132,7 @@ def demo(out_dir: str, iterations: int, snapshot_interval: int, n_retains: int, 
 
 
 
-for _command in (ls_command, verify, inspect, diff, prune, convert, status):
+for _command in (ls_command, verify, inspect, diff, prune, convert, status, flush):
     cli.add_command(_command)
 
 

@@ -31,6 +31,7 @@ from snapkeep._core.distributed.signals import (
     AGENT_GONE,
     DEFAULT_SIGNALS,
     EXIT_CODE_PREEMPTED,
+    EXIT_CODE_PREEMPTED_NOT_DURABLE,
     SignalWatch,
     describe_signal,
     parse_signals,
@@ -50,7 +51,8 @@ __all__ = [
     "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
     "agree_on_resume", "all_gather", "background_groups", "end_if_orphaned",
     "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed", "DEFAULT_SIGNALS",
-    "EXIT_CODE_PREEMPTED", "SignalWatch", "describe_signal", "job_rank", "on_orphaned",
+    "EXIT_CODE_PREEMPTED", "EXIT_CODE_PREEMPTED_NOT_DURABLE", "SignalWatch", "describe_signal",
+    "job_rank", "on_orphaned",
     "AGENT_GONE", "parse_signals", "signal_name", "signalled", "together",
     *sorted(_SHARDED),
 ]

@@ -15,10 +15,12 @@ N* whose marker verifies. The callback also takes over ``save_total_limit`` rota
 :class:`SnapkeepCallback`), so the best and the newest committed checkpoints are never deleted.
 
 Nothing is renamed or moved: the directories stay what the Trainer and ``from_pretrained``
-read. A directory without a valid marker is *ignored* (with a warning naming it), never
-quarantined or deleted: snapkeep cannot tell a crashed save from a checkpoint the stock Trainer
-wrote before the callback was added, and ``trainer_state.json`` of other checkpoints may name it
-(``best_model_checkpoint``).
+read. A directory without a valid marker is never quarantined, counted or deleted
+(``trainer_state.json`` of other checkpoints may name it: ``best_model_checkpoint``): one that
+snapkeep's save claimed (an interrupted save) is skipped, named on stderr; a complete one the
+stock Trainer wrote before the callback was added is resumed unverified, said on stderr
+(:meth:`CheckpointDirs.adoptable`). The callback claims each ``checkpoint-N`` before the Trainer
+writes it, refusing a directory there that neither snapkeep nor a Trainer wrote.
 
 Requires ``transformers`` (``pip install snapkeep[hf]``); ``import snapkeep`` does not import it.
 """
@@ -50,6 +52,7 @@ from snapkeep.distributed import (
     is_distributed,
     parse_signals,
 )
+from snapkeep.errors import SnapshotCorruptError
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
 from snapkeep.store import (
     CHECKPOINT_PATTERN,
@@ -67,7 +70,9 @@ from snapkeep.store import (
     commit_checkpoint,
     read_marker,
     resolve_storage,
+    say,
     verify_checkpoint,
+    warn_user,
 )
 
 __all__ = [
@@ -101,9 +106,12 @@ def latest_verified(output_dir: str | os.PathLike[str], *, quiet: bool = False) 
 
     The engine session's resume choice (as every door's): the newest one that verifies, said
     on stderr (rank 0: ``snapkeep: resuming from checkpoint-N (step N) in DIR``), each one
-    skipped named with why (no marker: a save killed midway; a truncated or changed file), or
-    that the run starts fresh. Skipped directories are left as they are (not deleted or
-    moved; see the module docstring).
+    skipped named with why (no marker: a save killed midway; a truncated or changed file; a
+    marker of another step: a copy), or that the run starts fresh. A complete checkpoint the
+    stock Trainer wrote before snapkeep was added (no marker, never claimed by snapkeep's save,
+    ``trainer_state.json`` of step N) counts too, unverified (no checksums), said on stderr.
+    Skipped directories are left as they are (not deleted or moved; see the module
+    docstring).
 
     Args:
         output_dir: the Trainer's ``args.output_dir`` (a local path).
@@ -121,7 +129,23 @@ def latest_verified(output_dir: str | os.PathLike[str], *, quiet: bool = False) 
     if not store.storage.isdir(store.directory):
         session.choose(store.verify, candidates=[])
         return None
-    entry = session.choose(store.verify)
+    adopted: list[Entry] = []
+
+    def check(entry: Entry) -> Any:
+        try:
+            return store.verify(entry)
+        except SnapshotCorruptError as e:
+            why = store.adoptable(entry)
+            if why:
+                raise SnapshotCorruptError(f"{e} ({why})") from e
+            adopted.append(entry)  # the stock Trainer's, from before snapkeep: unverified
+            return None
+
+    entry = session.choose(check)
+    if entry is not None and entry in adopted:
+        say(f"{entry.name} has no commit marker (written by the Trainer before snapkeep was "
+            "added): resumed unverified, as the Trainer wrote it; the next checkpoints are "
+            "committed", quiet=quiet)
     return None if entry is None else str(entry.path)
 
 
@@ -266,6 +290,8 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             session = self.open(directory)
         else:  # the other ranks: the lineage only
             session = self.session = _session(directory)
+        if state.global_step > 0:
+            _warn_if_not_exact(args, state, kwargs.get("train_dataloader"))
         if state.global_step > 0:  # resumed: inherit the lineage of the checkpoint resumed
             store: Any = session.store
             marker = store.manifest(Entry(
@@ -329,6 +355,7 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             logger.info("snapkeep: new best %s=%s at step %d, not a save step: saving it",
                         name, value, state.global_step)
             control.should_save = True
+            self.claim(args, state, control)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
@@ -341,7 +368,30 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
                 self.preempted = agreed
                 control.should_save = True
                 control.should_training_stop = True
+        self.claim(args, state, control)
         self.uncommit(args, state, control)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        self.claim(args, state, control)
+        self.uncommit(args, state, control)
+
+    def claim(self, args: TrainingArguments, state: TrainerState,
+              control: TrainerControl) -> None:
+        """Before the Trainer writes ``checkpoint-N`` (a save is decided at this step): the
+        directory is claimed as the owned save claims it (:meth:`CheckpointDirs.claim`): a
+        directory there that snapkeep did not commit and no Trainer wrote (a user's
+        ``checkpoint-4/my_eval_notes.txt``) stops the run with ``SnapshotStorageError`` naming
+        it, its files untouched, never committed or rotated.
+
+        Raises:
+            SnapshotStorageError: such a directory is at the name; nothing was written.
+        """
+        if not (control.should_save and args.should_save):
+            return
+        storage, path = _storage(self._dir(args))
+        CheckpointDirs(storage, path).claim(
+            storage.join(path, f"checkpoint-{state.global_step}"), state.global_step)
 
     def uncommit(self, args: TrainingArguments, state: TrainerState,
                  control: TrainerControl) -> None:
@@ -371,6 +421,7 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         metrics = self.check_retention(state)
         commit_checkpoint(checkpoint, step=state.global_step, run_id=self.run_id,
                           metrics=metrics)
+        CheckpointDirs(storage, path).release(f"checkpoint-{state.global_step}")
         self.retain(state)
 
     def check_retention(self, state: TrainerState) -> dict[str, float]:
@@ -397,6 +448,23 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
                                protect=[f"checkpoint-{state.global_step}",
                                         state.best_model_checkpoint])
         return [e.path for e in deleted]
+
+
+def _warn_if_not_exact(args: TrainingArguments, state: TrainerState, loader: Any) -> None:
+    """A resume mid-epoch with ``ignore_data_skip=True`` is not exact (the Trainer starts the
+    epoch's data over): said once, at the start."""
+    if not args.ignore_data_skip:
+        return
+    try:
+        per_epoch = max(1, len(loader) // max(1, args.gradient_accumulation_steps))
+    except TypeError:  # no loader, or one without a length
+        return
+    done = state.global_step % per_epoch
+    if done:
+        warn_user(f"snapkeep: resuming {done} steps into an epoch of {per_epoch} with "
+                  "ignore_data_skip=True: the Trainer starts the epoch's data over, so the "
+                  "batches (and what follows) differ from the uninterrupted run's. Leave "
+                  "ignore_data_skip=False for an exact resume", RuntimeWarning)
 
 
 def step_metrics(state: TrainerState) -> dict[str, float]:
@@ -590,6 +658,8 @@ class SnapkeepSaveMixin:
         state.save_to_json(os.path.join(output_dir, TRAINER_STATE_NAME))
         callback = self._snapkeep_callback
         commit_checkpoint(path, step=step, run_id=callback.run_id, metrics=metrics)
+        CheckpointDirs(*_storage(trainer._get_output_dir(trial=None))).release(
+            f"checkpoint-{step}")
         callback.retain(state)
 
     def _load_best_model(self) -> None:
@@ -648,6 +718,9 @@ class _OwnedCallback(SnapkeepCallback):
 
     def uncommit(self, *args: Any, **kwargs: Any) -> None:
         return None  # the owned write uncommits a directory it saves again itself
+
+    def claim(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the mixin's _save_checkpoint claims, before staging
 
     def on_save(self, *args: Any, **kwargs: Any) -> None:
         return None

@@ -33,7 +33,13 @@ What they change (each from Lightning's own code, 2.4-2.6):
   while it loads, safely unpickled, said on stderr (``snapkeep: resuming from NAME (step N) in
   DIR``); a corrupt or truncated file is skipped, named on stderr with why, and the next older
   one that verifies is loaded instead (:class:`~snapkeep.errors.NoValidSnapshotError` when none
-  does; nothing deleted).
+  does; nothing deleted). Lightning checkpoints written before snapkeep was added (no
+  manifest) count too, by the step in their name or the ``global_step`` they hold: the newest
+  loads unverified, said on stderr; snapkeep never overwrites or removes them (a stock full
+  ``last.ckpt`` stays; snapkeep's alias becomes ``last-v1.ckpt``). An alias is followed only
+  to a regular file of its directory (no symlink) whose manifest records the alias's step;
+  otherwise it is refused, said on stderr, and the newest verified snapshot loads. After a
+  fallback, Lightning's ``Restored all states from ...`` names the file really loaded.
 - **One trainer per directory.** The directory is opened as the Checkpointer opens its own
   (:meth:`snapkeep.store.Session.open`: created, checked writable, locked in ``.snapkeep/``,
   temp files of a killed writer swept) at ``setup`` (or the first save):
@@ -43,11 +49,15 @@ What they change (each from Lightning's own code, 2.4-2.6):
   commit as the Checkpointer's ``keep`` (its lineage: only this door's snapshots, never the
   newest; a misspelled ``KeepBest`` metric refused before anything is written or deleted);
   each manifest records Lightning's ``callback_metrics`` of its step.
-- **Exact continuation at epoch boundaries.** snapkeep's :class:`ModelCheckpoint` keeps the
-  global random generators (Python, NumPy, torch) in its callback state, so a run resumed
-  from an end-of-epoch snapshot draws the same shuffles and dropout masks. Lightning itself
-  restarts a plain ``DataLoader`` mid-epoch from the start of its order, so a mid-epoch
-  snapshot resumes with a different data order: save at epoch ends for bit-identical runs.
+- **Exact continuation from any snapshot.** snapkeep's :class:`ModelCheckpoint` keeps the
+  global random generators as the training steps see them
+  (:class:`snapkeep._core.state.rng_state.RngStream`: recorded at each training step's end, set
+  back at the next one's start, Lightning's draws in between made from streams seeded from
+  them) and each train loader's generator states, so a run resumed mid-epoch (torchdata's
+  ``StatefulDataLoader``, whose position Lightning saves) or at an epoch's end (any loader),
+  with any integer ``val_check_interval`` and ``every_n_train_steps``, draws the same
+  shuffles and dropout masks as the uninterrupted run. A plain ``DataLoader`` resumed
+  mid-epoch is restarted by Lightning from its epoch's start: the resume says so (a warning).
 - **Preemption through snapkeep's agreement** (``ModelCheckpoint(preemption=True)``, the
   default): SIGTERM and SIGUSR1 are recorded by the run control every door uses
   (:class:`snapkeep.store.RunControl`, replacing Lightning's handlers while fitting);
@@ -68,6 +78,7 @@ never the mtime.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -75,6 +86,7 @@ import os
 import re
 import signal
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -84,29 +96,42 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from snapkeep._core.state.data_position import (
+    generator_states,
+    is_stateful_loader,
+    set_generator_states,
+)
+from snapkeep._core.state.rng_state import RngStream
 from snapkeep.distributed import (
     EXIT_CODE_PREEMPTED,
     background_groups,
     exit_cleanly_at_exit,
     is_distributed,
 )
-from snapkeep.errors import SnapshotCorruptError, SnapshotTimeoutError, StoreLockedError
-from snapkeep.layout import RngState
+from snapkeep.errors import (
+    SnapshotCorruptError,
+    SnapshotTimeoutError,
+    StoreLockedError,
+    UnsafeSnapshotError,
+)
 from snapkeep.retention import RetentionPolicy, keep_policy
 from snapkeep.store import (
+    DECODE_ERRORS,
     MANIFEST_DIR,
     Entry,
     FilenameTemplate,
     ManifestError,
-    Retain,
     RunControl,
     RunLineage,
     Session,
     SnapshotStore,
     check_timeout_s,
+    load_file,
     manifest_path,
     preemption_signals,
     read_manifest,
+    say,
+    step_template,
     warn_user,
 )
 from snapkeep.writing import ThreadWriter, Writer
@@ -123,11 +148,26 @@ RUN_ID = "lightning"
 #: An alias record is read only when the file is at most this many bytes.
 _ALIAS_MAX_BYTES = 4096
 #: The store's template when the names carry more than the step (Lightning's default
-#: ``'{epoch}-{step}'``, metrics): it keys the directory lock and the sweep of temp files, and
-#: the snapshots are listed from their manifests.
+#: ``'{epoch}-{step}'``, metrics): the snapshots are listed from their manifests (the lock is
+#: the directory's, whatever the template).
 _TEMPLATE = FilenameTemplate("lightning-{.iteration}.ckpt")
 #: Default bound of the preemption agreement between ranks (seconds).
 _TIMEOUT_S = 600.0
+
+
+#: A step in a Lightning checkpoint's name (``epoch=1-step=20.ckpt``, ``step=20.ckpt``).
+_NAMED_STEP = re.compile(r"(?:^|[-_])step=([0-9]+)(?:[-_.]|$)")
+#: Lightning's "last" checkpoints (``last.ckpt``, ``last-v1.ckpt``), as its ModelCheckpoint
+#: finds them for ``ckpt_path="last"``.
+_LAST_NAME = re.compile(r"^last(-v?[0-9]+)?(\.|$)")
+#: At most this many foreign files whose names hold no step (``last.ckpt``) have their step
+#: read from their content (``global_step``; a memory map of a local file, nothing copied).
+_PEEK_MAX_FILES = 8
+#: Lightning's warning on ``ckpt_path="last"`` with nothing to load (its hint to set
+#: ``save_last=True``): snapkeep's "starting fresh" line says it instead.
+_NO_LAST_HINT = r'\.\w+\(ckpt_path="last"\) is set, but there is no last checkpoint available'
+#: Temp files of snapkeep's writers hold this in their names.
+_TEMP_MARKER = ".snapkeep-tmp."
 
 
 #: Lightning's SLURM handler (SIGUSR1) saves ``hpc_ckpt_N.ckpt`` and requeues the job at once:
@@ -142,20 +182,66 @@ def _split(path: str) -> tuple[str, str]:
     return directory or ".", name
 
 
-def _step_template(template: str) -> FilenameTemplate:
-    """``'ckpt_{step}'`` (a name with one ``{step}`` field, as the Checkpointer's) as the
-    store's template (``'ckpt_{.iteration}'``).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Alias:
+    """An alias record as read (untrusted): the file it names and the step it records, or
+    why it is no valid record."""
+
+    target: str = ""
+    step: int | None = None
+    problem: str = ""
+
+
+def _read_alias(storage: Any, path: str) -> _Alias | None:
+    """The alias record at ``path``, or None when the file is no record (a checkpoint: larger
+    than :data:`_ALIAS_MAX_BYTES`, or not starting with ``{``; or nothing there). Bounded:
+    at most :data:`_ALIAS_MAX_BYTES` read, regular files only, any nesting depth refused
+    with a reason (never ``RecursionError``).
 
     Raises:
-        ValueError: ``template`` has no ``{step}`` field or another field.
+        SnapshotStorageError: the storage could not be reached.
     """
-    fields = re.findall(r"\{([^{}]*)\}", template)
-    if fields != ["step"]:
-        raise ValueError(f"template must hold exactly one {{step}} field and no other "
-                         f"('ckpt_{{step}}'), got {template!r}")
-    head, _, tail = template.partition("{step}")
-    escaped = [part.replace("{", "{{").replace("}", "}}") for part in (head, tail)]
-    return FilenameTemplate(f"{escaped[0]}{{.iteration}}{escaped[1]}")
+    try:
+        if storage.size(path) > _ALIAS_MAX_BYTES:
+            return None
+        data = storage.read_bytes(path, max_bytes=_ALIAS_MAX_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # a FIFO, a directory, grown past the bound
+        return _Alias(problem=f"not readable as an alias record ({e})")
+    if not data.lstrip().startswith(b"{"):
+        return None
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return _Alias(problem=f"not a valid alias record ({type(e).__name__})")
+    if not isinstance(record, dict) or record.get("format") != ALIAS_FORMAT:
+        return _Alias(problem=f"not a {ALIAS_FORMAT!r} alias record")
+    target, step = record.get("target"), record.get("step")
+    if not isinstance(target, str) or target in ("", ".", "..") or len(target) > 255 \
+            or any(c in target for c in "/\\\0"):
+        return _Alias(problem=f"its target {str(target)[:80]!r} is not a file name in its "
+                              "directory")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return _Alias(target=target, problem=f"its step {str(step)[:40]!r} is not an int")
+    return _Alias(target=target, step=step)
+
+
+#: What reading a foreign file's step can raise (it is then unknown).
+_PEEK_ERRORS: tuple[type[BaseException], ...] = (UnsafeSnapshotError, RecursionError,
+                                                 *DECODE_ERRORS)
+
+
+def _stored_step(storage: Any, path: str) -> int | None:
+    """The ``global_step`` a Lightning checkpoint file holds (loaded safely, memory-mapped for
+    a local file), or None when it cannot be read."""
+    try:
+        state = load_file(storage, path, weights_only=True)
+    except _PEEK_ERRORS as e:
+        logger.info("no step read from %s: %s", path, e)
+        return None
+    step = state.get("global_step") if isinstance(state, Mapping) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 class _LightningStore(SnapshotStore):
@@ -209,7 +295,9 @@ class _Directory:
         self.store = store
         self.session = session
         self.template = template
-        self.key = store.storage.url(store.directory)
+        # the directory itself, however spelled (one trainer per directory, see the lock)
+        self.key = os.path.realpath(store.directory) if store.storage.is_local \
+            else store.storage.url(store.directory)
 
 
 def _finite_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -292,6 +380,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
         self._aliases: dict[str, str] = {}  # alias path -> the snapshot path it names
         self._doomed: set[str] = set()  # removals held back while an alias names them
         self._metrics: dict[str, dict[str, float]] = {}  # path -> metrics of its next save
+        self._loaded: tuple[str, str] | None = None  # (requested, loaded) of the last load
+        self._written: set[str] = set()  # paths this IO saved or aliased (never foreign)
         self._closed = False
 
     # -- directories ---------------------------------------------------------------------------
@@ -303,11 +393,12 @@ class SnapkeepCheckpointIO(CheckpointIO):
                                  and not found.session.opened):
                 storage, path = self._writer.storage_for(directory)
                 store = _LightningStore(storage, path, _TEMPLATE if template is None
-                                        else _step_template(template))
+                                        else step_template(template))
                 lineage = found.session.lineage if found is not None \
                     else RunLineage.named(RUN_ID)
                 session = Session(store, policy=self._policy, lineage=lineage,
-                                  quiet=self._quiet, shown_template=template or "*.ckpt")
+                                  quiet=self._quiet, shown_template=template or "*.ckpt",
+                                  door=RUN_ID)
                 found = _Directory(store, session, template)
                 self._directories[directory] = found
             if lock and not found.session.opened:
@@ -335,8 +426,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
         Args:
             directory: the checkpoint directory (a local path or fsspec URL).
             template: the checkpoints' name with its step as ``{step}`` (``'ckpt_{step}'``,
-                ``'step={step}.ckpt'``), when the names carry nothing else; then the lock is
-                the one ``snapkeep prune`` checks and junk named alike is skipped by name.
+                ``'step={step}.ckpt'``), when the names carry nothing else; then junk named
+                alike is skipped by name.
                 :class:`ModelCheckpoint` passes it when its ``filename`` allows.
 
         Raises:
@@ -353,13 +444,78 @@ class SnapkeepCheckpointIO(CheckpointIO):
         return self._directory(os.fspath(directory), lock=False).store.entries()
 
     def newest(self, directory: str, *, template: str | None = None) -> str | None:
-        """The path of the snapshot with the highest step in ``directory`` (None when there is
-        none; ``template`` as :meth:`open`'s); :meth:`load_checkpoint` verifies it and falls
-        back from it."""
+        """The path of the checkpoint with the highest step in ``directory`` (None when there
+        is none; ``template`` as :meth:`open`'s): snapkeep's snapshots (step from the manifest)
+        and Lightning checkpoints written without snapkeep (:meth:`foreign`: a run from before
+        snapkeep was added), a snapkeep snapshot first at an equal step.
+        :meth:`load_checkpoint` verifies it (a foreign one loads unverified, said on stderr)
+        and falls back from it."""
         self.wait()
         found = self._directory(os.fspath(directory), lock=False, template=template)
-        entries = found.store.entries()
-        return entries[-1].path if entries else None
+        ranked = [((e.key, 1), e.path)  # another door's snapshot: skipped, named
+                  for e in found.session.own(found.store.entries())]
+        ranked += [(((float(e.step),), 0), e.path) for e in self.foreign(os.fspath(directory))
+                   if e.step is not None]
+        return max(ranked)[1] if ranked else None
+
+    def foreign(self, directory: str) -> list[Entry]:
+        """The Lightning checkpoints in ``directory`` that snapkeep did not write (no snapkeep
+        manifest, not an alias record, not a temp file): a run trained before snapkeep was
+        added, or another ``CheckpointIO``'s files. Their step is the one in their name
+        (``epoch=1-step=20.ckpt``), else, for a local file, the ``global_step`` it holds (read
+        through a memory map; at most a few files); else None. Oldest first (unknown steps
+        first). Not verified: they have no checksum.
+
+        Raises:
+            SnapshotStorageError: the storage could not be reached.
+        """
+        found = self._directory(os.fspath(directory), lock=False)
+        store = found.store
+        storage = store.storage
+        ours = {e.name for e in store.entries()}
+        try:
+            names = storage.list_names(store.directory)
+        except FileNotFoundError:
+            return []
+        result: list[Entry] = []
+        peeked = 0
+        for name in sorted(names):
+            if name in ours or name.startswith(".") or _TEMP_MARKER in name:
+                continue
+            named = _NAMED_STEP.search(name)
+            if named is None and not _LAST_NAME.match(name) and not name.endswith(".ckpt"):
+                continue
+            path = storage.join(store.directory, name)
+            if not self.is_foreign(path):
+                continue
+            step = int(named.group(1)) if named is not None else None
+            if step is None and storage.is_local and peeked < _PEEK_MAX_FILES:
+                peeked += 1
+                step = _stored_step(storage, path)
+            result.append(Entry(name=name, path=path, step=step,
+                                key=(float(step),) if step is not None else ()))
+        return sorted(result, key=lambda e: (e.step is not None, e.key, e.name))
+
+    def is_foreign(self, path: Any) -> bool:
+        """Whether ``path`` is a regular file snapkeep did not write: no snapkeep manifest
+        names it and it is no alias record (a stock Lightning checkpoint). snapkeep never
+        overwrites or deletes such a file (a ``last.ckpt`` is versioned, ``last-v1.ckpt``, as
+        Lightning versions names that exist)."""
+        directory, name = _split(os.fspath(path))
+        store = self._directory(directory, lock=False).store
+        storage = store.storage
+        full = storage.join(store.directory, name)
+        with self._guard:
+            if full in self._written:  # this process's (its manifest may be in flight)
+                return False
+        if not storage.is_plain_file(full):
+            return False
+        try:
+            if read_manifest(storage, manifest_path(storage, full)) is not None:
+                return False
+        except (ManifestError, OSError):
+            pass
+        return _read_alias(storage, full) is None
 
     def announce_fresh(self, directory: str) -> None:
         """Say on stderr (rank 0) that ``directory`` holds nothing to resume from (the
@@ -409,21 +565,17 @@ class SnapkeepCheckpointIO(CheckpointIO):
         step = step if isinstance(step, int) and not isinstance(step, bool) else None
         with self._guard:
             metrics = self._metrics.pop(os.fspath(path), {})
-        session = found.session
-        # the retention input check (a KeepBest metric no snapshot records: ValueError before
-        # anything is written or deleted), then the Retain stage the writer runs after the commit
-        retain = session.retention(name, step, metrics) if step is not None \
-            else Retain(store=found.store)
-        writer: Any = self._writer  # snapkeep's writers take these extras (as the Checkpointer)
-        handle = writer(name, directory, checkpoint, step=step, retain=retain, metrics=metrics,
-                        run_id=session.lineage.run_id)
+        handle = found.session.save(self._writer, name, directory, checkpoint, step=step,
+                                    metrics=metrics)
         if handle is not None:
             with self._guard:
                 self._last_handle = handle
             if name.startswith(_HPC_PREFIX):
                 handle.wait()  # Lightning requeues the SLURM job right after this save
         with self._guard:  # a full save replaces an alias of the same name
-            self._aliases.pop(found.store.storage.join(found.store.directory, name), None)
+            full = found.store.storage.join(found.store.directory, name)
+            self._aliases.pop(full, None)
+            self._written.add(full)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -457,13 +609,32 @@ class SnapkeepCheckpointIO(CheckpointIO):
         store = found.store
         storage = store.storage
         requested = storage.join(store.directory, name)
-        target = self._resolve_alias(store, requested)
+        target, refused = self._alias_target(store, requested)
         entries = store.entries()
         chosen = next((e for e in entries if e.path == target), None)
-        if chosen is None:
-            if storage.exists(target):  # another CheckpointIO's file: loaded unverified
-                candidates = [Entry(name=storage.basename(target), path=target, key=(),
-                                    step=None)]
+        if refused:  # say why, then resume as ckpt_path="last" does: the newest that verifies
+            say(f"{name}: alias refused: {refused}; resuming from the newest snapshot instead",
+                quiet=self._quiet)
+            if not entries:
+                raise SnapshotCorruptError(f"{requested}: alias refused: {refused}; and no "
+                                           "snapshot to resume instead. Pass ckpt_path= a "
+                                           "checkpoint file, or None to start fresh")
+            candidates = entries
+        elif chosen is None:
+            if storage.exists(target):  # not snapkeep's file (no manifest): loaded unverified
+                older = [e for e in self.foreign(directory) if e.step is not None]
+                this = next((e for e in older if e.path == target), None)
+                step = this.step if this is not None else _stored_step(storage, target) \
+                    if storage.is_local else None
+                candidates = [e for e in entries + older if step is not None
+                              and e.step is not None and e.step <= step and e.path != target]
+                candidates.sort(key=lambda e: (e.key, e.path in {o.path for o in entries}))
+                candidates.append(Entry(name=storage.basename(target), path=target,
+                                        key=(float(step),) if step is not None else (),
+                                        step=step))
+                say(f"{storage.basename(target)} has no snapkeep manifest (written before "
+                    "snapkeep was added, or by another CheckpointIO): it loads unverified",
+                    quiet=self._quiet)
             elif target == requested or not entries:
                 raise FileNotFoundError(f"checkpoint not found: {target}")
             else:  # an alias naming a deleted snapshot: the newest at or below its step
@@ -478,6 +649,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
         if entry is None:  # unreachable: candidates is not empty
             raise FileNotFoundError(f"checkpoint not found: {target}")
         logger.info("loaded %s (step %s)", entry.path, entry.step)
+        with self._guard:
+            self._loaded = (storage.url(requested), storage.url(entry.path))
         return dict(loaded["state"])
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -539,6 +712,14 @@ class SnapkeepCheckpointIO(CheckpointIO):
             self._writer.finalize()
 
     @property
+    def loaded(self) -> tuple[str, str] | None:
+        """``(requested, loaded)``: the path the last :meth:`load_checkpoint` was given and the
+        snapshot it really loaded (another one after a fallback, or the one an alias names),
+        as URLs; None before any load."""
+        with self._guard:
+            return self._loaded
+
+    @property
     def writer(self) -> Writer:
         """The snapkeep writer (read-only)."""
         return self._writer
@@ -590,6 +771,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
                 self._doomed.add(full)  # removed when its alias moves on
                 return
             self._aliases.pop(full, None)
+            self._written.discard(full)
             store.delete(Entry(name=name, path=full, key=(), step=None), by="lightning")
 
     def _write_alias(self, target: str, alias: str) -> None:
@@ -602,10 +784,15 @@ class SnapkeepCheckpointIO(CheckpointIO):
             if _split(target)[0] != directory:
                 raise ValueError(f"an alias names a snapshot of its own directory: {alias} "
                                  f"cannot name {target}")
+            if self.is_foreign(alias_path):  # a stock full last.ckpt: never overwritten
+                logger.warning("not pointing %s at %s: it is a checkpoint snapkeep did not "
+                               "write (kept)", alias_path, target_path)
+                return
             manifest = read_manifest(storage, manifest_path(storage, target_path))
             record = {"format": ALIAS_FORMAT, "target": storage.basename(target_path),
                       "step": manifest.step if manifest is not None else None}
             storage.write_bytes(alias_path, json.dumps(record).encode())
+            self._written.add(alias_path)
             try:  # a full last.ckpt it replaced had a manifest of its own
                 storage.remove(manifest_path(storage, alias_path))
             except FileNotFoundError:
@@ -618,25 +805,34 @@ class SnapkeepCheckpointIO(CheckpointIO):
                                    step=None), by="lightning")
 
     @staticmethod
-    def _resolve_alias(store: SnapshotStore, path: str) -> str:
-        """``path``, or the snapshot its alias record names."""
+    def _alias_target(store: SnapshotStore, path: str) -> tuple[str, str]:
+        """``(path, '')`` for a checkpoint file; for an alias record, the snapshot it names
+        and ``''`` when the reference holds, else ``(path, why it is refused)``: the target
+        must be a regular file of the same directory (no symbolic link: it could lead out of
+        it) described by a snapkeep manifest recording the step the alias records."""
         storage = store.storage
+        alias = _read_alias(storage, path)
+        if alias is None:
+            return path, ""
+        if alias.problem:
+            return path, alias.problem
+        target = storage.join(storage.dirname(path), alias.target)
+        if not storage.is_plain_file(target):
+            why = "missing" if not storage.exists(target) else \
+                "a symbolic link or not a regular file"
+            if why == "missing":
+                return target, ""  # deleted since: the newest at or below (load_checkpoint)
+            return path, f"its target {alias.target} is {why}"
         try:
-            if storage.size(path) > _ALIAS_MAX_BYTES:
-                return path
-            data = storage.read_bytes(path, max_bytes=_ALIAS_MAX_BYTES)
-        except FileNotFoundError:
-            return path
-        if not data.startswith(b"{"):
-            return path
-        try:
-            record = json.loads(data)
-        except ValueError:
-            return path
-        if not isinstance(record, dict) or record.get("format") != ALIAS_FORMAT \
-                or not isinstance(record.get("target"), str) or "/" in record["target"]:
-            return path
-        return storage.join(storage.dirname(path), record["target"])
+            manifest = read_manifest(storage, manifest_path(storage, target))
+        except (ManifestError, OSError) as e:
+            return path, f"its target {alias.target} has an unreadable manifest ({e})"
+        if manifest is None or manifest.step != alias.step:
+            recorded = "no snapkeep manifest" if manifest is None \
+                else f"a manifest of step {manifest.step}"
+            return path, (f"it records step {alias.step}, its target {alias.target} has "
+                          f"{recorded}")
+        return target, ""
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True) and getattr(self, "_writer", None) is not None \
@@ -656,6 +852,27 @@ def _nothing_to_apply(entry: Entry, state: Any) -> None:
     raise AssertionError(f"nothing to apply on a first run, got {entry!r}")
 
 
+def _train_loaders(trainer: Any) -> list[Any]:
+    """The fit's train loaders (Lightning's combined loader, flattened), [] before it has
+    them."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    return list(combined.flattened) if combined is not None else []
+
+
+def _rebuild_iterator(trainer: Any) -> None:
+    """Build the fit's train iterator again (Lightning's ``_data_fetcher``), from the loaders'
+    and the global generators' states now."""
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    if fetcher is not None:
+        iter(fetcher)
+
+
+def _epoch_length(trainer: Any) -> int | None:
+    length = trainer.num_training_batches
+    return int(length) if isinstance(length, int) or (
+        isinstance(length, float) and math.isfinite(length)) else None
+
+
 def _snapkeep_io(trainer: Any) -> SnapkeepCheckpointIO | None:
     io = getattr(trainer.strategy, "checkpoint_io", None)
     return io if isinstance(io, SnapkeepCheckpointIO) else None
@@ -666,9 +883,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
     module docstring): ``save_last`` (``True`` or ``"link"``) writes an alias record after the
     commit instead of a second full copy, ``ckpt_path="last"`` resolves to the snapshot with the
     highest step, removals wait for the commit (in the IO), the directory is opened (locked) at
-    ``setup``, the global random generators are kept in the callback state (exact continuation
-    from end-of-epoch snapshots), each snapshot's manifest records Lightning's
-    ``callback_metrics`` (for ``keep=KeepBest(...)``), the run status is kept in
+    ``setup``, the random streams and the train loaders' generators are kept in the callback
+    state (exact continuation from any snapshot; see the module docstring), each snapshot's
+    manifest records Lightning's ``callback_metrics`` (for ``keep=KeepBest(...)``), the run
+    status is kept in
     ``.snapkeep/status.json``, and a preemption signal ends the run with a committed snapshot.
 
     Args:
@@ -699,6 +917,10 @@ class ModelCheckpoint(LightningModelCheckpoint):
         check_timeout_s(timeout_s)
         self._timeout_s = float(timeout_s)
         self._run: RunControl | None = None  # the run status and the preemption hook
+        self._stream = RngStream()  # the global generators as the training steps see them
+        self._position: dict[str, Any] = {}  # the train loaders' at the last step's end
+        self._resumed_position: dict[str, Any] | None = None  # loaded, applied at train start
+        self._next_epoch: tuple[list[Any], list[Any]] | None = None  # resumed at an epoch end
 
     # -- start-up and resume ----------------------------------------------------------------------
     def step_template(self) -> str | None:
@@ -731,21 +953,139 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if io is None or not self.dirpath:
             return super()._find_last_checkpoints(trainer)
         newest = io.newest(os.fspath(self.dirpath), template=self.step_template())
-        if newest is None:
+        if newest is None:  # Lightning's own rule for files whose step cannot be known
+            stock = {p for p in super()._find_last_checkpoints(trainer) if io.is_foreign(p)}
+            if stock:
+                return stock
             io.announce_fresh(os.fspath(self.dirpath))
+            # snapkeep's line said it; Lightning's hint to set save_last=True is beside the point
+            warnings.filterwarnings("ignore", message=_NO_LAST_HINT)
             return set()
         return {newest}
 
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any,
+                           checkpoint: dict[str, Any]) -> None:
+        """As Lightning's; then, when snapkeep loaded another file than the one Lightning asked
+        for (a fallback past a corrupt snapshot, the snapshot an alias names), the trainer's
+        ``ckpt_path`` is set to the file really loaded, so Lightning's ``Restored all states
+        from the checkpoint at ...`` line names it."""
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        io = _snapkeep_io(trainer)
+        loaded = io.loaded if io is not None else None
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if loaded is None or connector is None or not hasattr(connector, "_ckpt_path"):
+            return
+        asked = connector._ckpt_path
+        requested, really = (url.rpartition("/")[2] for url in loaded)
+        if asked is None or requested == really:
+            return
+        head, _, tail = os.fspath(asked).rpartition("/")
+        if tail == requested:  # the same directory, Lightning's spelling
+            connector._ckpt_path = f"{head}/{really}" if head else really
+
     def state_dict(self) -> dict[str, Any]:
+        """Lightning's, plus the continuation state recorded at the end of the last training
+        step (also when the save runs later, at an epoch's or a validation's end):
+        ``snapkeep_rng``, the global generators' states (:class:`~snapkeep._core.state.rng_state.
+        RngStream`), and ``snapkeep_position``: how many batches of the epoch the loop had
+        received, the epoch's length in batches, and the states of each train loader's
+        ``torch.Generator`` objects."""
         state = super().state_dict()
-        state["snapkeep_rng"] = RngState().state_dict()
+        state["snapkeep_rng"] = self._stream.state_dict()
+        if self._position:
+            state["snapkeep_position"] = dict(self._position)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         rng = state_dict.get("snapkeep_rng")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "snapkeep_rng"})
+        position = state_dict.get("snapkeep_position")
+        super().load_state_dict({k: v for k, v in state_dict.items()
+                                 if k not in ("snapkeep_rng", "snapkeep_position")})
         if rng is not None:
-            RngState().load_state_dict(rng)
+            self._stream.load_state_dict(rng)  # the next step starts from it
+        self._resumed_position = dict(position) if isinstance(position, Mapping) else None
+
+    # -- exact continuation ----------------------------------------------------------------------
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Install the preemption handlers (after Lightning's own, which they replace while
+        fitting); on a resume, put the train loaders where the uninterrupted run had them."""
+        super().on_train_start(trainer, pl_module)
+        self._resume_loaders(trainer)
+        self._arm(trainer)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._stream.epoch_start()  # the epoch's iterator is built next (its draws)
+        pending, self._next_epoch = self._next_epoch, None
+        if pending is not None:  # resumed at an epoch's end
+            self._set_generators(*pending)
+            loop = trainer.fit_loop
+            if not (trainer.current_epoch > 0 and not loop.is_resuming
+                    and not loop.epoch_loop.restarting):  # Lightning builds none: build it
+                _rebuild_iterator(trainer)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        self._next_epoch = None
+        self._stream.step_start()
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+    def _record_position(self, trainer: Any, batch_idx: int) -> None:
+        loaders = _train_loaders(trainer)
+        self._position = {
+            "batches": int(batch_idx) + 1, "length": _epoch_length(trainer),
+            "generators": [generator_states(dl) if isinstance(dl, torch.utils.data.DataLoader)
+                           else [] for dl in loaders],
+            "kinds": ["stateful" if is_stateful_loader(dl) else type(dl).__name__
+                      for dl in loaders]}
+
+    @staticmethod
+    def _set_generators(loaders: list[Any], saved: list[Any]) -> None:
+        for index, (loader, states) in enumerate(zip(loaders, saved, strict=True)):
+            if isinstance(loader, torch.utils.data.DataLoader):
+                set_generator_states(loader, list(states), f"train {index}")
+
+    def _resume_loaders(self, trainer: Any) -> None:
+        """At ``on_train_start`` of a resumed fit (Lightning has built the train iterator in
+        ``setup_data``, after the snapshot was loaded): set each train loader's generators to
+        their states at the snapshot; at an epoch's end, build the next epoch's iterator again
+        from them (Lightning's was built from other states, or is the finished epoch's).
+        A plain ``DataLoader`` resumed mid-epoch cannot be exact: said once."""
+        position, self._resumed_position = self._resumed_position, None
+        if not position:
+            return
+        loaders = _train_loaders(trainer)
+        saved = list(position.get("generators", []))
+        batches, length = int(position.get("batches", 0)), position.get("length")
+        at_epoch_end = isinstance(length, int) and batches >= length
+        if len(saved) != len(loaders):
+            warn_user(f"snapkeep: the snapshot recorded {len(saved)} train loaders, this fit has "
+                      f"{len(loaders)}; their order and random streams are not restored, so "
+                      "the resumed run is not bit-identical to the uninterrupted one",
+                      RuntimeWarning)
+            return
+        self._set_generators(loaders, saved)
+        if at_epoch_end:
+            # the next epoch's iterator must be built from these states, as the uninterrupted
+            # run built it (Lightning's was built from other states, or continues the
+            # finished epoch): now, when Lightning may go on to the next batch without an
+            # epoch start; and again at on_train_epoch_start if it calls that first (it may
+            # build the iterator itself there)
+            loop = trainer.fit_loop
+            if loop.restarted_mid_epoch or loop.restarted_on_epoch_end:
+                self._stream.epoch_start()
+                _rebuild_iterator(trainer)
+            self._next_epoch = (loaders, saved)
+            return
+        plain = [type(dl).__name__ for dl in loaders if not is_stateful_loader(dl)]
+        if plain:
+            warn_user(
+                f"snapkeep: resuming {batches} batches into an epoch of {length} with a "
+                f"{plain[0]} that cannot resume mid-epoch: Lightning starts its epoch over, so "
+                "the batches (and what follows) differ from the uninterrupted run's. For an "
+                "exact resume from any step use torchdata's StatefulDataLoader (pip install "
+                "torchdata), whose position Lightning saves; or resume from snapshots taken at "
+                "epoch ends", RuntimeWarning)
 
     # -- saving ----------------------------------------------------------------------------------
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
@@ -760,6 +1100,11 @@ class ModelCheckpoint(LightningModelCheckpoint):
             super()._save_last_checkpoint(trainer, monitor_candidates)
             return
         filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+        version = self.STARTING_VERSION
+        while io.is_foreign(filepath):  # a stock full last.ckpt is kept: last-v1.ckpt
+            filepath = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST,
+                                                   ver=version)
+            version += 1
         previous, self.last_model_path = self.last_model_path, filepath
         saved = self._last_checkpoint_saved
         if saved and saved != filepath and self.save_top_k != 0 \
@@ -769,15 +1114,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
             trainer.strategy.barrier()
         else:
             self._save_checkpoint(trainer, filepath)  # no snapshot of this step: one full write
-        if previous and previous != filepath and self._should_remove_checkpoint(
-                trainer, previous, filepath):
+        if previous and previous != filepath and not io.is_foreign(previous) \
+                and self._should_remove_checkpoint(trainer, previous, filepath):
             self._remove_checkpoint(trainer, previous)
 
     # -- preemption and the run status -----------------------------------------------------------
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Install the preemption handlers (after Lightning's own, which they replace while
-        fitting)."""
-        super().on_train_start(trainer, pl_module)
+    def _arm(self, trainer: Any) -> None:
         run = self._run
         if not self._signals or _snapkeep_io(trainer) is None or run is None \
                 or run.watch is not None:
@@ -788,6 +1130,8 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._stream.step_end()  # before this step's snapshot: what the next step starts from
+        self._record_position(trainer, batch_idx)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         run = self._run
         if run is None or run.watch is None:

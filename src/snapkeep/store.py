@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from snapkeep._core.format.json_records import RecordError, parse_json
 from snapkeep._core.format.manifest import (
     MANIFEST_DIR,
     Manifest,
@@ -23,7 +24,7 @@ from snapkeep._core.format.manifest import (
     manifest_path,
     read_manifest,
 )
-from snapkeep._core.format.naming import FilenameTemplate
+from snapkeep._core.format.naming import FilenameTemplate, step_template
 from snapkeep._core.load.loading import load_file, unloadable_value
 from snapkeep._core.load.one_pass import one_pass_loader
 from snapkeep._core.load.preflight import check_timeout_s, check_writable
@@ -38,6 +39,15 @@ from snapkeep._core.load.resume_notice import (
 )
 from snapkeep._core.load.structure import describe, find_mismatches
 from snapkeep._core.save.ticket import SaveHandle
+from snapkeep._core.session.deadline import (
+    GRACE_ENV,
+    Estimate,
+    Grace,
+    Plan,
+    SaveTimes,
+    check_grace_s,
+    grace_from,
+)
 from snapkeep._core.session.run_control import RunControl, preemption_signals
 from snapkeep._core.session.run_status import RunStatus, StatusLog, failure_reason
 from snapkeep._core.session.run_status import is_alive as run_is_alive
@@ -74,8 +84,10 @@ from snapkeep._core.store.marked_dirs import (
     checkpoint_step,
     commit_checkpoint,
     is_marker,
+    marker_of_file,
     read_marker,
     verify_checkpoint,
+    verify_marked_file,
 )
 from snapkeep._core.store.name_check import misnamed_reason
 from snapkeep._core.store.retention_check import MetricCheck
@@ -145,7 +157,10 @@ __all__ = [
     "local_shards", "state_bytes", "say", "newest_listed_step",
     "CheckpointDirs", "CheckpointMarker", "is_marker", "CHECKPOINT_PATTERN", "MARKER_FORMAT",
     "MARKER_NAME", "TEMPLATE", "FileRecord", "checkpoint_step", "commit_checkpoint", "read_marker",
-    "verify_checkpoint", "skip_message",
+    "verify_checkpoint", "skip_message", "step_template",
+    "marker_of_file", "verify_marked_file",
+    "GRACE_ENV", "Estimate", "Grace", "Plan", "SaveTimes", "check_grace_s", "grace_from",
+    "RecordError", "parse_json",
 ]
 
 

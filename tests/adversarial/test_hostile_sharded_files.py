@@ -12,7 +12,7 @@ step 1, verify exits 1 with step 2 corrupt.
 Before: a FIFO marker blocked every reader forever, a device marker was read to the end of
 memory, and a metadata path ``../ckpt_1/__0_0.distcp`` loaded another snapshot's bytes, never
 verified by this one's marker. The matrix runs in one subprocess (one torch import; each reader
-under a 10 s alarm), see ``hostile_sharded_worker.py``.
+under a 60 s alarm), see ``hostile_sharded_worker.py``.
 """
 
 from __future__ import annotations

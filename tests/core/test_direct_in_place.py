@@ -26,6 +26,7 @@ from snapkeep._core.save.staging import BufferSet
 from snapkeep._core.storage import _direct, new_hasher
 from snapkeep._core.storage._direct import ALIGN_BYTES, IN_PLACE_MIN_BYTES, DirectFile
 from snapkeep._core.storage._direct_resources import CHUNK_BYTES, open_for_write
+from support.fd_faults import fd_under
 
 PAGE = 4096
 
@@ -117,7 +118,7 @@ def test_einval_on_the_first_in_place_write_continues_buffered(tmp_path: Any,
     refused = []
 
     def pwrite(fd: int, data: Any, offset: int) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+        if fd_under(fd, tmp_path) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             refused.append(offset)
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real(fd, data, offset)
@@ -138,6 +139,8 @@ def test_a_full_disk_during_an_in_place_write_raises_enospc(tmp_path: Any,
     calls = []
 
     def pwrite(fd: int, data: Any, offset: int) -> int:
+        if not fd_under(fd, tmp_path):  # another thread's write (patched process-wide)
+            return real(fd, data, offset)
         calls.append(offset)
         if offset >= 2 * CHUNK_BYTES:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

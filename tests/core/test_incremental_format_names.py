@@ -1,6 +1,7 @@
 """The module path of the incremental format is on disk: a skeleton's pickle names
 ``<module>.open_incremental_snapshot`` and ``<module>.tensor_ref``. Skeletons written before the
-core moved into sub-packages name ``snapkeep._core.incremental``; they must still open, through
+core moved into sub-packages name ``snapkeep._core.tiers.incremental``; they must still open,
+through
 the weights-only reader and through ``weights_only=False``."""
 
 from __future__ import annotations

@@ -87,9 +87,8 @@ RETENTION_WORKER = Path(__file__).with_name("checkpointer_retention_worker.py")
 def _other_runs_snapshots(out: Path, steps: list[int]) -> None:
     """Committed sharded snapshots of another run under the Checkpointer's template (as a
     manager's SHARDED extension writes them: a run id, and a ``val_loss`` metric)."""
-    from snapkeep.checkpointer import step_template
     from snapkeep.distributed import ShardedJob, ShardedSaver, ShardedStore
-    from snapkeep.store import resolve_storage
+    from snapkeep.store import resolve_storage, step_template
 
     storage, path = resolve_storage(str(out))
     storage.makedirs(path)

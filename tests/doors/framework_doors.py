@@ -3,9 +3,10 @@ the Hugging Face Trainer, each driven as its users drive it, resuming first, sav
 at every step with a ``val_loss`` metric, under snapkeep's retention (``keep=``).
 
 The rows have the matrix's door interface (``name``, ``sharded``, ``snapshot_name``, ``train``,
-``hold_code``), duck-typed (``test_matrix`` imports this module; a subclass of its ``Door``
-would import it back). ``skips``: scenario -> why it cannot apply to the door (skipped with that
-reason by ``conftest.py``).
+``hold_code``, ``worker_command``: ``continuation_worker.py``, so the kill -9 scenario resumes
+mid-epoch and at epoch ends through them), duck-typed (``test_matrix`` imports this module;
+a subclass of its ``Door`` would import it back). ``skips``: scenario -> why it cannot apply
+to the door (skipped with that reason by ``conftest.py``).
 
 Also a worker, for the preemption tests (a real signal to a real Trainer process)::
 
@@ -33,6 +34,14 @@ import torch
 from snapkeep.retention import RetentionPolicy
 
 X = torch.linspace(-1, 1, 24).reshape(6, 4)
+#: The subprocess scenario's worker (a shuffled loader, dropout, a snapshot every step):
+#: mid-epoch and epoch-end resumes through the door.
+CONTINUATION_WORKER = pathlib.Path(__file__).with_name("continuation_worker.py")
+
+
+def _worker_command(door: str, directory: str, steps: int, exit_at: int | None) -> list[str]:
+    return [sys.executable, str(CONTINUATION_WORKER), door, directory, str(steps),
+            *([str(exit_at)] if exit_at is not None else [])]
 
 
 def val_loss(step: int) -> float:
@@ -136,6 +145,33 @@ class LightningDoor:
               keep: RetentionPolicy | None = None) -> torch.nn.Module:
         return train_lightning(directory, stop, keep=keep)
 
+    def plant_other_door(self, directory: pathlib.Path | str, step: int,
+                         storage_options: dict[str, Any] | None = None) -> str | None:
+        """The Checkpointer saves ``ckpt_<step>`` here: a Lightning resume must skip it."""
+        import snapkeep
+
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        with snapkeep.Checkpointer(directory, template="ckpt_{step}",
+                                   storage_options=storage_options) as ckpt:
+            ckpt.save(step, {"model": model})
+        return f"ckpt_{step}"
+
+    def load_alias(self, directory: pathlib.Path | str, alias: str) -> Any:
+        """``SnapkeepCheckpointIO.load_checkpoint`` of the reference record ``alias``."""
+        from snapkeep.lightning import SnapkeepCheckpointIO
+
+        io = SnapkeepCheckpointIO()
+        try:
+            return io.load_checkpoint(os.path.join(os.fspath(directory), alias))
+        finally:
+            io.close()
+
+    def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str]:
+        """torchdata's StatefulDataLoader (the loader Lightning resumes mid-epoch), 4 batches
+        an epoch, a snapshot every step (``ckpt_<step>``)."""
+        return _worker_command("lightning", directory, steps, exit_at)
+
     #: the session ``SnapkeepCheckpointIO.open(DIR, template='ckpt_{step}')`` opens (the same
     #: store lock), without importing Lightning in the holder (seconds)
     hold_code = ("from snapkeep.store import Session, open_store\n"
@@ -211,6 +247,8 @@ def train_hf(directory: pathlib.Path | str, stop: int, *,
 class HFDoor:
     name = "hf"
     sharded = True  # its snapshots are directories (checkpoint-N), each with a marker
+    other_door_skip = ("its snapshots are checkpoint-N directories the Trainer writes; another "
+                       "door's single file under those names is no directory and never listed")
     skips = {
         "test_the_reading_doors_agree_with_the_training_door":
             "load_latest reads snapkeep's own snapshots; the Trainer reads its checkpoint-N "
@@ -223,6 +261,10 @@ class HFDoor:
     def train(self, directory: pathlib.Path, stop: int, *,
               keep: RetentionPolicy | None = None) -> torch.nn.Module:
         return train_hf(directory, stop, keep=keep)
+
+    def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str]:
+        """``SnapkeepTrainer``, 4 batches an epoch, ``checkpoint-N`` every step."""
+        return _worker_command("hf", directory, steps, exit_at)
 
     #: the session ``SnapkeepCallback(output_dir=DIR).open()`` opens, without importing
     #: transformers in the holder (seconds)

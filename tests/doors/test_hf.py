@@ -303,3 +303,88 @@ def test_preemption_commits_the_step_says_preempted_exits_143_and_the_rerun_is_i
     assert torch.equal(resumed.weight, reference.weight)
     assert torch.equal(resumed.bias, reference.bias)
 
+
+
+# -- adoption, copies and a user's directory (issue 32) -------------------------------------------
+def test_an_output_dir_of_the_stock_trainer_is_resumed_unverified_never_a_fresh_start(
+        tmp_path: pathlib.Path, capfd: Any) -> None:
+    """Adoption: the stock Trainer (checkpoint-2, checkpoint-4, no markers) killed while saving
+    checkpoint-6, then the callback and ``latest_verified``: checkpoint-4 is resumed
+    (unverified, said on stderr; the half-written checkpoint-6 skipped), and the run ends as
+    the uninterrupted one. (971f8e4: both skipped, "starting
+    fresh", 8 steps trained from scratch over the user's run.)"""
+    reference = tmp_path / "reference"
+    _train(reference, "--callback")
+    out = tmp_path / "out"
+    _kill_mid_save(out, 6, "model")  # the stock Trainer, killed while it saves checkpoint-6
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    capfd.readouterr()
+    trainer: Any = _train(out, "--callback", "--resume", "verified")
+    captured = capfd.readouterr()
+    assert f"resumed-from {out / 'checkpoint-4'}" in captured.out
+    assert f"snapkeep: resuming from checkpoint-4 (step 4) in {out}" in captured.err
+    assert "checkpoint-4 has no commit marker" in captured.err and "unverified" in captured.err
+    assert "snapkeep: skipped checkpoint-6 (step 6): " in captured.err  # half written
+    assert trainer.state.global_step == 8
+    assert_identical(_final(reference), _final(out))
+    # the adopted ones are kept as they were (never marked, counted or deleted); the new ones
+    # are committed, and the next restart resumes the newest committed one
+    assert not (out / "checkpoint-4" / hf.MARKER_NAME).exists()
+    assert hf.latest_verified(out) == str(out / "checkpoint-8")
+
+
+def test_an_interrupted_save_of_the_first_checkpoint_is_not_adopted(
+        tmp_path: pathlib.Path, capfd: Any) -> None:
+    """Every file of checkpoint-2 is written, the marker is not (the first save, killed): it is
+    snapkeep's interrupted save (claimed before the Trainer wrote it), not a stock checkpoint
+    to adopt: a fresh start, said with why."""
+    _kill_mid_save(tmp_path, 2, "state", "--callback")
+    assert (tmp_path / "checkpoint-2" / "trainer_state.json").exists()
+    capfd.readouterr()
+    assert hf.latest_verified(tmp_path) is None
+    err = capfd.readouterr().err
+    assert "snapkeep: skipped checkpoint-2 (step 2)" in err and "interrupted" in err, err
+
+
+def test_a_copied_checkpoint_is_never_chosen_and_verify_reports_it(
+        tmp_path: pathlib.Path, capfd: Any) -> None:
+    """``cp -r checkpoint-4 checkpoint-40``: its marker records step 4; ``latest_verified``
+    skips it (named, with why) on every restart, retention never counts it, and ``snapkeep
+    verify`` reports it bad and exits 1. (971f8e4: checkpoint-40 chosen; verify exit 2.)"""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from snapkeep.cli import cli
+
+    _train(tmp_path, "--callback")
+    shutil.copytree(tmp_path / "checkpoint-4", tmp_path / "checkpoint-40")
+    capfd.readouterr()
+    for _ in range(2):
+        assert hf.latest_verified(tmp_path) == str(tmp_path / "checkpoint-8")
+        err = capfd.readouterr().err
+        assert "snapkeep: skipped checkpoint-40 (step 40): " in err and "step 4" in err, err
+    result = CliRunner().invoke(cli, ["verify", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "checkpoint-40" in result.output and "marker records step 4" in result.output
+
+
+def test_a_users_directory_at_a_checkpoint_name_is_refused_and_left_untouched(
+        tmp_path: pathlib.Path) -> None:
+    """A user's ``checkpoint-4/my_eval_notes.txt`` before a callback run with
+    ``save_total_limit=1``: the save of step 4 is refused before the Trainer writes into it
+    (``SnapshotStorageError`` naming it and what to do); its file is untouched, never listed by
+    a marker nor rotated away. (971f8e4: the step-4 marker listed the user's file and only
+    checkpoint-12 was left at the end.)"""
+    from snapkeep.errors import SnapshotStorageError
+
+    notes = tmp_path / "checkpoint-4" / "my_eval_notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("eval notes")
+    with pytest.raises(SnapshotStorageError, match=r"checkpoint-4 exists and is not a Trainer "
+                                                   r"checkpoint.*Move it away"):
+        _train(tmp_path, "--callback", "--save-total-limit", "1", "--max-steps", "12")
+    assert sorted(os.listdir(notes.parent)) == ["my_eval_notes.txt"]
+    assert notes.read_text() == "eval notes"
+    assert (tmp_path / "checkpoint-2").is_dir()  # saved before the refusal, committed
+    hf.verify_checkpoint(tmp_path / "checkpoint-2")

@@ -329,3 +329,128 @@ def test_on_an_object_store_the_alias_the_removal_and_the_fallback_work(
     finally:
         io.close()
         fs.rm(root, recursive=True)
+
+
+# -- adoption, references and what the user reads (issue 32) --------------------------------------
+def _fit(ckpts: pathlib.Path, epochs: int, *, stock: bool, save_top_k: int = 1,
+         io: SnapkeepCheckpointIO | None = None) -> Any:
+    """``epochs`` epochs of the worker's module, resumed with ``ckpt_path="last"``: stock
+    Lightning (its ``ModelCheckpoint``, ``TorchCheckpointIO``) or the documented two-line
+    change (snapkeep's ``ModelCheckpoint`` and ``SnapkeepCheckpointIO``)."""
+    torch.manual_seed(0)
+    kind = pl.callbacks.ModelCheckpoint if stock else ModelCheckpoint
+    plugins = [] if stock else [io or SnapkeepCheckpointIO()]
+    trainer = pl.Trainer(
+        max_epochs=epochs, accelerator="cpu", enable_progress_bar=False, logger=False,
+        enable_model_summary=False, plugins=plugins, default_root_dir=ckpts.parent,
+        callbacks=[kind(dirpath=ckpts, save_last=True, save_top_k=save_top_k)])
+    try:
+        trainer.fit(lightning_worker.make_module(), lightning_worker.loader(), ckpt_path="last")
+    finally:
+        for plugin in plugins:
+            plugin.close()
+    return trainer
+
+
+def _steps(out: str) -> list[int]:
+    return [int(line.split()[1]) for line in out.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.parametrize("save_top_k", [1, 0])
+def test_a_run_trained_with_stock_lightning_resumes_from_its_checkpoints_never_overwritten(
+        tmp_path: pathlib.Path, capfd: Any, save_top_k: int) -> None:
+    """Adoption: 2 epochs with stock Lightning (``save_last=True``), then the two-line change
+    with ``ckpt_path="last"``: it resumes from step 16 (unverified, said on stderr), trains the
+    8 steps of epoch 3, and the stock ``last.ckpt`` (with ``save_top_k=0`` the run's only
+    checkpoint) is kept as it was. (971f8e4: "starting fresh", 24 steps, and with
+    ``save_top_k=0`` the stock ``last.ckpt`` overwritten by the fresh run's.)"""
+    ckpts = tmp_path / "ckpts"
+    _fit(ckpts, 2, stock=True, save_top_k=save_top_k)
+    stock_last = (ckpts / "last.ckpt").read_bytes()
+    capfd.readouterr()
+    trainer = _fit(ckpts, 3, stock=False, save_top_k=save_top_k)
+    out, err = capfd.readouterr()
+    assert "starting fresh" not in err
+    assert f"snapkeep: resuming from last.ckpt (step 16) in {ckpts}" in err \
+        or f"snapkeep: resuming from epoch=1-step=16.ckpt (step 16) in {ckpts}" in err, err
+    assert "has no snapkeep manifest" in err and "unverified" in err
+    assert _steps(out) == list(range(17, 25))
+    assert trainer.global_step == 24
+    assert (ckpts / "last.ckpt").read_bytes() == stock_last  # never overwritten
+    # the next run resumes from snapkeep's own snapshot of step 24 (last-v1.ckpt names it)
+    capfd.readouterr()
+    _fit(ckpts, 4, stock=False, save_top_k=save_top_k)
+    out, err = capfd.readouterr()
+    assert _steps(out) == list(range(25, 33)), err
+    assert "(step 24)" in err and "unverified" not in err
+    assert (ckpts / "last.ckpt").read_bytes() == stock_last
+
+
+def test_a_fallback_is_named_in_lightnings_restored_line_and_a_first_run_gives_no_hint(
+        tmp_path: pathlib.Path, capfd: Any, caplog: Any) -> None:
+    """What the user reads: a first run says "starting fresh" without Lightning's hint to set
+    ``save_last=True`` (it is set); after a fallback past a corrupt snapshot Lightning's
+    ``Restored all states from the checkpoint at`` names the file really loaded.
+    (971f8e4: the hint, and ``Restored ... at .../epoch=1-step=16.ckpt`` while snapkeep loaded
+    ``epoch=0-step=8.ckpt``.)"""
+    import logging
+
+    ckpts = tmp_path / "ckpts"
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+    with warnings_recorded() as seen:
+        _fit(ckpts, 2, stock=False, save_top_k=-1)
+    assert not [w for w in seen if "save_last=True" in str(w.message)]
+    assert "starting fresh" in capfd.readouterr().err
+    _flip_middle_byte(ckpts / "epoch=1-step=16.ckpt")
+    caplog.clear()
+    _fit(ckpts, 3, stock=False, save_top_k=-1)
+    err = capfd.readouterr().err
+    assert "snapkeep: resuming from epoch=0-step=8.ckpt (step 8)" in err
+    restored = [r.getMessage() for r in caplog.records if "Restored all states" in r.getMessage()]
+    assert restored and all(m.endswith("epoch=0-step=8.ckpt") for m in restored), restored
+
+
+def warnings_recorded() -> Any:
+    import warnings
+
+    return warnings.catch_warnings(record=True)
+
+
+def _alias(ckpts: pathlib.Path, target: str, step: Any) -> None:
+    (ckpts / "last.ckpt").write_text(json.dumps({"format": ALIAS_FORMAT, "target": target,
+                                                 "step": step}))
+
+
+def test_an_alias_resolves_only_to_a_verified_file_of_its_directory(
+        tmp_path: pathlib.Path, capfd: Any) -> None:
+    """References are checked like files: an alias naming a symlink out of the directory, a
+    snapshot of another step, or nested 2,040 deep is refused (said on stderr) and the newest
+    snapshot that verifies is loaded instead. (971f8e4: the outside file loaded unverified;
+    the step never compared; ``RecursionError``.)"""
+    ckpts, outside = tmp_path / "ckpts", tmp_path / "outside"
+    outside.mkdir()
+    torch.save({"global_step": 999, "evil": torch.ones(1)}, outside / "evil.ckpt")
+    io = SnapkeepCheckpointIO()
+    try:
+        for step in (8, 16):
+            io.save_checkpoint({"global_step": step, "w": torch.full((4,), float(step))},
+                               str(ckpts / f"epoch={step // 8 - 1}-step={step}.ckpt"))
+        io.wait()
+        os.symlink(outside / "evil.ckpt", ckpts / "link.ckpt")
+        cases = {"symlink": ("link.ckpt", 999), "other step": ("epoch=0-step=8.ckpt", 16)}
+        for why, (target, step) in cases.items():
+            _alias(ckpts, target, step)
+            capfd.readouterr()
+            loaded = io.load_checkpoint(str(ckpts / "last.ckpt"))
+            err = capfd.readouterr().err
+            assert loaded["global_step"] == 16 and "evil" not in loaded, why
+            assert "last.ckpt: alias refused" in err, (why, err)
+        nested = b'{"a":' * 2040 + b"1" + b"}" * 2040
+        assert len(nested) <= 4096 * 4
+        (ckpts / "last.ckpt").write_bytes(nested[:4096])
+        loaded = io.load_checkpoint(str(ckpts / "last.ckpt"))  # no RecursionError
+        assert loaded["global_step"] == 16
+        _alias(ckpts, "epoch=0-step=8.ckpt", 8)  # a valid alias still resolves
+        assert io.load_checkpoint(str(ckpts / "last.ckpt"))["global_step"] == 8
+    finally:
+        io.close()

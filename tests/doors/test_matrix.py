@@ -226,8 +226,30 @@ class Door:
         ``Linear(4, features)``."""
         raise NotImplementedError
 
+    #: :meth:`train_frozen` exists: the door writes incremental snapshots, whose frozen
+    #: tensors are blobs (the damaged-blob scenario).
+    frozen_blobs = False
+
+    def train_frozen(self, directory: pathlib.Path | str, stop: int, *,
+                     storage_options: dict[str, Any] | None = None,
+                     after_save: Any = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """As :meth:`train`, with a frozen 1 MiB ``Linear(512, 512)`` backbone beside the model
+        (one blob); ``after_save(step)`` runs in the training process once the step's
+        snapshot is committed. Returns the model and the backbone."""
+        raise NotImplementedError
+
     #: Python code opening the door on ``DIR`` and keeping it open (in another process).
     hold_code = ""
+
+    def plant_other_door(self, directory: pathlib.Path | str, step: int,
+                         storage_options: dict[str, Any] | None = None) -> str | None:
+        """Save, through another door, a snapshot named like this door's at ``step``
+        (``snapshot_name(step)``) into ``directory``; None: the other-door scenario skips
+        (``other_door_skip`` says why)."""
+        return None
+
+    #: Why :meth:`plant_other_door` cannot apply to this door.
+    other_door_skip = "no other door writes snapshots of this door's kind and names"
 
     def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str] | None:
         """The command of this door's worker (see matrix_worker.py: a DataLoader, dropout, a
@@ -275,6 +297,12 @@ class CheckpointerDoor(Door):
 
     hold_code = "import snapkeep\nheld = snapkeep.Checkpointer(DIR)\n"
 
+    def plant_other_door(self, directory: pathlib.Path | str, step: int,
+                         storage_options: dict[str, Any] | None = None) -> str | None:
+        if self.sharded:
+            return None
+        return plant_with_the_extension(directory, "ckpt_{.iteration}", step, storage_options)
+
     def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str] | None:
         return [sys.executable, str(WORKER), self.name, directory, str(steps),
                 *([str(exit_at)] if exit_at is not None else [])]
@@ -285,6 +313,9 @@ class ShardedCheckpointerDoor(CheckpointerDoor):
 
     name = "checkpointer-sharded"
     sharded = True
+    other_door_skip = ("its snapshots are directories: another door's single file under its "
+                       "names is refused at start by the kind check "
+                       "(tests/storage/test_store_contract.py), never listed")
     hold_code = "import snapkeep\nheld = snapkeep.Checkpointer(DIR, sharded=True)\n"
 
 
@@ -336,6 +367,13 @@ class ExtensionDoor(Door):
             manager.finalize()
         return model
 
+    def plant_other_door(self, directory: pathlib.Path | str, step: int,
+                         storage_options: dict[str, Any] | None = None) -> str | None:
+        if self.sharded:
+            return None
+        return plant_with_the_checkpointer(directory, "snapshot_iter_{step}", step,
+                                           storage_options)
+
     hold_code = (
         "import torch\nfrom snapkeep.training import ExtensionsManager, extensions\n"
         "from snapkeep.writing import ThreadWriter\n"
@@ -355,6 +393,7 @@ class ShardedExtensionDoor(ExtensionDoor):
 
     name = "extension-sharded"
     sharded = True
+    other_door_skip = ShardedCheckpointerDoor.other_door_skip
     mode = extensions.SnapshotMode.SHARDED
     hold_code = ExtensionDoor.hold_code.replace(
         "extensions.snapshot(autoload=True)",
@@ -364,11 +403,36 @@ class ShardedExtensionDoor(ExtensionDoor):
         return f"{name}/.metadata", True
 
 
+def _frozen_backbone() -> torch.nn.Module:
+    """A frozen 1 MiB layer: one blob, written once, referred to by every later snapshot."""
+    torch.manual_seed(1)
+    backbone = torch.nn.Linear(512, 512, bias=False)
+    backbone.requires_grad_(False)
+    return backbone
+
+
 class IncrementalCheckpointerDoor(CheckpointerDoor):
     """The Checkpointer with incremental snapshots (a skeleton file + shared blobs)."""
 
     name = "checkpointer-incremental"
     incremental = True
+    frozen_blobs = True
+
+    def train_frozen(self, directory: pathlib.Path | str, stop: int, *,
+                     storage_options: dict[str, Any] | None = None,
+                     after_save: Any = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+        model, optimizer = _model()
+        backbone = _frozen_backbone()
+        with snapkeep.Checkpointer(directory, storage_options=storage_options,
+                                   incremental=True) as ckpt:
+            state = {"model": model, "backbone": backbone, "optimizer": optimizer}
+            start = ckpt.load(into=state) or 0
+            for step in range(start + 1, stop + 1):
+                _step(model, optimizer, step)
+                ckpt.save(step, state, metrics={"val_loss": val_loss(step)}).wait()
+                if after_save is not None:
+                    after_save(step)
+        return model, backbone
 
 
 class IncrementalExtensionDoor(ExtensionDoor):
@@ -376,6 +440,60 @@ class IncrementalExtensionDoor(ExtensionDoor):
 
     name = "extension-incremental"
     incremental = True
+    frozen_blobs = True
+
+    def train_frozen(self, directory: pathlib.Path | str, stop: int, *,
+                     storage_options: dict[str, Any] | None = None,
+                     after_save: Any = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+        model, optimizer = _model()
+        backbone = _frozen_backbone()
+        writer = ThreadWriter(out_dir=str(directory), storage_options=storage_options)
+        manager = ExtensionsManager({"main": model, "backbone": backbone}, {"main": optimizer},
+                                    max_epochs=1, iters_per_epoch=stop, writer=writer)
+        manager.extend(extensions.snapshot(autoload=True, incremental=True),
+                       trigger=(1, "iteration"))
+        try:
+            while not manager.stop_trigger:
+                with manager.run_iteration(step_optimizers=["main"]):
+                    step = manager.iteration + 1
+                    snapkeep.report({"val_loss": val_loss(step)})
+                    model(X[step % 6]).pow(2).sum().backward()
+                writer.wait(timeout_s=120)
+                if after_save is not None:
+                    after_save(manager.iteration)
+        finally:
+            manager.finalize()
+        return model, backbone
+
+
+def plant_with_the_extension(directory: pathlib.Path | str, template: str, step: int,
+                             storage_options: dict[str, Any] | None = None) -> str:
+    """ppe's snapshot extension saves ``template`` at iteration ``step`` into ``directory``
+    (the manager runs ``step`` empty iterations); returns the name."""
+    model, optimizer = _model()
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=step,
+                                writer=ThreadWriter(out_dir=str(directory),
+                                                    storage_options=storage_options))
+    manager.extend(extensions.snapshot(filename=template, autoload=False),
+                   trigger=(step, "iteration"))
+    try:
+        while not manager.stop_trigger:
+            with manager.run_iteration():
+                pass
+    finally:
+        manager.finalize()
+    return template.replace("{.iteration}", str(step))
+
+
+def plant_with_the_checkpointer(directory: pathlib.Path | str, template: str, step: int,
+                                storage_options: dict[str, Any] | None = None) -> str:
+    """The Checkpointer saves ``template`` (a ``{step}`` template) at ``step`` into
+    ``directory``; returns the name."""
+    model, optimizer = _model()
+    with snapkeep.Checkpointer(directory, template=template,
+                               storage_options=storage_options) as ckpt:
+        ckpt.save(step, {"model": model, "optimizer": optimizer})
+    return template.replace("{step}", str(step))
 
 
 DOORS = [CheckpointerDoor(), ShardedCheckpointerDoor(), ExtensionDoor(), ShardedExtensionDoor(),
@@ -531,6 +649,93 @@ def test_a_second_trainer_and_a_prune_are_refused_while_one_runs(
     assert _snapshots(place, door) == [door.snapshot_name(3), door.snapshot_name(4)]
 
 
+def _template(door: Door) -> str:
+    """The door's snapshot names as a CLI template (``ckpt_{.iteration}``)."""
+    return door.snapshot_name(0)[:-1] + "{.iteration}"
+
+
+def test_another_template_and_another_spelling_are_refused_while_one_runs(
+        door: Door, place: Place, zygote: Zygote, tmp_path: pathlib.Path) -> None:
+    """One trainer owns the directory, whatever names its files: beside a live trainer of this
+    door (another process), a Checkpointer of another template, on the directory spelled
+    ``DIR/.``, is refused naming it, and so are ``snapkeep prune DIR/. -t`` with another
+    spelling of the door's template (``{0.iteration}``) and ``snapkeep prune`` on a relative
+    path without ``-t``; nothing of the live trainer's is deleted. (971f8e4: the lock was
+    keyed by the template's text: the Checkpointer opened beside it and its sweep and
+    retention reached the directory; the prunes of a Lightning or sub-directory store deleted
+    the live trainer's snapshots.)"""
+    _local_only(place, NO_LOCK)
+    assert isinstance(place.directory, pathlib.Path)
+    train(door, place, 3)
+    before = _snapshots(place, door)
+    script = tmp_path / "holder.py"
+    script.write_text(f"DIR = {str(place.directory)!r}\n{door.hold_code}"
+                      "print('READY', flush=True)\nimport signal\nsignal.pause()\n")
+    pid, lines = zygote.run(str(script), [], cwd=str(tmp_path), env=killing.env(),
+                            fifo=str(tmp_path / "holder.fifo"), stderr=str(tmp_path / "err"))
+    try:
+        assert next(lines).strip() == "READY", (tmp_path / "err").read_text()
+        with pytest.raises(StoreLockedError, match=f"pid {pid}"):
+            snapkeep.Checkpointer(f"{place.directory}/.", template="other_{step}", keep=1)
+        spelled = _template(door).replace("{.iteration}", "{0.iteration}")
+        result = CliRunner().invoke(cli, ["prune", f"{place.directory}/.", "-t", spelled,
+                                          "--keep-latest", "1", "--yes"])
+        assert result.exit_code == 1 and f"pid {pid}" in result.output, result.output
+        result = CliRunner().invoke(cli, ["prune", os.path.relpath(place.directory),
+                                          "--keep-latest", "1", "--yes"])
+        assert result.exit_code == 1 and f"pid {pid}" in result.output, result.output
+        assert _snapshots(place, door) == before
+        assert not any(n.startswith("other_") for n in place.names())
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        lines.close()
+        assert zygote.wait(pid) == -signal.SIGKILL
+
+
+def test_a_resume_skips_another_doors_snapshot_naming_it(door: Door, place: Place,
+                                                        capfd: Any) -> None:
+    """Two doors on one directory, one after the other: another door's snapshot named like this
+    door's, at a higher step (step 50), is skipped by this door's first run (which starts
+    fresh) and by its resume (from its own newest), named on stderr each time; retention
+    (keep=2) never counts or deletes it; the result is the uninterrupted run's, bit for bit.
+    (971f8e4: a Lightning resume took a Checkpointer's ``ckpt_100`` and failed with
+    ``KeyError: 'pytorch-lightning_version'``; the other doors loaded it into the wrong
+    layout.)"""
+    plant = getattr(door, "plant_other_door", None)
+    storage_options = place.storage_options or None
+    other = plant(place.directory, 50, storage_options) if plant is not None else None
+    if other is None:
+        pytest.skip(f"the {door.name} door: {capability(door, 'other_door_skip')}")
+    assert door.snapshot_name(50) == other
+    capfd.readouterr()
+    train(door, place, 3, keep=KeepLatest(2))
+    err = capfd.readouterr().err
+    assert f"in {place.shown}, starting fresh" in err, err
+    assert f"snapkeep: skipped {other} (step 50): a snapshot of the " in err, err
+    model = train(door, place, 4, keep=KeepLatest(2))
+    err = capfd.readouterr().err
+    assert f"snapkeep: resuming from {door.snapshot_name(3)} (step 3) in {place.shown}" in err
+    assert f"snapkeep: skipped {other} (step 50): a snapshot of the " in err, err
+    assert _snapshots(place, door) == [door.snapshot_name(s) for s in (3, 4, 50)]
+    reference = train(door, place.sub("straight"), 4)
+    assert torch.equal(model.weight, reference.weight)
+
+
+def test_the_cli_lists_and_verifies_the_directory_without_a_template(
+        door: Door, place: Place) -> None:
+    """``snapkeep ls`` and ``snapkeep verify`` without ``-t`` on the door's directory: exit 0,
+    every snapshot with its step, and the newest as autoload's choice. (971f8e4: exit 2 on a
+    Lightning ``dirpath`` with default names; that case: tests/test_cli_door_directories.py.)"""
+    train(door, place, 3)
+    result = place.cli("ls", "--json")
+    assert result.exit_code == 0, result.output
+    assert [(s["name"], s["step"]) for s in json.loads(result.output)["snapshots"]] == [
+        (door.snapshot_name(s), s) for s in (1, 2, 3)]
+    result = place.cli("verify")
+    assert result.exit_code == 0, result.output
+    assert f"autoload would resume from {door.snapshot_name(3)}" in result.output, result.output
+
+
 def test_a_first_run_and_a_resume_are_said_on_stderr(door: Door, place: Place,
                                                      capfd: Any) -> None:
     train(door, place, 2)
@@ -660,6 +865,51 @@ def test_a_failing_restore_names_the_snapshot_and_step_and_loads_nothing(
     with pytest.raises(StateMismatchError, match=rf"{door.snapshot_name(3)} \(step 3\)"):
         train(door, place, 5, features=3)
     assert _snapshots(place, door) == [door.snapshot_name(s) for s in (1, 2, 3)]
+
+
+def test_a_damaged_blob_is_written_again_and_every_snapshot_loads(
+        door: Door, place: Place, capfd: Any) -> None:
+    """Incremental snapshots over a frozen backbone: steps 1, 2 saved; the backbone's blob gets
+    other bytes of the same size; ``snapkeep verify`` names the blob and the two snapshots that
+    refer to it (exit 1); the same process saves 3 and 4, which check the blob (not only its
+    size) and write it again from the live bytes; then every snapshot verifies and a restart
+    resumes from step 4, ending as the uninterrupted run. (Before: steps 3 and 4 referred to
+    the bad blob and the restart raised NoValidSnapshotError.)"""
+    if not capability(door, "frozen_blobs"):
+        pytest.skip(f"the {door.name} door writes no incremental snapshots")
+    options = {"storage_options": place.storage_options} if place.storage_options else {}
+    blobs_dir = ".snapkeep/blobs"
+    damaged: dict[str, bytes] = {}
+
+    def damage(step: int) -> None:
+        if step != 2:
+            return
+        (area,) = place.names(blobs_dir)
+        (digest,) = place.names(f"{blobs_dir}/{area}")  # the backbone's (the rest is inline)
+        path = f"{blobs_dir}/{area}/{digest}"
+        good = place.read(path)
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0xFF
+        place.write(path, bytes(bad))
+        damaged[path] = good
+        result = place.cli("verify")
+        assert result.exit_code == 1, result.output
+        assert re.search(rf"BAD BLOB +\S*{digest}: .*referred to by 2 snapshots: "
+                         rf"{door.snapshot_name(1)}, {door.snapshot_name(2)} ", result.output), \
+            result.output
+
+    door.train_frozen(place.directory, 4, after_save=damage, **options)
+    ((path, good),) = damaged.items()
+    assert place.read(path) == good  # written again by step 3's save
+    result = place.cli("verify")
+    assert result.exit_code == 0 and "BAD BLOB" not in result.output, result.output
+    capfd.readouterr()
+    model, backbone = door.train_frozen(place.directory, 6, **options)
+    assert f"snapkeep: resuming from {door.snapshot_name(4)} (step 4)" in capfd.readouterr().err
+    reference, reference_backbone = door.train_frozen(place.sub("straight").directory, 6,
+                                                      **options)
+    assert torch.equal(model.weight, reference.weight)
+    assert torch.equal(backbone.weight, reference_backbone.weight)
 
 
 # -- kill -9 and exit without close: the door's worker in a subprocess ---------------------------
@@ -854,3 +1104,99 @@ def test_the_memory_tier_resumes_from_ram_or_falls_back_to_storage_saying_why(
                 and "checksum" in said[0] and "does not match" in said[0], err
     reference = train(door, place.sub("straight"), 8)
     assert torch.equal(model.weight, reference.weight)
+
+
+# -- the doors' edges: adoption, references, copies, a user's directory (issue 32) -----------------
+def _strip_snapkeep_records(place: Place, door: Door, names: list[str]) -> None:
+    """Make the snapshots ``names`` look as the tool before snapkeep wrote them: no manifests,
+    no lock directory (``.snapkeep/``), no commit markers in directories."""
+    place.remove(".snapkeep")
+    if door.sharded:
+        for name in names:
+            place.remove(f"{name}/.snapkeep-commit.json")
+
+
+def test_adoption_snapshots_written_before_snapkeep_are_resumed_or_named_never_fresh(
+        door: Door, place: Place, capfd: Any) -> None:
+    """A directory of snapshots written before snapkeep was added (no manifest, no marker, no
+    ``.snapkeep/``): the door resumes the newest (unverified, said on stderr) or refuses naming
+    them; never a silent fresh start, and they are never overwritten or deleted."""
+    if door.sharded and door.name != "hf":
+        pytest.skip(f"the {door.name} door removes a snapshot directory without snapkeep's "
+                    "commit marker as an interrupted save (it cannot tell one from a DCP "
+                    "checkpoint written before snapkeep): not adopted yet")
+    if getattr(door, "incremental", False):
+        pytest.skip("incremental snapshots are snapkeep's own format (a skeleton naming blobs "
+                    "under .snapkeep/): no tool wrote them before snapkeep")
+    train(door, place, 3)
+    names = _snapshots(place, door)
+    _strip_snapkeep_records(place, door, names)
+    capfd.readouterr()
+    try:
+        train(door, place, 5)
+    except SnapshotError as e:  # refused, naming them: nothing written over them
+        assert door.snapshot_name(3) in str(e), e
+        assert "starting fresh" not in capfd.readouterr().err
+    else:
+        err = capfd.readouterr().err
+        assert "starting fresh" not in err, err
+        assert f"snapkeep: resuming from {door.snapshot_name(3)} (step 3) in {place.shown}" \
+            in err, err
+    assert all(place.exists(n) for n in names), place.names()  # never deleted
+
+
+def test_an_alias_naming_a_file_out_of_its_directory_or_another_step_is_refused(
+        door: Door, place: Place, capfd: Any) -> None:
+    """A reference record (Lightning's ``last.ckpt`` alias) resolves only to a regular file of
+    its own directory whose manifest records the alias's step; else it is refused, said on
+    stderr, and the newest snapshot that verifies is loaded instead."""
+    load_alias = getattr(door, "load_alias", None)
+    if load_alias is None:
+        pytest.skip(f"the {door.name} door writes no reference record (its snapshots are "
+                    "named by the template only)")
+    _local_only(place, "a symbolic link out of the directory is a local file system's")
+    train(door, place, 3)
+    outside = pathlib.Path(place.directory).parent / "outside.ckpt"
+    torch.save({"global_step": 999}, outside)
+    os.symlink(outside, pathlib.Path(place.directory) / "link")
+    for target, step in (("link", 999), (door.snapshot_name(2), 3)):
+        place.write("last.ckpt", json.dumps({"format": "snapkeep.lightning.alias/1",
+                                             "target": target, "step": step}).encode())
+        capfd.readouterr()
+        assert load_alias(place.directory, "last.ckpt")["global_step"] == 3
+        assert "last.ckpt: alias refused" in capfd.readouterr().err
+
+
+def test_a_copied_snapshot_is_never_resumed_as_the_step_its_name_says(
+        door: Door, place: Place, capfd: Any) -> None:
+    """``cp -r`` of snapshot 3 (with its manifest) to the name of step 40: its records say step
+    3, so it is skipped, named with why, on every restart; the newest real one is resumed."""
+    train(door, place, 3)
+    fs, src, dst = place._fs(), place._path(door.snapshot_name(3)), \
+        place._path(door.snapshot_name(40))
+    fs.copy(src, dst, recursive=door.sharded)
+    if not door.sharded and place.exists(f".snapkeep/{door.snapshot_name(3)}.json"):
+        place.write(f".snapkeep/{door.snapshot_name(40)}.json",
+                    place.read(f".snapkeep/{door.snapshot_name(3)}.json"))
+    for stop in (4, 5):
+        capfd.readouterr()
+        train(door, place, stop)
+        err = capfd.readouterr().err
+        assert f"snapkeep: resuming from {door.snapshot_name(stop - 1)} (step {stop - 1})" \
+            in err, err
+        assert f"snapkeep: skipped {door.snapshot_name(40)} (step 40)" in err, err
+
+
+def test_a_users_directory_at_a_snapshot_name_is_refused_and_left_untouched(
+        door: Door, place: Place) -> None:
+    """A user's directory named like the snapshot of a step the run will save
+    (``checkpoint-4/my_eval_notes.txt``): the save is refused with an error naming it, its file
+    untouched; it is never committed, counted or rotated away."""
+    _local_only(place, "object stores have no directories to hold a user's file apart")
+    notes = f"{door.snapshot_name(2)}/my_eval_notes.txt"
+    place.write(notes, b"eval notes")
+    with pytest.raises((SnapshotError, OSError)) as raised:
+        train(door, place, 4, keep=KeepLatest(1))
+    assert door.snapshot_name(2) in str(raised.value), raised.value
+    assert place.names(door.snapshot_name(2)) == ["my_eval_notes.txt"]
+    assert place.read(notes) == b"eval notes"

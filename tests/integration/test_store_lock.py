@@ -1,4 +1,4 @@
-"""One trainer per out_dir and template: the snapshot extension locks the store in initialize
+"""One trainer per snapshot directory: the snapshot extension locks the store in initialize
 (before autoload) and unlocks it in finalize; a second trainer is refused with the holder named;
 a lock left by a SIGKILLed trainer never blocks a restart. Real processes throughout."""
 
@@ -102,9 +102,9 @@ def test_the_lock_is_released_at_finalize(tmp_path):
     train(manager, model, 1)
     proc = _child(tmp_path)
     try:
-        assert _line(proc).startswith(f"LOCKED snapshots of 'snapshot_iter_{{.iteration}}' in "
-                                      f"{str(tmp_path)!r} are in use by another trainer (pid "
-                                      f"{os.getpid()}")
+        assert _line(proc).startswith(f"LOCKED snapshot directory {str(tmp_path)!r} (asked for "
+                                      "'snapshot_iter_{.iteration}') is in use by another "
+                                      f"trainer (pid {os.getpid()}")
         proc.wait(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
@@ -129,33 +129,62 @@ def test_the_lock_is_released_at_finalize(tmp_path):
         proc.stdout.close()  # type: ignore[union-attr]
 
 
-def test_other_templates_in_the_same_directory_are_not_blocked(tmp_path, holder):
+def test_another_template_in_the_same_directory_is_refused(tmp_path, holder):
+    """One trainer owns the directory, whatever template names its files (before: a
+    ``snapshot_object`` of another template ran beside the holder, and its sweep and retention
+    reached the holder's directory)."""
     import torch
 
     from snapkeep.training import ExtensionsManager, extensions
 
+    before = listing(tmp_path)
     model = torch.nn.Linear(2, 2)
     manager = ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), 1,
                                 iters_per_epoch=1,
                                 writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
     manager.extend(extensions.snapshot_object(model, "model_{.iteration}"),
                    trigger=(1, "iteration"))
-    with manager.run_iteration():
-        pass
+    with pytest.raises(snapkeep.StoreLockedError, match=f"pid {holder.pid} "):
+        manager.start_extensions()
+    assert listing(tmp_path) == before
+
+
+def test_two_templates_of_one_manager_share_the_directory(tmp_path):
+    """The doors of one run in one process share the lock: a manager's ``snapshot`` and
+    ``snapshot_object`` extensions on one out_dir both save."""
+    import torch
+
+    from snapkeep.training import ExtensionsManager, extensions
+
+    model = torch.nn.Linear(2, 2)
+    manager = ExtensionsManager(model, torch.optim.SGD(model.parameters(), lr=0.1), 2,
+                                iters_per_epoch=1,
+                                writer=snapkeep.writing.SimpleWriter(out_dir=str(tmp_path)))
+    manager.extend(extensions.snapshot(n_retains=1), trigger=(1, "iteration"))
+    manager.extend(extensions.snapshot_object(model, "model_{.iteration}", n_retains=1),
+                   trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            pass
     manager.finalize()
-    assert (tmp_path / "model_1").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        "model_2", "snapshot_iter_2"]
 
 
-def test_a_second_manager_of_the_same_process_takes_the_lock_over(tmp_path, caplog):
+def test_a_second_manager_of_the_same_process_shares_the_lock(tmp_path, caplog):
     """flock cannot tell two objects of one process apart; an earlier manager that was never
-    finalized (a notebook cell run twice) hands the lock to the new one, with a warning."""
+    finalized (a notebook cell run twice) shares the lock with the new one, and finalizing
+    the earlier one leaves the lock held for the new one."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="snapkeep._core.store.lock")
     first, _, model = make_run(tmp_path)
     train(first, model, 1)
     second, _, model = make_run(tmp_path)
     second.start_extensions()
     assert second.iteration == 1
     assert "already holds" in caplog.text
-    first.finalize()  # releasing the superseded lock leaves the new holder's lock alone
+    first.finalize()  # releasing the earlier share leaves the new holder's lock alone
     proc = _child(tmp_path)
     try:
         assert _line(proc).startswith("LOCKED")

@@ -14,6 +14,7 @@ import pytest
 from snapkeep._core.storage import _direct, _direct_resources
 from snapkeep._core.storage._direct import ALIGN_BYTES, DirectFile
 from snapkeep._core.storage._direct_resources import CHUNK_BYTES, open_for_write
+from support.fd_faults import fd_under
 
 SIZES = [0, 1, ALIGN_BYTES - 1, ALIGN_BYTES, ALIGN_BYTES + 1, CHUNK_BYTES - 1, CHUNK_BYTES,
          CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 12345]
@@ -60,12 +61,19 @@ def _require_direct(tmp_path) -> None:
         pytest.skip("this filesystem refuses O_DIRECT")
 
 
-def _fault_on_write(monkeypatch, nth: int, fault) -> None:
-    """Make the ``nth`` ``os.write`` of ``_direct`` run ``fault(fd, data, real_write)``."""
+def _fault_on_write(monkeypatch, nth: int, fault, directory) -> None:
+    """Make the ``nth`` ``os.write`` to a file under ``directory`` run ``fault(fd, data,
+    real_write)``. ``os.write`` is patched process-wide (``_direct.os`` is ``os``): writes of
+    other threads (a pool thread of an earlier test still finishing, multiprocessing's resource
+    tracker, more likely on a loaded machine) go through unchanged and are not counted (see
+    ``support/fd_faults.py``; before, the fault could hit another thread's write and the test
+    failed under load)."""
     real_write = os.write
     calls = []
 
     def write(fd, data):
+        if not fd_under(fd, directory):
+            return real_write(fd, data)
         calls.append(len(data))
         if len(calls) == nth:
             return fault(fd, data, real_write)
@@ -80,7 +88,7 @@ def test_einval_on_the_first_direct_write_falls_back_to_buffered(tmp_path, monke
     def refuse(fd, data, real_write):
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    _fault_on_write(monkeypatch, 1, refuse)
+    _fault_on_write(monkeypatch, 1, refuse, tmp_path)
     data = _payload(2 * CHUNK_BYTES + 999)
     assert _write(tmp_path / "f", [data]) is False
     assert (tmp_path / "f").read_bytes() == data
@@ -96,14 +104,18 @@ def test_short_unaligned_direct_write_continues_buffered(tmp_path, monkeypatch) 
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
         return n
 
-    _fault_on_write(monkeypatch, 2, short)
+    _fault_on_write(monkeypatch, 2, short, tmp_path)
     data = _payload(3 * CHUNK_BYTES + 77)
     _write(tmp_path / "f", [data])
     assert (tmp_path / "f").read_bytes() == data
 
 
 def test_full_disk_raises_enospc(tmp_path, monkeypatch) -> None:
-    def full(fd, data):
+    real_write = os.write
+
+    def full(fd, data):  # this test's files only (os.write is patched process-wide)
+        if not fd_under(fd, tmp_path):
+            return real_write(fd, data)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(_direct.os, "write", full)
@@ -210,3 +222,34 @@ os.waitpid(pid, 0)
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert (tmp_path / "child").read_bytes() == bytes([2]) * 5000
     assert (tmp_path / "parent1").read_bytes() == bytes([3]) * 5000
+
+
+def test_a_fault_hits_this_tests_file_while_another_thread_writes(tmp_path, monkeypatch) -> None:
+    """The faults above must not depend on a quiet process: with another thread calling
+    ``os.write`` all along (as a lingering pool thread or multiprocessing's resource tracker
+    does, more often on a loaded machine), the EINVAL still hits the first direct write of this
+    test's file and the file falls back to buffered writes. (Before: the fault counted every
+    ``os.write`` of the process: it hit the other thread's write in 20 of 20 tries.)"""
+    import threading
+
+    stop = threading.Event()
+    r, w = os.pipe()
+
+    def noise() -> None:
+        while not stop.is_set():
+            os.write(w, b"x")
+            os.read(r, 1)
+
+    thread = threading.Thread(target=noise, daemon=True)
+    thread.start()
+    try:
+        for i in range(5):
+            with monkeypatch.context() as patch:
+                directory = tmp_path / str(i)
+                directory.mkdir()
+                test_einval_on_the_first_direct_write_falls_back_to_buffered(directory, patch)
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+        os.close(r)
+        os.close(w)

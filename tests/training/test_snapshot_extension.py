@@ -486,3 +486,72 @@ def test_snapshot_object_beside_an_autoloading_snapshot_continues_the_run(tmp_pa
     run_ids = {json.loads((tmp_path / MANIFESTS / f"{n}.json").read_text())["run_id"]
                for n in names if n != MANIFESTS}
     assert len(run_ids) == 1
+
+
+# -- values autoload could not load ----------------------------------------------------------------
+class _Config:
+    """An object torch.load(weights_only=True) refuses."""
+
+
+class _WithConfig:
+    def __init__(self) -> None:
+        self.config = _Config()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"config": self.config}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.config = state["config"]
+
+
+class _OwnWriter:
+    """A writer of the user's (not snapkeep's): it chooses its own format."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[str, Any]] = []
+
+    def __call__(self, filename: str, out_dir: str, target: Any, *, savefun: Any = None,
+                 **kwargs: Any) -> None:
+        self.saved.append((filename, target))
+
+    def finalize(self) -> None:
+        pass
+
+
+def test_a_users_writer_chooses_its_format_and_is_never_refused(tmp_path):
+    run = Run(tmp_path)
+    writer = _OwnWriter()
+    run.manager.extend(ext.snapshot_object(_WithConfig(), "cfg_{.iteration}", writer=writer),
+                       trigger=(1, "iteration"))
+    run.train(2)
+    assert [name for name, _ in writer.saved] == ["cfg_1", "cfg_2"]
+    assert isinstance(writer.saved[0][1]["config"], _Config)
+
+
+def test_a_users_savefun_is_never_refused(tmp_path):
+    run = Run(tmp_path)
+    run.manager.extend(ext.snapshot_object(_WithConfig(), "cfg_{.iteration}", savefun=torch.save),
+                       trigger=(1, "iteration"))
+    run.train(1)
+    assert isinstance(torch.load(tmp_path / "cfg_1", weights_only=False)["config"], _Config)
+
+
+def test_an_autoloading_snapshot_refuses_a_value_it_could_never_resume_from(tmp_path):
+    run = Run(tmp_path)
+    run.manager.extend(ext.snapshot_object(_WithConfig(), "cfg_{.iteration}", autoload=True),
+                       trigger=(1, "iteration"))
+    with pytest.raises(TypeError, match=r"'config'.*weights_only=False"):
+        run.train(1)
+    assert not list(tmp_path.glob("cfg_*"))
+
+
+def test_without_autoload_snapkeeps_format_saves_and_warns_once(tmp_path):
+    run = Run(tmp_path)
+    run.manager.extend(ext.snapshot_object(_WithConfig(), "cfg_{.iteration}"),
+                       trigger=(1, "iteration"))
+    with pytest.warns(RuntimeWarning, match=r"'config'.*could not resume") as record:
+        run.train(2)
+    assert len([w for w in record if "could not resume" in str(w.message)]) == 1
+    run.manager.finalize()
+    assert sorted(p.name for p in tmp_path.glob("cfg_*")) == ["cfg_1", "cfg_2"]
+    assert isinstance(torch.load(tmp_path / "cfg_2", weights_only=False)["config"], _Config)

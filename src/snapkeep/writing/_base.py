@@ -348,6 +348,8 @@ class Writer:
             raise TypeError(f"retain must be a snapkeep.store.Retain, got {retain!r}")
         tracker = extra.pop("incremental", None)
         job = self._job(filename, out_dir, savefun, append, savefun_kwargs, **extra)
+        if retain is not None and retain.door:  # the door's layout, recorded in the manifest
+            job = dataclasses.replace(job, door=retain.door)
         if tracker is not None:
             _check_incremental(tracker, job)
         if not self._initialized:

@@ -117,6 +117,17 @@ def job_rank() -> int:
         return 0
 
 
+def job_world_size() -> int:
+    """The number of ranks in the job: the default process group's when one is initialized,
+    else torchrun's ``WORLD_SIZE`` environment variable, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def is_distributed() -> bool:
     """Whether a default process group exists (else snapkeep runs single-process)."""
     return dist.is_available() and dist.is_initialized()

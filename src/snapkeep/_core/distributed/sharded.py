@@ -8,12 +8,15 @@ ranks):
 1. training thread: wait for the previous snapshot (one in flight), stage the local shards into
    reused CPU buffers (:class:`~.staging.Stager`); return. Training may now mutate its state.
 2. commit thread, on snapkeep's ``commit`` process group only (never the training's):
-   a. agree that every rank staged (rank 0 first uncommits an old directory of the same name
-      and marks the directory as snapkeep's work in progress, before any shard is written);
+   a. within DCP's planning (each rank's ``prepare_local_plan``, gathered by DCP before any
+      rank receives its plan): a rank that failed to stage fails there, and rank 0 first
+      uncommits an old directory of the same name and marks the directory as snapkeep's work
+      in progress, so before any shard is written;
    b. ``dcp.save`` of the staged tree into the snapshot directory (each rank writes its own
       ``__<rank>_*.distcp`` files with fsync; rank 0 writes ``.metadata``);
-   c. every rank checksums the files it wrote and fsyncs the directory; the records are
-      gathered to rank 0;
+   c. every rank's data files are checksummed as DCP writes them (no second read); rank 0
+      checksums ``.metadata`` and fsyncs the directory once every rank's files exist; the
+      records (or a rank's failure) are gathered in one collective;
    d. rank 0 writes the marker (the manifest of every file) last, atomically and durably, and
       tells every rank the outcome;
    e. rank 0 runs retention (deletes whole directories, marker first).
@@ -51,7 +54,7 @@ from snapkeep._core.distributed.dcp_safe import (
     metadata_of,
     reader_for,
 )
-from snapkeep._core.distributed.errors import RankFailedError
+from snapkeep._core.distributed.errors import CollectiveTimeoutError, RankFailedError
 from snapkeep._core.distributed.groups import Groups
 from snapkeep._core.distributed.sharded_store import (
     FileRecord,
@@ -67,6 +70,7 @@ from snapkeep._core.errors import (
 )
 from snapkeep._core.format.manifest import now_unix_s
 from snapkeep._core.save.exit_drain import DrainedAtExit
+from snapkeep._core.storage import HashingWriter
 from snapkeep._core.store.files import Entry
 
 logger = logging.getLogger(__name__)
@@ -100,32 +104,118 @@ class ShardedHandle:
     committed: concurrent.futures.Future[ShardedManifest | None]
 
 
+class _HashedStream(HashingWriter):
+    """A data file DCP writes (``write``/``tell``/``flush``/``fileno``/``close``), hashed and
+    counted as it is written (DCP writes each file sequentially, never seeking)."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__(raw)
+        self._file = raw
+
+    def fileno(self) -> int:
+        return int(self._file.fileno())  # DCP fsyncs it; raises where the stream has none
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _HashingFileSystem:
+    """DCP's file system (local or fsspec) with every data file (``*.distcp``) it creates for
+    writing hashed as written: :attr:`records` maps each file name to ``(xxh3-128 digest, size
+    in bytes)`` once DCP closed it. Everything else is DCP's own."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+        self.records: dict[str, tuple[str, int]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        name = str(path).replace("\\", "/").rsplit("/", 1)[-1]
+        with self._fs.create_stream(path, mode) as raw:
+            if mode != "wb" or not name.endswith(_DATA_SUFFIX):
+                yield raw
+                return
+            stream = _HashedStream(raw)
+            yield stream
+            self.records[name] = (stream.hexdigest(), stream.size_bytes)
+
+
+_DATA_SUFFIX = ".distcp"
+
+
 class _RecordingWriter(FileSystemWriter):
-    """DCP's file-system writer (fsync on) that remembers the files this rank wrote."""
+    """DCP's file-system writer (fsync on) that hashes the files this rank writes as it writes
+    them (:attr:`written`: name -> ``(digest, size)``) and times its part."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-        self.written: list[str] = []
+        self._hashing = _HashingFileSystem(self.fs)
+        self.fs = self._hashing  # type: ignore[assignment]
+        self.written: dict[str, tuple[str, int]] = {}
+        self.phases = _Phases()
+        self.before_plan: Callable[[], None] | None = None
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if self.before_plan is not None:  # its error is this rank's, exchanged by DCP
+            self.before_plan()
+        self.phases.mark("prepare")
+        return super().prepare_local_plan(plan)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        self.phases.mark("plan")
         future = super().write_data(plan, planner)
-        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
+        names = {r.storage_data.relative_path for r in future.wait()}
+        self.written = {n: self._hashing.records[n] for n in sorted(names)}
+        self.phases.mark("write")
         return future
 
 
 class _RecordingFsspecWriter(FsspecWriter):
     """DCP's fsspec writer (object stores: each file one upload, durable once closed) that
-    remembers the files this rank wrote."""
+    hashes the files this rank writes as it writes them (:attr:`written`)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         super().__init__(url, single_file_per_rank=True, sync_files=False, thread_count=1,
                          **storage_options)
-        self.written: list[str] = []
+        self._hashing = _HashingFileSystem(self.fs)
+        self.fs = self._hashing  # type: ignore[assignment]
+        self.written: dict[str, tuple[str, int]] = {}
+        self.phases = _Phases()
+        self.before_plan: Callable[[], None] | None = None
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if self.before_plan is not None:  # its error is this rank's, exchanged by DCP
+            self.before_plan()
+        self.phases.mark("prepare")
+        return super().prepare_local_plan(plan)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
+        self.phases.mark("plan")
         future = super().write_data(plan, planner)
-        self.written = sorted({r.storage_data.relative_path for r in future.wait()})
+        names = {r.storage_data.relative_path for r in future.wait()}
+        self.written = {n: self._hashing.records[n] for n in sorted(names)}
+        self.phases.mark("write")
         return future
+
+
+class _Phases:
+    """Seconds spent in each phase of one commit on this rank, in order (``mark(name)`` ends
+    the phase ``name`` at the time of the call)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def restart(self) -> None:
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def _writer_for(store: ShardedStore, path: str) -> _RecordingWriter | _RecordingFsspecWriter:
@@ -161,6 +251,11 @@ class ShardedSaver(DrainedAtExit):
         self._pending_path = ""
         self._lock = threading.Lock()
         self.last_stage_s = 0.0
+        #: seconds of each phase of the last commit on this rank (set on the commit thread,
+        #: read after :meth:`wait`): prepare (rank 0: the in-progress mark), plan (DCP's
+        #: planning collectives), write (this rank's files, hashed and fsynced), dcp_finish,
+        #: metadata_and_directory_fsync, gather, marker, agree_committed
+        self.last_commit_phases_s: dict[str, float] = {}
         self._drain_at_exit_unless_closed()  # committed at interpreter exit if still pending
 
     @property
@@ -262,18 +357,23 @@ class ShardedSaver(DrainedAtExit):
         path = store.path_of(job.name)
         what = f"sharded snapshot {path} (step {job.step})"
         start = time.perf_counter()
-        # a. everyone staged; rank 0 uncommits an old directory of this name before any write
-        error: BaseException | None = staging_error
-        if error is None and self.rank == 0:
-            try:
+        writer = _writer_for(store, path)
+        phases = writer.phases
+        phases.restart()
+        # a. in DCP's planning, before any rank has its plan (so before any shard is written):
+        # a rank that failed to stage says so, rank 0 uncommits an old directory of this name
+        # and marks it as work in progress; DCP gathers every rank's outcome
+        def before_plan() -> None:
+            if staging_error is not None:
+                raise staging_error
+            if self.rank == 0:
                 store.claim(path, job.step)  # not a foreign directory named like it
                 store.remove_marker(path)
                 store.mark_in_progress(path, tag=f"r{self.rank}")  # before any shard
-            except OSError as e:
-                error = e
-        exchange_outcomes(group, error, what=f"{what}: preparing", timeout_s=timeout_s)
-        # b. DCP writes every rank's shards (its own collectives run on the commit group)
-        writer = _writer_for(store, path)
+
+        writer.before_plan = before_plan
+        # b. DCP writes every rank's shards (its own collectives run on the commit group); the
+        # writer hashes each data file as it writes it
         try:
             with _single_process_quiet(group):
                 dcp.save(staged, storage_writer=writer, process_group=group,
@@ -283,22 +383,37 @@ class ShardedSaver(DrainedAtExit):
             raise RankFailedError(f"{what}: torch.distributed.checkpoint.save",
                                   {int(r): f"{type(x).__name__}: {x}"
                                    for r, x in failures.items()}) from e
-        # c. checksums of this rank's files, made durable; gathered to every rank
-        records: dict[str, FileRecord] = {}
-        error = None
-        try:
-            names = list(writer.written) + ([METADATA_NAME] if self.rank == 0 else [])
-            for name in names:
-                digest, size = hash_file(store.storage, store.storage.join(path, name))
-                records[name] = FileRecord(size_bytes=size, checksum=digest, rank=self.rank)
-            store.storage.sync_directory(path)
-        except OSError as e:
-            error = e
-        outcomes = exchange_outcomes(group, error, what=f"{what}: checksumming",
-                                     timeout_s=timeout_s)
-        del outcomes
-        gathered = all_gather(group, records, what=f"{what}: gathering checksums",
+        except RuntimeError as e:  # DCP's own collectives: a rank died or hangs (gloo's error)
+            if group is None:
+                raise
+            raise CollectiveTimeoutError(
+                f"{what}: torch.distributed.checkpoint.save: rank {self.rank} lost the other "
+                f"ranks (one died, hung for more than {timeout_s:g} s or failed outside "
+                f"snapkeep): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from e
+        phases.mark("dcp_finish")  # DCP's gather of the results, rank 0's .metadata
+        # c. the records of this rank's files; rank 0 adds .metadata and, every rank's files
+        # being written and fsynced once dcp.save returned, makes their entries durable
+        records = {name: FileRecord(size_bytes=size, checksum=digest, rank=self.rank)
+                   for name, (digest, size) in writer.written.items()}
+        outcome: dict[str, FileRecord] | str = records
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                digest, size = hash_file(store.storage, store.storage.join(path, METADATA_NAME))
+                records[METADATA_NAME] = FileRecord(size_bytes=size, checksum=digest,
+                                                    rank=self.rank)
+                store.storage.sync_directory(path)
+            except OSError as e:
+                error = e
+                outcome = f"{type(e).__name__}: {e}"
+        phases.mark("metadata_and_directory_fsync")
+        gathered = all_gather(group, outcome, what=f"{what}: gathering checksums",
                               timeout_s=timeout_s)
+        failed = {r: m for r, m in enumerate(gathered) if isinstance(m, str)}
+        if failed:
+            raise RankFailedError(f"{what}: checksumming", failed) from error
+        phases.mark("gather")
         # d. rank 0 commits the marker last; every rank learns the outcome
         manifest: ShardedManifest | None = None
         error = None
@@ -314,8 +429,11 @@ class ShardedSaver(DrainedAtExit):
                 store.write_marker(path, manifest, tag=f"r{self.rank}")
             except OSError as e:
                 error = e
+        phases.mark("marker")
         exchange_outcomes(group, error, what=f"{what}: committing the marker",
                           timeout_s=timeout_s)
+        phases.mark("agree_committed")
+        self.last_commit_phases_s = dict(phases.seconds)
         logger.info("rank %d: committed %s in %.3f s (%d file(s) of this rank)", self.rank,
                     what, time.perf_counter() - start, len(records))
         # e. retention on rank 0 only, after the commit; never fatal
@@ -380,7 +498,9 @@ def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
     if mismatches:  # DCP would say "Size mismatch" from inside the load, read as corrupt
         raise StateMismatchError(
             f"snapshot {entry.path} (step {entry.step}) does not fit: {len(mismatches)} "
-            f"mismatch(es): {'; '.join(mismatches[:5])}. Nothing was loaded.")
+            f"mismatch(es): {'; '.join(mismatches[:5])}. Nothing was loaded. Next: build the "
+            "model as it was when that step was saved (the shapes above), or start fresh in "
+            "another directory")
     reader = reader_for(store.storage, entry.path, store.storage_options,
                         weights_only=weights_only, listed=listed)
     group = groups.control if groups else None

@@ -17,8 +17,8 @@ it is the manifest of the whole directory (each file's size, xxh3-128 checksum a
   so a crash in between leaves work of snapkeep's own that the next sweep removes.
 - On-error snapshots are committed under ``<name>`` + ``ON_ERROR_SUFFIX``: never listed, never
   resumed, never deleted by retention (as single files).
-- One trainer per directory and template: :meth:`ShardedStore.lock` takes the same lock file as
-  the single-file store (rank 0 only), so a single-file trainer and a sharded one collide too.
+- One trainer per directory: :meth:`ShardedStore.lock` takes the same lock file as the
+  single-file store (rank 0 only), so a single-file trainer and a sharded one collide too.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 from snapkeep._core.distributed.dcp_safe import metadata_of
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep._core.format.checksum import ALGORITHM, digest_stream, require_match
+from snapkeep._core.format.json_records import INT64_LIMIT, parse_json
 from snapkeep._core.format.manifest import MANIFEST_DIR
 from snapkeep._core.format.naming import FilenameTemplate
 from snapkeep._core.storage import TEMP_MARKER, Storage
@@ -105,10 +106,7 @@ class ShardedManifest:
             ValueError: not a snapkeep sharded marker, or a field of the wrong type or value
                 (a file name that is not a plain name inside the directory included).
         """
-        try:
-            body = json.loads(data.decode())
-        except (UnicodeDecodeError, RecursionError) as e:
-            raise ValueError(f"not JSON ({type(e).__name__})") from e
+        body = parse_json(data, max_bytes=MAX_MARKER_BYTES, allow_nan=True)  # RecordError
         if not isinstance(body, dict) or body.pop("format", None) != FORMAT:
             raise ValueError("not a snapkeep sharded-snapshot marker")
         files = body.pop("files", None)
@@ -125,8 +123,8 @@ class ShardedManifest:
         return cls(files=records, **values)
 
 
-def _is_int(value: Any, low: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+def _is_int(value: Any, low: int = 0, high: int = INT64_LIMIT) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
 
 
 def _is_number(value: Any) -> bool:
@@ -136,7 +134,7 @@ def _is_number(value: Any) -> bool:
 
 _MARKER_FIELDS: dict[str, Callable[[Any], bool]] = {
     "name": lambda v: isinstance(v, str) and 0 < len(v) <= 4096,
-    "world_size": lambda v: _is_int(v, 1),
+    "world_size": lambda v: _is_int(v, 1, 1 << 31),
     "algorithm": lambda v: v == ALGORITHM,
     "step": lambda v: v is None or _is_int(v),
     "created_unix_s": _is_number,
@@ -162,7 +160,7 @@ def _file_record(name: str, value: Any) -> FileRecord:
     if not isinstance(value, dict) or set(value) != {"size_bytes", "checksum", "rank"}:
         raise ValueError(f"the record of {name!r:.80} is not {{size_bytes, checksum, rank}}")
     size, checksum, rank = value["size_bytes"], value["checksum"], value["rank"]
-    if not _is_int(size) or not _is_int(rank) or not isinstance(checksum, str) \
+    if not _is_int(size) or not _is_int(rank, 0, 1 << 31) or not isinstance(checksum, str) \
             or not 0 < len(checksum) <= 128:
         raise ValueError(f"the record of {name!r:.80} has a field of the wrong type")
     return FileRecord(size_bytes=size, checksum=checksum, rank=rank)
@@ -440,8 +438,9 @@ class ShardedStore:
         return removed
 
     def lock(self) -> StoreLock | None:
-        """The lock of this template in this directory, shared with the single-file store
-        (same file): rank 0 takes it. None on storages without a local filesystem.
+        """The lock of the directory the snapshot directories live in (one trainer per
+        directory, as the single-file store's: same file): rank 0 takes it. None on storages
+        without a local filesystem.
 
         Raises:
             StoreLockedError: another live process holds it.
@@ -450,8 +449,8 @@ class ShardedStore:
             logger.info("%s: no directory lock on this storage", self.directory)
             return None
         return StoreLock.acquire(self.storage.join(self._parent(), MANIFEST_DIR),
-                                 str(self.template.template), self.storage.url(self.directory),
-                                 key=self.template.lock_key)
+                                 self.storage.url(self._parent()),
+                                 what=str(self.template.template))
 
     def check_kind(self) -> None:
         """Refuse a template that already names single-file snapshots here (see

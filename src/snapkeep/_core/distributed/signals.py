@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,12 @@ logger = logging.getLogger(__name__)
 #: Exit code after a preemption snapshot (128 + SIGTERM, what a process killed by SIGTERM
 #: reports; torchrun and schedulers read it as 'terminated').
 EXIT_CODE_PREEMPTED = 143
+
+#: Exit code after a preemption whose step is NOT in storage: the grace period was too short
+#: for this run's durable write, so the step went to the memory tier (node RAM and its peers)
+#: or, without one, nothing new was committed (the newest committed snapshot is the resume
+#: point). The run status says which (``preemption.committed_to``).
+EXIT_CODE_PREEMPTED_NOT_DURABLE = 79
 
 #: What a watch records when torchrun's agent is gone (a preemption request: SIGUSR1 from
 #: SLURM's ``--signal`` kills an agent that does not forward it); no signal number is this
@@ -101,6 +108,8 @@ class SignalWatch:
         self.rank = rank
         self.timeout_s = timeout_s
         self.received: list[int] = []
+        #: ``time.monotonic()`` when the first request arrived here (None: none yet)
+        self.first_mono_s: float | None = None
         self._previous: dict[signal.Signals, Any] = {}
 
     def install(self) -> bool:
@@ -128,10 +137,32 @@ class SignalWatch:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
-        self.received.append(signum)  # only record: the boundary acts (async-signal safe)
+        if self.first_mono_s is None:  # only record: the boundary acts (async-signal safe)
+            self.first_mono_s = time.monotonic()
+        self.received.append(signum)
 
     def _on_agent_gone(self, agent_pid: int) -> None:
-        self.received.append(AGENT_GONE)  # the launcher watch's thread: only record
+        if self.first_mono_s is None:  # the launcher watch's thread: only record
+            self.first_mono_s = time.monotonic()
+        self.received.append(AGENT_GONE)
+
+    def agree_max(self, values: Sequence[float]) -> list[float]:
+        """The element-wise maximum of ``values`` over the ranks (float64; collective with
+        ``control``: every rank calls it at the same step; one process: ``values``).
+
+        Raises:
+            CollectiveTimeoutError: a rank died or did not take part in time.
+        """
+        if self.control is None:
+            return [float(v) for v in values]
+        flag = torch.tensor(list(values), dtype=torch.float64)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        except RuntimeError as e:
+            raise CollectiveTimeoutError(
+                f"preemption plan: rank {self.rank} lost the other ranks (one died, hung for "
+                f"more than {self.timeout_s:g} s or failed outside snapkeep): {e}") from e
+        return [float(v) for v in flag.tolist()]
 
     def agree(self) -> int:
         """0 when no rank was signalled, else a :func:`signalled` value of a rank that was

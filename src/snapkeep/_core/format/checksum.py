@@ -29,11 +29,20 @@ def digest_stream(f: IO[bytes], *, max_bytes: int | None = None) -> tuple[str, i
     than ``max_bytes``, says so to the caller comparing it with a recorded size."""
     hasher = new_hasher()
     size = 0
+    readinto = getattr(f, "readinto", None)
+    buffer = memoryview(bytearray(_READ_CHUNK_BYTES)) if readinto is not None else None
     while True:
         want = _READ_CHUNK_BYTES if max_bytes is None else min(_READ_CHUNK_BYTES,
                                                                max_bytes + 1 - size)
         if want <= 0:
             break
+        if readinto is not None and buffer is not None:  # reused: no new bytes per chunk
+            n = readinto(buffer[:want])
+            if not n:
+                break
+            hasher.update(buffer[:n])
+            size += n
+            continue
         chunk = f.read(want)
         if not chunk:
             break
@@ -64,22 +73,35 @@ def digest_file(
     """
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    hasher = new_hasher()
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return str(hasher.hexdigest()), 0
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            _advise(mapped, "MADV_SEQUENTIAL", 0, size)
-            view = memoryview(mapped)
-            try:
-                for start in range(0, size, chunk_bytes):
-                    length = min(chunk_bytes, size - start)
-                    _read_ahead(f.fileno(), start + length, chunk_bytes, size)
-                    hasher.update(view[start:start + length])
-                    _advise(mapped, "MADV_DONTNEED", start, length)
-            finally:
-                view.release()
+        return digest_open_file(f, chunk_bytes=chunk_bytes)
+
+
+def digest_open_file(f: IO[bytes], *, chunk_bytes: int = MAPPED_CHUNK_BYTES) -> tuple[str, int]:
+    """:func:`digest_file` of a local regular file already open for reading (``f.fileno()``),
+    from its first byte whatever ``f``'s position; ``(hexdigest, size_bytes)``.
+
+    Raises:
+        ValueError: ``chunk_bytes`` is not a positive int.
+        OSError: the file cannot be stat'ed or mapped.
+    """
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+    hasher = new_hasher()
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+        return str(hasher.hexdigest()), 0
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        _advise(mapped, "MADV_SEQUENTIAL", 0, size)
+        view = memoryview(mapped)
+        try:
+            for start in range(0, size, chunk_bytes):
+                length = min(chunk_bytes, size - start)
+                _read_ahead(f.fileno(), start + length, chunk_bytes, size)
+                hasher.update(view[start:start + length])
+                _advise(mapped, "MADV_DONTNEED", start, length)
+        finally:
+            view.release()
     return str(hasher.hexdigest()), size
 
 

@@ -23,6 +23,8 @@ from typing import Any, BinaryIO
 
 import torch
 
+from snapkeep._core.format.json_records import RecordError, parse_json
+
 logger = logging.getLogger(__name__)
 
 #: Metadata key naming the layout written by :func:`save_safetensors`.
@@ -161,7 +163,7 @@ def is_safetensors_header(head: bytes, size_bytes: int | None = None) -> bool:
 
 def _metadata(data: bytes) -> dict[str, str]:
     (header_bytes,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + header_bytes].decode())
+    header = parse_json(data[8:8 + header_bytes], max_bytes=_MAX_HEADER_BYTES)
     meta = header.get("__metadata__") if isinstance(header, dict) else None
     return dict(meta) if isinstance(meta, dict) else {}
 
@@ -187,7 +189,7 @@ def load_safetensors(data: bytes, *, map_location: Any = "cpu") -> Any:
     try:
         meta = _metadata(data)
         flat = load(data)
-    except (SafetensorError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (SafetensorError, struct.error, UnicodeDecodeError, RecordError) as e:
         raise ValueError(f"not a readable safetensors file: {e}") from e
     return _tree(flat, meta, map_location)
 
@@ -227,12 +229,23 @@ def _tree(flat: dict[str, torch.Tensor], meta: dict[str, str], map_location: Any
     separator = meta.get(SEPARATOR_KEY, DEFAULT_SEPARATOR)
     tree: dict[str, Any] = {}
     paths: list[tuple[str, Any]] = list(flat.items())
-    paths += [(name, {}) for name in json.loads(meta.get(EMPTY_KEY, "[]"))]
+    try:
+        empty = parse_json(meta.get(EMPTY_KEY, "[]"), max_bytes=_MAX_HEADER_BYTES)
+    except RecordError as e:
+        raise ValueError(f"safetensors metadata {EMPTY_KEY!r}: {e}") from None
+    if not isinstance(empty, list) or not all(isinstance(n, str) for n in empty):
+        raise ValueError(f"safetensors metadata {EMPTY_KEY!r} is not a list of names")
+    paths += [(name, {}) for name in empty]
     for name, value in paths:
         *parents, leaf = name.split(separator)
         node = tree
         for part in parents:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"safetensors layout: {name!r} lies under the tensor "
+                                 f"{part!r}")
+        if isinstance(node.get(leaf), dict) and not isinstance(value, dict):
+            raise ValueError(f"safetensors layout: {name!r} is both a tensor and a sub-tree")
         node[leaf] = value
     return tree
 

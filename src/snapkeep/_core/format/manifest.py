@@ -24,6 +24,7 @@ from typing import Any
 
 from snapkeep._core.errors import ManifestError, SnapshotStorageError
 from snapkeep._core.format.checksum import ALGORITHM
+from snapkeep._core.format.json_records import INT64_LIMIT, RecordError, parse_json
 
 MANIFEST_DIR = ".snapkeep"
 #: Appended to a snapshot's name to name its manifest (counted against NAME_MAX up front).
@@ -64,6 +65,11 @@ class Manifest:
             What retention counts before it deletes a blob.
         blob_area: where those blobs are, relative to the snapshot's directory
             (``'.snapkeep/blobs/<template key>'``); empty for a plain file.
+        door: the front door whose state layout the snapshot holds (``'checkpointer'``,
+            ``'ppe'``, ``'lightning'``; empty: not recorded, e.g. written by an earlier
+            snapkeep or by a writer called directly). A door's resume skips, naming
+            it, a snapshot recording another door (:meth:`Session.own
+            <snapkeep._core.session.session.Session.own>`).
     """
 
     name: str
@@ -77,6 +83,7 @@ class Manifest:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     blobs: dict[str, int] = dataclasses.field(default_factory=dict)
     blob_area: str = ""
+    door: str = ""
 
     def to_bytes(self) -> bytes:
         """The manifest as strict JSON (UTF-8; never ``NaN`` or ``Infinity``, which other JSON
@@ -85,6 +92,8 @@ class Manifest:
         body["metrics"] = finite_metrics(self.metrics)
         if not self.blobs:  # a plain file's manifest stays as before incremental snapshots
             del body["blobs"], body["blob_area"]
+        if not self.door:  # not recorded: the file stays as before doors were recorded
+            del body["door"]
         return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode()
 
     @classmethod
@@ -102,9 +111,9 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"{source}: {len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte "
                                 "limit of a manifest")
-        try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        try:  # bounded (depth, numbers, strings); NaN metrics of older files are dropped below
+            body = parse_json(data, max_bytes=MAX_MANIFEST_BYTES, allow_nan=True)
+        except RecordError as e:
             raise ManifestError(f"{source}: not valid UTF-8 JSON ({e})") from None
         if not isinstance(body, dict):
             raise ManifestError(f"{source}: a JSON {type(body).__name__}, not an object")
@@ -135,8 +144,9 @@ class Manifest:
         """Constraints beyond types (see :meth:`from_bytes`)."""
         if not self.name or "/" in self.name or "\0" in self.name:
             raise ManifestError(f"{source}: field 'name' {self.name!r} is not a file name")
-        if self.size_bytes < 0:
-            raise ManifestError(f"{source}: field 'size_bytes' is negative ({self.size_bytes})")
+        if not 0 <= self.size_bytes < INT64_LIMIT:
+            raise ManifestError(f"{source}: field 'size_bytes' is out of range [0, 2**63) "
+                                f"({self.size_bytes})")
         hex_chars = CHECKSUM_HEX_CHARS.get(self.algorithm)
         if hex_chars is None:
             raise ManifestError(f"{source}: field 'algorithm' {self.algorithm!r} is not one of "
@@ -144,8 +154,9 @@ class Manifest:
         if not re.fullmatch(f"[0-9a-f]{{{hex_chars}}}", self.checksum):
             raise ManifestError(f"{source}: field 'checksum' {self.checksum[:80]!r} is not "
                                 f"{hex_chars} lowercase hex digits ({self.algorithm})")
-        if self.step is not None and self.step < 0:
-            raise ManifestError(f"{source}: field 'step' is negative ({self.step})")
+        if self.step is not None and not 0 <= self.step < INT64_LIMIT:
+            raise ManifestError(f"{source}: field 'step' is out of range [0, 2**63) "
+                                f"({self.step})")
         if not math.isfinite(self.created_unix_s):
             raise ManifestError(f"{source}: field 'created_unix_s' is not finite")
         area = self.blob_area.split("/")
@@ -154,7 +165,7 @@ class Manifest:
             raise ManifestError(f"{source}: field 'blob_area' {self.blob_area[:80]!r} is not "
                                 f"under {MANIFEST_DIR}/blobs")
         for digest, nbytes in self.blobs.items():
-            if not re.fullmatch("[0-9a-f]{32}", digest) or nbytes < 0:
+            if not re.fullmatch("[0-9a-f]{32}", digest) or not 0 <= nbytes < INT64_LIMIT:
                 raise ManifestError(f"{source}: field 'blobs' entry {digest[:80]!r}: "
                                     f"{nbytes} is not a blob digest and size")
 

@@ -82,6 +82,11 @@ class FilenameTemplate:
         """Whether names can be parsed back (only string templates)."""
         return isinstance(self.template, str)
 
+    def name_at(self, step: int) -> str:
+        """The name of the snapshot of ``step`` (an ``{.iteration}`` template, as
+        :func:`step_template` makes; see :meth:`format` for the errors)."""
+        return self.format(_Step(step))
+
     def format(self, manager: Any) -> str:
         """Return the concrete filename for ``manager``'s current state.
 
@@ -170,3 +175,44 @@ class FilenameTemplate:
         if not key:
             return None
         return int(key[0])
+
+
+class _Step:
+    """What a step template is formatted with (its ``{step}`` fields became ``{.iteration}``)."""
+
+    def __init__(self, step: int) -> None:
+        self.iteration = step
+
+
+def step_template(template: str) -> FilenameTemplate:
+    """``template`` (``'ckpt_{step}'``, ``'{step:08d}.pt'``, ``'run/{step}'``) as a
+    :class:`FilenameTemplate` whose names parse back to the step: the one translation of a
+    ``{step}`` name (the Checkpointer's ``template``, Lightning's ``ModelCheckpoint`` names with
+    only a step) into the store's template. Format a name with :meth:`FilenameTemplate.name_at`.
+
+    Raises:
+        TypeError: ``template`` is not a str.
+        ValueError: it has no ``{step}`` field, another field, or is malformed.
+    """
+    if not isinstance(template, str):
+        raise TypeError(f"template must be a str with one {{step}} field such as 'ckpt_{{step}}' "
+                        f"or '{{step:08d}}.pt', got {type(template).__name__}")
+    parts: list[str] = []
+    fields = 0
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"template {template!r} is malformed: {e}") from e
+    for literal, field, spec, conversion in parsed:
+        parts.append(literal.replace("{", "{{").replace("}", "}}"))
+        if field is None:
+            continue
+        if field != "step" or conversion:
+            raise ValueError(f"template {template!r} has the field {{{field}}}; the only field "
+                             "is {step} (with an optional format spec such as {step:08d})")
+        fields += 1
+        parts.append("{.iteration" + (f":{spec}" if spec else "") + "}")
+    if fields != 1:
+        raise ValueError(f"template {template!r} must have exactly one {{step}} field (e.g. "
+                         f"'ckpt_{{step}}', '{{step:08d}}.pt'), it has {fields}")
+    return FilenameTemplate("".join(parts))

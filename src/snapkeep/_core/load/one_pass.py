@@ -1,22 +1,30 @@
-"""A verified load in one pass over the file: hash while reading into new tensors.
+"""A verified load in one pass over the file: hash the mapped pages the load will use.
 
-A local ``torch.save`` (zip) file is read once, front to back, in large sequential reads
-(``posix_fadvise`` ``SEQUENTIAL`` + ``WILLNEED`` read-ahead); every byte is fed to the same
-streaming XXH3 as the manifest's checksum while it is still in the CPU cache, and the bytes of
-each tensor record land directly in a newly allocated storage (``readinto``: the kernel copies
-from the page cache into it, no intermediate buffer). The checksum verdict comes at the end of
-the read; only then is the state handed back.
+A local ``torch.save`` (zip) file is opened with ``torch.load(mmap=True)`` (its tensors are
+copy-on-write views of one private mapping of the file, as PyTorch's own fastest load), then
+hashed once, front to back, with the same streaming XXH3 as the manifest's checksum: each
+tensor record straight from the mapped pages its tensors view (hashing faults them in from the
+page cache: no copy, no second read), the small records between them (``data.pkl``, headers,
+the central directory) through the file. The kernel reads ahead of the pass
+(``posix_fadvise`` ``SEQUENTIAL`` + ``WILLNEED``, 64 MiB ahead), so a cold file streams at
+the disk's speed. The checksum verdict comes at the end of the pass; only then is the state
+handed back. What the pass adds to ``torch.load(mmap=True)`` + ``load_state_dict`` is the hash
+itself (XXH3 at ~6-8 GiB/s on one core): every page it touches is one the load would touch
+anyway (a parameter's copy reads it, an optimizer's first ``step()`` writes it).
 
-All-or-nothing: nothing of the trainer's tensors is touched here. The new storages are a
-staging copy: a file whose size or checksum differs raises :class:`SnapshotCorruptError` and
-they are dropped, so a corrupt snapshot leaves the model and optimizer exactly as they were
-(the caller then falls back to an older snapshot). After the verdict, ``load_state_dict``
-copies parameters into the existing ones, and a fresh optimizer adopts its state tensors as
-they are (no second copy of the optimizer's two thirds of an Adam state). Copying straight into
-the live tensors before the verdict would save the parameters' second copy but break
-all-or-nothing; verifying first and loading from the page cache afterwards (the earlier path:
-hash through a memory map, then ``torch.load(mmap=True)``) walks every byte twice and leaves the
-optimizer state as copy-on-write file pages that the first ``step()`` copies again.
+All-or-nothing: nothing of the trainer's tensors is touched here. A file whose size or checksum
+differs raises :class:`SnapshotCorruptError` and its mapping is dropped, so a corrupt snapshot
+leaves the model and optimizer exactly as they were (the caller then falls back to an older
+snapshot). After the verdict, ``load_state_dict`` copies parameters into the existing ones
+(from the pages just hashed), and a fresh optimizer adopts its state tensors as they are:
+mapped file pages, copied by the kernel into memory of the process when the first ``step()``
+writes them (the cost of fresh memory is paid there, once, as with ``torch.load(mmap=True)``;
+state moved to an accelerator is copied there and the mapping dropped). Until then the
+process maps the file: snapkeep only ever replaces or unlinks a committed file (never writes
+it in place or truncates it), and an unlinked file's blocks are freed when the mapping goes.
+The earlier paths walked every byte twice (hash through one mapping, then load through a
+second) or copied it into newly allocated storages (faulting in fresh memory for the whole
+state before training starts: 1.2 s/GiB on the benchmarks' VM, ``benchmarks/README.md``).
 
 Which bytes belong to which tensor comes from torch itself: the file is first opened with
 ``torch.load(mmap=True)`` under the caller's ``weights_only`` rules (unpickling only
@@ -105,7 +113,7 @@ def load_verified(path: str, *, checksum: str, size_bytes: int, algorithm: str,
         f.seek(0)
         tensors = list(_tensors(state))
         try:
-            digest, read = _read_into_new_storages(f, path, records, tensors)
+            digest, read = _hash_in_place(f, path, records, tensors)
         except _Layout as e:
             logger.debug("%s: one-pass load not possible (%s)", path, e)
             return None
@@ -114,29 +122,22 @@ def load_verified(path: str, *, checksum: str, size_bytes: int, algorithm: str,
     return state
 
 
-def _read_into_new_storages(f: Any, path: str, records: list[zipfile.ZipInfo],
-                            tensors: list[torch.Tensor]) -> tuple[str, int]:
-    """Read ``f`` front to back once, hashing every byte; each tensor record goes into a new
-    storage, and every tensor of ``tensors`` (views of the mapped file) is pointed at it."""
+def _hash_in_place(f: Any, path: str, records: list[zipfile.ZipInfo],
+                   tensors: list[torch.Tensor]) -> tuple[str, int]:
+    """Hash the file front to back once, every byte in order: the small records (``data.pkl``,
+    headers, the central directory) read from ``f``, each tensor record straight from the
+    mapped pages that ``tensors`` view (hashing faults them in; nothing is copied). Returns
+    ``(hexdigest, bytes hashed)``."""
     mapped: dict[int, torch.UntypedStorage] = {}  # data_ptr -> the mapped slice of the file
-    by_storage: dict[int, list[torch.Tensor]] = {}
-    empty = torch.UntypedStorage(0)
     for t in tensors:
         storage = t.untyped_storage()
         if storage.nbytes():
             mapped[storage.data_ptr()] = storage
-            by_storage.setdefault(storage.data_ptr(), []).append(t)
-        else:  # holds no bytes, but would keep the whole mapping alive
-            with torch.no_grad():
-                t.set_(empty, 0, t.size(), t.stride())  # type: ignore[call-overload]
     base: int | None = None  # the address at which the file is mapped
     fd = f.fileno()
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    hasher = new_hasher()
-    scratch = bytearray(READ_CHUNK_BYTES)
-    reader = _Reader(f, fd, hasher, scratch)
-    new: dict[int, torch.UntypedStorage] = {}
+    reader = _Reader(f, fd, new_hasher(), bytearray(READ_CHUNK_BYTES))
     for record in records:
         reader.skip_to(record.header_offset)
         header = reader.read_small(_LOCAL_HEADER.size)
@@ -153,33 +154,28 @@ def _read_into_new_storages(f: Any, path: str, records: list[zipfile.ZipInfo],
         source = mapped.pop(base + data_start, None)
         if source is None or source.nbytes() != nbytes:
             raise _Layout(f"record {record.filename!r} matches no loaded storage")
-        target = torch.UntypedStorage(nbytes)
-        reader.read_into(target.data_ptr(), nbytes)
-        new[base + data_start] = target
+        reader.hash_mapped(source.data_ptr(), nbytes)
     reader.skip_to(None)
     if mapped:
         raise _Layout(f"{len(mapped)} loaded storage(s) match no record")
-    with torch.no_grad():
-        for ptr, storage in new.items():
-            for t in by_storage[ptr]:
-                t.set_(storage, t.storage_offset(), t.size(), t.stride())  # type: ignore[call-overload]
-    return str(hasher.hexdigest()), reader.pos
+    return str(reader.hasher.hexdigest()), reader.pos
 
 
 class _Reader:
-    """Sequential reads of one file, each byte hashed once, in order."""
+    """One sequential pass over a file, each byte hashed once, in order: read from the file,
+    or hashed where it is mapped (:meth:`hash_mapped`); the kernel reads ahead of the pass."""
 
     def __init__(self, f: Any, fd: int, hasher: Any, scratch: bytearray) -> None:
         self._f = f
         self._fd = fd
-        self._hasher = hasher
+        self.hasher = hasher
         self._scratch = memoryview(scratch)
         self.pos = 0
         self._ahead = 0  # bytes already requested from disk
 
     def _advance(self, n: int) -> None:
         self.pos += n
-        if self.pos + READ_CHUNK_BYTES > self._ahead and hasattr(os, "posix_fadvise"):
+        if self.pos + READ_AHEAD_BYTES // 2 > self._ahead and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self._fd, self._ahead, READ_AHEAD_BYTES, os.POSIX_FADV_WILLNEED)
             self._ahead += READ_AHEAD_BYTES
 
@@ -190,7 +186,7 @@ class _Reader:
             if not n:
                 raise _Layout(f"file ended at byte {self.pos + got}")
             got += n
-        self._hasher.update(view)
+        self.hasher.update(view)
         self._advance(len(view))
 
     def read_small(self, n: int) -> bytes:
@@ -198,10 +194,15 @@ class _Reader:
         self._fill(view)
         return bytes(view)
 
-    def read_into(self, address: int, nbytes: int) -> None:
+    def hash_mapped(self, address: int, nbytes: int) -> None:
+        """Hash ``nbytes`` at ``address`` (the mapping of the file at the current position) in
+        place, then move the file position past them."""
         for off in range(0, nbytes, READ_CHUNK_BYTES):
             n = min(READ_CHUNK_BYTES, nbytes - off)
-            self._fill(memoryview((ctypes.c_char * n).from_address(address + off)).cast("B"))
+            view = memoryview((ctypes.c_char * n).from_address(address + off)).cast("B")
+            self.hasher.update(view)
+            self._advance(n)
+        self._f.seek(self.pos)
 
     def skip_to(self, offset: int | None) -> None:
         """Read (and hash) up to ``offset``, or to the end of the file when None."""
@@ -213,7 +214,7 @@ class _Reader:
                 if offset is None:
                     return
                 raise _Layout(f"file ended at byte {self.pos}")
-            self._hasher.update(self._scratch[:n])
+            self.hasher.update(self._scratch[:n])
             self._advance(n)
 
 

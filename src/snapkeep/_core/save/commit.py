@@ -78,7 +78,7 @@ def commit_job(job: SaveJob, obj: Any) -> CommitRecord:
             name=storage.basename(job.path), size_bytes=result.size_bytes,
             checksum=result.checksum, step=job.step, created_unix_s=now_unix_s(),
             snapkeep_version=job.version, run_id=job.run_id, metrics=dict(job.metrics),
-            blobs=blobs, blob_area=job.incremental.area_name if blobs else "",
+            blobs=blobs, blob_area=job.incremental.area_name if blobs else "", door=job.door,
         ).to_bytes()
 
     result = storage.publish_with_companion(

@@ -37,6 +37,8 @@ class SaveJob:
         version: snapkeep version recorded in the manifest.
         incremental: an incremental snapshot's blob area and settings
             (:class:`~snapkeep._core.tiers.incremental.IncrementalJob`); None writes a plain file.
+        door: the door whose state layout it is, recorded in the manifest (see
+            ``Manifest.door``); empty: not recorded.
     """
 
     storage: Storage
@@ -50,6 +52,7 @@ class SaveJob:
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
     version: str = ""
     incremental: Any = None
+    door: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

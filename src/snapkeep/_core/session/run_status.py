@@ -9,7 +9,11 @@ write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. St
   start token (``/proc/<pid>/stat``'s start time, so a reused pid is not taken for the run); still
   there after the job ended means the run died without a word (SIGKILL, out of memory, a node
   lost). On the same host :func:`is_alive` tells which (see there);
-- ``preempted``: written after the preemption snapshot is committed on every rank;
+- ``preempted``: written after the preemption snapshot is committed on every rank; with a
+  deadline (see :mod:`snapkeep._core.session.deadline`), ``preemption`` records where it was
+  committed
+  (``committed_to``: ``storage``, ``ram`` -- node RAM and peers, the durable write skipped --
+  or ``none``) and the estimates the decision used (seconds);
 - ``finished``: the manager was finalized without an error or a preemption;
 - ``failed``: the training loop raised (the exception's type and first line in ``reason``); on
   another rank too, reported to rank 0 through the preemption extension's per-iteration
@@ -18,14 +22,24 @@ write) and ``snapkeep status OUT_DIR`` prints it with an exit code per state. St
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from snapkeep._core.errors import SnapshotStorageError
+from snapkeep._core.format.json_records import (
+    RecordError,
+    int_field,
+    number_field,
+    parse_json,
+    str_field,
+)
 from snapkeep._core.format.manifest import MANIFEST_DIR
 from snapkeep._core.storage import Storage
 
@@ -36,6 +50,10 @@ STATUS_NAME = "status.json"
 
 STATES = ("running", "preempted", "finished", "failed")
 FORMAT = 1
+#: Largest status file read, in bytes; most names listed; longest ``reason`` read.
+MAX_STATUS_BYTES = 1 << 20
+MAX_SNAPSHOTS = 4096
+MAX_REASON_CHARS = 64 << 10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +62,10 @@ class RunStatus:
     ``time_unix_s`` seconds since the epoch (UTC); ``snapshots`` the names committed for a
     preemption; ``reason`` the signals or the error; ``world_size`` the number of ranks;
     ``pid``, ``host`` and ``start_token`` the writing process (0 and '' in files written before
-    they were recorded)."""
+    they were recorded); ``preemption`` the decision of a preemption (``committed_to``:
+    ``'storage'``, ``'ram'`` or ``'none'``, ``remaining_s``, ``durable_estimate_s``,
+    ``stage_s``, ``commit_s``, ``pending_s``: seconds or None where unknown,
+    ``deadline_from``); empty when not preempted (or by a door without a deadline)."""
 
     state: str
     step: int
@@ -55,37 +76,56 @@ class RunStatus:
     pid: int = 0
     host: str = ""
     start_token: str = ""
+    preemption: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def durable(self) -> bool:
+        """Whether the step of a ``preempted`` status is in storage (True for the other
+        states and for statuses written before the preemption record existed)."""
+        return self.preemption.get("committed_to", "storage") == "storage"
 
     def __post_init__(self) -> None:
         if self.state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {self.state!r}")
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots)},
-                          sort_keys=True).encode()
+        return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots),
+                           "preemption": dict(self.preemption)}, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunStatus:
-        """Parse a status file.
+        """Parse a status file (untrusted: bounded JSON, see
+        :mod:`snapkeep._core.format.json_records`, every field's type and range checked).
 
         Raises:
-            ValueError: not a status file of a known format (the message says what is wrong).
+            ValueError: not a status file of a known format, or a field out of its range (the
+                message names the field and what is accepted).
         """
         try:
-            raw: Any = json.loads(data)
-        except ValueError as e:
-            raise ValueError(f"not JSON: {e}") from None
+            raw: Any = parse_json(data, max_bytes=MAX_STATUS_BYTES)
+        except RecordError as e:
+            raise ValueError(str(e)) from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise ValueError(f"not a snapkeep status of format {FORMAT}")
-        try:
-            return cls(state=str(raw["state"]), step=int(raw["step"]),
-                       time_unix_s=float(raw["time_unix_s"]), reason=str(raw.get("reason", "")),
-                       snapshots=tuple(str(s) for s in raw.get("snapshots", ())),
-                       world_size=int(raw.get("world_size", 1)), pid=int(raw.get("pid", 0)),
-                       host=str(raw.get("host", "")),
-                       start_token=str(raw.get("start_token", "")))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"bad field: {e}") from None
+        state = str_field(raw, "state", max_chars=16)
+        if state not in STATES:
+            raise ValueError(f"field 'state' must be one of {STATES}, got {state[:20]!r}")
+        snapshots = raw.get("snapshots", [])
+        if not isinstance(snapshots, list) or len(snapshots) > MAX_SNAPSHOTS \
+                or not all(isinstance(s, str) and len(s) <= 4096 for s in snapshots):
+            raise ValueError(f"field 'snapshots' must be a list of at most {MAX_SNAPSHOTS} "
+                             "names")
+        preemption = raw.get("preemption") or {}
+        if not isinstance(preemption, dict) or len(preemption) > 64:
+            raise ValueError("field 'preemption' must be an object of at most 64 fields")
+        return cls(preemption=preemption, state=state, step=int_field(raw, "step"),
+                   time_unix_s=number_field(raw, "time_unix_s"),
+                   reason=str_field(raw, "reason", max_chars=MAX_REASON_CHARS, default=""),
+                   snapshots=tuple(snapshots),
+                   world_size=int_field(raw, "world_size", low=1, high=1 << 31, default=1),
+                   pid=int_field(raw, "pid", high=1 << 31, default=0),
+                   host=str_field(raw, "host", max_chars=1024, default=""),
+                   start_token=str_field(raw, "start_token", max_chars=1024, default=""))
 
 
 def status_path(storage: Storage, directory: str) -> str:
@@ -94,6 +134,7 @@ def status_path(storage: Storage, directory: str) -> str:
 
 def write_status(storage: Storage, directory: str, *, state: str, step: int, reason: str = "",
                  snapshots: tuple[str, ...] = (), world_size: int = 1,
+                 preemption: Mapping[str, Any] | None = None,
                  clock: Any = time.time) -> RunStatus:
     """Record ``state`` for the run in ``directory`` (replaces the previous status atomically).
 
@@ -103,7 +144,8 @@ def write_status(storage: Storage, directory: str, *, state: str, step: int, rea
     pid = os.getpid()
     status = RunStatus(state=state, step=int(step), time_unix_s=float(clock()), reason=reason,
                        snapshots=tuple(snapshots), world_size=world_size, pid=pid,
-                       host=socket.gethostname(), start_token=_start_token(pid) or "")
+                       host=socket.gethostname(), start_token=_start_token(pid) or "",
+                       preemption=dict(preemption or {}))
     storage.makedirs(storage.join(directory, MANIFEST_DIR))
     storage.write_bytes(status_path(storage, directory), status.to_bytes(), tag="status")
     return status
@@ -165,13 +207,19 @@ def read_status(storage: Storage, directory: str) -> RunStatus | None:
     """The status recorded in ``directory``; None when there is none.
 
     Raises:
-        ValueError: the file exists but is not a valid status.
+        ValueError: the file exists but is not a valid status (also: larger than
+            :data:`MAX_STATUS_BYTES`, or not a regular file).
         OSError: it could not be read.
     """
+    path = status_path(storage, directory)
     try:
-        data = storage.read_bytes(status_path(storage, directory), max_bytes=1 << 20)
+        data = storage.read_bytes(path, max_bytes=MAX_STATUS_BYTES)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        if e.errno in (errno.EFBIG, errno.EINVAL) and not isinstance(e, SnapshotStorageError):
+            raise ValueError(str(e)) from None  # what is there is no status file
+        raise
     return RunStatus.from_bytes(data)
 
 

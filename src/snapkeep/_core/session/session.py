@@ -8,8 +8,9 @@ on the training thread::
     session.open()                      # once: list, kind check, lock, sweep (one order)
     run = session.track_run(...)        # the run status (+ preemption hook), when recorded
     session.resume(load, apply)         # at most once (single files; sharded: its own agreement)
-    retain = session.retention(...)     # before each save: the retention input check
-    ...                                 # the writer stages and commits; ``retain`` runs after
+    session.save(writer, name, ...)     # each save: retention input check, the door's
+                                        # pre-write step, the writer (stage + commit), whose
+                                        # Retain stage runs after the commit
     session.close()                     # idempotent: the lock is released, handlers put back
 
 so that every door has the same start-up, the same lineage (what retention may count and
@@ -74,12 +75,18 @@ class Session:
         quiet: no resume notice on stderr (it is still logged at INFO).
         shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages;
             default the store's.
+        door: the door's name (``'checkpointer'``, ``'ppe'``, ``'lightning'``): recorded in
+            the manifest of each snapshot it saves, and its resume takes only snapshots
+            recording it (or none): another door's is skipped, named (:meth:`own`). Empty
+            (default): every snapshot is taken, nothing recorded.
     """
 
     def __init__(self, store: StoreKind, *, policy: RetentionPolicy | None = None,
                  lineage: RunLineage | None = None, quiet: bool = False,
-                 shown_template: str | None = None) -> None:
+                 shown_template: str | None = None, door: str = "") -> None:
         self.store = store
+        self.door = door
+        self._foreign: dict[str, Skipped] = {}  # path -> another door's snapshot, for the notice
         self.policy = policy
         self.lineage = RunLineage.fresh() if lineage is None else lineage
         self.quiet = quiet
@@ -113,7 +120,7 @@ class Session:
                 sharded extension notes the incomplete directories the sweep will remove).
 
         Raises:
-            StoreLockedError: another live trainer holds the directory and template.
+            StoreLockedError: another live trainer holds the directory.
             ValueError: the template already names snapshots of the other kind here (named
                 with ``shown_template``).
             SnapshotStorageError: the directory cannot be created or written.
@@ -190,13 +197,13 @@ class Session:
             StateMismatchError, UnsafeSnapshotError: from ``apply`` / ``load``; nothing loaded.
         """
         store = self._single_file("resume")
-        candidates = store.entries() if candidates is None else candidates
+        candidates = self.own(store.entries() if candidates is None else candidates)
         notice = ResumeNotice(directory=store.storage.url(store.directory),
                               template=self.shown_template)
+        skipped: list[Skipped] = list(self._foreign.values())
         if not candidates:
-            announce(notice, quiet=self.quiet)
+            announce(dataclasses.replace(notice, skipped=tuple(skipped)), quiet=self.quiet)
             return None
-        skipped: list[Skipped] = []
         found = self.read_newest(check=check, candidates=candidates,
                                  verify_while_loading=verify_while_loading,
                                  map_location=map_location, weights_only=weights_only,
@@ -210,6 +217,34 @@ class Session:
         announce(dataclasses.replace(notice, loaded=entry.name, step=entry.step,
                                      skipped=tuple(skipped)), quiet=self.quiet)
         return entry
+
+    def own(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` without the snapshots another door wrote (their manifest records
+        another ``door``: a Checkpointer's ``ckpt_100`` in a Lightning ``dirpath`` holds no
+        Lightning checkpoint): skipped, never loaded into this door, each named on stderr by
+        the next resume notice (:meth:`resume`: ``snapkeep: skipped ckpt_100 (step 100): a
+        snapshot of the checkpointer door ...``). Snapshots recording no door (written before
+        doors were recorded, by ppe, or without a manifest) are kept: the door's format check
+        decides.
+        Without a ``door`` (a reader), ``entries`` unchanged. Reads each entry's manifest
+        (single-file stores; other kinds unchanged).
+        """
+        store = self.store
+        if not self.door or not isinstance(store, SnapshotStore):
+            return entries
+        kept = []
+        for entry in entries:
+            manifest = store.manifest(entry)
+            other = manifest.door if manifest is not None else ""
+            if other and other != self.door:
+                self._foreign[entry.path] = Skipped(
+                    name=entry.name, step=entry.step,
+                    reason=f"a snapshot of the {other} door, not of this {self.door} door's "
+                           "run: never loaded here (keep each door's snapshots in a directory "
+                           "of their own)")
+                continue
+            kept.append(entry)
+        return kept
 
     def read_newest(
         self, *, check: Callable[[Entry, Any], Any] | None = None,
@@ -301,7 +336,7 @@ class Session:
             CollectiveTimeoutError: a rank did not take part within ``timeout_s``.
         """
         store = self._single_file("resume_agreed")
-        entries = store.entries() if candidates is None else candidates
+        entries = self.own(store.entries() if candidates is None else candidates)
         by_name = {e.name: e for e in entries}
         # the same on every rank (node-local directories differ): the messages must be equal
         what = f"resuming {store.template.template!r} (saver rank {saver_rank})"
@@ -334,7 +369,7 @@ class Session:
             verified[name] = data
             return None
 
-        skipped: list[Skipped] = []
+        skipped: list[Skipped] = list(self._foreign.values())
         chosen = agree_on_resume(
             control, [(e.key, e.name) for e in entries], check, what=what, timeout_s=timeout_s,
             required=rank == saver_rank,
@@ -524,7 +559,9 @@ class Session:
                 if found:
                     raise StateMismatchError(
                         f"snapshot {entry.path} (step {entry.step}) does not fit: "
-                        f"{describe(found)}. Nothing was loaded or deleted.")
+                        f"{describe(found)}. Nothing was loaded or deleted. Next: build the "
+                        "state as it was when that step was saved (the keys and shapes above), "
+                        "or start fresh in another directory")
             except Exception as e:  # exchanged below: every rank refuses together
                 error = e
             together(control, error, what=f"{what}: checking {entry.path}",
@@ -574,7 +611,48 @@ class Session:
         if not isinstance(self.store, SnapshotStore):
             raise TypeError(f"{self!r}: the Retain stage is for single-file stores")
         return Retain(store=self.store, lineage=self.lineage.members,
-                      policy=None if on_error else self.policy)
+                      policy=None if on_error else self.policy, door=self.door)
+
+    def save(self, writer: Any, name: str, directory: str, state: Any, *, step: int | None,
+             metrics: Mapping[str, float], on_error: bool = False, incremental: Any = None,
+             before_write: Callable[[], None] | None = None, **writer_kwargs: Any) -> Any:
+        """The save of one single-file snapshot, the same for every door: the retention input
+        check (on the training thread, before anything is staged or deleted), the door's
+        ``before_write`` step (the ppe extension settles and arms its overlapped staging there),
+        then ``writer`` stages ``state`` and commits it as ``directory``/``name`` with this
+        session's :class:`Retain` stage, which it runs after the commit.
+
+        Args:
+            writer: a snapkeep writer (``snapkeep.writing``; its call takes the ``step``,
+                ``metrics``, ``retain``, ``run_id`` and ``incremental`` extras).
+            name: the snapshot's name in ``directory`` (an on-error snapshot's included).
+            directory: the output directory or URL the writer writes.
+            state: the state tree (tensors on any device; staged by the writer).
+            step: the training step the snapshot holds, or None where the door has none
+                (then nothing is retained: retention orders snapshots by step).
+            metrics: recorded in the manifest (``KeepBest`` reads them after a restart).
+            on_error: an on-error snapshot (``<name>.on-error``): never retained or checked.
+            incremental: the door's incremental tracker, for incremental snapshots.
+            before_write: called after the check, right before the writer.
+            writer_kwargs: passed to the writer as they are (``savefun=``).
+
+        Returns:
+            the writer's handle (``staged``/``committed`` futures), or None from a writer that
+            returns none.
+
+        Raises:
+            ValueError: a ``KeepBest`` metric of the policy is recorded by no snapshot of this
+                run, this one included (see :meth:`retention`); nothing is written or deleted.
+        """
+        retain = Retain(store=self._single_file("save")) if step is None \
+            else self.retention(name, step, metrics, on_error=on_error)
+        extra: dict[str, Any] = {"step": step, "retain": retain, "metrics": dict(metrics),
+                                 "run_id": self.lineage.run_id}
+        if incremental is not None:
+            extra["incremental"] = incremental
+        if before_write is not None:
+            before_write()
+        return writer(name, directory, state, **writer_kwargs, **extra)
 
     def check_retention_input(self, name: str, step: int, metrics: Mapping[str, float]) -> None:
         """The retention input check alone (sharded stores, whose saver retains itself); see
@@ -583,13 +661,14 @@ class Session:
 
     # -- the run ----------------------------------------------------------------------------------
     def track_run(self, *, rank: int = 0, world_size: int = 1, signals: Sequence[int] = (),
-                  control: Any = None, timeout_s: float = 600.0) -> RunControl:
+                  control: Any = None, timeout_s: float = 600.0,
+                  grace_s: float | None = None) -> RunControl:
         """Record this run's status in the store's directory and, with ``signals``, install the
         preemption hook (see :mod:`snapkeep._core.session.run_control`, whose :class:`RunControl`
         this returns and keeps as :attr:`run`; the arguments are its own)."""
         self.run = RunControl(self.store.storage, self.store.directory, rank=rank,
                               world_size=world_size, signals=signals, control=control,
-                              timeout_s=timeout_s)
+                              timeout_s=timeout_s, grace_s=grace_s)
         self.run.install()
         return self.run
 

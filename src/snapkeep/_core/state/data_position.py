@@ -49,7 +49,8 @@ torchdata's ``StatefulDataLoader``:
     epoch's last batch starts a fresh epoch from those states instead of loading the
     finished iterator.
 
-The loader's geometry is part of the position (:func:`loader_geometry`): the dataset's length,
+The loader's geometry is part of the position (:func:`loader_geometry`): the topology it was
+taken under (the job's world size, and this rank, recorded for messages), the dataset's length,
 the batch size, ``drop_last``, the sampler's and batch sampler's kinds and their settings
 (``DistributedSampler``'s ``num_replicas``, ``shuffle``, ``seed``, ``drop_last``;
 ``RandomSampler``'s ``replacement`` and ``num_samples``) and the batches per epoch. Any change
@@ -60,6 +61,18 @@ from the live loader's is refused, naming each change, before anything is loaded
 sampler with ``set_epoch`` and an ``epoch`` attribute) is saved with the position and set back
 when it loads, before any iterator of the resumed epoch is built; a loop that then sets another
 epoch for the resumed epoch is told (a warning) and the saved epoch's order is fed.
+
+Another world size: a position is per rank (each rank's count of batches, its generators, its
+sampler's share of the epoch), so a position taken under W ranks cannot be split exactly over W'
+ranks by loading each rank's own: a rank that did not exist would take rank 0's position (the
+rule for other per-rank values, RNG states included: see ``RankObjects`` in
+:mod:`snapkeep._core.distributed.sharded`) and feed rank 0's samples twice, and a rank that is
+gone takes its unseen samples with it. So a saved position whose world size differs from the
+live job's is refused, naming both sizes and the saving rank, before anything is loaded (model
+and optimizer included), for every kind of loader and sampler; model and optimizer state alone
+reshard through DCP as before (leave the loader out of the resumed state to start its epoch
+over on the new world size, or resume on the saved world size to finish the epoch exactly).
+Snapshots from before the topology was recorded are not compared on it.
 
 An ``IterableDataset`` in a plain ``DataLoader`` is refused (skipping would mean reading the
 skipped samples); use ``StatefulDataLoader`` with a dataset that has ``state_dict``.
@@ -78,8 +91,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 __all__ = ["LOADER_KINDS", "LoaderPosition", "StatefulLoaderState", "check_loaders",
-           "geometry_problems", "is_stateful_loader", "loader_geometry", "loader_position",
-           "sampler_epoch"]
+           "generator_states", "geometry_problems", "is_stateful_loader", "loader_geometry",
+           "loader_position", "sampler_epoch", "set_generator_states"]
 
 logger = logging.getLogger(__name__)
 
@@ -234,13 +247,16 @@ def _describe(geometry: dict[str, Any], where: str, sampler: Any) -> None:
 
 
 def loader_geometry(loader: DataLoader[Any]) -> dict[str, Any]:
-    """What decides which sample sits at which position of the loader's epoch: the dataset's
+    """What decides which sample sits at which position of the loader's epoch: the job's
+    ``world size`` (and this ``rank``, for messages), the dataset's
     length, ``batch_size``, ``drop_last``, the kinds (module and class name) of the sampler,
     the batch sampler and a batch sampler's own sampler, their settings among
     :data:`_SAMPLER_SETTINGS` that are plain values, and the batches per epoch. Entries that
     cannot be known (an ``IterableDataset`` has no length) are left out. Values are str, int,
     bool or None (load under ``weights_only=True``)."""
-    geometry: dict[str, Any] = {}
+    from snapkeep._core.distributed.groups import job_rank, job_world_size
+
+    geometry: dict[str, Any] = {"world size": job_world_size(), "rank": job_rank()}
     try:
         geometry["dataset length"] = len(loader.dataset)  # type: ignore[arg-type]
     except TypeError:
@@ -263,11 +279,20 @@ def loader_geometry(loader: DataLoader[Any]) -> dict[str, Any]:
 
 def geometry_problems(saved: Any, live: Mapping[str, Any], name: str) -> list[str]:
     """One line per entry of a saved :func:`loader_geometry` that differs from ``live``
-    (entries only one side has are not compared: an older snapkeep saved fewer)."""
+    (entries only one side has are not compared: an older snapkeep saved fewer; the rank is
+    not compared, the world size first and alone)."""
     if not isinstance(saved, Mapping):
         return []
+    if "world size" in saved and "world size" in live \
+            and saved["world size"] != live["world size"]:
+        return [f"loaders[{name!r}]: the data position was taken on {saved['world size']} "
+                f"rank(s) (this one on rank {saved.get('rank', '?')}), this job runs "
+                f"{live['world size']}: a position is per rank and cannot be re-split exactly "
+                "over another number of ranks (samples would be seen twice or never); resume "
+                f"on {saved['world size']} rank(s) to finish the epoch, or leave the loader out "
+                "of the resumed state to start its epoch over on the new world size"]
     changed = [f"{key} {saved[key]!r} -> {live[key]!r}" for key in live
-               if key in saved and saved[key] != live[key]]
+               if key in saved and key != "rank" and saved[key] != live[key]]
     if not changed:
         return []
     return [f"loaders[{name!r}]: the loader's geometry changed since the snapshot "
@@ -322,6 +347,30 @@ def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
     return found
+
+
+def generator_states(loader: DataLoader[Any]) -> list[torch.Tensor]:
+    """The states (uint8 CPU tensors, 5,056 bytes each) of every distinct ``torch.Generator``
+    the loader and its samplers draw from (``generator=``, a sampler's own generator:
+    torchdata's ``RandomSampler`` always holds one), in a fixed order."""
+    return [g.get_state() for g in _generators(loader)]
+
+
+def set_generator_states(loader: DataLoader[Any], states: list[torch.Tensor],
+                         name: str) -> None:
+    """Set the loader's generators to ``states`` (:func:`generator_states`' order).
+
+    Raises:
+        ValueError: the loader holds another number of generators than ``states`` (``name``
+            names the loader); nothing is changed.
+    """
+    generators = _generators(loader)
+    if len(generators) != len(states):
+        raise ValueError(f"loaders[{name!r}]: the snapshot's loader drew from {len(states)} "
+                         f"torch.Generator objects, this one from {len(generators)}; build the "
+                         "loader with the same sampler and generator arguments")
+    for g, state in zip(generators, states, strict=True):
+        g.set_state(state)
 
 
 class _Epoch:

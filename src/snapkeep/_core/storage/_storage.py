@@ -8,12 +8,14 @@ are :mod:`._commit`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno as errno_mod
 import io
 import logging
 import os
 import posixpath
+import stat
 from collections.abc import Callable, Iterator
 from typing import IO, Any, BinaryIO
 
@@ -48,6 +50,9 @@ from snapkeep._core.storage._temps import (
 
 logger = logging.getLogger(__name__)
 
+#: directories remembered as made on a store without real directories (see ``makedirs``)
+_KNOWN_DIRS = 64
+
 
 class Storage:
     """One filesystem (local, memory, an object store, a pfio-style object) and how to commit a
@@ -75,7 +80,9 @@ class Storage:
         self.fs = fs
         self.strategy = commit_strategy_for(fs) if strategy is None else strategy
         self.is_local = isinstance(fs, LocalFileSystem)
-        self._known_dirs: set[str] = set()
+        # directories made on a store without real ones (the bucket checked once per path):
+        # the latest few only, so that a run making one per snapshot never grows
+        self._known_dirs: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def __repr__(self) -> str:
         return f"Storage({self.protocol}, {type(self.strategy).__name__})"
@@ -204,7 +211,10 @@ class Storage:
             SnapshotStorageError: the directory cannot be created or the store is unreachable
                 (errno, URL and endpoint named).
         """
-        if not path or (not self.strategy.real_directories and path in self._known_dirs):
+        if not path:
+            return
+        if not self.strategy.real_directories and path in self._known_dirs:
+            self._known_dirs.move_to_end(path)
             return
         try:
             with self._backend_errors("creating directory", path):
@@ -217,7 +227,10 @@ class Storage:
         except OSError as e:
             raise storage_error(e, self.url(path), None, "creating directory",
                                 self.endpoint) from e
-        self._known_dirs.add(path)
+        if not self.strategy.real_directories:
+            self._known_dirs[path] = None
+            while len(self._known_dirs) > _KNOWN_DIRS:
+                self._known_dirs.popitem(last=False)
 
     def _fresh_ls(self, directory: str) -> list[dict[str, Any]]:
         self.fs.invalidate_cache(directory)
@@ -282,6 +295,48 @@ class Storage:
         self.fs.invalidate_cache(path)
         with self._backend_errors("checking", path):
             return dict(self.fs.info(path))
+
+    #: fsspec info fields that change when an object is written again (object stores, memory).
+    _IDENTITY_FIELDS = ("ETag", "etag", "generation", "md5Hash", "VersionId", "LastModified",
+                        "last_modified", "mtime", "created")
+
+    def fingerprint(self, path: str) -> tuple[Any, ...] | None:
+        """What changes whenever the file at ``path`` is written or replaced, to prove it is the
+        file seen before without reading it: on the local filesystem ``(device, inode, mode,
+        size, mtime_ns, ctime_ns)`` of ``lstat`` (no write, rename or replacement keeps all of
+        them); elsewhere the size and the ETag, generation or modification times the backend
+        reports; None where it reports none (the caller must read the bytes).
+
+        Raises:
+            FileNotFoundError: nothing at ``path``.
+            SnapshotStorageError: the store could not be reached.
+        """
+        if self.is_local:
+            st = os.lstat(path)
+            return (st.st_dev, st.st_ino, st.st_mode, st.st_size, st.st_mtime_ns,
+                    st.st_ctime_ns)
+        info = self.info(path)
+        found = tuple((key, str(info[key])) for key in self._IDENTITY_FIELDS
+                      if info.get(key) is not None)
+        return (info.get("type"), info.get("size"), *found) if found else None
+
+    def is_plain_file(self, path: str) -> bool:
+        """Whether ``path`` is a regular file reached without a symbolic link (local: its own
+        entry, ``lstat``; a link to a regular file is not one); elsewhere, a ``'file'``
+        object. False when nothing is there. Never blocks (a FIFO is not opened).
+
+        Raises:
+            SnapshotStorageError: the store could not be reached.
+        """
+        if self.is_local:
+            try:
+                return stat.S_ISREG(os.lstat(path).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+        try:
+            return self.info(path).get("type") == "file"
+        except FileNotFoundError:
+            return False
 
     def isdir(self, path: str) -> bool:
         """Whether ``path`` is a directory (on object stores: a key prefix), fresh."""

@@ -7,7 +7,8 @@ A *kind* is how one snapshot is laid out on storage:
 shards plus a marker). A later kind (node memory with peer copies) implements the same
 :class:`StoreKind`; callers never branch on the kind for a guarantee.
 
-Call order (per trainer, one store per out_dir and template), after DCP's ``StorageWriter`` docs:
+Call order (per trainer, one store per template in the directory it owns), after DCP's
+``StorageWriter`` docs:
 
 0. ``hold_listing()`` -- at start, on the one rank that writes: the start-up (kind check, sweep,
    autoload's candidates) lists out_dir once, and the store keeps what it knows
@@ -16,7 +17,8 @@ Call order (per trainer, one store per out_dir and template), after DCP's ``Stor
 1. ``check_kind()`` -- at start, before anything runs (every kind): a template that already names
    snapshots of another kind in the directory is refused (:func:`require_one_kind`).
 2. ``lock()`` -- at start, on the one rank that writes commit records (the saver rank, or rank 0
-   of a sharded save); released at ``finalize``. Raises ``StoreLockedError`` for a second trainer.
+   of a sharded save); released at ``finalize``. Raises ``StoreLockedError`` for a second trainer
+   of the directory, whatever its template (one trainer per directory; see ``_core/store/lock.py``).
 3. ``sweep(lineage)`` -- at start, same rank, after ``lock``: removes only what snapkeep itself
    started and did not finish (temp files of crashed writers; sharded directories carrying the
    in-progress mark, which is written before the first shard). Never a file or directory merely

@@ -1,8 +1,9 @@
-"""The snapshot store: the only owner of the files of one filename template in one directory.
+"""The snapshot store: the files of one filename template in the directory its trainer owns.
 
 ``SnapshotStore(storage, directory, template)`` commits (data + manifest as one unit), lists by
 step, verifies, loads the newest valid snapshot, deletes (file + manifest), applies retention,
-sweeps stale temps and orphan manifests, and takes the directory lock (:mod:`.lock`). The save
+sweeps stale temps and orphan manifests, and takes the directory lock (:mod:`.lock`: one
+trainer per snapshot directory, whatever template names its files). The save
 path is ``saver`` (stage, back-pressure) -> :func:`~snapkeep._core.save.commit.commit_job` (in
 whichever thread or process runs the save) -> :meth:`SnapshotStore.retain` (in the trainer
 process, through :class:`Retain`).
@@ -493,27 +494,33 @@ class SnapshotStore:
                          expected="file", listed=self._listing.dirs())
 
     # -- lock ------------------------------------------------------------------------------
+    @property
+    def snapshot_directory(self) -> str:
+        """The directory this store's snapshot files live in (``directory`` joined with the
+        template's literal directory part: ``'snap'`` of ``'snap/iter_{.iteration}'``): what
+        one trainer owns (:meth:`lock`)."""
+        return self._listing.directory
+
     def lock(self, *, existing_only: bool = False) -> StoreLock | None:
-        """Take the exclusive lock of this template in this directory (one trainer per out_dir
-        and template); see :class:`StoreLock`. Returns None on storages without a local
-        filesystem (object stores, pfio-style objects): there nothing is locked; with
-        ``existing_only`` (a tool beside trainers) also None when no trainer ever locked it.
+        """Take the exclusive lock of :attr:`snapshot_directory` (one trainer per directory,
+        whatever template names the files; the stores of this process share it); see
+        :class:`StoreLock`. Returns None on storages without a local filesystem (object
+        stores, pfio-style objects): there nothing is locked; with ``existing_only`` (a tool
+        beside trainers) also None when no trainer ever locked it.
 
         Raises:
             StoreLockedError: another live process holds it (the message names its pid, host and
                 since when).
             SnapshotStorageError: the lock file cannot be created.
         """
-        if not self.storage.is_local or not self.template.parsable:
-            logger.info("%r: no directory lock on this storage; two trainers writing the same "
-                        "template here would interfere", self)
+        if not self.storage.is_local:
+            logger.info("%r: no directory lock on this storage; two trainers writing "
+                        "here would interfere", self)
             return None
-        split = self._split()
-        sub = split[0] if split is not None else ""
         acquire = StoreLock.acquire_existing if existing_only else StoreLock.acquire
-        return acquire(self.storage.join(self._subdir(sub), MANIFEST_DIR),
-                       str(self.template.template), self.storage.url(self.directory),
-                       key=self.template.lock_key)
+        return acquire(self.storage.join(self.snapshot_directory, MANIFEST_DIR),
+                       self.storage.url(self.snapshot_directory),
+                       what=str(self.template.template) if self.template.parsable else "")
 
     # -- deletion and retention --------------------------------------------------------------------
     def delete(self, entry: Entry, *, by: str = "snapkeep", strict: bool = False) -> bool:
@@ -556,7 +563,7 @@ class SnapshotStore:
 
     def retain(
         self, policy: RetentionPolicy, lineage: frozenset[str | None] | set[str | None], *,
-        protect: Sequence[str] = (),
+        protect: Sequence[str] = (), door: str = "",
     ) -> list[Entry]:
         """Delete what ``policy`` does not keep among the snapshots of the run ``lineage``.
 
@@ -570,6 +577,8 @@ class SnapshotStore:
             policy: a pure policy from :mod:`snapkeep.retention`.
             lineage: run ids whose snapshots may be deleted.
             protect: paths never to delete (the snapshot just committed).
+            door: the retaining door (``Manifest.door``): a snapshot recording another door is
+                never counted or deleted, whatever its run id.
 
         Returns:
             The entries deleted.
@@ -581,7 +590,9 @@ class SnapshotStore:
         for entry in listed:
             manifest = self.manifest(entry)
             ours = entry.path in self._committed
-            if not ours and (manifest.run_id if manifest is not None else None) not in lineage:
+            if not ours and ((manifest.run_id if manifest is not None else None) not in lineage
+                             or (door and manifest is not None and manifest.door
+                                 and manifest.door != door)):
                 foreign += 1
                 continue
             entries.append(entry)
@@ -787,11 +798,14 @@ class Retain:
         store: the store of the snapshot's template.
         policy: what to keep (:mod:`snapkeep.retention`), or None to keep everything.
         lineage: run ids whose snapshots retention may delete.
+        door: the door of the save (recorded in its manifest: ``Manifest.door``); empty: not
+            recorded.
     """
 
     store: SnapshotStore
     policy: RetentionPolicy | None = None
     lineage: frozenset[str | None] = frozenset()
+    door: str = ""
 
     def after_commit(self, record: CommitRecord) -> None:
         """Run on the saver rank in the trainer process; failures are logged, never raised."""
@@ -799,6 +813,6 @@ class Retain:
         if self.policy is None:
             return
         try:
-            self.store.retain(self.policy, self.lineage, protect=[record.path])
+            self.store.retain(self.policy, self.lineage, protect=[record.path], door=self.door)
         except Exception:  # retention must never stop training (DESIGN invariant 5)
             logger.exception("retention after %s (step %s) failed", record.path, record.step)

@@ -8,8 +8,11 @@ verified, retained by their markers' metrics and run ids; the door (:mod:`snapke
 CLI (``snapkeep verify``/``ls``) use the same code, without importing the program that wrote
 them.
 
-A directory without a valid marker is never counted, deleted, moved or quarantined: snapkeep
-cannot tell a crashed save from a directory written before snapkeep was added.
+A directory without a valid marker (or with the marker of another step: a copy) is never
+counted, deleted, moved or quarantined. snapkeep's saves claim each directory before the
+Trainer writes it (``.snapkeep/claims/``), so a crashed save of snapkeep's is told from a
+complete checkpoint the stock Trainer wrote before snapkeep was added
+(:meth:`CheckpointDirs.adoptable`: resumed unverified).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
-from snapkeep._core.format.checksum import ALGORITHM, digest_stream, require_match
+from snapkeep._core.format.checksum import ALGORITHM, digest_open_file, digest_stream, require_match
+from snapkeep._core.format.json_records import INT64_LIMIT, RecordError, parse_json
 from snapkeep._core.format.manifest import (
     CHECKSUM_HEX_CHARS,
     MANIFEST_DIR,
@@ -41,6 +45,7 @@ from snapkeep._version import __version__
 
 __all__ = [
     "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "MAX_FILES", "TEMPLATE",
+    "marker_of_file", "verify_marked_file",
     "CheckpointDirs", "CheckpointMarker", "FileRecord", "checkpoint_step", "commit_checkpoint",
     "is_marker", "read_marker", "verify_checkpoint",
 ]
@@ -122,8 +127,8 @@ class CheckpointMarker:
         if len(data) > MAX_MANIFEST_BYTES:
             raise bad(f"{len(data)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
         try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            body = parse_json(data, max_bytes=MAX_MANIFEST_BYTES, allow_nan=True)
+        except RecordError as e:
             raise bad(f"not valid UTF-8 JSON ({e})") from None
         if not isinstance(body, dict) or body.get("format") != MARKER_FORMAT:
             raise bad(f"not a {MARKER_FORMAT!r} marker")
@@ -166,7 +171,7 @@ class CheckpointMarker:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and value < INT64_LIMIT
 
 
 def _is_number(value: Any) -> bool:
@@ -293,21 +298,82 @@ def verify_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> CheckpointMarke
         raise SnapshotCorruptError(
             f"{path}: no commit marker {MARKER_NAME} (the save did not finish, or it was not "
             "written with snapkeep.hf.SnapkeepCallback)")
-    for relative, record in marker.files.items():
-        file_path = _path_in(storage, path, relative)
+    misnamed = _misnamed(storage.basename(path.rstrip("/")), marker)
+    if misnamed:
+        raise SnapshotCorruptError(f"{path}: {misnamed}")
+    for relative in marker.files:
+        verify_marked_file(storage, path, relative, marker)
+    return marker
+
+
+def verify_marked_file(storage: Storage, directory: str, relative: str,
+                       marker: CheckpointMarker) -> str:
+    """Check the file ``relative`` of the marked ``directory`` against ``marker``'s record of
+    it (present, a regular file, its size and checksum); returns its checksum.
+
+    Raises:
+        KeyError: the marker does not list ``relative``.
+        SnapshotCorruptError: missing, not a regular file, truncated or changed (named).
+        SnapshotStorageError: the storage could not be reached.
+    """
+    record = marker.files[relative]
+    file_path = _path_in(storage, directory, relative)
+    try:
+        with storage.open_read(file_path) as f:  # a local file: hashed in place, mapped
+            checksum, size = digest_open_file(f) if storage.is_local else digest_stream(f)
+    except FileNotFoundError:
+        raise SnapshotCorruptError(f"{file_path}: listed by the marker, missing") from None
+    except SnapshotStorageError:
+        raise
+    except OSError as e:
+        raise SnapshotCorruptError(f"{file_path}: {e}") from e
+    require_match(file_path, checksum, size, recorded_checksum=record.checksum,
+                  recorded_size=record.size_bytes, algorithm=marker.algorithm, record="marker")
+    return checksum
+
+
+def marker_of_file(storage: Storage, file_path: str, *, levels: int = 4
+                   ) -> tuple[str, str, CheckpointMarker] | None:
+    """The marked directory holding ``file_path`` (its own directory or one up to ``levels``
+    above, the nearest with a :data:`MARKER_NAME` of this kind): ``(directory, the file's path
+    relative to it, its marker)``; None when there is none (a sharded snapshot's marker is not
+    one of these).
+
+    Raises:
+        SnapshotCorruptError: the nearest marker is invalid, too large or not a regular file.
+        SnapshotStorageError: the storage could not be reached.
+    """
+    directory, relative = storage.dirname(file_path), storage.basename(file_path)
+    for _ in range(levels):
+        marker_path = storage.join(directory, MARKER_NAME)
         try:
-            with storage.open_read(file_path) as f:
-                checksum, size = digest_stream(f)
+            data = storage.read_bytes(marker_path, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
-            raise SnapshotCorruptError(f"{file_path}: listed by the marker, missing") from None
+            data = None
         except SnapshotStorageError:
             raise
         except OSError as e:
-            raise SnapshotCorruptError(f"{file_path}: {e}") from e
-        require_match(file_path, checksum, size, recorded_checksum=record.checksum,
-                      recorded_size=record.size_bytes, algorithm=marker.algorithm,
-                      record="marker")
-    return marker
+            raise SnapshotCorruptError(f"{marker_path}: {e}") from e
+        if data is not None:
+            if not is_marker(data):
+                return None
+            return directory, relative, CheckpointMarker.from_bytes(data, source=marker_path)
+        parent = storage.dirname(directory)
+        if not parent or parent == directory:
+            return None
+        relative = f"{storage.basename(directory)}/{relative}"
+        directory = parent
+    return None
+
+
+def _misnamed(name: str, marker: CheckpointMarker) -> str:
+    """Why ``marker`` does not describe the directory ``name`` (``checkpoint-N`` whose marker
+    records another step: a copy, ``cp -r checkpoint-4 checkpoint-40``), or ''."""
+    step = checkpoint_step(name)
+    if step is None or step == marker.step:
+        return ""
+    return (f"its marker records step {marker.step}, its name says {step} (a copy of "
+            f"checkpoint-{marker.step}?); never resumed or counted as step {step}")
 
 
 def _checkpoints(storage: Storage, output_dir: str) -> list[tuple[int, str]]:
@@ -320,6 +386,15 @@ def _checkpoints(storage: Storage, output_dir: str) -> list[tuple[int, str]]:
 #: The store's template: ``checkpoint-N`` (the lock's key, the notices' name).
 TEMPLATE = "checkpoint-{step}"
 _TEMPLATE = FilenameTemplate("checkpoint-{.iteration}")
+
+
+#: Where snapkeep's saves record the ``checkpoint-N`` they are about to write (under
+#: ``.snapkeep/`` of the output directory), until its marker is written.
+_CLAIMS = "claims"
+#: The Trainer's state file, written last into each checkpoint.
+_TRAINER_STATE = "trainer_state.json"
+#: A ``trainer_state.json`` larger than this is not read (its log history grows per step).
+_MAX_TRAINER_STATE_BYTES = 256 << 20
 
 
 #: Files a Trainer checkpoint directory holds (a save interrupted before its marker included).
@@ -360,8 +435,8 @@ class CheckpointDirs:
         """The one-trainer lock of the output directory (None on object stores)."""
         if not self.storage.is_local:
             return None
-        return StoreLock.acquire(self.storage.join(self.directory, MANIFEST_DIR), TEMPLATE,
-                                 self.storage.url(self.directory), key=_TEMPLATE.lock_key)
+        return StoreLock.acquire(self.storage.join(self.directory, MANIFEST_DIR),
+                                 self.storage.url(self.directory), what=TEMPLATE)
 
     def sweep(self, lineage: frozenset[str | None] | None = None) -> list[str]:
         """Nothing: an unmarked directory may be the stock Trainer's (never removed)."""
@@ -371,24 +446,72 @@ class CheckpointDirs:
         """Before a save writes ``checkpoint-<step>`` at ``path``: refuse a directory there that
         is neither committed (marker) nor a Trainer checkpoint (written or interrupted: a file
         a Trainer checkpoint holds), such as a user's directory named like one, which the
-        Trainer would write into and retention later delete whole.
+        Trainer would write into and retention later delete whole. An accepted one is recorded
+        as claimed (``.snapkeep/claims/``) until its marker is written (:meth:`release`), so an
+        interrupted save is never taken for a checkpoint written before snapkeep
+        (:meth:`adoptable`).
 
         Raises:
             SnapshotStorageError: ``path`` is held by something else (named); nothing written.
         """
         storage = self.storage
         if not storage.exists(path):
+            self._record_claim(os.path.basename(path.rstrip("/")))
             return
         names = storage.list_names(path) if storage.isdir(path) else None
-        if names is not None and (not names or any(
-                name == MARKER_NAME or _TRAINER_FILE.match(name) for name in names)):
-            return
         name = os.path.basename(path.rstrip("/"))
+        if names is not None and (not names or any(
+                n == MARKER_NAME or _TRAINER_FILE.match(n) for n in names)):
+            self._record_claim(name)
+            return
         raise SnapshotStorageError(
             f"{storage.url(path)} exists and is not a Trainer checkpoint ({name} (step {step}) "
             f"would be written into it, and retention would later delete it with its contents; "
             f"it holds {sorted(names or [])[:5] if names is not None else 'a file'}): nothing "
             "was written. Move it away, or use another output_dir")
+
+    def _claim_path(self, name: str) -> str:
+        return self.storage.join(self.directory, MANIFEST_DIR, _CLAIMS, name)
+
+    def _record_claim(self, name: str) -> None:
+        """Record that snapkeep's save is about to write ``name``: until its marker is written,
+        the directory is an interrupted save of snapkeep's, never adopted as a checkpoint the
+        stock Trainer wrote before snapkeep (see :meth:`adoptable`)."""
+        path = self._claim_path(name)
+        self.storage.makedirs(self.storage.dirname(path))
+        self.storage.write_bytes(path, b"{}", tag="claim")
+
+    def release(self, name: str) -> None:
+        """Forget the claim on ``name`` (its marker is written, or it is deleted)."""
+        try:
+            self.storage.remove(self._claim_path(name))
+        except FileNotFoundError:
+            pass
+
+    def adoptable(self, entry: Entry) -> str:
+        """Why ``entry`` (a ``checkpoint-N`` without a valid marker) is not a complete
+        checkpoint the stock Trainer wrote before snapkeep was added, or '' when it is one: no
+        marker file at all, never claimed by snapkeep's save (so no save of snapkeep's was
+        interrupted there), and a complete ``trainer_state.json`` (the Trainer writes it last)
+        recording ``global_step`` N. Such a directory is resumed unverified (it has no
+        checksums), said on stderr; it is never counted or deleted by retention."""
+        storage = self.storage
+        if storage.exists(storage.join(entry.path, MARKER_NAME)):
+            return "its marker is not valid"
+        if storage.exists(self._claim_path(entry.name)):
+            return "a save of snapkeep's was interrupted there"
+        state_path = storage.join(entry.path, _TRAINER_STATE)
+        try:
+            body = json.loads(storage.read_bytes(state_path, max_bytes=_MAX_TRAINER_STATE_BYTES)
+                              .decode("utf-8"))
+        except FileNotFoundError:
+            return f"no {_TRAINER_STATE} (a save that did not finish)"
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            return f"{_TRAINER_STATE} is not complete JSON ({type(e).__name__})"
+        step = body.get("global_step") if isinstance(body, dict) else None
+        if step != entry.step or not _is_int(step):
+            return f"{_TRAINER_STATE} records global_step {str(step)[:40]}, not {entry.step}"
+        return ""
 
     def entries(self) -> list[Entry]:
         """The ``checkpoint-N`` directories, oldest (lowest N) first; not verified."""
@@ -397,11 +520,16 @@ class CheckpointDirs:
                 for step, name in reversed(_checkpoints(self.storage, self.directory))]
 
     def manifest(self, entry: Entry) -> CheckpointMarker | None:
-        """The marker of ``entry`` as recorded (None when it has none or an invalid one)."""
+        """The marker of ``entry`` as recorded (None when it has none, an invalid one, or one
+        recording another step than the name: a copied directory is never counted)."""
         try:
-            return read_marker(entry.path)
+            marker = read_marker(entry.path)
         except SnapshotCorruptError:
             return None
+        if marker is not None and _misnamed(entry.name, marker):
+            logger.warning("snapkeep: %s: %s", entry.path, _misnamed(entry.name, marker))
+            return None
+        return marker
 
     def verify(self, entry: Entry) -> CheckpointMarker:
         """:func:`verify_checkpoint` of ``entry`` (``SnapshotCorruptError`` when it fails)."""
@@ -416,6 +544,7 @@ class CheckpointDirs:
             except FileNotFoundError:
                 pass
             self.storage.remove_tree(entry.path)
+            self.release(entry.name)
         except OSError as e:
             logger.warning("snapkeep: %s could not delete %s: %s", by, entry.path, e)
             return False
@@ -454,7 +583,7 @@ def is_marker(data: bytes) -> bool:
     """Whether ``data`` (a marker file's bytes) claims to be a marked directory's marker (its
     ``format``); not validated further (the CLI tells the two kinds of marker apart by it)."""
     try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        body = parse_json(data, max_bytes=MAX_MANIFEST_BYTES, allow_nan=True)
+    except RecordError:
         return False
     return isinstance(body, dict) and body.get("format") == MARKER_FORMAT

@@ -6,13 +6,25 @@ in one flat directory per filename template::
 
     <dir>/.snapkeep/blobs/<template key>/<32 hex digits>
 
-(``<template key>`` is the name of the template's lock file without ``.lock``, so templates
-that list the same files share one area and two templates never share one). Every blob is
+(``<template key>``: :func:`area_name`, so templates that list the same files share one area
+and two templates never share one). Every blob is
 published like any other snapkeep file: a temporary name in the same directory, written,
 flushed, ``fsync``-ed, renamed into place (:meth:`BlobArea.put`), and the area's directory is
 ``fsync``-ed (:meth:`BlobArea.sync`) before the snapshot that refers to it is published. A blob
-under its final name is therefore always complete; it can only be wrong if the disk corrupted
-it, which every reader detects (the name is the checksum: :meth:`BlobArea.read`).
+under its final name is therefore always complete when published; it can still be damaged or
+replaced later (the disk, a copy, a hand), which every reader detects (the name is the
+checksum: :meth:`BlobArea.read`).
+
+A snapshot that refers to a blob without writing it (an unchanged storage, or bytes already
+there) first makes sure the blob's bytes are right (:meth:`BlobArea.intact`): either this process
+holds a *proof* -- it wrote the file or read and verified it, and the file's fingerprint (local:
+device, inode, mode, size, mtime and ctime in ns; object stores: ETag or modification time, see
+``Storage.fingerprint``) is unchanged since -- or the blob is read and hashed now. A damaged or
+replaced blob is written again from the live bytes, so one bad blob never makes every later
+snapshot unloadable (and the earlier ones that share it load again). The proof costs one
+``stat`` per blob and save; what it cannot see is a change that keeps every field of the
+fingerprint (bit rot under the file system, a write within the file system's timestamp
+granularity of the proof): readers still verify every byte they load.
 
 Who may delete a blob (:class:`BlobLedger`): a blob is deleted only when no snapshot of the
 template refers to it (counted from the manifests, see ``SnapshotStore``) and no save of this
@@ -20,14 +32,17 @@ process that could refer to it is in flight. Saves register with the ledger of t
 training thread, before anything is staged (:meth:`BlobLedger.begin`), and the digests they will
 refer to without writing are pinned until they end. A deletion pass runs only while no save is
 in flight (one started meanwhile waits for the pass to finish, see :meth:`BlobLedger.quiet`).
-Other processes are kept out by the store's directory lock (one trainer per template).
+Other processes are kept out by the store's directory lock (one trainer per directory).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
+import mmap
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -38,7 +53,6 @@ import torch
 from snapkeep._core.errors import SnapshotCorruptError
 from snapkeep._core.format.manifest import MANIFEST_DIR
 from snapkeep._core.storage import Storage, WriteResult, is_temp_name, new_hasher
-from snapkeep._core.store.lock import lock_file_name
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +67,17 @@ _READ_CHUNK_BYTES = 8 << 20
 def area_directory(storage: Storage, listed: str, lock_key: str) -> str:
     """The blob area of the template whose lock key is ``lock_key``, whose snapshots are listed
     in the directory ``listed`` (see the module docstring)."""
-    name = lock_file_name(lock_key)
-    return storage.join(listed, MANIFEST_DIR, BLOBS_DIR, name[:-len(".lock")])
+    return storage.join(listed, MANIFEST_DIR, BLOBS_DIR, area_name(lock_key))
+
+
+def area_name(lock_key: str) -> str:
+    """``<readable part of lock_key>-<hash>``: the area of the templates whose lock key (see
+    ``FilenameTemplate.lock_key``) is ``lock_key``; distinct keys get distinct areas (the name
+    the template's lock file had before the lock became one per directory, kept so directories
+    written by earlier versions resume)."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", lock_key)[:60]
+    digest = hashlib.sha256(lock_key.encode()).hexdigest()[:12]
+    return f"{readable}-{digest}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,13 +104,34 @@ class BlobArea:
             raise ValueError(f"not a blob digest: {digest!r}")
         return self.storage.join(self.directory, digest)
 
-    def has(self, digest: str, nbytes: int) -> bool:
-        """Whether the blob of ``digest`` is there with ``nbytes`` bytes (its bytes are not
-        read)."""
+    def intact(self, digest: str, nbytes: int) -> bool:
+        """Whether the blob of ``digest`` is there with the right bytes, so that a snapshot may
+        refer to it without writing it (see the module docstring): proven without reading when
+        it is the file this process wrote or verified, unchanged since; otherwise read and
+        hashed (one pass, through a mapping locally, a reused buffer elsewhere) and proven from
+        then on.
+
+        Returns:
+            False when it is missing, of another size, not a regular file or its bytes hash to
+            another digest (a damaged one is logged as a warning): the caller writes it again.
+
+        Raises:
+            SnapshotStorageError: the store could not be reached.
+        """
+        path = self.path(digest)
         try:
-            return self.storage.size(self.path(digest)) == nbytes
+            before = self.storage.fingerprint(path)
         except FileNotFoundError:
             return False
+        if before is not None and _proof(self.storage.url(path)) == before:
+            return True
+        try:
+            self._verify(path, digest, nbytes, keep=False)
+        except SnapshotCorruptError as e:
+            logger.warning("%s; it is written again from the live bytes", e)
+            return False
+        self._prove(path, before)
+        return True
 
     def put(self, digest: str, write: Callable[[BinaryIO], None], *, tag: str) -> WriteResult:
         """Publish the blob of ``digest`` (temp, write, flush, ``fsync``, rename; see
@@ -102,24 +146,34 @@ class BlobArea:
         self.path(digest)  # a digest, not a path
         self.storage.makedirs(self.directory)
         try:
-            return self.storage.publish_by_content(self.directory, write, tag=tag,
-                                                   expect=digest)
+            result = self.storage.publish_by_content(self.directory, write, tag=tag,
+                                                     expect=digest)
         except ValueError as e:
             raise SnapshotCorruptError(f"blob {e}") from e
+        self._prove(result.path)
+        return result
 
     def put_new(self, write: Callable[[BinaryIO], None], *, tag: str) -> WriteResult:
         """Publish a blob whose digest is not known yet: written and hashed in one pass under a
         temporary name, then renamed to its digest (see ``Storage.publish_by_content``)."""
         self.storage.makedirs(self.directory)
-        return self.storage.publish_by_content(self.directory, write, tag=tag)
+        result = self.storage.publish_by_content(self.directory, write, tag=tag)
+        self._prove(result.path)
+        return result
 
     def sync(self) -> None:
         """Make the blobs published so far durable (``fsync`` of the area's directory)."""
         self.storage.sync_directory(self.directory)
 
     def read(self, digest: str, nbytes: int) -> torch.UntypedStorage:
-        """The blob of ``digest`` in a new CPU storage, verified: exactly ``nbytes`` bytes that
-        hash to ``digest`` (hashed while read, in one pass).
+        """The blob of ``digest`` in a CPU storage, verified: exactly ``nbytes`` bytes that
+        hash to ``digest`` (hashed as they are reached, in one pass). A blob read and verified
+        is proven for :meth:`intact` (a resumed run's saves do not read it again).
+
+        A local blob is mapped (a private, copy-on-write mapping of the file, as
+        ``torch.load(mmap=True)`` maps a snapshot) and hashed in place: the pages the state
+        will use are faulted in by the hash, nothing is copied, and the kernel reads the file
+        ahead of it. A remote blob is read into a new storage while it is hashed.
 
         Raises:
             SnapshotCorruptError: missing, of another size, or its bytes do not hash to its name
@@ -127,19 +181,85 @@ class BlobArea:
             SnapshotStorageError: the store could not be reached.
         """
         path = self.path(digest)
-        target = torch.UntypedStorage(nbytes)
+        before = self._fingerprint(path)
+        target = self._verify(path, digest, nbytes, keep=True)
+        self._prove(path, before)
+        assert target is not None
+        return target
+
+    def check(self, digest: str, nbytes: int) -> None:
+        """Verify the blob of ``digest`` (see :meth:`read`) without keeping its bytes; a blob
+        this process proved unchanged since it wrote or verified it is not read again.
+
+        Raises:
+            SnapshotCorruptError: as :meth:`read`.
+            SnapshotStorageError: the store could not be reached.
+        """
+        path = self.path(digest)
+        before = self._fingerprint(path)
+        if before is not None and _proof(self.storage.url(path)) == before:
+            return
+        self._verify(path, digest, nbytes, keep=False)
+        self._prove(path, before)
+
+    def _fingerprint(self, path: str) -> tuple[Any, ...] | None:
+        try:
+            return self.storage.fingerprint(path)
+        except FileNotFoundError:
+            return None
+
+    def _prove(self, path: str, before: tuple[Any, ...] | None = None) -> None:
+        """Record the proof of the file at ``path`` just written or verified: its fingerprint
+        now, if ``before`` (taken before it was read) is None or still the same."""
+        now = self._fingerprint(path)
+        url = self.storage.url(path)
+        with _PROOFS_LOCK:
+            if now is not None and (before is None or before == now):
+                _PROOFS[url] = now
+            else:
+                _PROOFS.pop(url, None)
+
+    def _verify(self, path: str, digest: str, nbytes: int, *, keep: bool
+                ) -> torch.UntypedStorage | None:
+        """Check that the blob at ``path`` holds exactly ``nbytes`` bytes hashing to ``digest``,
+        and return them as a storage when ``keep`` (local: a private mapping hashed in place;
+        remote: read into a new storage, or through a reused buffer when not kept).
+
+        Raises:
+            SnapshotCorruptError: missing, unreadable, another size or another digest.
+            SnapshotStorageError: the store could not be reached.
+        """
         hasher = new_hasher()
         try:
             with self.storage.open_read(path, whole=True) as f:
-                view = memoryview(_byte_view(target)) if nbytes else memoryview(b"")
-                got = 0
-                while got < nbytes:
-                    n = f.readinto(view[got:got + _READ_CHUNK_BYTES])  # type: ignore[attr-defined]
-                    if not n:
-                        break
-                    hasher.update(view[got:got + n])
-                    got += n
-                extra = f.read(1) if got == nbytes else b""
+                target: torch.UntypedStorage | None = None
+                if self.storage.is_local and nbytes:
+                    got = os.fstat(f.fileno()).st_size
+                    extra = b""
+                    if got == nbytes:  # checked before mapping: no page past the end is touched
+                        mapped, view = _mapped(f.fileno(), nbytes)
+                        for start in range(0, nbytes, _READ_CHUNK_BYTES):
+                            hasher.update(view[start:start + _READ_CHUNK_BYTES])
+                        view.release()
+                        target = mapped if keep else None
+                else:
+                    if keep:
+                        target = torch.UntypedStorage(nbytes)
+                    into = (memoryview(_byte_view(target)) if nbytes else memoryview(b"")) \
+                        if target is not None else None
+                    buffer = memoryview(bytearray(min(_READ_CHUNK_BYTES, nbytes))) \
+                        if into is None else None
+                    got = 0
+                    while got < nbytes:
+                        want = min(_READ_CHUNK_BYTES, nbytes - got)
+                        chunk = into[got:got + want] if into is not None \
+                            else buffer[:want]  # type: ignore[index]
+                        n = f.readinto(chunk)  # type: ignore[attr-defined]
+                        if not n:
+                            break
+                        hasher.update(chunk[:n])
+                        got += n
+                    extra = f.read(1) if got == nbytes else b""
         except FileNotFoundError:
             raise SnapshotCorruptError(
                 f"blob {path} is missing (deleted by hand, or an incomplete copy of the "
@@ -161,10 +281,6 @@ class BlobArea:
                 "a good copy or use an older snapshot)")
         return target
 
-    def check(self, digest: str, nbytes: int) -> None:
-        """Verify the blob of ``digest`` (see :meth:`read`) without keeping its bytes."""
-        self.read(digest, nbytes)
-
     def listing(self) -> tuple[list[str], list[dict[str, Any]]]:
         """``(blob digests, raw entries)`` of the area (temporary files in the raw entries
         only); both empty when the area does not exist."""
@@ -179,6 +295,8 @@ class BlobArea:
         """Delete one blob; False (logged) when the delete failed; a blob already gone is
         not an error."""
         path = self.path(digest)
+        with _PROOFS_LOCK:
+            _PROOFS.pop(self.storage.url(path), None)
         try:
             self.storage.remove(path)
         except FileNotFoundError:
@@ -195,6 +313,37 @@ class BlobArea:
                    for e in raw):
             return []
         return self.storage.remove_stale_temps(self.directory, raw)
+
+
+#: This process's proofs (see :meth:`BlobArea.intact`): blob URL -> the fingerprint of the file
+#: when this process wrote it or read and verified its bytes.
+_PROOFS: dict[str, tuple[Any, ...]] = {}
+_PROOFS_LOCK = threading.Lock()
+
+
+def _reset_proofs_lock_in_child() -> None:
+    """A fork while another thread held the lock must not leave the child's copy held."""
+    global _PROOFS_LOCK
+    _PROOFS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_proofs_lock_in_child)
+
+
+def _proof(url: str) -> tuple[Any, ...] | None:
+    with _PROOFS_LOCK:
+        return _PROOFS.get(url)
+
+
+def _mapped(fd: int, nbytes: int) -> tuple[torch.UntypedStorage, memoryview]:
+    """A private (copy-on-write) mapping of the first ``nbytes`` of the file ``fd`` as a CPU
+    storage (the storage keeps the mapping alive) and a byte view of it."""
+    mapping = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+        mapping.madvise(mmap.MADV_SEQUENTIAL)
+    storage = torch.frombuffer(mapping, dtype=torch.uint8).untyped_storage()
+    return storage, memoryview(mapping)
 
 
 def _byte_view(storage: torch.UntypedStorage) -> Any:

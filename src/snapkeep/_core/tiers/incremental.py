@@ -19,8 +19,10 @@ last snapshot committed is *unchanged*: it is neither staged nor written; the sn
 the blob of that commit. Before the write, in the trainer process (:meth:`IncrementalPlan.confirm`,
 in the writer's thread), its live bytes are hashed and must hash to that blob:
 
-- same digest: the snapshot refers to the blob (the blob is written again from those bytes if it
-  went missing);
+- same digest: the snapshot refers to the blob, which must hold the right bytes
+  (:meth:`~snapkeep._core.tiers.blobs.BlobArea.intact`: proven unchanged since this process wrote or
+  verified it, or read and hashed); a missing, damaged or replaced blob is written again from
+  those bytes;
 - another digest, and a counter moved since the call: an in-place write *after* the call (an EMA
   updated right after the snapshot call); the counters at the call vouch for the blob's bytes, as
   they do for an overlapped staging copy (:mod:`snapkeep._core.save.overlap`);
@@ -32,7 +34,8 @@ in the writer's thread), its live bytes are hashed and must hash to that blob:
 A changed storage is staged (the staging copy and the overlap are unchanged) and written. Where
 the tracker knew it and its counter moved, it is written and hashed in one pass; where the
 tracker has no record (the first snapshot of a process, a resumed run), it is hashed first and
-written only when its blob is not there yet (a resumed run rewrites nothing unchanged).
+written only when its blob is not there yet or does not hold the right bytes (a resumed run
+rewrites nothing unchanged: the blobs it loaded are proven).
 
 Reading: :func:`materialise` (called by :func:`snapkeep._core.load.loading.load_file` for every
 reader) reads each blob into a new storage, verifying its size and digest while it reads, and
@@ -447,10 +450,14 @@ def encode(tree: Any, job: IncrementalJob, *, tag: str) -> Encoded:
         return _digest(views[i]), 0
 
     results = _in_parallel(first, range(len(pending)))
-    missing: dict[str, int] = {}  # digest -> the pending item whose bytes it is (once)
+    found: dict[str, int] = {}  # digest -> the pending item whose bytes it is (once)
     for i, (digest, nbytes) in enumerate(results):
-        if not nbytes and digest not in missing and not job.area.has(digest, len(views[i])):
-            missing[digest] = i
+        if not nbytes and digest not in found:
+            found[digest] = i
+    # a blob referred to without being written must hold the right bytes (proven or read,
+    # see BlobArea.intact): a missing, damaged or replaced one is written again from these
+    intact = _in_parallel(lambda d: job.area.intact(d, len(views[found[d]])), list(found))
+    missing = {d: i for (d, i), ok in zip(found.items(), intact) if not ok}
 
     def put(digest: str) -> int:
         job.area.put(digest, _writer_of(views[missing[digest]]), tag=tag)
@@ -699,9 +706,9 @@ class IncrementalPlan:
                     "dropped, never written, and the next one copies that tensor in full")
                 logger.warning("%s", error)
                 raise error
-            if not self.job.area.has(live.digest, live.nbytes):
-                logger.warning("blob %s of the tensor at %s was missing; writing it again",
-                               live.digest, _where(live.path))
+            if not self.job.area.intact(live.digest, live.nbytes):
+                logger.warning("blob %s of the tensor at %s was missing or damaged; writing it "
+                               "again from the live bytes", live.digest, _where(live.path))
                 host = storage if storage.device.type == "cpu" else storage.cpu()
                 self.job.area.put(live.digest, _writer_of(_host_view(host)), tag="re")
                 self.job.area.sync()

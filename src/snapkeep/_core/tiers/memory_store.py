@@ -59,6 +59,7 @@ from snapkeep._core.format.checksum import (
     new_hasher,
     require_match,
 )
+from snapkeep._core.format.json_records import UNIX_TIME_LIMIT_S, parse_json
 from snapkeep._core.format.manifest import MANIFEST_DIR
 from snapkeep._core.load.loading import load_file
 from snapkeep._core.save.job import SaveJob
@@ -488,21 +489,18 @@ def _record(data: bytes, where: str) -> dict[str, Any]:
     Raises:
         ValueError: not JSON, not an object, or a field of the wrong type.
     """
-    try:
-        body = json.loads(data.decode())
-    except (UnicodeDecodeError, RecursionError) as e:
-        raise ValueError(f"not JSON ({type(e).__name__})") from e
+    body = parse_json(data, max_bytes=MAX_RECORD_BYTES)  # RecordError: a ValueError
     if not isinstance(body, dict):
         raise ValueError(f"a JSON {type(body).__name__}, not an object")
 
-    def integer(v: Any, low: int) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+    def integer(v: Any, low: int) -> bool:  # pids, ranks, world sizes: below 2**31
+        return isinstance(v, int) and not isinstance(v, bool) and low <= v < 1 << 31
 
     checks: dict[str, Callable[[Any], bool]] = {
         "pid": lambda v: integer(v, 1),
         "host": lambda v: isinstance(v, str) and len(v) <= 1024,
         "time": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-        and math.isfinite(v),
+        and math.isfinite(v) and 0 <= v < UNIX_TIME_LIMIT_S,
         "rank": lambda v: integer(v, 0),
     }
     for key, ok in checks.items():

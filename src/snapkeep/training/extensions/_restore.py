@@ -60,12 +60,14 @@ def pairs_to_load(target: Any, state: Any, entry: Entry) -> list[tuple[Any, Any,
     if not isinstance(state, Mapping):
         raise StateMismatchError(
             f"snapshot {entry.path} holds a {type(state).__name__}, the target is a dict; "
-            "nothing was loaded or deleted")
+            "nothing was loaded or deleted. Next: pass the target it was saved from, or point "
+            "out_dir elsewhere to start fresh")
     missing = [k for k in target if k not in state]
     if missing:
         raise StateMismatchError(
             f"snapshot {entry.path} lacks target key(s) {missing[:10]}; nothing was loaded or "
-            "deleted")
+            f"deleted. Next: leave {missing[:10]} out of the target (snapshot_object of the "
+            "saved keys), or point out_dir elsewhere to start fresh")
     return [(target[k], state[k], f"[{k!r}]") for k in target]
 
 
@@ -178,4 +180,4 @@ def require_fit(pairs: Iterable[tuple[Any, Any, str]], entry: Entry) -> None:
         raise StateMismatchError(
             f"snapshot {entry.path} (step {entry.step}) does not match the target: "
             f"{describe(problems)}. Nothing was loaded or deleted; point out_dir elsewhere or "
-            "fix the model definition.")
+            f"fix the model definition ('snapkeep inspect {entry.path}' shows what it holds).")

@@ -188,7 +188,7 @@ class _ShardedSnapshot(SnapshotExtension):
 
         Raises:
             StoreLockedError: (rank 0; RankFailedError on the others) another trainer holds this
-                out_dir and template.
+                out_dir.
             ValueError: (rank 0, as above) the template already names single-file snapshots.
             NoCommonSnapshotError: snapshots exist but none is readable on every rank.
             RankFailedError: loading failed on some rank (named); no rank continues.

@@ -13,8 +13,9 @@ Differences from ppe that users rely on:
   arbitrary unpickling.
 - ``n_retains`` (and ``retention=``) are the last stage of each save, run by the core's saver
   after the commit (on the saver rank only), and never delete the newest snapshot.
-- One trainer per ``out_dir`` and template: ``initialize`` takes the store's lock (before
-  autoload) and ``finalize`` releases it; a second trainer gets
+- One trainer per snapshot directory, whatever its template: ``initialize`` takes the store's
+  lock (before autoload; the extensions of one manager share it) and ``finalize`` releases
+  it; a second trainer gets
   :class:`~snapkeep.errors.StoreLockedError` naming the holder. Local filesystems only; see
   :mod:`snapkeep._core.store.lock` for what is not locked.
 - On-error snapshots (``snapshot_on_error=True``) get their own name (``<name>.on-error``), so

@@ -135,6 +135,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         self._staging_guard = StagingGuard()
         self._overlap_before_copy: Callable[[], None] | None = None  # a test seam (a gate)
         self._race_warned = False
+        self._unloadable_warned = False  # the autoload=False warning, once
         self._staged_at: tuple[int, Any] | None = None  # (iteration, handle) of the last save
         policies = [p for p in (KeepLatest(n_retains) if n_retains > 0 else None, retention) if p]
         self._retention: RetentionPolicy | None = None
@@ -202,7 +203,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         name or None, as ppe).
 
         Raises:
-            StoreLockedError: another trainer holds this out_dir and template.
+            StoreLockedError: another trainer holds the directory the snapshots live in.
             NoValidSnapshotError: snapshot files exist but none verifies.
             StateMismatchError: the chosen snapshot does not fit the target (first 10 listed);
                 nothing was loaded.
@@ -342,33 +343,43 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             return
         state = self._state(manager)
         filename = self._template.format(manager)
-        self._refuse_unloadable(state, filename)
-        extra: dict[str, Any] = {}
+        self._refuse_unloadable(state, filename, writer)
         if on_error:
             filename += ON_ERROR_SUFFIX
-        if isinstance(writer, _SnapkeepWriter):
-            extra = {"step": int(manager.iteration), "metrics": observed_metrics(manager),
-                     "run_id": self._run_id}
-            session = self._session_of(manager)
-            if session is not None:  # the retention input check, then the retention stage
-                extra["retain"] = session.retention(filename, extra["step"], extra["metrics"],
-                                                    on_error=on_error)
-            if self._incremental:
-                extra["incremental"] = self._tracker_of(manager)
-        if self._on_save_error == "log" and isinstance(writer, _SnapkeepWriter):
-            try:  # an earlier background failure is logged here, so this snapshot is still taken
-                writer.raise_pending_error()
-            except (SnapshotError, OSError) as e:
-                logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
-        self._staging_guard.settle()  # a safe point: the previous snapshot's verdict first
-        if self._overlap_on and isinstance(writer, _SnapkeepWriter):
-            target = manager if self._target is None else self._target
-            writer.arm_overlap(optimizers_in(target), self._staging_guard,
-                               before_copy=self._overlap_before_copy, on_race=self._on_staging_race)
-        self._staged_at = None
+        ours = isinstance(writer, _SnapkeepWriter)
+        session = self._session_of(manager) if ours else None
+
+        def before_write() -> None:  # after the retention input check, right before the writer
+            if self._on_save_error == "log" and ours:
+                try:  # an earlier background failure is logged here, so this one is still taken
+                    writer.raise_pending_error()
+                except (SnapshotError, OSError) as e:
+                    logger.error("an earlier snapshot failed and on_save_error='log': %s", e)
+            self._staging_guard.settle()  # a safe point: the previous snapshot's verdict first
+            if self._overlap_on and ours:
+                target = manager if self._target is None else self._target
+                writer.arm_overlap(optimizers_in(target), self._staging_guard,
+                                   before_copy=self._overlap_before_copy,
+                                   on_race=self._on_staging_race)
+            self._staged_at = None
+
+        tracker = self._tracker_of(manager) if ours and self._incremental else None
         try:
-            writer(filename, manager.out, state, savefun=self._savefun, **extra)
-            if isinstance(writer, _SnapkeepWriter) and self._target is None and not on_error:
+            if session is not None:  # the one save path: check, before_write, writer, Retain
+                session.save(writer, filename, manager.out, state, step=int(manager.iteration),
+                             metrics=observed_metrics(manager), on_error=on_error,
+                             incremental=tracker, before_write=before_write,
+                             savefun=self._savefun)
+            else:  # ppe's own writers (their own format, no store), or no store to retain in
+                extra: dict[str, Any] = {}
+                if ours:
+                    extra = {"step": int(manager.iteration), "metrics": observed_metrics(manager),
+                             "run_id": self._run_id}
+                    if tracker is not None:
+                        extra["incremental"] = tracker
+                before_write()
+                writer(filename, manager.out, state, savefun=self._savefun, **extra)
+            if ours and self._target is None and not on_error:
                 self._staged_at = (int(manager.iteration), writer.last_handle)
         except (SnapshotError, OSError) as e:
             if self._on_save_error == "raise":
@@ -379,20 +390,34 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             if isinstance(writer, _SnapkeepWriter):
                 writer.disarm_overlap()  # never left armed for a direct writer call
 
-    def _refuse_unloadable(self, state: Any, filename: str) -> None:
-        """TypeError before anything is written when autoload (``weights_only=True``) could not
-        load a value of the snapshot: a run must never save snapshots it cannot resume from
-        (a ``savefun`` of the user's chooses its own format: not checked)."""
-        if not self._weights_only or self._savefun is not None:
+    def _refuse_unloadable(self, state: Any, filename: str, writer: Any) -> None:
+        """Protect autoload where snapkeep chooses the format: with a snapkeep writer, no
+        ``savefun`` and ``weights_only=True``, a value ``torch.load(weights_only=True)`` could not
+        load raises TypeError before anything is written when this extension autoloads (a run
+        must never save snapshots it cannot resume from), and warns once otherwise (a later
+        autoload of these files would refuse them). A writer or ``savefun`` of the user's
+        chooses its own format and is never checked (as ppe, which checks nothing)."""
+        if (not self._weights_only or self._savefun is not None
+                or not isinstance(writer, _SnapkeepWriter)):
+            return
+        if not self.autoload and self._unloadable_warned:
             return
         where = unloadable_value(state)
-        if where is not None:
+        if where is None:
+            return
+        advice = ("Keep tensors, numbers, strings and containers of them in state_dict()s, or "
+                  "pass extensions.snapshot(weights_only=False) to save and load arbitrary "
+                  "objects (trusted files only)")
+        if self.autoload:
             raise TypeError(
                 f"snapshot {filename}: {where!r} holds an object that autoload, which loads with "
                 "torch.load(weights_only=True), would refuse, so this snapshot could never be "
-                "resumed; nothing was saved. Keep tensors, numbers, strings and containers of "
-                "them in state_dict()s, or pass extensions.snapshot(weights_only=False) to save "
-                "and load arbitrary objects (trusted files only)")
+                f"resumed; nothing was saved. {advice}")
+        self._unloadable_warned = True
+        warn_user(f"snapshot {filename}: {where!r} holds an object that autoload, which loads "
+                  "with torch.load(weights_only=True), would refuse: this extension does not "
+                  "autoload, but a run that autoloads these snapshots could not resume from "
+                  f"them. {advice}", RuntimeWarning)
 
     def lend_staged(self, manager: Any) -> StagedLoan | None:
         """The copy of the manager's state this extension's writer staged at this iteration,
@@ -454,7 +479,8 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             if session is not None:
                 session.close()
             session = self._session = Session(store, policy=self._retention,
-                                              lineage=self._shared, quiet=self._quiet)
+                                              lineage=self._shared, quiet=self._quiet,
+                                              door="ppe")
         return session
 
     def _choose(self, store: SnapshotStore) -> list[Entry] | None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
 from snapkeep import reporting
+from snapkeep.store import RecordError, parse_json
 from snapkeep.training import extension
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
 from snapkeep.training._trigger_util import TriggerLike, get_trigger
@@ -27,6 +28,8 @@ __all__ = ["LogReport", "LogWriterSaveFunc"]
 logger = logging.getLogger(__name__)
 
 FORMATS = ("json", "json-lines", "yaml")
+#: Largest saved log restored, in bytes (a long run's log is a few MB).
+MAX_LOG_BYTES = 1 << 30
 
 
 class LogWriterSaveFunc:
@@ -244,11 +247,18 @@ class LogReport(extension.Extension):
 
         Raises:
             KeyError: ``to_load`` lacks ``'_summary'`` or ``'_log'``.
+            ValueError: ``'_log'`` is not a JSON list of objects (bounded: see
+                :mod:`snapkeep._core.format.json_records`; NaN values, which ppe writes, are kept).
         """
         if "_trigger" in to_load:
             self._trigger.load_state_dict(to_load["_trigger"])
         self._summary.load_state_dict(to_load["_summary"])
-        entries = json.loads(to_load["_log"])
+        try:
+            entries = parse_json(to_load["_log"], max_bytes=MAX_LOG_BYTES, allow_nan=True)
+        except RecordError as e:
+            raise ValueError(f"LogReport {self.name!r}: the saved log is not valid: {e}") from None
+        if not isinstance(entries, list) or not all(isinstance(x, dict) for x in entries):
+            raise ValueError(f"LogReport {self.name!r}: the saved log is not a list of entries")
         self._log_buffer.replace(entries)
         logger.debug("LogReport %r restored %d log entries", self.name, len(entries))
 

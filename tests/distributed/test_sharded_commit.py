@@ -1,0 +1,55 @@
+"""The sharded commit (``ShardedSaver``) records each data file's checksum as DCP writes it:
+no data file is read back before the marker (a second pass over every byte the save wrote;
+issue 34: time to durable), and the recorded checksums and sizes are those of the files on
+disk. Single process (DCP without a process group); the multi-rank commit runs in
+``test_sharded.py``."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from snapkeep._core.distributed.sharded import ShardedJob, ShardedSaver
+from snapkeep._core.distributed.sharded_store import ShardedStore
+from snapkeep._core.format.checksum import digest_file
+from snapkeep._core.storage import resolve_storage
+
+
+def _store_counting_reads(tmp_path) -> tuple[ShardedStore, list[str]]:
+    storage, directory = resolve_storage(str(tmp_path / "out"))
+    opened: list[str] = []
+    open_read = storage.open_read
+
+    def counting(path: str, **kwargs):  # this storage object's reads, recorded
+        opened.append(os.path.basename(path))
+        return open_read(path, **kwargs)
+
+    storage.open_read = counting  # type: ignore[method-assign]
+    return ShardedStore(storage, directory, "snap_{.iteration}"), opened
+
+
+def test_the_commit_reads_no_data_file_back_and_records_what_is_on_disk(tmp_path):
+    store, opened = _store_counting_reads(tmp_path)
+    state = {"models": {"main": {"w": torch.arange(1 << 16, dtype=torch.float32),
+                                 "b": torch.ones(3)}}, "objects": {"x": b"abc"}}
+    saver = ShardedSaver(store, None)
+    try:
+        saver.save(state, ShardedJob(name="snap_1", step=1)).committed.result(timeout=120)
+        manifest = saver.save(state, ShardedJob(name="snap_2", step=2)).committed.result(
+            timeout=120)
+        assert manifest is not None
+        assert [n for n in opened if n.endswith(".distcp")] == []  # before: each, every save
+        phases = saver.last_commit_phases_s
+    finally:
+        saver.close()
+    directory = tmp_path / "out" / "snap_2"
+    on_disk = sorted(n for n in os.listdir(directory) if not n.startswith(".snapkeep"))
+    assert sorted(manifest.files) == on_disk == [".metadata", "__0_0.distcp"]
+    for name, record in manifest.files.items():
+        assert digest_file(str(directory / name)) == (record.checksum, record.size_bytes), name
+    assert store.verify_part(store.entries()[-1], 0, 1) == manifest
+    assert set(phases) == {"prepare", "plan", "write", "dcp_finish",
+                           "metadata_and_directory_fsync", "gather", "marker",
+                           "agree_committed"}
+    assert all(v >= 0 for v in phases.values())
