@@ -16,7 +16,6 @@ from click.testing import CliRunner
 from snapkeep import writing
 from snapkeep.cli import cli
 
-
 #: what the bounded record parser says of a negative step
 OUT_OF_RANGE = "field 'step' is out of range [0, 2**63) (-"
 
