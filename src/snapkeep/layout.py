@@ -7,17 +7,21 @@ from snapkeep._core.state.data_position import (
     LoaderPosition,
     StatefulLoaderState,
     check_loaders,
+    generator_states,
     is_stateful_loader,
     loader_position,
+    set_generator_states,
 )
 from snapkeep._core.state.rng_state import (
     RngState,
+    RngStream,
     capture_rng_state,
     restore_rng_state,
     to_bytes,
     to_tensor,
 )
 
-__all__ = ["LoaderPosition", "RngState", "StatefulLoaderState", "capture_rng_state",
-           "check_loaders", "is_stateful_loader", "loader_position", "restore_rng_state",
-           "to_bytes", "to_tensor"]
+__all__ = ["LoaderPosition", "RngState", "RngStream", "StatefulLoaderState",
+           "capture_rng_state", "check_loaders", "generator_states", "is_stateful_loader",
+           "loader_position", "restore_rng_state", "set_generator_states", "to_bytes",
+           "to_tensor"]

@@ -96,12 +96,6 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from snapkeep._core.state.data_position import (
-    generator_states,
-    is_stateful_loader,
-    set_generator_states,
-)
-from snapkeep._core.state.rng_state import RngStream
 from snapkeep.distributed import (
     EXIT_CODE_PREEMPTED,
     background_groups,
@@ -113,6 +107,12 @@ from snapkeep.errors import (
     SnapshotTimeoutError,
     StoreLockedError,
     UnsafeSnapshotError,
+)
+from snapkeep.layout import (
+    RngStream,
+    generator_states,
+    is_stateful_loader,
+    set_generator_states,
 )
 from snapkeep.retention import RetentionPolicy, keep_policy
 from snapkeep.store import (

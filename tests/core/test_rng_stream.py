@@ -1,7 +1,7 @@
 """The random streams as a framework's training steps see them
 (``snapkeep._core.state.rng_state.RngStream``): what the Lightning door keeps so that a resumed fit
-draws what the uninterrupted one drew (``tests/doors/test_framework_continuation.py`` runs the
-fits)."""
+draws what the uninterrupted one drew (``tests/doors/test_framework_continuation.py`` runs
+the fits)."""
 
 from __future__ import annotations
 

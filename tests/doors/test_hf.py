@@ -313,6 +313,15 @@ def test_an_output_dir_of_the_stock_trainer_is_resumed_unverified_never_a_fresh_
     (unverified, said on stderr; the half-written checkpoint-6 skipped), and the run ends as
     the uninterrupted one. (971f8e4: both skipped, "starting
     fresh", 8 steps trained from scratch over the user's run.)"""
+    threads = torch.get_num_threads()  # the killed worker runs on one thread (_env): so do
+    torch.set_num_threads(1)           # the in-process runs, or their sums round differently
+    try:
+        _adopt_stock_checkpoints(tmp_path, capfd)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _adopt_stock_checkpoints(tmp_path: pathlib.Path, capfd: Any) -> None:
     reference = tmp_path / "reference"
     _train(reference, "--callback")
     out = tmp_path / "out"

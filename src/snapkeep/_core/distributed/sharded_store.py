@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from snapkeep._core.distributed.dcp_safe import metadata_of
+from snapkeep._core.distributed.dcp_safe import METADATA_NAME, metadata_of
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotStorageError
 from snapkeep._core.format.checksum import ALGORITHM, digest_stream, require_match
 from snapkeep._core.format.json_records import INT64_LIMIT, parse_json
@@ -258,6 +258,17 @@ class ShardedStore:
         return [e for e in self._candidates()
                 if not self.storage.exists(self.marker_path(e.path))
                 and self.storage.exists(self.storage.join(e.path, IN_PROGRESS_NAME))]
+
+    def foreign(self) -> list[Entry]:
+        """Directories named like this template's snapshots that snapkeep did not write: a
+        ``torch.distributed.checkpoint`` checkpoint (its ``.metadata``) with neither snapkeep's
+        marker nor its in-progress mark (a run checkpointed before snapkeep, or by another
+        tool). Never swept, deleted, retained or resumed from (their files carry no checksums):
+        a resume names them. Oldest first."""
+        return [e for e in self._candidates()
+                if not self.storage.exists(self.marker_path(e.path))
+                and not self.storage.exists(self.storage.join(e.path, IN_PROGRESS_NAME))
+                and self.storage.exists(self.storage.join(e.path, METADATA_NAME))]
 
     def entry(self, name: str) -> Entry:
         key = self._base.parse(self.storage.basename(name))

@@ -31,6 +31,10 @@ PREFIX = "snapkeep: "
 """Start of every line :func:`announce` writes (so a job log can be grepped for it)."""
 
 INCOMPLETE_SHARDED = "incomplete sharded directory (no marker: a save was interrupted); removed"
+#: Why a torch.distributed.checkpoint directory snapkeep did not write is not resumed from.
+FOREIGN_SHARDED = ("a torch.distributed.checkpoint directory snapkeep did not write (no commit "
+                   "marker, so no checksums): not resumed from, never deleted; to continue from "
+                   "it, load it once with torch.distributed.checkpoint.load, or move it away")
 """Reason given for a sharded snapshot directory without its marker, swept by rank 0."""
 
 

@@ -47,6 +47,7 @@ from snapkeep._core.load.loading import load_file
 from snapkeep._core.load.one_pass import one_pass_loader
 from snapkeep._core.load.preflight import check_writable
 from snapkeep._core.load.resume_notice import (
+    FOREIGN_SHARDED,
     INCOMPLETE_SHARDED,
     ResumeNotice,
     Skipped,
@@ -529,6 +530,8 @@ class Session:
 
         skipped = [Skipped(name=e.name, step=e.step, reason=INCOMPLETE_SHARDED)
                    for e in reversed(incomplete)]
+        skipped += [Skipped(name=e.name, step=e.step, reason=FOREIGN_SHARDED)
+                    for e in reversed(store.foreign())] if rank == 0 else []
 
         def on_skip(name: str, reasons: dict[int, str]) -> None:
             skipped.append(skipped_on_ranks(name, store.entry(name).step, reasons))
