@@ -26,21 +26,16 @@ from snapkeep._core.format.manifest import (
 )
 from snapkeep._core.format.naming import FilenameTemplate, step_template
 from snapkeep._core.load.loading import load_file, unloadable_value
-from snapkeep._core.load.one_pass import one_pass_loader
 from snapkeep._core.load.preflight import check_timeout_s, check_writable
 from snapkeep._core.load.resume_notice import (
-    INCOMPLETE_SHARDED,
-    ResumeNotice,
     Skipped,
     announce,
     check_quiet,
     say,
-    skipped_on_ranks,
 )
 from snapkeep._core.load.structure import describe, find_mismatches
 from snapkeep._core.save.ticket import SaveHandle
 from snapkeep._core.session.deadline import (
-    GRACE_ENV,
     Estimate,
     Grace,
     Plan,
@@ -56,11 +51,8 @@ from snapkeep._core.session.run_status import write_status as write_run_status
 from snapkeep._core.session.session import Session
 from snapkeep._core.storage import Storage, resolve_storage
 from snapkeep._core.store.contract import (
-    CandidateRefused,
-    Listed,
     StoreKind,
     newest_valid,
-    require_one_kind,
     skip_message,
 )
 from snapkeep._core.store.files import (
@@ -93,22 +85,13 @@ from snapkeep._core.store.name_check import misnamed_reason
 from snapkeep._core.store.retention_check import MetricCheck
 from snapkeep._core.tiers.incremental import IncrementalTracker
 from snapkeep._core.tiers.memory_store import (
-    Held,
-    Identity,
     MemoryStore,
     NotPrivateError,
     check_space,
     describe_tiers,
-    foreign_reason,
-    forget_rank,
     job_id,
-    owner_alive,
     owners,
-    peer_sources,
-    ranks_in,
     reclaim_stale,
-    remove_rank,
-    tier_bytes,
     tier_dir,
     write_owner,
 )
@@ -137,30 +120,22 @@ def open_store(
 
 
 __all__ = [
-    "IncrementalTracker",
-    "Held", "Identity", "MemoryStore", "NotPrivateError", "check_space", "describe_tiers",
-    "foreign_reason", "forget_rank", "job_id", "owner_alive", "owners", "peer_sources",
-    "ranks_in", "reclaim_stale", "remove_rank", "tier_bytes", "tier_dir", "write_owner",
-    "DECODE_ERRORS", "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest",
-    "ManifestError",
-    "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches", "load_file",
-    "unloadable_value",
-    "manifest_path", "one_pass_loader", "open_store", "read_manifest", "resolve_storage",
-    "check_writable", "check_timeout_s",
-    "misnamed_reason", "user_stacklevel", "warn_user", "RunStatus",
-    "read_run_status", "write_run_status", "run_status", "lookalike_message", "SaveHandle",
-    "StoreKind", "newest_valid", "require_one_kind", "run_is_alive", "Listed",
-    "CandidateRefused", "Session", "RunLineage", "warn_about_existing", "MetricCheck",
-    "INCOMPLETE_SHARDED", "ResumeNotice", "Skipped", "announce", "check_quiet",
-    "skipped_on_ranks", "StatusLog", "RunControl", "preemption_signals", "failure_reason",
-    "MemoryTier", "Restored", "TierEngine", "check_into_live", "copy_into_live", "flat_keys",
-    "local_shards", "state_bytes", "say", "newest_listed_step",
-    "CheckpointDirs", "CheckpointMarker", "is_marker", "CHECKPOINT_PATTERN", "MARKER_FORMAT",
-    "MARKER_NAME", "TEMPLATE", "FileRecord", "checkpoint_step", "commit_checkpoint", "read_marker",
-    "verify_checkpoint", "skip_message", "step_template",
-    "marker_of_file", "verify_marked_file",
-    "GRACE_ENV", "Estimate", "Grace", "Plan", "SaveTimes", "check_grace_s", "grace_from",
-    "RecordError", "parse_json",
+    "IncrementalTracker", "MemoryStore", "NotPrivateError", "check_space", "describe_tiers",
+    "job_id", "owners", "reclaim_stale", "tier_dir", "write_owner", "DECODE_ERRORS",
+    "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest", "ManifestError",
+    "Retain", "SnapshotStore", "Storage", "StoreLock", "describe", "find_mismatches",
+    "load_file", "unloadable_value", "manifest_path", "open_store", "read_manifest",
+    "resolve_storage", "check_writable", "check_timeout_s", "misnamed_reason",
+    "user_stacklevel", "warn_user", "RunStatus", "write_run_status", "run_status",
+    "lookalike_message", "SaveHandle", "StoreKind", "newest_valid", "run_is_alive", "Session",
+    "RunLineage", "warn_about_existing", "MetricCheck", "Skipped", "announce", "check_quiet",
+    "StatusLog", "RunControl", "preemption_signals", "failure_reason", "MemoryTier", "Restored",
+    "TierEngine", "check_into_live", "copy_into_live", "flat_keys", "local_shards",
+    "state_bytes", "say", "newest_listed_step", "CheckpointDirs", "CheckpointMarker",
+    "is_marker", "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "TEMPLATE", "FileRecord",
+    "checkpoint_step", "commit_checkpoint", "read_marker", "verify_checkpoint", "skip_message",
+    "step_template", "marker_of_file", "verify_marked_file", "Estimate", "Grace", "Plan",
+    "SaveTimes", "check_grace_s", "grace_from", "RecordError", "parse_json",
 ]
 
 
