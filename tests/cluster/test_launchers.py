@@ -36,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 JOB_SCRIPT = ROOT / "docs" / "examples" / "slurm_job.sh"
 WORKER = pathlib.Path(__file__).with_name("deadline_worker.py")
 STEPS = 250
-STEP_SLEEP_S = "0.08"  # ~20 s of training: the signal lands mid-training
+STEP_SLEEP_S = "0.12"  # >= 30 s of training: the signal at 20 s always lands mid-training
 LIMIT_S = 40.0  # --time
 SIGNAL_S = 20.0  # --signal=USR1@20
 KILL_WAIT_S = 5.0  # slurm.conf KillWait

@@ -280,10 +280,16 @@ def loader_geometry(loader: DataLoader[Any]) -> dict[str, Any]:
 def geometry_problems(saved: Any, live: Mapping[str, Any], name: str) -> list[str]:
     """One line per entry of a saved :func:`loader_geometry` that differs from ``live``
     (entries only one side has are not compared: an older snapkeep saved fewer; the rank is
-    not compared, the world size first and alone)."""
+    not compared; the world size first and alone, where the sampler splits the data by rank:
+    ``num_replicas``)."""
     if not isinstance(saved, Mapping):
         return []
-    if "world size" in saved and "world size" in live \
+    # a sampler that splits the data by rank (DistributedSampler: ``num_replicas``) makes a
+    # position per rank; one that does not (every rank iterates the whole dataset, as the
+    # sharded demo's global batch order) is a full pass on each rank, which rank r of the new
+    # job continues (rank 0's for a new rank: the RankObjects rule)
+    splits = any(str(key).endswith(".num_replicas") for key in saved)
+    if splits and "world size" in saved and "world size" in live \
             and saved["world size"] != live["world size"]:
         return [f"loaders[{name!r}]: the data position was taken on {saved['world size']} "
                 f"rank(s) (this one on rank {saved.get('rank', '?')}), this job runs "
@@ -292,7 +298,7 @@ def geometry_problems(saved: Any, live: Mapping[str, Any], name: str) -> list[st
                 f"on {saved['world size']} rank(s) to finish the epoch, or leave the loader out "
                 "of the resumed state to start its epoch over on the new world size"]
     changed = [f"{key} {saved[key]!r} -> {live[key]!r}" for key in live
-               if key in saved and key != "rank" and saved[key] != live[key]]
+               if key in saved and key not in ("rank", "world size") and saved[key] != live[key]]
     if not changed:
         return []
     return [f"loaders[{name!r}]: the loader's geometry changed since the snapshot "
