@@ -146,59 +146,52 @@ class _HashingFileSystem:
 _DATA_SUFFIX = ".distcp"
 
 
-class _RecordingWriter(FileSystemWriter):
-    """DCP's file-system writer (fsync on) that hashes the files this rank writes as it writes
-    them (:attr:`written`: name -> ``(digest, size)``) and times its part."""
+class _Recording:
+    """What both recording writers add to DCP's: the files this rank writes are hashed as they
+    are written (:attr:`written`: name -> ``(digest, size)``), its part is timed
+    (:attr:`phases`), and ``before_plan`` runs inside DCP's local planning (its error is this
+    rank's, exchanged by DCP). Mixed in before a DCP writer class."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+    fs: Any
+
+    def _record(self) -> None:
         self._hashing = _HashingFileSystem(self.fs)
-        self.fs = self._hashing  # type: ignore[assignment]
+        self.fs = self._hashing
         self.written: dict[str, tuple[str, int]] = {}
         self.phases = _Phases()
         self.before_plan: Callable[[], None] | None = None
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        if self.before_plan is not None:  # its error is this rank's, exchanged by DCP
+        if self.before_plan is not None:
             self.before_plan()
         self.phases.mark("prepare")
-        return super().prepare_local_plan(plan)
+        return super().prepare_local_plan(plan)  # type: ignore[misc]
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.phases.mark("plan")
-        future = super().write_data(plan, planner)
+        future = super().write_data(plan, planner)  # type: ignore[misc]
         names = {r.storage_data.relative_path for r in future.wait()}
         self.written = {n: self._hashing.records[n] for n in sorted(names)}
         self.phases.mark("write")
         return future
 
 
-class _RecordingFsspecWriter(FsspecWriter):
-    """DCP's fsspec writer (object stores: each file one upload, durable once closed) that
-    hashes the files this rank writes as it writes them (:attr:`written`)."""
+class _RecordingWriter(_Recording, FileSystemWriter):
+    """DCP's file-system writer (fsync on), recording (:class:`_Recording`)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        self._record()
+
+
+class _RecordingFsspecWriter(_Recording, FsspecWriter):
+    """DCP's fsspec writer (object stores: each file one upload, durable once closed),
+    recording (:class:`_Recording`)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         super().__init__(url, single_file_per_rank=True, sync_files=False, thread_count=1,
                          **storage_options)
-        self._hashing = _HashingFileSystem(self.fs)
-        self.fs = self._hashing  # type: ignore[assignment]
-        self.written: dict[str, tuple[str, int]] = {}
-        self.phases = _Phases()
-        self.before_plan: Callable[[], None] | None = None
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        if self.before_plan is not None:  # its error is this rank's, exchanged by DCP
-            self.before_plan()
-        self.phases.mark("prepare")
-        return super().prepare_local_plan(plan)
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        self.phases.mark("plan")
-        future = super().write_data(plan, planner)
-        names = {r.storage_data.relative_path for r in future.wait()}
-        self.written = {n: self._hashing.records[n] for n in sorted(names)}
-        self.phases.mark("write")
-        return future
+        self._record()
 
 
 class _Phases:
