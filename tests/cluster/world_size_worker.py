@@ -49,6 +49,8 @@ def main() -> None:
                 untouched = all(torch.equal(a, b) for a, b in zip(fresh, model.parameters()))
                 print(f"refused: {e}", flush=True)
                 print(f"untouched {untouched}", flush=True)
+                with open(f"{log}-refused.{rank}", "w") as f:  # the ranks' stdout interleaves
+                    f.write(f"refused: {e}\nuntouched {untouched}\n")
                 dist.barrier()
                 dist.destroy_process_group()
                 return
