@@ -87,7 +87,7 @@ def _layer(rel: str) -> str:
 
 #: The framework doors: none imports another door (the ppe ``training`` package included).
 FRAMEWORK_DOORS = {"checkpointer.py", "lightning.py", "hf.py", "sharded_checkpoint.py",
-                   "loading.py"}
+                   "loading.py", "ray.py"}
 
 
 def _layering_offenders(src: pathlib.Path) -> list[str]:

@@ -668,6 +668,43 @@ class Checkpointer:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def verify(self, step: int) -> str:
+        """Verify the committed snapshot of ``step`` against the checksums recorded when it was
+        committed, reading it back from storage (``snapkeep verify`` does the same for a whole
+        directory). Call it after :meth:`wait` (a snapshot still in flight is not committed).
+
+        Sharded (under torch.distributed), this is collective: every rank calls it with the
+        same ``step``; each rank reads its share of the snapshot's files (file ``i`` by rank
+        ``i % world_size``), and every rank raises if any rank's share fails. A single-file
+        snapshot is read whole, on this process.
+
+        Returns:
+            The snapshot's path (a file, or the sharded snapshot's directory), as the storage
+            names it.
+
+        Raises:
+            NoValidSnapshotError: there is no committed snapshot of ``step``.
+            SnapshotCorruptError: a file is missing, truncated or differs from its checksum.
+            SnapshotStorageError: the storage could not be reached.
+            ValueError: ``step`` is not an int >= 0, or (sharded) the ranks name different
+                steps.
+            RankFailedError: (sharded) the check failed on another rank (named).
+            RuntimeError: the Checkpointer is closed.
+        """
+        self._require_open()
+        step = _check_step(step)
+        if self._sharded is not None:
+            return self._sharded.verify(step).path
+        found = [e for e in self._store.entries() if e.step == step]
+        if not found:
+            raise NoValidSnapshotError(
+                f"no committed snapshot of step {step} in {self._location!r} (template "
+                f"{self.template!r}); steps there: {self.all_steps()[-20:]}")
+        if self._store.verify(found[-1]) is None:
+            raise SnapshotCorruptError(f"{found[-1].path} has no manifest: there is no checksum "
+                                       "to verify it against")
+        return found[-1].path
+
     def load(self, into: MutableMapping[str, Any], step: int | None = None) -> int | None:
         """Load the newest valid snapshot (or the one of ``step``) into the live objects of
         ``into``, and return its step; ``None`` when there is nothing to resume (first run).
@@ -937,6 +974,16 @@ class Checkpointer:
         if self._closed or self._session is None:
             raise RuntimeError(f"{self!r} is closed; create a new Checkpointer")
         return self._session
+
+    @property
+    def directory(self) -> str:
+        """The directory or URL the snapshots go to, as given (read-only)."""
+        return self._location
+
+    @property
+    def sharded(self) -> bool:
+        """Whether snapshots are sharded directories written by every rank (read-only)."""
+        return self._sharded is not None
 
     @property
     def writer(self) -> Writer | None:

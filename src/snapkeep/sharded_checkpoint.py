@@ -40,6 +40,7 @@ from snapkeep.distributed import (
     ShardedManifest,
     ShardedSaver,
     ShardedStore,
+    all_gather,
     background_groups,
     exchange_outcomes,
     is_distributed,
@@ -47,6 +48,7 @@ from snapkeep.distributed import (
     object_to_bytes,
     optimizer_module,
 )
+from snapkeep.errors import NoValidSnapshotError, SnapshotError
 from snapkeep.layout import RngState, StatefulLoaderState, is_stateful_loader
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.store import (
@@ -192,6 +194,51 @@ class ShardedCheckpoint:
         if self._policy is not None:
             self.store.retain(self._policy, self.session.lineage.members,
                               protect=[self.store.path_of(manifest.name)])
+
+    def verify(self, step: int) -> Entry:
+        """Verify the committed snapshot of ``step`` on every rank together: the ranks first
+        agree that they all name ``step``, then each checks its share of the files against the
+        marker's checksums (file ``i`` by rank ``i % world_size``, ``.metadata`` by all: see
+        :meth:`~snapkeep.distributed.ShardedStore.verify_part`), and every rank hears every
+        outcome. Reads each file once across the ranks.
+
+        Returns:
+            The verified snapshot's entry.
+
+        Raises:
+            ValueError: the ranks name different steps (every rank raises, naming them all).
+            NoValidSnapshotError: this rank finds no committed snapshot of ``step``
+                (single process; under torch.distributed every rank raises RankFailedError).
+            SnapshotCorruptError: a file is missing, truncated or differs from its checksum
+                (single process; RankFailedError naming the rank elsewhere).
+            RankFailedError, CollectiveTimeoutError: a rank failed or did not take part.
+        """
+        group = self.groups.control if self.groups else None
+        timeout_s = self.groups.timeout_s if self.groups else None
+        steps = all_gather(group, step, what=f"verifying step {step}", timeout_s=timeout_s)
+        if len(set(steps)) > 1:
+            raise ValueError(f"the ranks verify different steps (by rank: {steps}); every rank "
+                             "must name the same step")
+        error: Exception | None = None
+        entry: Entry | None = None
+        try:
+            found = [e for e in self.entries() if e.step == step]
+            if not found:
+                raise NoValidSnapshotError(
+                    f"no committed snapshot of step {step} in {self.store.directory!r} on rank "
+                    f"{self.rank}; steps there: {[e.step for e in self.entries()][-20:]}")
+            entry = found[-1]
+            self.store.verify_part(entry, self.rank, self.groups.world_size if self.groups
+                                   else 1)
+        except (SnapshotError, OSError) as e:
+            error = e
+        if group is None and error is not None:
+            raise error
+        exchange_outcomes(group, error, what=f"verifying the snapshot of step {step}",
+                          timeout_s=timeout_s)  # every rank raises if any failed
+        if entry is None:  # unreachable: a rank without it failed above
+            raise NoValidSnapshotError(f"no committed snapshot of step {step}")
+        return entry
 
     # -- loading ---------------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
