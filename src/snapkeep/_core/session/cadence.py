@@ -180,6 +180,7 @@ class History:
         return 0
 
     def uptime_s(self) -> float:
+        """Seconds trained by every run recorded, this one included."""
         return 0.0
 
     def restart_s(self) -> float | None:
@@ -207,7 +208,6 @@ class Cadence:
         self._last: tuple[int, float] | None = None  # step and time of the last tick
         self._saved_at: tuple[int, float, float] | None = None  # step, time, call stall
         self._base: int | None = None  # the step of the newest save (or of the resume)
-        self._started = clock()
         self._dirty = False
         self.choice: Choice | None = None
 
@@ -285,7 +285,7 @@ class Cadence:
         if cost is None:
             return None
         failures = self.history.failures()
-        uptime = self.history.uptime_s() + (self._clock() - self._started)
+        uptime = self.history.uptime_s()
         mtbf = (self.settings.mtbf_s + uptime) / (1 + failures)
         return self._set(choose(cost_s=cost, durable_s=durable, step_s=step_s, mtbf_s=mtbf,
                                 restart_s=self.history.restart_s(), failures=failures,

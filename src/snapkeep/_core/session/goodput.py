@@ -2,7 +2,7 @@
 
 A door with ``every="auto"`` records each run (each process that trains in the directory) in
 ``<out_dir>/.snapkeep/goodput.json`` (rank 0, one atomic write through the storage layer, at
-each save and at most every :data:`HEARTBEAT_S` seconds between saves): when the process
+its first step, then at most every :data:`HEARTBEAT_S` seconds, and when it ends): when the process
 started and trained its first step, the step it resumed from, its newest step and time, the
 time its saves cost the loop, and how it ended. ``snapkeep status DIR`` summarises them
 (:func:`summarize`), and :class:`~snapkeep._core.session.cadence.Cadence` reads the failures,
@@ -257,7 +257,9 @@ class RunHistory(History):
         return self._failures
 
     def uptime_s(self) -> float:
-        return self._uptime
+        run = self.run
+        now = run.last_unix_s - run.first_unix_s if run.first_unix_s is not None else 0.0
+        return self._uptime + max(0.0, now)
 
     def restart_s(self) -> float | None:
         """The median measured restart time, seconds; this run's own once it trained (its
@@ -281,8 +283,9 @@ class RunHistory(History):
 
     def step(self, step: int, *, step_s: float | None = None, save_s: float = 0.0,
              saved: bool = False, interval_steps: int | None = None) -> None:
-        """Training reached ``step`` (a save of ``save_s`` seconds when ``saved``); recorded at a
-        save and at most every :data:`HEARTBEAT_S` seconds otherwise."""
+        """Training reached ``step`` (a save of ``save_s`` seconds when ``saved``); written at the
+        first step and then at most every :data:`HEARTBEAT_S` seconds (one atomic write with
+        an fsync: about 20 ms on the benchmarks' disk, so at most 0.2 % of the training)."""
         now = float(self._clock())
         run = self.run
         self.run = replace(
@@ -291,7 +294,7 @@ class RunHistory(History):
             step_s=step_s if step_s is not None else run.step_s,
             save_s=run.save_s + max(save_s, 0.0), saves=run.saves + (1 if saved else 0),
             interval_steps=interval_steps if interval_steps is not None else run.interval_steps)
-        if saved or now - self._written >= HEARTBEAT_S:
+        if now - self._written >= HEARTBEAT_S:
             self._write()
 
     def ended(self, how: str) -> None:

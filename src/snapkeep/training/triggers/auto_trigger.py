@@ -16,9 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from snapkeep._core.session.cadence import DEFAULT_MTBF_S, AutoInterval, Cadence, Choice
-from snapkeep._core.session.goodput import RunHistory
-from snapkeep._core.storage import Storage
+from snapkeep.store import AutoInterval, Cadence, Choice, RunHistory, Storage
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
 from snapkeep.training._trigger_util import Trigger
 
@@ -69,8 +67,8 @@ class AutoTrigger(Trigger):
             raise TypeError("give mtbf_s or settings=AutoInterval(mtbf_s=...), not both")
         if settings is not None and not isinstance(settings, AutoInterval):
             raise TypeError(f"settings must be a snapkeep.AutoInterval, got {settings!r}")
-        self.settings = settings if settings is not None else AutoInterval(
-            mtbf_s=DEFAULT_MTBF_S if mtbf_s is None else mtbf_s)
+        self.settings = settings if settings is not None else (
+            AutoInterval() if mtbf_s is None else AutoInterval(mtbf_s=mtbf_s))
         self.cadence = Cadence(self.settings)
         self.history: RunHistory | None = None
         self._first: int | None = None  # the first iteration this trigger saw
