@@ -35,7 +35,16 @@ from snapkeep._core.load.resume_notice import (
 )
 from snapkeep._core.load.structure import describe, find_mismatches
 from snapkeep._core.save.ticket import SaveHandle
-from snapkeep._core.session.cadence import AutoInterval, Cadence, Choice, check_every
+from snapkeep._core.session.cadence import (
+    AutoInterval,
+    Cadence,
+    Choice,
+    check_every,
+    checkfreq_interval_s,
+    choose,
+    daly_interval_s,
+    young_interval_s,
+)
 from snapkeep._core.session.deadline import (
     Estimate,
     Grace,
@@ -139,6 +148,7 @@ __all__ = [
     "step_template", "marker_of_file", "verify_marked_file", "Estimate", "Grace", "Plan",
     "SaveTimes", "check_grace_s", "grace_from", "RecordError", "parse_json",
     "AutoInterval", "Cadence", "Choice", "check_every", "Goodput", "RunHistory", "run_goodput",
+    "checkfreq_interval_s", "choose", "daly_interval_s", "young_interval_s",
 ]
 
 

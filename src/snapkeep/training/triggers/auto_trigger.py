@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from snapkeep.distributed import is_distributed
 from snapkeep.store import AutoInterval, Cadence, Choice, RunHistory, Storage
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
 from snapkeep.training._trigger_util import Trigger
@@ -59,6 +60,8 @@ class AutoTrigger(Trigger):
 
     Raises:
         TypeError, ValueError: a bad ``mtbf_s`` (named, with what is accepted), or both given.
+        RuntimeError: at its first call under torch.distributed (one process only for now:
+            each rank would decide from its own clock).
     """
 
     def __init__(self, mtbf_s: float | None = None, *,
@@ -86,6 +89,11 @@ class AutoTrigger(Trigger):
     def __call__(self, manager: ExtensionsManagerProtocol) -> bool:
         step = int(manager.iteration)
         if self._first is None:
+            if is_distributed():
+                raise RuntimeError(
+                    "AutoTrigger (trigger='auto') chooses from this process's own clock: under "
+                    "torch.distributed the ranks could decide differently; use a fixed "
+                    "trigger=(N, 'iteration') there")
             self._first = step
             if step > 1:  # resumed (autoload restored the iteration): count from there
                 self.cadence.resumed(step - 1)
