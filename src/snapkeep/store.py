@@ -43,6 +43,7 @@ from snapkeep._core.session.cadence import (
     checkfreq_interval_s,
     choose,
     daly_interval_s,
+    estimate_mtbf_s,
     young_interval_s,
 )
 from snapkeep._core.session.deadline import (
@@ -148,7 +149,7 @@ __all__ = [
     "step_template", "marker_of_file", "verify_marked_file", "Estimate", "Grace", "Plan",
     "SaveTimes", "check_grace_s", "grace_from", "RecordError", "parse_json",
     "AutoInterval", "Cadence", "Choice", "check_every", "Goodput", "RunHistory", "run_goodput",
-    "checkfreq_interval_s", "choose", "daly_interval_s", "young_interval_s",
+    "checkfreq_interval_s", "choose", "daly_interval_s", "young_interval_s", "estimate_mtbf_s",
 ]
 
 
