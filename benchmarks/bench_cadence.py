@@ -15,9 +15,10 @@ Three parts, one run:
    fixed intervals swept around Young's (the best one reported), CheckFreq's rule
    (``max(C / 3.5 %, D)``), and ``every="auto"``: the library's own choice
    (:func:`snapkeep.store.Cadence`'s ``choose``) with the MTBF it would estimate from the job's
-   history (``(prior + uptime) / (1 + failures)``; the default prior of one day, and the true
-   ``M`` as prior). Reported: the effective training time ratio (training / wall time), the mean
-   over the seeds.
+   history (``estimate_mtbf_s``: ``(0.1 prior + uptime) / (0.1 + failures)``, re-estimated
+   at each restart, where the library also re-chooses as the uptime grows; the
+   default prior of one day, and the true ``M`` as prior). Reported: the effective training
+   time ratio (training / wall time), the mean over the seeds.
 3. **A real run with injected kills**: a training subprocess with ``every=AutoInterval(...)``,
    SIGKILLed at random times (exponential, mean ``--kill-mtbf-s`` of wall time, fixed seed),
    rerun until it reaches its last step; each run's chosen interval is compared with the band
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -46,7 +48,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from snapkeep.store import AutoInterval, checkfreq_interval_s, choose, young_interval_s
+from snapkeep.store import (
+    AutoInterval,
+    checkfreq_interval_s,
+    choose,
+    estimate_mtbf_s,
+    young_interval_s,
+)
 
 MIB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -101,8 +109,11 @@ def _restart(code: str, out: str, mib: int) -> float:
     line = proc.stdout.readline()
     ready = time.monotonic() - started
     proc.communicate(timeout=900)
-    if proc.returncode != 0 or "ready_s" not in line:
+    if "ready_s" not in line:
         raise RuntimeError(f"the restart did not train a step: {line!r}")
+    if proc.returncode != 0:  # after the step: timed anyway, and said
+        print(f"note: the restart process exited with {proc.returncode} after its step",
+              flush=True)
     return ready
 
 
@@ -127,59 +138,60 @@ Policy = Callable[[int, float], float]  # (failures, uptime_s) -> interval, seco
 
 def simulate(policy: Policy, *, work_s: float, cost_s: float, durable_s: float,
              restart_s: float, mtbf_s: float, seed: int) -> float:
-    """Training / wall time of one job (see the module docstring)."""
+    """Training / wall time of one job (see the module docstring), one failure at a time.
+
+    Between two failures the loop is periodic: the policy's interval ``T`` (chosen at the
+    segment's start from the failures and uptime so far), then the save; save ``i`` is called
+    at ``T + (i - 1) * L`` with ``L = max(T + C, D)`` (a save due before the previous one is
+    durable waits for it), stalls ``C`` and is durable ``D`` after its call. A failure at ``tau``
+    keeps the snapshots durable by then, costs ``R`` (a failure during the restart restarts
+    again) and the training since the newest durable snapshot.
+    """
     rng = random.Random(seed)
-    t = 0.0  # wall time
-    progress = 0.0  # training done (seconds)
-    durable = 0.0  # training in the newest durable snapshot
-    pending: tuple[float, float] | None = None  # (progress, wall time it becomes durable)
+    wall = 0.0
+    restarts = 0.0
+    durable = 0.0  # training in the newest durable snapshot (the segment's start)
     failures = 0
-    restart_total = 0.0
-    next_fail = rng.expovariate(1.0 / mtbf_s)
-
-    def fail() -> None:
-        nonlocal t, progress, pending, failures, restart_total, next_fail, durable
-        t = next_fail
-        if pending is not None and pending[1] <= t:
-            durable = pending[0]
-        pending = None
-        progress = durable
-        while True:  # restart; a failure during the restart restarts again
+    settle = max(cost_s, durable_s)
+    while True:
+        interval = policy(failures, wall - restarts)
+        cycle = max(interval + cost_s, durable_s)
+        tau = rng.expovariate(1.0 / mtbf_s)  # the next failure, from the segment's start
+        left = work_s - durable
+        saves = max(0, math.ceil(left / interval) - 1)  # saves before the last chunk
+        finish = left if saves == 0 else \
+            interval + (saves - 1) * cycle + cost_s + (left - saves * interval)
+        if finish <= tau:
+            return work_s / (wall + finish)
+        kept = 0 if tau < interval + settle else \
+            min(saves, math.floor((tau - interval - settle) / cycle) + 1)
+        durable += kept * interval
+        wall += tau
+        failures += 1
+        while True:  # the restart; a failure during it restarts again
+            again = rng.expovariate(1.0 / mtbf_s)
+            if again >= restart_s:
+                wall += restart_s
+                restarts += restart_s
+                break
+            wall += again
+            restarts += again
             failures += 1
-            next_fail = t + rng.expovariate(1.0 / mtbf_s)
-            if next_fail >= t + restart_s:
-                t += restart_s
-                restart_total += restart_s
-                return
-            restart_total += next_fail - t
-            t = next_fail
 
-    while progress < work_s:
-        interval = policy(failures, t - restart_total)
-        segment = min(interval, work_s - progress)
-        if t + segment > next_fail:  # fails while training
-            fail()
-            continue
-        t += segment
-        progress += segment
-        if pending is not None and pending[1] <= t:
-            durable, pending = pending[0], None
-        if progress >= work_s:
-            break
-        wait = max(0.0, pending[1] - t) if pending is not None else 0.0  # one in flight
-        if t + wait + cost_s > next_fail:  # fails while saving
-            fail()
-            continue
-        if pending is not None:
-            durable = pending[0]
-        t += wait
-        pending = (progress, t + durable_s)
-        t += cost_s
-    return work_s / t
+
+def ratios(policy: Policy, seeds: range, **kw: float) -> list[float]:
+    return [simulate(policy, seed=s, **kw) for s in seeds]
 
 
 def mean_ratio(policy: Policy, seeds: range, **kw: float) -> float:
-    return statistics.fmean(simulate(policy, seed=s, **kw) for s in seeds)
+    return statistics.fmean(ratios(policy, seeds, **kw))
+
+
+def paired(a: list[float], b: list[float]) -> dict[str, float]:
+    """Mean of ``a - b`` over the seeds (the same failure draws) and its standard error."""
+    diff = [x - y for x, y in zip(a, b)]
+    return {"mean": statistics.fmean(diff),
+            "se": statistics.stdev(diff) / math.sqrt(len(diff)) if len(diff) > 1 else 0.0}
 
 
 def auto_policy(costs: dict[str, float], prior_s: float) -> Policy:
@@ -187,7 +199,7 @@ def auto_policy(costs: dict[str, float], prior_s: float) -> Policy:
     settings = AutoInterval(mtbf_s=prior_s)
 
     def policy(failures: int, uptime_s: float) -> float:
-        mtbf = (prior_s + uptime_s) / (1 + failures)
+        mtbf = estimate_mtbf_s(prior_s, uptime_s=uptime_s, failures=failures)
         choice = choose(cost_s=costs["cost_s"], durable_s=costs["durable_s"],
                         step_s=costs["step_s"], mtbf_s=mtbf, settings=settings)
         return choice.interval_steps * costs["step_s"]
@@ -204,17 +216,20 @@ def sweep(costs: dict[str, float], mtbf_s: float, args: argparse.Namespace) -> d
              for interval in grid if interval >= costs["step_s"]]
     best_interval, best = max(fixed, key=lambda row: row[1])
     checkfreq_s = checkfreq_interval_s(costs["cost_s"], costs["durable_s"])
+    per_best = ratios(lambda f, u: best_interval, seeds, **kw)
+    per_checkfreq = ratios(lambda f, u: checkfreq_s, seeds, **kw)
+    per_auto = ratios(auto_policy(costs, AutoInterval().mtbf_s), seeds, **kw)
     return {
         "mtbf_s": mtbf_s, "work_s": kw["work_s"], "seeds": args.seeds,
         "fixed": [{"interval_s": i, "ratio": r} for i, r in fixed],
         "best_fixed": {"interval_s": best_interval, "ratio": best},
         "band_1pct_s": [min(i for i, r in fixed if r >= best - 0.01),
                         max(i for i, r in fixed if r >= best - 0.01)],
-        "checkfreq": {"interval_s": checkfreq_s,
-                      "ratio": mean_ratio(lambda f, u: checkfreq_s, seeds, **kw)},
-        "auto_default_prior": {"ratio": mean_ratio(
-            auto_policy(costs, AutoInterval().mtbf_s), seeds, **kw)},
+        "checkfreq": {"interval_s": checkfreq_s, "ratio": statistics.fmean(per_checkfreq)},
+        "auto_default_prior": {"ratio": statistics.fmean(per_auto)},
         "auto_true_prior": {"ratio": mean_ratio(auto_policy(costs, mtbf_s), seeds, **kw)},
+        "auto_minus_best": paired(per_auto, per_best),
+        "auto_minus_checkfreq": paired(per_auto, per_checkfreq),
         "young_daly_s": young,
     }
 
@@ -253,20 +268,20 @@ def killed_run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
     started = time.monotonic()
     while True:
         deadline = time.monotonic() + rng.expovariate(1.0 / args.kill_mtbf_s)
-        proc = subprocess.Popen([sys.executable, code, out, str(args.kill_steps),
-                                 str(args.kill_prior_s)], stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        log = os.path.join(workdir, f"run-{len(runs)}.log")
+        with open(log, "w") as sink:
+            proc = subprocess.Popen([sys.executable, code, out, str(args.kill_steps),
+                                     str(args.kill_prior_s)], stdout=sink, text=True,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+        with open(log) as f:
+            buffer = f.read()
         choices: list[dict[str, Any]] = []
         done = False
-        os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
-        buffer = ""
-        while proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-            buffer += proc.stdout.read() or ""  # type: ignore[union-attr]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        buffer += proc.stdout.read() or ""  # type: ignore[union-attr]
         for line in buffer.splitlines():
             if line.startswith("choice "):
                 choices.append(json.loads(line[7:]))
@@ -291,8 +306,10 @@ def _plot(results: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     sims = results["simulations"]
-    fig, axes = plt.subplots(1, len(sims), figsize=(5.2 * len(sims), 3.8), squeeze=False)
-    for ax, sim in zip(axes[0], sims):
+    cols = 2
+    rows = (len(sims) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, 3.8 * rows), squeeze=False)
+    for ax, sim in zip(axes.flat, sims):
         xs = [row["interval_s"] for row in sim["fixed"]]
         ax.plot(xs, [100 * row["ratio"] for row in sim["fixed"]], "o-", ms=3, color="#8c8c8c",
                 label="fixed interval")
@@ -301,6 +318,11 @@ def _plot(results: dict[str, Any], path: str) -> None:
         cf = sim["checkfreq"]
         ax.plot([cf["interval_s"]], [100 * cf["ratio"]], "s", color="#c44e52",
                 label=f"CheckFreq ({100 * cf['ratio']:.2f} %)")
+        best = sim["best_fixed"]
+        ax.plot([best["interval_s"]], [100 * best["ratio"]], "*", ms=10, color="#55a868",
+                label=f"best fixed ({100 * best['ratio']:.2f} %)")
+        low = min(100 * r["ratio"] for r in sim["fixed"] if r["interval_s"] >= cf["interval_s"])
+        ax.set_ylim(min(low, 100 * cf["ratio"]) - 0.5, 100 * best["ratio"] + 0.3)
         ax.set_xscale("log")
         ax.set_xlabel("seconds of training between snapshots")
         ax.set_ylabel("training / wall time, %")
@@ -324,6 +346,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kill-seed", type=int, default=1)
     p.add_argument("--no-kills", action="store_true")
     p.add_argument("--from-json", default=None, help="replot/print a stored run")
+    p.add_argument("--costs-from", default=None,
+                   help="take the measured costs from a stored run's JSON (no measurement)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=[], action="append")
     return p.parse_args(argv)
@@ -331,8 +355,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _table(results: dict[str, Any]) -> None:
     print("| state | MTBF | C s | D s | R s | best fixed s (ratio) | CheckFreq s (ratio) "
-          "| auto, prior 1 day | auto, prior = MTBF | auto / best | auto / CheckFreq |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| auto, prior 1 day | auto, prior = MTBF | auto / best | auto / CheckFreq "
+          "| auto - CheckFreq, points (se) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for sim in results["simulations"]:
         c = results["costs"][str(sim["state_mib"])]
         best, cf = sim["best_fixed"], sim["checkfreq"]
@@ -341,7 +366,9 @@ def _table(results: dict[str, Any]) -> None:
               f"{c['durable_s']:.3f} | {c['restart_s']:.1f} | {best['interval_s']:.1f} "
               f"({100 * best['ratio']:.2f} %) | {cf['interval_s']:.1f} ({100 * cf['ratio']:.2f} "
               f"%) | {100 * auto:.2f} % | {100 * sim['auto_true_prior']['ratio']:.2f} % | "
-              f"{auto / best['ratio']:.4f} | {auto / cf['ratio']:.4f} |")
+              f"{auto / best['ratio']:.4f} | {auto / cf['ratio']:.4f} | "
+              f"{100 * sim['auto_minus_checkfreq']['mean']:+.3f} "
+              f"({100 * sim['auto_minus_checkfreq']['se']:.3f}) |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,8 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results = {"argv": sys.argv[1:], "costs": {}, "simulations": []}
         with tempfile.TemporaryDirectory(prefix="bench-cadence-") as workdir:
+            stored = {}
+            if args.costs_from:
+                with open(args.costs_from) as f:
+                    stored = json.load(f)["costs"]
             for mib in args.sizes_mib:
-                costs = measure_costs(mib, workdir)
+                costs = stored.get(str(mib)) or measure_costs(mib, workdir)
                 results["costs"][str(mib)] = costs
                 print(f"measured {mib} MiB: {costs}", flush=True)
                 for mtbf in args.mtbf_s:
@@ -386,17 +417,19 @@ def _report_kills(results: dict[str, Any], kills: dict[str, Any],
             sim = sweep(costs, args.kill_mtbf_s, argparse.Namespace(
                 seeds=min(args.seeds, 40), failures=args.failures))
             low, high = sim["band_1pct_s"]
-            rows.append((i, c["interval_s"], c["interval_steps"], c["mtbf_s"], low, high,
-                         low <= c["interval_s"] <= high))
+            rows.append((i, c["interval_s"], c["interval_steps"], c["mtbf_s"], c["failures"],
+                         low, high, low <= c["interval_s"] <= high))
     kills["checked"] = [dict(zip(("run", "interval_s", "interval_steps", "mtbf_estimate_s",
-                                  "band_low_s", "band_high_s", "inside"), r)) for r in rows]
+                                  "failures_seen", "band_low_s", "band_high_s", "inside"), r))
+                        for r in rows]
     print(f"\nreal run, SIGKILL at random (mean {args.kill_mtbf_s:g} s), "
           f"{len(kills['runs'])} runs, {sum(r['killed'] for r in kills['runs'])} killed; "
           f"goodput {kills['goodput']}")
-    print("| run | chose s (steps) | MTBF estimate s | simulated 1 % band s | inside |")
-    print("|---:|---:|---:|---:|---|")
-    for i, s, n, m, low, high, inside in rows:
-        print(f"| {i} | {s:.2f} ({n}) | {m:.0f} | {low:.2f} - {high:.2f} | {inside} |")
+    print("| run | failures seen | chose s (steps) | MTBF estimate s | simulated 1 % band s "
+          "| inside |")
+    print("|---:|---:|---:|---:|---:|---|")
+    for i, s, n, m, seen, low, high, inside in rows:
+        print(f"| {i} | {seen} | {s:.2f} ({n}) | {m:.0f} | {low:.2f} - {high:.2f} | {inside} |")
 
 
 if __name__ == "__main__":
