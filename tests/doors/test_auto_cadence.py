@@ -6,6 +6,7 @@ the AutoTrigger's interval in a real ExtensionsManager loop; after a SIGKILL and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -23,7 +24,9 @@ from snapkeep.training import extensions, triggers
 
 WORKER = Path(__file__).with_name("auto_cadence_worker.py")
 BOUND_S = 180
-AUTO = snapkeep.AutoInterval(mtbf_s=0.5)  # short: an interval of a few 10 ms steps
+# short: an interval of a few 10 ms steps (at most 15 on a loaded machine, where a slow fsync
+# raises the time to durable, so that 60 steps hold at least 3 snapshots)
+AUTO = snapkeep.AutoInterval(mtbf_s=0.5, max_steps=15)
 
 
 def _assert_saved_at_the_chosen_interval(saved: list[int], chosen: dict[int, int],
@@ -120,3 +123,27 @@ def test_status_reports_goodput_after_a_sigkill_and_a_rerun(tmp_path: Path) -> N
     assert goodput["restart_s"] > 0 and goodput["trained_s"] > 0
     parts = goodput["trained_s"] + goodput["save_s"] + goodput["restart_s"] + goodput["replay_s"]
     assert parts == pytest.approx(goodput["wall_s"])
+
+
+@pytest.mark.parametrize("history", [
+    b"{\"format\": 1, \"runs\": [{\"ended\": \"\\u001b]0;x\"}]}", b" " * (2 << 20), "fifo"])
+def test_a_hostile_run_history_is_said_and_replaced_never_a_traceback(
+        tmp_path: Path, history: bytes | str) -> None:
+    """``.snapkeep/goodput.json`` is untrusted: a bad one is named on stderr by ``snapkeep
+    status`` (the exit code stays the status's) and replaced by the next run, which trains."""
+    out = tmp_path / "run"
+    (out / ".snapkeep").mkdir(parents=True)
+    path = out / ".snapkeep" / "goodput.json"
+    if history == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_bytes(history)  # type: ignore[arg-type]
+    storage, where = snapkeep.store.resolve_storage(str(out))
+    snapkeep.store.write_run_status(storage, where, state="finished", step=3)
+    result = CliRunner().invoke(cli, ["status", str(out)])
+    assert result.exit_code == 0 and "invalid run history" in result.output, result.output
+    lines = result.output.splitlines()
+    assert not any(line.startswith("goodput ") for line in lines) and "\x1b" not in result.output
+    _train(out, 20)
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["ended"] for r in runs] == ["finished"]
