@@ -5,7 +5,7 @@ The rule is Young's first-order optimum with Daly's higher-order correction:
 - J. W. Young, "A first order approximation to the optimum checkpoint interval", CACM 17(9),
   1974: ``T = sqrt(2 * C * M)``;
 - J. T. Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps",
-  FGCS 22(3), 2006, eq. 37: ``T = sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C``
+  FGCS 22(3), 2006: ``T = sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C``
   for ``C < 2M``, else ``T = M``,
 
 where ``T`` is the training time between two snapshots (seconds), ``C`` the time a save adds
@@ -13,10 +13,10 @@ to the training loop (the stall: the save call plus what the step after it lost;
 background writer this, not the write, is what each snapshot costs) and ``M`` the mean time
 between failures. In Daly's model the restart time ``R`` multiplies the expected run time by
 ``exp(R / M)`` and does not move the optimum; the time to durable ``D`` (call to commit) only
-adds ``D / M`` to the expected loss per failure and does not move it either. Both enter the
-predicted goodput (:func:`expected_ratio`). ``D`` bounds the interval from below: a snapshot is
-never due before the previous one is durable (with one in flight, a sooner one would block
-the loop behind the write).
+adds ``D / M`` to the expected loss per failure and does not move it either; both cost goodput
+(``snapkeep status`` reports the restarts measured). ``D`` bounds the interval from below: a
+snapshot is never due before the previous one is durable (with one in flight, a sooner one
+would block the loop behind the write).
 
 ``M`` is estimated from this directory's history (:mod:`snapkeep._core.session.goodput`):
 with a weak prior: the failure rate's Gamma prior has shape :data:`PRIOR_FAILURES` (0.1: a
@@ -78,18 +78,6 @@ def checkfreq_interval_s(stall_s: float, durable_s: float,
     """CheckFreq's interval: the shortest whose stall is at most ``overhead`` of the training
     time (``stall_s / overhead``), and not shorter than the time to durable (seconds)."""
     return max(stall_s / overhead, durable_s)
-
-
-def expected_ratio(interval_s: float, *, cost_s: float, durable_s: float, restart_s: float,
-                   mtbf_s: float) -> float:
-    """First-order expected useful fraction of wall time (0..1) with a snapshot every
-    ``interval_s`` seconds of training: each snapshot costs ``cost_s``; each failure (one per
-    ``mtbf_s`` of wall time) costs ``restart_s`` plus the work since the newest durable
-    snapshot, on average ``interval_s / 2 + durable_s``."""
-    if interval_s <= 0:
-        return 0.0
-    waste = cost_s / (interval_s + cost_s) + (restart_s + interval_s / 2.0 + durable_s) / mtbf_s
-    return max(0.0, 1.0 - waste)
 
 
 def estimate_mtbf_s(prior_mtbf_s: float, *, uptime_s: float, failures: int) -> float:
@@ -332,4 +320,4 @@ def choose(*, cost_s: float, durable_s: float | None, step_s: float | None, mtbf
 
 __all__ = ["CHECKFREQ_OVERHEAD", "DEFAULT_MTBF_S", "PRIOR_FAILURES", "AutoInterval", "Cadence",
            "Choice", "History", "check_every", "check_mtbf_s", "checkfreq_interval_s", "choose",
-           "daly_interval_s", "estimate_mtbf_s", "expected_ratio", "young_interval_s"]
+           "daly_interval_s", "estimate_mtbf_s", "young_interval_s"]
