@@ -25,11 +25,11 @@ from snapkeep.errors import (  # noqa: E402
 )
 from snapkeep.loading import load_latest  # noqa: E402
 from snapkeep.reporting import report  # noqa: E402
-from snapkeep.store import MemoryTier  # noqa: E402
+from snapkeep.store import AutoInterval, MemoryTier  # noqa: E402
 
 __all__ = [
     "__version__", "errors", "reporting", "retention", "training", "writing", "load_latest",
-    "report", "Checkpointer", "MemoryTier",
+    "report", "Checkpointer", "MemoryTier", "AutoInterval",
     "NoValidSnapshotError", "SnapshotCorruptError", "SnapshotError", "SnapshotSaveError",
     "SnapshotStorageError", "SnapshotTimeoutError", "StagingRaceError", "StateMismatchError",
     "StoreLockedError", "UnsafeSnapshotError", "WorkerDiedError",

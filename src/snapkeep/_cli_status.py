@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from snapkeep._cli_common import storage_errors
-from snapkeep.store import run_is_alive, run_status
+from snapkeep.store import Goodput, run_goodput, run_is_alive, run_status
 
 EXIT_FINISHED = 0
 EXIT_PREEMPTED = 75
@@ -69,8 +69,12 @@ def status(out_dir: str, as_json: bool) -> None:
     if found is None:
         click.echo(f"{out_dir}: no run status (no run with extensions.preemption() wrote "
                    "there)", err=True)
+        goodput = _read_goodput(out_dir)
+        if goodput is not None:
+            click.echo(_describe_goodput(goodput))
         raise click.exceptions.Exit(EXIT_NOT_DONE)
     when = datetime.datetime.fromtimestamp(found.time_unix_s, datetime.timezone.utc)
+    goodput = _read_goodput(out_dir)
     alive = run_is_alive(found) if found.state == "running" else None
     if as_json:
         click.echo(json.dumps({"schema": "snapkeep.status/1", "state": found.state,
@@ -79,7 +83,9 @@ def status(out_dir: str, as_json: bool) -> None:
                                "snapshots": list(found.snapshots),
                                "world_size": found.world_size, "pid": found.pid,
                                "host": found.host, "alive": alive,
-                               "preemption": dict(found.preemption)}, sort_keys=True))
+                               "preemption": dict(found.preemption),
+                               "goodput": goodput.as_dict() if goodput is not None else None},
+                              sort_keys=True))
     else:
         text = found.state
         if found.state == "running":
@@ -104,6 +110,8 @@ def status(out_dir: str, as_json: bool) -> None:
         if found.preemption:
             line += "; " + _describe_plan(found.preemption)
         click.echo(line)
+        if goodput is not None:
+            click.echo(_describe_goodput(goodput))
     code = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED}.get(found.state,
                                                                          EXIT_NOT_DONE)
     if found.state == "preempted" and not found.durable:
@@ -130,3 +138,34 @@ def _describe_plan(plan: Mapping[str, Any]) -> str:
     return (f"{where}: {seconds('remaining_s')} left (deadline from "
             f"{str(plan.get('deadline_from') or 'none')[:40]}), durable write estimated at "
             f"{seconds('durable_estimate_s')}")
+
+
+def _read_goodput(out_dir: str) -> Goodput | None:
+    """The goodput of the runs recorded in ``out_dir`` (None without a history, or with an
+    invalid one: said on stderr; the exit code is the status's)."""
+    with storage_errors(out_dir):
+        try:
+            return run_goodput(out_dir)
+        except ValueError as e:
+            click.echo(f"{out_dir}: invalid run history (.snapkeep/goodput.json, not as "
+                       f"snapkeep wrote it): {e}; no goodput shown", err=True)
+            return None
+
+
+def _describe_goodput(g: Goodput) -> str:
+    """The goodput line: the share of the wall time that trained, and where the rest went."""
+    def span(seconds: float) -> str:
+        if seconds >= 3600:
+            return f"{seconds / 3600:.2f} h"
+        return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.1f} s"
+
+    def part(seconds: float) -> str:
+        return f"{span(seconds)} ({100 * seconds / g.wall_s:.1f} %)" if g.wall_s > 0 \
+            else span(seconds)
+
+    line = (f"goodput {100 * g.ratio:.1f} % of {span(g.wall_s)} over {g.runs} run(s): trained "
+            f"{part(g.trained_s)}, saves {part(g.save_s)}, restarts {part(g.restart_s)} "
+            f"({len(g.restarts)}, {g.failures} after a failure), replay {part(g.replay_s)}")
+    if g.interval_steps is not None:
+        line += f"; every='auto' chose {g.interval_steps} steps"
+    return line

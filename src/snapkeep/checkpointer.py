@@ -65,17 +65,21 @@ from snapkeep.retention import RetentionPolicy, keep_policy
 from snapkeep.staging import into_existing_state
 from snapkeep.store import (
     ON_ERROR_SUFFIX,
+    AutoInterval,
+    Cadence,
     Entry,
     IncrementalTracker,
     MemoryTier,
     Plan,
     RunControl,
+    RunHistory,
     RunLineage,
     SaveTimes,
     Session,
     SnapshotStore,
     Storage,
     TierEngine,
+    check_every,
     check_grace_s,
     check_timeout_s,
     describe,
@@ -207,7 +211,17 @@ class Checkpointer:
             each commit and never deletes the newest valid snapshot.
         every: :meth:`should_save` is True every ``every`` steps (step % every == 0), and
             :meth:`save` without ``force`` skips the others (Orbax's ``save_interval_steps``);
-            ``None`` saves whenever :meth:`save` is called.
+            ``None`` saves whenever :meth:`save` is called. ``"auto"`` (or
+            ``snapkeep.AutoInterval(mtbf_s=...)`` to set the prior mean time between
+            failures, default one day): the interval is chosen from this run's measurements
+            (call :meth:`save` at every step): the seconds per step, what a save costs the
+            loop, its time to durable, and the failures and restart times recorded in
+            ``directory/.snapkeep/goodput.json``; Young's rule with Daly's correction
+            (``T = sqrt(2 C M)``, see :mod:`snapkeep._core.session.cadence`), never shorter
+            than a save takes to become durable, re-chosen as the measurements change. The
+            first snapshot is taken after ``warmup_steps`` timed steps; :attr:`choice` shows
+            the current choice; ``snapkeep status DIR`` the job's goodput. Not with sharded
+            snapshots yet (every rank would have to agree on each step's choice).
         template: the file name of a snapshot, with one ``{step}`` field and an optional format
             spec (``'ckpt_{step}'``, ``'{step}.pt'``, ``'ckpt_{step:08d}'``). "Latest" is the
             highest step parsed back from the names, never the mtime.
@@ -279,7 +293,8 @@ class Checkpointer:
 
     def __init__(
         self, directory: str | os.PathLike[str], *, keep: int | RetentionPolicy | None = None,
-        every: int | None = None, template: str = "ckpt_{step}", writer: Writer | None = None,
+        every: int | str | AutoInterval | None = None, template: str = "ckpt_{step}",
+        writer: Writer | None = None,
         rng: bool = True, weights_only: bool = True, map_location: Any = "cpu",
         storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S, memory: MemoryTier | None = None,
@@ -290,9 +305,7 @@ class Checkpointer:
             raise TypeError(f"directory must be a path or URL string, got "
                             f"{type(directory).__name__}")
         self._policy = keep_policy(keep)
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int)
-                                  or every < 1):
-            raise ValueError(f"every must be an int >= 1 (steps) or None, got {every!r}")
+        checked_every = check_every(every)
         for name, value in (("rng", rng), ("weights_only", weights_only),
                             ("incremental", incremental)):
             if not isinstance(value, bool):
@@ -312,6 +325,9 @@ class Checkpointer:
         if writer is not None and sharded:
             raise ValueError("sharded snapshots are written by every rank through "
                              "torch.distributed.checkpoint; writer cannot be given")
+        if isinstance(checked_every, AutoInterval) and sharded:
+            raise ValueError("every='auto' is for single-file snapshots (sharded=False); with "
+                             "sharded snapshots pass every=N (steps)")
         if incremental and sharded:
             raise ValueError("incremental=True is for single-file snapshots; sharded "
                              "(torch.distributed.checkpoint) snapshots cannot be incremental "
@@ -322,7 +338,9 @@ class Checkpointer:
                              f"into {self._location!r}: pass a writer without out_dir")
         self.template = template
         self._template = step_template(template)
-        self.every = every
+        self.every: int | AutoInterval | None = checked_every
+        self._cadence: Cadence | None = None  # every="auto": the interval's chooser
+        self._history: RunHistory | None = None  # and this run's goodput record
         self.rng = rng
         self._weights_only = weights_only
         self._map_location = map_location
@@ -379,6 +397,9 @@ class Checkpointer:
                 signals=preemption_signals(preemption),
                 control=groups.control if groups else None, timeout_s=timeout_s,
                 grace_s=grace_s)
+            if isinstance(checked_every, AutoInterval):
+                self._history = RunHistory(storage, path, rank=self._run.rank)
+                self._cadence = Cadence(checked_every, history=self._history)
         except BaseException:
             self.close()
             raise
@@ -405,8 +426,21 @@ class Checkpointer:
     # -- saving ----------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         """Whether :meth:`save` at ``step`` writes without ``force``: ``step % every == 0``
-        (always True with ``every=None``)."""
-        return self.every is None or _check_step(step) % self.every == 0
+        (always True with ``every=None``); with ``every="auto"``, whether the chosen interval
+        has passed since the newest snapshot (this call times the step)."""
+        step = _check_step(step)
+        if self._cadence is not None:
+            return self._cadence.due(step)
+        return self.every is None or step % self.every == 0  # type: ignore[operator]
+
+    @property
+    def choice(self) -> Any:
+        """With ``every="auto"``: the current choice (``interval_steps``, ``interval_s``,
+        ``step_s``, ``cost_s``, ``durable_s``, ``restart_s``, ``mtbf_s`` in seconds,
+        ``failures``, ``clamped``: raised to the time to durable; see
+        :class:`snapkeep.store.Choice`); None before the first snapshot was timed, or with a
+        fixed ``every``."""
+        return self._cadence.choice if self._cadence is not None else None
 
     def save(
         self, step: int, state: Mapping[str, Any], *, force: bool = False,
@@ -469,19 +503,34 @@ class Checkpointer:
         to_ram = tier is not None and not on_error and step % tier.tier.every == 0
         if to_ram:
             self._open_tier(state)
-        if not (force or on_error or agreed or self.should_save(step)):
+        due = self.should_save(step)  # (with every="auto": times this step)
+        if not (force or on_error or agreed or due):
             if to_ram:
                 self._save_to_ram(step, state, None)
+            self._note(step, None, 0.0)
             return None
         started = self._times.start()
         handle = self._save_to_storage(session, step, state, recorded, on_error=on_error)
         if handle is not None and not on_error:
             self._times.staged(started, handle.committed)
+            self._note(step, handle, self._times.start() - started)
         if to_ram:
             self._save_to_ram(step, state, handle)
         if agreed:
             self._preempt(step, agreed, plan)
         return handle
+
+    def _note(self, step: int, handle: Any, stall_s: float) -> None:
+        """With ``every="auto"``: tell the cadence and the goodput record of this step (a save
+        of ``stall_s`` seconds when ``handle``)."""
+        cadence, history = self._cadence, self._history
+        if cadence is None or history is None:
+            return
+        if handle is not None:
+            cadence.saved(step, stall_s=stall_s, committed=handle.committed)
+        choice = cadence.choice
+        history.step(step, step_s=cadence.step_s(), save_s=stall_s, saved=handle is not None,
+                     interval_steps=choice.interval_steps if choice is not None else None)
 
     def _save_to_storage(self, session: Session, step: int, state: Mapping[str, Any],
                          recorded: dict[str, float], *, on_error: bool) -> Any:
@@ -766,6 +815,7 @@ class Checkpointer:
             from_ram = self._load_from_ram(into, objects, entries)
             if from_ram is not None:
                 self._prepare_first_save(into, objects, resumed=True)
+                self._resumed(from_ram)
                 return from_ram
         if step is not None:
             step = _check_step(step)
@@ -796,7 +846,15 @@ class Checkpointer:
             return None
         self._run_of().at(int(entry.step or 0))
         self._prepare_first_save(into, objects, resumed=True)
+        self._resumed(entry.step)
         return entry.step
+
+    def _resumed(self, step: int | None) -> None:
+        """With ``every="auto"``: the run resumed from ``step`` (the interval counts from
+        there; the goodput record's replay is measured against it)."""
+        if self._history is not None and self._cadence is not None and step is not None:
+            self._history.resumed(step)
+            self._cadence.resumed(step)
 
     @staticmethod
     def _no_apply(entry: Entry, payload: Any) -> None:
@@ -914,6 +972,8 @@ class Checkpointer:
             try:
                 self._close_tier()
             finally:
+                if self._history is not None and self._run is not None:
+                    self._history.ended(self._run.status.final or "running")
                 self._release()  # the lock, and the preemption hook's signal handlers
 
     def _close_tier(self) -> None:

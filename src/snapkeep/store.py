@@ -35,6 +35,17 @@ from snapkeep._core.load.resume_notice import (
 )
 from snapkeep._core.load.structure import describe, find_mismatches
 from snapkeep._core.save.ticket import SaveHandle
+from snapkeep._core.session.cadence import (
+    AutoInterval,
+    Cadence,
+    Choice,
+    check_every,
+    checkfreq_interval_s,
+    choose,
+    daly_interval_s,
+    estimate_mtbf_s,
+    young_interval_s,
+)
 from snapkeep._core.session.deadline import (
     Estimate,
     Grace,
@@ -43,6 +54,7 @@ from snapkeep._core.session.deadline import (
     check_grace_s,
     grace_from,
 )
+from snapkeep._core.session.goodput import Goodput, RunHistory, read_runs, summarize
 from snapkeep._core.session.run_control import RunControl, preemption_signals
 from snapkeep._core.session.run_status import RunStatus, StatusLog, failure_reason
 from snapkeep._core.session.run_status import is_alive as run_is_alive
@@ -136,6 +148,8 @@ __all__ = [
     "checkpoint_step", "commit_checkpoint", "read_marker", "verify_checkpoint", "skip_message",
     "step_template", "marker_of_file", "verify_marked_file", "Estimate", "Grace", "Plan",
     "SaveTimes", "check_grace_s", "grace_from", "RecordError", "parse_json",
+    "AutoInterval", "Cadence", "Choice", "check_every", "Goodput", "RunHistory", "run_goodput",
+    "checkfreq_interval_s", "choose", "daly_interval_s", "young_interval_s", "estimate_mtbf_s",
 ]
 
 
@@ -150,3 +164,18 @@ def run_status(out_dir: str, *, fs: Any = None,
     """
     storage, path = resolve_storage(out_dir, fs, dict(storage_options or {}))
     return read_run_status(storage, path)
+
+
+def run_goodput(out_dir: str, *, fs: Any = None,
+                storage_options: Mapping[str, Any] | None = None) -> Goodput | None:
+    """The goodput of the runs recorded in ``out_dir`` (its ``.snapkeep/goodput.json``, written
+    by a door with ``every="auto"``; see :mod:`snapkeep._core.session.goodput`), or None
+    without a history.
+
+    Raises:
+        ValueError: the history is not valid.
+        OSError, SnapshotStorageError: it could not be read.
+    """
+    storage, path = resolve_storage(out_dir, fs, dict(storage_options or {}))
+    runs = read_runs(storage, path)
+    return summarize(runs) if runs else None

@@ -28,7 +28,7 @@ UnitLiteral = str
 """``'iteration'`` or ``'epoch'``."""
 
 TriggerFunc = Callable[[ExtensionsManagerProtocol], bool]
-TriggerLike = Union["Trigger", TriggerFunc, tuple[float, UnitLiteral], None]
+TriggerLike = Union["Trigger", TriggerFunc, tuple[float, UnitLiteral], str, None]
 """Anything :func:`get_trigger` accepts."""
 
 
@@ -117,7 +117,9 @@ def get_trigger(trigger: TriggerLike) -> Trigger:
     * a callable ``fn(manager) -> bool`` is wrapped;
     * ``None`` gives a trigger that never fires;
     * a ``(period, unit)`` tuple gives ``IntervalTrigger(period, unit)`` with ``unit`` one of
-      ``'iteration'`` or ``'epoch'``.
+      ``'iteration'`` or ``'epoch'``;
+    * ``'auto'`` gives an :class:`~snapkeep.training.triggers.AutoTrigger` (snapkeep addition:
+      the snapshot interval chosen from measurements).
 
     Raises:
         TypeError: ``trigger`` is none of the above.
@@ -127,6 +129,14 @@ def get_trigger(trigger: TriggerLike) -> Trigger:
 
     if isinstance(trigger, Trigger):
         return trigger
+    if isinstance(trigger, str):
+        if trigger != "auto":
+            raise ValueError(f"trigger must be 'auto' when a string (the snapshot interval "
+                             f"chosen from measurements), a Trigger, a callable, None or a "
+                             f"(period, unit) tuple, got {trigger!r}")
+        from snapkeep.training.triggers.auto_trigger import AutoTrigger
+
+        return AutoTrigger()
     if callable(trigger):
         return _CallableTrigger(trigger)
     if trigger is None:
@@ -135,6 +145,6 @@ def get_trigger(trigger: TriggerLike) -> Trigger:
         period, unit = trigger
         return IntervalTrigger(period, unit)
     raise TypeError(
-        "trigger must be a Trigger, a callable taking the manager, None, or a "
-        f"(period, 'iteration' | 'epoch') tuple, got {trigger!r}"
+        "trigger must be a Trigger, a callable taking the manager, None, a "
+        f"(period, 'iteration' | 'epoch') tuple or 'auto', got {trigger!r}"
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,6 +49,7 @@ from snapkeep.store import (
     warn_user,
 )
 from snapkeep.training._continuation import ContinuationMixin, check_generators
+from snapkeep.training.triggers.auto_trigger import note_end, note_snapshot
 from snapkeep.wrapping import canonical_tree, dtensor_models, live_tree
 from snapkeep.writing import Writer as _SnapkeepWriter
 
@@ -271,6 +273,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         """With ``snapshot_on_error``, snapshot the (mid-iteration) state as ``<name>.on-error``
         and wait for it (as ppe, but never under a clean snapshot's name)."""
         super().on_error(manager, exc, tb)
+        note_end(manager, "failed")
         if self._snapshot_on_error:
             self._make_snapshot(manager, on_error=True)
             wait = getattr(self.writer, "wait", None)
@@ -279,7 +282,22 @@ class _Snapshot(ContinuationMixin, extension.Extension):
 
     def __call__(self, manager: Any) -> None:
         if self.condition():
+            started = time.monotonic()
             self._make_snapshot(manager)
+            self._note(manager, time.monotonic() - started)
+
+    def _note(self, manager: Any, stall_s: float) -> None:
+        """Tell the manager's ``AutoTrigger`` (if any) of this snapshot: its stall, its commit
+        future and where the run is recorded (see
+        :mod:`snapkeep.training.triggers.auto_trigger`)."""
+        writer = self.writer
+        handle = getattr(writer, "last_handle", None) if isinstance(writer, _SnapkeepWriter) \
+            else None
+        store = self._store_of(manager, quiet=True) if self._is_saver() else None
+        note_snapshot(manager, step=int(manager.iteration), stall_s=stall_s,
+                      committed=getattr(handle, "committed", None),
+                      storage=store.storage if store is not None else None,
+                      directory=store.directory if store is not None else "")
 
     def finalize(self, manager: Any) -> None:
         """Validate a pending overlapped snapshot, finalize the writer (waits for pending
@@ -298,6 +316,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
                 raise
             logger.error("a snapshot failed before finalize and on_save_error='log': %s", e)
         finally:
+            note_end(manager, "finished")  # (after a failure: 'failed' was told first)
             self._release_lock()
 
     def _release_lock(self) -> None:

@@ -1,6 +1,7 @@
 """Triggers: when extensions run and when training stops (as ``ppe.training.triggers``)."""
 
 from snapkeep.training._trigger_util import Trigger, TriggerLike, get_trigger
+from snapkeep.training.triggers.auto_trigger import AutoTrigger
 from snapkeep.training.triggers.early_stopping_trigger import EarlyStoppingTrigger
 from snapkeep.training.triggers.function_trigger import FunctionTrigger
 from snapkeep.training.triggers.interval_trigger import IntervalTrigger
@@ -14,6 +15,7 @@ from snapkeep.training.triggers.once_trigger import OnceTrigger
 from snapkeep.training.triggers.time_trigger import TimeTrigger
 
 __all__ = [
+    "AutoTrigger",
     "BestValueTrigger",
     "EarlyStoppingTrigger",
     "FunctionTrigger",
