@@ -110,6 +110,7 @@ class Saver(DrainedAtExit):
         self.last_stage_stats: StageStats | None = None
         self._prefaulted = threading.Event()  # clear while a prefault thread fills a slot
         self._prefaulted.set()
+        self._prefault_thread: threading.Thread | None = None
         self._next_overlap: Any = None  # an OverlapPlan for the next submit (overlap.py)
         self._verdicts: list[PendingVerdict] = []  # overlapped snapshots not validated yet
         self._drain_at_exit_unless_closed()  # committed at interpreter exit if still pending
@@ -321,6 +322,12 @@ class Saver(DrainedAtExit):
         finally:
             self._mark_closed()
             self._prefaulted.wait()  # a bounded memset; its buffers are closed next
+            # ... and the thread itself ended: a daemon thread still unwinding when the
+            # interpreter exits is stopped inside torch's C++ frames, and the process aborts
+            # ("terminate called without an active exception", exit 134) after a clean close
+            if self._prefault_thread is not None:
+                self._prefault_thread.join()
+                self._prefault_thread = None
             with self._cond:  # a background staging copy (bounded) as well
                 copies = [v.copied for v in self._verdicts]
             concurrent.futures.wait(copies)
@@ -373,7 +380,9 @@ class Saver(DrainedAtExit):
             finally:
                 self._prefaulted.set()
 
-        threading.Thread(target=work, name="snapkeep-prefault", daemon=True).start()
+        thread = threading.Thread(target=work, name="snapkeep-prefault", daemon=True)
+        self._prefault_thread = thread
+        thread.start()
 
     def _wait_prefault(self) -> None:
         if not self._prefaulted.wait(self.timeout_s):
