@@ -106,6 +106,7 @@ from snapkeep._core.tiers.memory_tier import (
     newest_listed_step,
     state_bytes,
 )
+from snapkeep._core.tiers.tiered_session import TieredSession, check_memory, tiered
 from snapkeep._core.user_warnings import user_stacklevel, warn_user
 
 
@@ -135,7 +136,8 @@ __all__ = [
     "is_marker", "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "TEMPLATE", "FileRecord",
     "checkpoint_step", "commit_checkpoint", "read_marker", "verify_checkpoint", "skip_message",
     "step_template", "marker_of_file", "verify_marked_file", "Estimate", "Grace", "Plan",
-    "SaveTimes", "check_grace_s", "grace_from", "RecordError", "parse_json",
+    "SaveTimes", "check_grace_s", "grace_from", "RecordError", "parse_json", "TieredSession",
+    "check_memory", "tiered",
 ]
 
 
