@@ -52,7 +52,11 @@ class TieredSession:
     """A session with the memory tier in front of its store (see the module docstring).
 
     Args:
-        inner: the session wrapped (opened or not; the layer opens nothing itself).
+        inner: the session wrapped (opened or not; the layer opens nothing itself); None for
+            a door whose sessions are held elsewhere (ppe's manager: each snapshot extension
+            holds its own, and :func:`snapkeep.training.extensions.memory_tier` is the tier):
+            then only the tier's methods apply (:meth:`open_tier`, :meth:`keep`,
+            :meth:`recover`, :meth:`wait`, :meth:`close_tier` with ``finished``).
         memory: the tier's configuration.
         directory: the training's snapshot directory (an absolute path or URL) and
             ``template`` its snapshot template: together the training's identity (what the
@@ -125,7 +129,7 @@ class TieredSession:
         self.recovered = True
         restored = self.engine.recover(storage_step, apply, prepare=prepare)
         self.engine.announce(quiet=self.quiet)
-        if restored is not None:
+        if restored is not None and self.inner is not None:
             self.inner.continue_lineage(restored.step)
         return restored
 
@@ -193,11 +197,11 @@ class TieredSession:
         steps = [e.step for e in self.inner.store.entries() if e.step is not None]
         return max(steps, default=None)
 
-    def close_tier(self, *, failed: bool = False) -> None:
+    def close_tier(self, *, failed: bool = False, finished: bool | None = None) -> None:
         """Close the tier: drained; removed when the run did not fail and storage holds the
-        newest step this session kept in (or resumed from) RAM, else kept for the next run
-        (logged); a background RAM failure raised once (logged instead when ``failed``).
-        Idempotent.
+        newest step this session kept in (or resumed from) RAM (or as ``finished`` says, where
+        the door knows: ppe's stop trigger), else kept for the next run (logged); a background
+        RAM failure raised once (logged instead when ``failed``). Idempotent.
 
         Raises:
             SnapshotSaveError, SnapshotTimeoutError: as ``TierEngine.close``.
@@ -206,6 +210,9 @@ class TieredSession:
             return
         self._tier_closed = True
         engine = self.engine
+        if finished is not None:
+            engine.close(finished=finished, failed=failed)
+            return
         finished = False
         if not failed and engine.opened:
             engine.wait()
