@@ -454,3 +454,12 @@ def test_an_alias_resolves_only_to_a_verified_file_of_its_directory(
         assert io.load_checkpoint(str(ckpts / "last.ckpt"))["global_step"] == 8
     finally:
         io.close()
+
+
+def test_memory_and_incremental_are_refused_unless_of_their_accepted_values() -> None:
+    """``memory=`` and ``incremental=`` take the Checkpointer's values; anything else is named
+    with them, before anything is created."""
+    with pytest.raises(TypeError, match=r"memory must be a snapkeep\.MemoryTier\(every=.*got 5"):
+        SnapkeepCheckpointIO(memory=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="incremental must be True or False, got 'yes'"):
+        SnapkeepCheckpointIO(incremental="yes")  # type: ignore[arg-type]
