@@ -413,6 +413,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
         self._metrics: dict[str, dict[str, float]] = {}  # path -> metrics of its next save
         self._loaded: tuple[str, str] | None = None  # (requested, loaded) of the last load
         self._written: set[str] = set()  # paths this IO saved or aliased (never foreign)
+        self._from_ram: dict[str, Any] = {}  # the RAM snapshot last() chose, by its path
         self._closed = False
 
     # -- directories ---------------------------------------------------------------------------
@@ -495,6 +496,46 @@ class SnapkeepCheckpointIO(CheckpointIO):
         ranked += [(((float(e.step),), 0), e.path) for e in self.foreign(os.fspath(directory))
                    if e.step is not None]
         return max(ranked)[1] if ranked else None
+
+    def last(self, directory: str, *, template: str | None = None) -> str | None:
+        """What ``ckpt_path="last"`` resumes (:class:`ModelCheckpoint` asks): with
+        ``memory=``, the RAM snapshot of the tier when its step is at least :meth:`newest`'s
+        (its copy verified while it is read; the path of that file in the tier, which
+        :meth:`load_checkpoint` then returns as read, no storage snapshot read); else
+        :meth:`newest`. RAM is tried once per :meth:`open` (collective: the tier's recovery);
+        what happened is said on stderr (``snapkeep: resuming from RAM step N (...)`` or why
+        storage is used).
+
+        Raises:
+            SnapshotStorageError: the storage could not be reached.
+            MemoryTierTooSmallError, NotPrivateError: the tier cannot be opened.
+        """
+        newest = self.newest(directory, template=template)
+        found = self._directory(os.fspath(directory), lock=False, template=template)
+        session = found.session
+        if not isinstance(session, TieredSession) or session.recovered:
+            return newest
+        steps = [e.step for e in found.session.own(found.store.entries())
+                 if e.step is not None]
+        steps += [e.step for e in self.foreign(os.fspath(directory)) if e.step is not None]
+        size = 0
+        if newest is not None:  # what the tier must hold (no byte read)
+            try:
+                size = int(found.store.storage.size(newest))
+            except OSError:
+                size = 0
+        got: dict[str, Any] = {}
+
+        def keep(tree: Any, step: int, path: str) -> None:
+            got[path] = _check_checkpoint(Entry(name=os.path.basename(path), path=path,
+                                                key=(float(step),), step=step), tree)
+
+        if session.recover(max(steps, default=None), keep, size_bytes=size) is None:
+            return newest
+        ((path, tree),) = got.items()
+        with self._guard:
+            self._from_ram[path] = tree
+        return path
 
     def foreign(self, directory: str) -> list[Entry]:
         """The Lightning checkpoints in ``directory`` that snapkeep did not write (no snapkeep
@@ -660,6 +701,11 @@ class SnapkeepCheckpointIO(CheckpointIO):
             UnsafeSnapshotError: the file needs ``weights_only=False``; nothing executed.
         """
         self.wait()
+        with self._guard:
+            from_ram = self._from_ram.pop(os.fspath(path), None)
+            if from_ram is not None:  # chosen and verified by last(); said on stderr there
+                self._loaded = (os.fspath(path), os.fspath(path))
+                return dict(from_ram)
         weights_only = self._weights_only if weights_only is None else bool(weights_only)
         location = "cpu" if map_location is None else map_location
         directory, name = _split(os.fspath(path))
@@ -702,19 +748,16 @@ class SnapkeepCheckpointIO(CheckpointIO):
             candidates.append(chosen)
         loaded: dict[str, Any] = {}
         session = found.session
-        if isinstance(session, TieredSession) and not (
-                chosen is not None and chosen.key == entries[-1].key):
-            session = session.inner  # an older checkpoint asked for: storage's, not RAM's
+        if isinstance(session, TieredSession):  # RAM: last() chooses it for ckpt_path="last"
+            session = session.inner
         entry = session.resume(lambda e, state: loaded.update(state=state),
                                check=_check_checkpoint, candidates=candidates,
                                weights_only=weights_only, map_location=location)
         if entry is None:  # unreachable: candidates is not empty
             raise FileNotFoundError(f"checkpoint not found: {target}")
         logger.info("loaded %s (step %s)", entry.path, entry.step)
-        from_ram = isinstance(session, TieredSession) and session.restored is not None
-        with self._guard:  # from RAM: Lightning's line names the file asked for
-            self._loaded = (storage.url(requested), storage.url(
-                requested if from_ram else entry.path))
+        with self._guard:
+            self._loaded = (storage.url(requested), storage.url(entry.path))
         return dict(loaded["state"])
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -1034,7 +1077,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         io = _snapkeep_io(trainer)
         if io is None or not self.dirpath:
             return super()._find_last_checkpoints(trainer)
-        newest = io.newest(os.fspath(self.dirpath), template=self.step_template())
+        newest = io.last(os.fspath(self.dirpath), template=self.step_template())
         if newest is None:  # Lightning's own rule for files whose step cannot be known
             stock = {p for p in super()._find_last_checkpoints(trainer) if io.is_foreign(p)}
             if stock:
