@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from snapkeep._core.save.ticket import StagedLoan
-from snapkeep._core.store.files import Entry
+from snapkeep._core.store.files import Entry, SnapshotStore
 from snapkeep._core.tiers.memory_store import tier_dir
 from snapkeep._core.tiers.memory_tier import MemoryTier, Restored, TierEngine, state_bytes
 
@@ -193,8 +193,14 @@ class TieredSession:
         self.engine.wait()
 
     def newest_stored(self) -> int | None:
-        """The newest step the store lists (names only; None: none)."""
-        steps = [e.step for e in self.inner.store.entries() if e.step is not None]
+        """The newest step the store holds committed (None: none): its single files by name;
+        of directories, those with a commit marker (a ``checkpoint-N`` being written, or left
+        by a killed save, has none yet)."""
+        store = self.inner.store
+        entries = store.entries()
+        if not isinstance(store, SnapshotStore):
+            entries = [e for e in entries if store.manifest(e) is not None]
+        steps = [e.step for e in entries if e.step is not None]
         return max(steps, default=None)
 
     def close_tier(self, *, failed: bool = False, finished: bool | None = None) -> None:
