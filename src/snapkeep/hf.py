@@ -558,6 +558,7 @@ class SnapkeepSaveMixin:
 
         self._snapkeep_memory = check_memory(memory)
         self._snapkeep_tier: TieredSession | None = None
+        self._snapkeep_told_tier = False
         self._snapkeep_pending: Any = None
         self._snapkeep_told = False
         super().__init__(*args, **kwargs)
@@ -696,7 +697,14 @@ class SnapkeepSaveMixin:
         trainer: Any = self
         memory = self._snapkeep_memory
         step = trainer.state.global_step
-        if memory is None or step % memory.every or not self._snapkeep_owned():
+        if memory is None or step % memory.every:
+            return
+        if not self._snapkeep_owned():
+            if not self._snapkeep_told_tier:
+                logger.warning("snapkeep: memory= is for the owned save (one process, a "
+                               "PreTrainedModel, no DeepSpeed/FSDP): this Trainer setup keeps "
+                               "nothing in RAM")
+                self._snapkeep_told_tier = True
             return
         tier = self._snapkeep_tiered()
 
