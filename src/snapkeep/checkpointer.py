@@ -78,9 +78,10 @@ from snapkeep.store import (
     Session,
     SnapshotStore,
     Storage,
-    TierEngine,
+    TieredSession,
     check_every,
     check_grace_s,
+    check_memory,
     check_timeout_s,
     describe,
     find_mismatches,
@@ -89,7 +90,6 @@ from snapkeep.store import (
     resolve_storage,
     state_bytes,
     step_template,
-    tier_dir,
     unloadable_value,
     warn_user,
 )
@@ -316,9 +316,7 @@ class Checkpointer:
             sharded = is_distributed()
         if not isinstance(sharded, bool):
             raise TypeError(f"sharded must be True, False or None (auto), got {sharded!r}")
-        if memory is not None and not isinstance(memory, MemoryTier):
-            raise TypeError(f"memory must be a snapkeep.MemoryTier(every=..., ...) or None, got "
-                            f"{memory!r}")
+        memory = check_memory(memory)
         if writer is not None and not isinstance(writer, Writer):
             raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
                             f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
@@ -346,8 +344,8 @@ class Checkpointer:
         self._map_location = map_location
         self._closed = False
         self._failed = False  # closed while the loop raised: the memory tier is kept
-        self._tier: TierEngine | None = None
-        self._session: Session | None = None
+        self._tier: TieredSession | None = None  # the session, when the tier is its layer
+        self._session: Session | TieredSession | None = None
         self._run: RunControl | None = None  # the run status and preemption hook
         self._times = SaveTimes()  # this run's durable saves, timed: the preemption's estimate
         self._key = ("", "")
@@ -387,9 +385,11 @@ class Checkpointer:
                     lineage=RunLineage.named(RUN_ID))
                 self._session = self._sharded.session
             if memory is not None:  # the training's identity: this directory and template
-                self._tier = TierEngine(memory, directory=self._location if "://" in
-                                        self._location else os.path.abspath(path),
-                                        template=self.template)
+                self._tier = TieredSession(
+                    self._session, memory, template=self.template,
+                    directory=self._location if "://" in self._location
+                    else os.path.abspath(path))
+                self._session = self._tier
             groups = self._sharded.groups if self._sharded is not None else None
             self._run = self._session.track_run(
                 rank=groups.rank if groups is not None else job_rank(),
@@ -500,7 +500,7 @@ class Checkpointer:
                 self._open_tier(state)
                 self._save_to_ram(step, state, None)
             self._preempt(step, agreed, plan)
-        to_ram = tier is not None and not on_error and step % tier.tier.every == 0
+        to_ram = tier is not None and not on_error and tier.due(step)
         if to_ram:
             self._open_tier(state)
         due = self.should_save(step)  # (with every="auto": times this step)
@@ -532,8 +532,11 @@ class Checkpointer:
         history.step(step, step_s=cadence.step_s(), save_s=stall_s, saved=handle is not None,
                      interval_steps=choice.interval_steps if choice is not None else None)
 
-    def _save_to_storage(self, session: Session, step: int, state: Mapping[str, Any],
-                         recorded: dict[str, float], *, on_error: bool) -> Any:
+    def _save_to_storage(self, session: Session | TieredSession, step: int,
+                         state: Mapping[str, Any], recorded: dict[str, float], *,
+                         on_error: bool) -> Any:
+        if isinstance(session, TieredSession):  # RAM: _save_to_ram, on the tier's schedule
+            session = session.inner
         name = self._template.name_at(step) + (ON_ERROR_SUFFIX if on_error else "")
         if self._sharded is not None:
             _refuse_plain_loaders(_check_state(state))
@@ -606,8 +609,8 @@ class Checkpointer:
     def _open_tier(self, state: Mapping[str, Any]) -> None:
         """Open the memory tier (collective when sharded), sized for ``state``; once."""
         tier = self._tier
-        if tier is not None and not tier.opened:
-            tier.open(state_bytes(self._ram_tree(0, _check_state(state))))
+        if tier is not None and not tier.engine.opened:
+            tier.open_tier(state_bytes(self._ram_tree(0, _check_state(state))))
 
     def _save_to_ram(self, step: int, state: Mapping[str, Any], handle: Any) -> None:
         """Keep ``state`` at ``step`` in RAM, borrowing the writer's staged copy of the same
@@ -619,7 +622,7 @@ class Checkpointer:
         if writer is not None and handle is not None:
             def borrow() -> Any:
                 return writer.lend_staged(handle)
-        tier.save(step, lambda: self._ram_tree(step, state), borrow=borrow)
+        tier.keep(step, lambda: self._ram_tree(step, state), borrow=borrow)
 
     def _load_from_ram(self, into: MutableMapping[str, Any], objects: Mapping[str, Any],
                        entries: list[Entry]) -> int | None:
@@ -643,7 +646,6 @@ class Checkpointer:
                               step=step)
                 self._apply(objects, into, self._check_format(entry, tree), entry)
             restored = tier.recover(max(steps, default=None), apply)
-        tier.announce()
         if restored is None:
             return None
         if restored.newer_than_storage:  # persisted first, as the snapshot extension does
@@ -804,6 +806,8 @@ class Checkpointer:
             SnapshotStorageError: the storage could not be reached.
         """
         session = self._require_open()
+        if isinstance(session, TieredSession):  # RAM is tried below, once, when step is None
+            session = session.inner
         objects = _check_state(into)
         if self._sharded is not None:
             _refuse_plain_loaders(objects)
@@ -980,24 +984,8 @@ class Checkpointer:
         """Close the memory tier: its tier is removed when the loop did not raise and storage
         holds the newest step this session kept in (or resumed from) RAM; else kept for the
         next run."""
-        tier = self._tier
-        if tier is None:
-            return
-        finished = False
-        if not self._failed and tier.opened:
-            tier.wait()
-            try:
-                newest = self.latest_step() if self._session is not None else None
-            except Exception:  # unreachable storage: keep the tier
-                newest = None
-            # the newest step this session put in RAM or resumed from it (then persisted)
-            ram = tier.last_step if tier.last_step is not None else (
-                None if tier.restored is None else tier.restored.step)
-            finished = ram is not None and newest is not None and newest >= ram
-            if ram is not None and not finished:
-                logger.info("memory tier: RAM step %s is newer than storage's %s: kept in %s "
-                            "for the next run", ram, newest, tier_dir(tier.tier.root, tier.job))
-        tier.close(finished=finished, failed=self._failed)
+        if self._tier is not None:
+            self._tier.close_tier(failed=self._failed)
 
     def _release(self) -> None:
         """Release the directory lock and this process's registration."""
@@ -1029,7 +1017,7 @@ class Checkpointer:
             logger.warning("%r was garbage-collected without close(); pending snapshots are "
                            "committed at exit", self)
 
-    def _require_open(self) -> Session:
+    def _require_open(self) -> Session | TieredSession:
         """The engine session of an open Checkpointer (RuntimeError once closed)."""
         if self._closed or self._session is None:
             raise RuntimeError(f"{self!r} is closed; create a new Checkpointer")

@@ -27,10 +27,13 @@ Requires ``transformers`` (``pip install snapkeep[hf]``); ``import snapkeep`` do
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
 import signal
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,9 +66,12 @@ from snapkeep.store import (
     CheckpointMarker,
     Entry,
     FileRecord,
+    MemoryTier,
     Session,
     StatusLog,
     Storage,
+    TieredSession,
+    check_memory,
     checkpoint_step,
     commit_checkpoint,
     read_marker,
@@ -524,13 +530,35 @@ class SnapkeepSaveMixin:
     as the stock Trainer does and commits the directory synchronously (logged once).
     :class:`SnapkeepCallback` is not needed with it (removed when present: its ``on_save``
     would run before the files exist).
+
+    ``memory=`` (a keyword argument besides the Trainer's: a ``snapkeep.MemoryTier``, as the
+    Checkpointer's ``memory``) keeps the state in node RAM too: at each step end that is a
+    multiple of ``memory.every``, the model's and optimizer's state dicts, the scheduler's and
+    scaler's, the RNG states and the ``TrainerState`` (what ``checkpoint-N`` would hold) are
+    staged into reused CPU buffers and committed to the tmpfs in the background
+    (:mod:`snapkeep._core.tiers.memory_tier`: verified by checksum, peers, cleanup). With
+    ``train(resume_from_checkpoint=True)`` the resume takes the newer of RAM and
+    :func:`latest_verified` (said on stderr: ``snapkeep: resuming from RAM step N (own copy;
+    storage's newest: M) in <tier>``, or why RAM was not used); a RAM step newer than storage
+    is first written as ``checkpoint-N`` (committed, its marker last) and the Trainer resumes
+    from that directory, as from any. With a path, RAM is taken when its step is at least the
+    path's; ``None`` starts fresh. The tier is removed at the end of ``train()`` once storage
+    holds its newest step. One process only (``world_size == 1``: the owned path).
+
+    Incremental checkpoints (``incremental=`` of the Checkpointer and Lightning doors) are not
+    offered here: ``checkpoint-N`` holds the Trainer's own files (``model.safetensors``,
+    ``optimizer.pt``), which ``from_pretrained`` and ``resume_from_checkpoint`` read as they
+    are; a file referring to shared blobs would break both.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, memory: MemoryTier | None = None, **kwargs: Any) -> None:
         import concurrent.futures
 
         from snapkeep.staging import BufferSet
 
+        self._snapkeep_memory = check_memory(memory)
+        self._snapkeep_tier: TieredSession | None = None
+        self._snapkeep_told_tier = False
         self._snapkeep_pending: Any = None
         self._snapkeep_told = False
         super().__init__(*args, **kwargs)
@@ -545,6 +573,8 @@ class SnapkeepSaveMixin:
         self._snapkeep_buffers = BufferSet()
         self._snapkeep_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="snapkeep-hf")
+        if self._snapkeep_memory is not None:
+            trainer.add_callback(_KeepInRam(self))
 
     def _snapkeep_owned(self) -> bool:
         from transformers import PreTrainedModel
@@ -594,6 +624,16 @@ class SnapkeepSaveMixin:
         self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)
 
     def _snapkeep_stage(self, trainer: Any) -> tuple[Any, ...]:
+        output_dir, step, tree, scheduler, scaler_state, rng, state = \
+            self._snapkeep_capture(trainer)
+        staged, _ = self._snapkeep_buffers.stage(tree)
+        return (output_dir, step, staged, scheduler, scaler_state, rng, state)
+
+    def _snapkeep_capture(self, trainer: Any) -> tuple[Any, ...]:
+        """What ``checkpoint-N`` of this step holds: its path, the step, the model's and
+        optimizer's state dicts (live tensors: stage them), copies of the scheduler's and
+        scaler's states, the RNG states (the Trainer's ``rng_state.pth``) and of the
+        ``TrainerState`` (updated as the Trainer's save updates it)."""
         import copy
         import random
 
@@ -621,7 +661,6 @@ class SnapkeepSaveMixin:
                 state.stateful_callbacks[name] = cb.state()
         tree = {"model": trainer.model.state_dict(),
                 "optimizer": trainer.optimizer.state_dict()}
-        staged, _ = self._snapkeep_buffers.stage(tree)
         scheduler = copy.deepcopy(trainer.lr_scheduler.state_dict())
         scaler = getattr(trainer.accelerator, "scaler", None)
         scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
@@ -629,7 +668,89 @@ class SnapkeepSaveMixin:
                                "cpu": torch.random.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["cuda"] = torch.cuda.random.get_rng_state()
-        return (output_dir, step, staged, scheduler, scaler_state, rng, copy.deepcopy(state))
+        return (output_dir, step, tree, scheduler, scaler_state, rng, copy.deepcopy(state))
+
+    # -- the memory tier (memory=) -------------------------------------------------------------
+    def _snapkeep_tiered(self) -> TieredSession:
+        """The memory tier, a layer on the callback's session (opened: locked)."""
+        trainer: Any = self
+        callback = self._snapkeep_callback
+        run_dir = trainer._get_output_dir(trial=None)
+        session = callback.session if callback.session is not None \
+            and callback.session.opened else callback.open(run_dir)
+        tier = self._snapkeep_tier
+        if tier is None or tier.inner is not session:
+            memory = self._snapkeep_memory
+            if memory is None:
+                raise RuntimeError("no memory tier (memory=None)")
+            storage, path = _storage(run_dir)
+            tier = TieredSession(session, memory, template=TEMPLATE,
+                                 directory=os.path.abspath(path) if storage.is_local
+                                 else storage.url(path))
+            if self._snapkeep_tier is not None:  # the RAM steps kept so far: still this run's
+                tier.engine = self._snapkeep_tier.engine
+            self._snapkeep_tier = tier
+        return tier
+
+    def _snapkeep_keep_in_ram(self) -> None:
+        """Keep this step's state in RAM (at a step end, every ``memory.every`` steps)."""
+        trainer: Any = self
+        memory = self._snapkeep_memory
+        step = trainer.state.global_step
+        if memory is None or step % memory.every:
+            return
+        if not self._snapkeep_owned():
+            if not self._snapkeep_told_tier:
+                logger.warning("snapkeep: memory= is for the owned save (one process, a "
+                               "PreTrainedModel, no DeepSpeed/FSDP): this Trainer setup keeps "
+                               "nothing in RAM")
+                self._snapkeep_told_tier = True
+            return
+        tier = self._snapkeep_tiered()
+
+        def build() -> dict[str, Any]:
+            _, _, tree, scheduler, scaler, rng, state = self._snapkeep_capture(trainer)
+            return {**tree, "scheduler": scheduler, "scaler": scaler,
+                    "rng": _rng_to_tree(rng),
+                    "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)}
+
+        tier.keep(step, build)
+
+    def _snapkeep_resume(self, resume_from_checkpoint: Any) -> Any:
+        """``resume_from_checkpoint`` with the memory tier: the newer of RAM and storage (see
+        the class docstring); RAM newer than storage is written as ``checkpoint-N`` first."""
+        from transformers import TrainerState
+
+        trainer: Any = self
+        tier = self._snapkeep_tiered()
+        run_dir = trainer._get_output_dir(trial=None)
+        storage_step: int | None
+        if resume_from_checkpoint is True:
+            listed = tier.newest_stored()
+            storage_step = listed
+        else:
+            storage_step = checkpoint_step(os.path.basename(
+                os.fspath(resume_from_checkpoint).rstrip("/")))
+        restored_dir: list[str] = []
+
+        def apply(tree: Any, step: int, path: str) -> None:
+            tier.inner.continue_lineage(step)  # its marker: the run of the step before it
+            state = TrainerState(**json.loads(tree["trainer_state"]))
+            output_dir = os.path.join(run_dir, f"checkpoint-{step}")
+            storage, run_path = _storage(run_dir)
+            CheckpointDirs(storage, run_path).claim(storage.join(run_path,
+                                                                 f"checkpoint-{step}"), step)
+            self._snapkeep_write(output_dir, step, {"model": tree["model"],
+                                                    "optimizer": tree["optimizer"]},
+                                 tree["scheduler"], tree["scaler"], _rng_from_tree(tree["rng"]),
+                                 state, step_metrics(state))
+            restored_dir.append(output_dir)
+
+        if tier.recover(storage_step, apply) is not None:
+            return restored_dir[0]
+        if resume_from_checkpoint is True:
+            return latest_verified(run_dir)
+        return resume_from_checkpoint
 
     def _snapkeep_write(self, output_dir: str, step: int, staged: dict[str, Any],
                         scheduler: Any, scaler: Any, rng: Any, state: Any,
@@ -672,7 +793,16 @@ class SnapkeepSaveMixin:
         (``failed`` when either raised) and the output directory's lock is released."""
         callback = self._snapkeep_callback
         trainer: Any = self
+        failed = True
         try:
+            if self._snapkeep_memory is not None and self._snapkeep_owned():
+                resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+                if resume is not None and resume is not False:
+                    resume = self._snapkeep_resume(resume)
+                    if args:
+                        args = (resume, *args[1:])
+                    else:
+                        kwargs["resume_from_checkpoint"] = resume
             try:
                 result = super().train(*args, **kwargs)  # type: ignore[misc]
             except BaseException as e:
@@ -694,10 +824,57 @@ class SnapkeepSaveMixin:
                                            reason=f"{type(e).__name__}: {e}"
                                            .splitlines()[0][:500])
                 raise
+            failed = False
             callback.end(trainer.state.global_step)  # finished; or preempted: SystemExit(143)
             return result
         finally:
-            callback.close()
+            try:
+                if self._snapkeep_tier is not None:  # removed once storage holds its newest
+                    self._snapkeep_tier.close_tier(failed=failed)
+                    self._snapkeep_tier = None
+            finally:
+                callback.close()
+
+
+class _KeepInRam(TrainerCallback):  # type: ignore[misc]
+    """The owned save's memory tier at each step end (``SnapkeepSaveMixin(memory=...)``)."""
+
+    def __init__(self, mixin: SnapkeepSaveMixin) -> None:
+        self._mixin = weakref.ref(mixin)  # the Trainer holds its callbacks
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        mixin = self._mixin()
+        if mixin is not None:
+            mixin._snapkeep_keep_in_ram()
+
+
+def _rng_to_tree(rng: Mapping[str, Any]) -> dict[str, Any]:
+    """The Trainer's RNG states (``rng_state.pth``: Python's, NumPy's, torch's) as values
+    ``torch.load(weights_only=True)`` reads (ints, bytes, tuples: no NumPy array)."""
+    version, internal, gauss = rng["python"]
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    tree: dict[str, Any] = {
+        "python": (int(version), tuple(int(v) for v in internal), gauss),
+        "numpy": (str(kind), tuple(int(k) for k in keys), int(pos), int(has_gauss),
+                  float(cached)),
+        "cpu": rng["cpu"].clone()}
+    if "cuda" in rng:
+        tree["cuda"] = rng["cuda"].clone()
+    return tree
+
+
+def _rng_from_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`_rng_to_tree` undone: the Trainer's ``rng_state.pth`` content."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = tree["numpy"]
+    rng = {"python": tuple(tree["python"]),
+           "numpy": (kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+           "cpu": tree["cpu"]}
+    if "cuda" in tree:
+        rng["cuda"] = tree["cuda"]
+    return rng
 
 
 class _OwnedCallback(SnapkeepCallback):

@@ -120,11 +120,15 @@ from snapkeep.store import (
     MANIFEST_DIR,
     Entry,
     FilenameTemplate,
+    IncrementalTracker,
     ManifestError,
+    MemoryTier,
     RunControl,
     RunLineage,
     Session,
     SnapshotStore,
+    TieredSession,
+    check_memory,
     check_timeout_s,
     load_file,
     manifest_path,
@@ -132,6 +136,7 @@ from snapkeep.store import (
     read_manifest,
     say,
     step_template,
+    tiered,
     warn_user,
 )
 from snapkeep.writing import ThreadWriter, Writer
@@ -291,10 +296,12 @@ class _Directory:
     """One checkpoint directory: its store and the engine session on it (opened, with the
     lock, by the first save or :meth:`SnapkeepCheckpointIO.open`)."""
 
-    def __init__(self, store: _LightningStore, session: Session, template: str | None) -> None:
+    def __init__(self, store: _LightningStore, session: Session | TieredSession,
+                 template: str | None) -> None:
         self.store = store
-        self.session = session
+        self.session = session  # a TieredSession with memory=: the tier is its layer
         self.template = template
+        self.incremental: IncrementalTracker | None = None  # with incremental=True
         # the directory itself, however spelled (one trainer per directory, see the lock)
         self.key = os.path.realpath(store.directory) if store.storage.is_local \
             else store.storage.url(store.directory)
@@ -346,26 +353,50 @@ class SnapkeepCheckpointIO(CheckpointIO):
             (default True: tensors, containers and primitive values only, plus snapkeep's
             allow-list; pass False only for trusted files holding other objects).
         quiet: no resume notice on stderr (it is still logged at INFO).
+        memory: keep the checkpoint in node RAM too (a ``snapkeep.MemoryTier``, as the
+            Checkpointer's ``memory``): each save at a step that is a multiple of
+            ``memory.every`` goes to RAM as well, from the copy the writer staged (no second
+            staging), and :class:`ModelCheckpoint` keeps the steps between saves there (its
+            ``on_train_batch_end``, every ``memory.every`` steps). ``ckpt_path="last"`` then
+            resumes from RAM when the RAM step is at least the newest checkpoint's (verified
+            against its checksum; said on stderr: ``snapkeep: resuming from RAM step N (own
+            copy; storage's newest: M) in <tier>``), else from storage, saying why. The tier
+            is removed at ``teardown`` once storage holds its newest step; otherwise it is
+            kept for the restart. One process only (under DDP every rank holds the same
+            state: use :class:`snapkeep.Checkpointer`). See
+            :mod:`snapkeep._core.tiers.memory_tier`. Default None.
+        incremental: write incremental checkpoints (as the Checkpointer's ``incremental``):
+            each tensor storage of at least 1 MiB is stored once as a content-addressed blob
+            in ``<dirpath>/.snapkeep/blobs/`` and the checkpoint refers to the blobs whose
+            bytes did not change since the last save (a frozen backbone is written once).
+            ``load_checkpoint``, ``snapkeep verify`` and ``snapkeep.load_latest`` check every
+            blob used; a bare ``torch.load`` of such a file fails, pointing to ``snapkeep
+            convert``. Default False.
 
     Raises:
-        TypeError: ``writer`` is not a snapkeep writer, ``keep`` not an int or policy, or
-            ``weights_only``/``quiet`` not a bool.
+        TypeError: ``writer`` is not a snapkeep writer, ``keep`` not an int or policy,
+            ``weights_only``/``quiet``/``incremental`` not a bool, or ``memory`` not a
+            ``MemoryTier``.
         ValueError: ``writer`` has an ``out_dir`` of its own; ``keep`` < 1.
     """
 
     def __init__(self, writer: Writer | None = None, *,
                  keep: int | RetentionPolicy | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 weights_only: bool = True, quiet: bool = False) -> None:
+                 weights_only: bool = True, quiet: bool = False,
+                 memory: MemoryTier | None = None, incremental: bool = False) -> None:
         if writer is not None and not isinstance(writer, Writer):
             raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
                             f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
         if writer is not None and writer.out_dir:
             raise ValueError(f"writer has out_dir {writer.out_dir!r}; Lightning names each "
                              "checkpoint's directory: pass a writer without out_dir")
-        for name, value in (("weights_only", weights_only), ("quiet", quiet)):
+        for name, value in (("weights_only", weights_only), ("quiet", quiet),
+                            ("incremental", incremental)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
+        self._memory = check_memory(memory)
+        self._incremental = incremental
         self._policy = keep_policy(keep)
         self._writer = writer if writer is not None else ThreadWriter(
             storage_options=storage_options)
@@ -382,6 +413,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
         self._metrics: dict[str, dict[str, float]] = {}  # path -> metrics of its next save
         self._loaded: tuple[str, str] | None = None  # (requested, loaded) of the last load
         self._written: set[str] = set()  # paths this IO saved or aliased (never foreign)
+        self._from_ram: dict[str, Any] = {}  # the RAM snapshot last() chose, by its path
         self._closed = False
 
     # -- directories ---------------------------------------------------------------------------
@@ -396,9 +428,16 @@ class SnapkeepCheckpointIO(CheckpointIO):
                                         else step_template(template))
                 lineage = found.session.lineage if found is not None \
                     else RunLineage.named(RUN_ID)
-                session = Session(store, policy=self._policy, lineage=lineage,
-                                  quiet=self._quiet, shown_template=template or "*.ckpt",
-                                  door=RUN_ID)
+                if self._memory is not None and is_distributed():
+                    raise ValueError(
+                        "SnapkeepCheckpointIO(memory=...) is for one process: Lightning calls "
+                        "the CheckpointIO on rank 0 only, while the memory tier is collective. "
+                        "Under DDP use snapkeep.Checkpointer(memory=...), or memory=None")
+                session = tiered(
+                    Session(store, policy=self._policy, lineage=lineage, quiet=self._quiet,
+                            shown_template=template or "*.ckpt", door=RUN_ID),
+                    self._memory, template=template or "*.ckpt", quiet=self._quiet,
+                    directory=os.path.abspath(path) if storage.is_local else storage.url(path))
                 found = _Directory(store, session, template)
                 self._directories[directory] = found
             if lock and not found.session.opened:
@@ -457,6 +496,46 @@ class SnapkeepCheckpointIO(CheckpointIO):
         ranked += [(((float(e.step),), 0), e.path) for e in self.foreign(os.fspath(directory))
                    if e.step is not None]
         return max(ranked)[1] if ranked else None
+
+    def last(self, directory: str, *, template: str | None = None) -> str | None:
+        """What ``ckpt_path="last"`` resumes (:class:`ModelCheckpoint` asks): with
+        ``memory=``, the RAM snapshot of the tier when its step is at least :meth:`newest`'s
+        (its copy verified while it is read; the path of that file in the tier, which
+        :meth:`load_checkpoint` then returns as read, no storage snapshot read); else
+        :meth:`newest`. RAM is tried once per :meth:`open` (collective: the tier's recovery);
+        what happened is said on stderr (``snapkeep: resuming from RAM step N (...)`` or why
+        storage is used).
+
+        Raises:
+            SnapshotStorageError: the storage could not be reached.
+            MemoryTierTooSmallError, NotPrivateError: the tier cannot be opened.
+        """
+        newest = self.newest(directory, template=template)
+        found = self._directory(os.fspath(directory), lock=False, template=template)
+        session = found.session
+        if not isinstance(session, TieredSession) or session.recovered:
+            return newest
+        steps = [e.step for e in found.session.own(found.store.entries())
+                 if e.step is not None]
+        steps += [e.step for e in self.foreign(os.fspath(directory)) if e.step is not None]
+        size = 0
+        if newest is not None:  # what the tier must hold (no byte read)
+            try:
+                size = int(found.store.storage.size(newest))
+            except OSError:
+                size = 0
+        got: dict[str, Any] = {}
+
+        def keep(tree: Any, step: int, path: str) -> None:
+            got[path] = _check_checkpoint(Entry(name=os.path.basename(path), path=path,
+                                                key=(float(step),), step=step), tree)
+
+        if session.recover(max(steps, default=None), keep, size_bytes=size) is None:
+            return newest
+        ((path, tree),) = got.items()
+        with self._guard:
+            self._from_ram[path] = tree
+        return path
 
     def foreign(self, directory: str) -> list[Entry]:
         """The Lightning checkpoints in ``directory`` that snapkeep did not write (no snapkeep
@@ -523,6 +602,24 @@ class SnapkeepCheckpointIO(CheckpointIO):
         session = self._directory(os.fspath(directory), lock=False).session
         session.resume(_nothing_to_apply, candidates=[])
 
+    def keep_in_ram(self, directory: str, step: int, build: Callable[[], Any]) -> bool:
+        """Keep ``build()`` (the checkpoint dict of ``step``) in the memory tier of
+        ``directory`` when ``memory=`` was given and ``step`` is due (a multiple of
+        ``memory.every``); :class:`ModelCheckpoint` calls it at each training batch end
+        without a save. Returns whether it was kept. Returns once the copy is staged.
+
+        Raises:
+            SnapshotSaveError: the previous RAM snapshot failed in the background (once).
+            MemoryTierTooSmallError, NotPrivateError: the tier cannot be opened.
+        """
+        if self._memory is None or step % self._memory.every:
+            return False
+        session = self._directory(os.fspath(directory), lock=True).session
+        if not isinstance(session, TieredSession):
+            return False
+        session.keep(step, build)
+        return True
+
     def record_metrics(self, path: Any, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` (finite one-number values) in the manifest of the next save to
         ``path`` (:class:`ModelCheckpoint` passes Lightning's ``callback_metrics``); retention
@@ -565,8 +662,10 @@ class SnapkeepCheckpointIO(CheckpointIO):
         step = step if isinstance(step, int) and not isinstance(step, bool) else None
         with self._guard:
             metrics = self._metrics.pop(os.fspath(path), {})
+        if self._incremental and found.incremental is None:
+            found.incremental = IncrementalTracker.for_store(found.store)
         handle = found.session.save(self._writer, name, directory, checkpoint, step=step,
-                                    metrics=metrics)
+                                    metrics=metrics, incremental=found.incremental)
         if handle is not None:
             with self._guard:
                 self._last_handle = handle
@@ -602,6 +701,11 @@ class SnapkeepCheckpointIO(CheckpointIO):
             UnsafeSnapshotError: the file needs ``weights_only=False``; nothing executed.
         """
         self.wait()
+        with self._guard:
+            from_ram = self._from_ram.pop(os.fspath(path), None)
+            if from_ram is not None:  # chosen and verified by last(); said on stderr there
+                self._loaded = (os.fspath(path), os.fspath(path))
+                return dict(from_ram)
         weights_only = self._weights_only if weights_only is None else bool(weights_only)
         location = "cpu" if map_location is None else map_location
         directory, name = _split(os.fspath(path))
@@ -643,9 +747,12 @@ class SnapkeepCheckpointIO(CheckpointIO):
             candidates = [e for e in entries if e.key <= chosen.key and e.path != chosen.path]
             candidates.append(chosen)
         loaded: dict[str, Any] = {}
-        entry = found.session.resume(lambda e, state: loaded.update(state=state),
-                                     check=_check_checkpoint, candidates=candidates,
-                                     weights_only=weights_only, map_location=location)
+        session = found.session
+        if isinstance(session, TieredSession):  # RAM: last() chooses it for ckpt_path="last"
+            session = session.inner
+        entry = session.resume(lambda e, state: loaded.update(state=state),
+                               check=_check_checkpoint, candidates=candidates,
+                               weights_only=weights_only, map_location=location)
         if entry is None:  # unreachable: candidates is not empty
             raise FileNotFoundError(f"checkpoint not found: {target}")
         logger.info("loaded %s (step %s)", entry.path, entry.step)
@@ -672,13 +779,20 @@ class SnapkeepCheckpointIO(CheckpointIO):
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every save so far is committed and the removals and aliases waiting
-        for them are done; raise a background save's error, once.
+        for them are done, and (``memory=``) the RAM snapshot in flight; raise a background
+        save's error, once.
 
         Raises:
-            SnapshotTimeoutError: still pending after ``timeout_s`` seconds.
+            SnapshotTimeoutError: still pending after ``timeout_s`` seconds (the RAM snapshot:
+                after ``2 x MemoryTier timeout_s``).
             SnapshotSaveError: a background save failed.
         """
         self._writer.wait(timeout_s)
+        with self._guard:
+            tiers = [d.session for d in self._directories.values()
+                     if isinstance(d.session, TieredSession)]
+        for tier in tiers:
+            tier.wait()
         with self._idle:  # the committed future's callbacks run after its waiters wake
             if not self._idle.wait_for(lambda: not self._waiting, timeout_s):
                 raise SnapshotTimeoutError(f"removals and aliases still waiting after "
@@ -718,6 +832,11 @@ class SnapkeepCheckpointIO(CheckpointIO):
         as URLs; None before any load."""
         with self._guard:
             return self._loaded
+
+    @property
+    def memory(self) -> MemoryTier | None:
+        """The memory tier's configuration (``memory=``; None: no tier)."""
+        return self._memory
 
     @property
     def writer(self) -> Writer:
@@ -772,7 +891,13 @@ class SnapkeepCheckpointIO(CheckpointIO):
                 return
             self._aliases.pop(full, None)
             self._written.discard(full)
-            store.delete(Entry(name=name, path=full, key=(), step=None), by="lightning")
+            try:  # an incremental checkpoint's blobs: freed once no checkpoint refers to them
+                manifest = read_manifest(store.storage, manifest_path(store.storage, full))
+            except (ManifestError, OSError):
+                manifest = None
+            if store.delete(Entry(name=name, path=full, key=(), step=None), by="lightning") \
+                    and manifest is not None and manifest.blobs:
+                store.collect_blobs(set(manifest.blobs))
 
     def _write_alias(self, target: str, alias: str) -> None:
         with self._guard:
@@ -952,7 +1077,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         io = _snapkeep_io(trainer)
         if io is None or not self.dirpath:
             return super()._find_last_checkpoints(trainer)
-        newest = io.newest(os.fspath(self.dirpath), template=self.step_template())
+        newest = io.last(os.fspath(self.dirpath), template=self.step_template())
         if newest is None:  # Lightning's own rule for files whose step cannot be known
             stock = {p for p in super()._find_last_checkpoints(trainer) if io.is_foreign(p)}
             if stock:
@@ -1118,6 +1243,19 @@ class ModelCheckpoint(LightningModelCheckpoint):
                 and self._should_remove_checkpoint(trainer, previous, filepath):
             self._remove_checkpoint(trainer, previous)
 
+    def _keep_in_ram(self, trainer: Any) -> None:
+        """A step the memory tier keeps (``SnapkeepCheckpointIO(memory=...)``) and that was
+        not saved (a save keeps it already): its checkpoint dict, as a save would hold it, to
+        RAM."""
+        io = _snapkeep_io(trainer)
+        step = trainer.global_step
+        if io is None or not self.dirpath or not trainer.is_global_zero \
+                or self._last_global_step_saved == step:
+            return
+        connector = trainer._checkpoint_connector
+        io.keep_in_ram(os.fspath(self.dirpath), step,
+                       lambda: connector.dump_checkpoint(weights_only=False))
+
     # -- preemption and the run status -----------------------------------------------------------
     def _arm(self, trainer: Any) -> None:
         run = self._run
@@ -1133,6 +1271,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         self._stream.step_end()  # before this step's snapshot: what the next step starts from
         self._record_position(trainer, batch_idx)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self._keep_in_ram(trainer)
         run = self._run
         if run is None or run.watch is None:
             return

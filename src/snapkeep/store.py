@@ -118,6 +118,7 @@ from snapkeep._core.tiers.memory_tier import (
     newest_listed_step,
     state_bytes,
 )
+from snapkeep._core.tiers.tiered_session import TieredSession, check_memory, tiered
 from snapkeep._core.user_warnings import user_stacklevel, warn_user
 
 
@@ -150,6 +151,7 @@ __all__ = [
     "SaveTimes", "check_grace_s", "grace_from", "RecordError", "parse_json",
     "AutoInterval", "Cadence", "Choice", "check_every", "Goodput", "RunHistory", "run_goodput",
     "checkfreq_interval_s", "choose", "daly_interval_s", "young_interval_s", "estimate_mtbf_s",
+    "TieredSession", "check_memory", "tiered",
 ]
 
 

@@ -10,10 +10,12 @@ to the door (skipped with that reason by ``conftest.py``).
 
 Also a worker, for the preemption tests (a real signal to a real Trainer process)::
 
-    python framework_doors.py lightning DIR STOP [--every N] [--pause-at K]
+    python framework_doors.py lightning DIR STOP [--every N] [--pause-at K] [--memory ROOT]
 
 saves every ``N`` steps; after step ``K`` prints ``step K`` (flushed) and waits for a line on
 stdin (the test signals it meanwhile); writes ``DIR/final.pt`` (the model's state) at the end.
+With ``--memory ROOT`` the IO keeps a memory tier in ``ROOT`` every step, and step ``K`` is
+printed once its saves and its RAM snapshot are committed.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _quiet_framework(*loggers: str) -> Iterator[None]:
 
 
 # -- Lightning -----------------------------------------------------------------------------------
-def _lightning_module(pause_at: int = 0) -> Any:
+def _lightning_module(pause_at: int = 0, backbone: torch.nn.Module | None = None) -> Any:
     import lightning.pytorch as pl
 
     class Tiny(pl.LightningModule):
@@ -76,6 +78,8 @@ def _lightning_module(pause_at: int = 0) -> Any:
             super().__init__()
             torch.manual_seed(0)
             self.net = torch.nn.Linear(4, 2)
+            if backbone is not None:  # frozen: saved, never trained (incremental: one blob)
+                self.backbone = backbone
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             step = self.global_step + 1
@@ -84,6 +88,9 @@ def _lightning_module(pause_at: int = 0) -> Any:
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             if self.global_step == pause_at:
+                io = self.trainer.strategy.checkpoint_io
+                if getattr(io, "memory", None) is not None:
+                    io.wait()  # the saves and the RAM snapshot of this step committed
                 print(f"step {self.global_step}", flush=True)
                 go = os.environ.get("SNAPKEEP_TEST_GO")
                 if go is None:
@@ -98,7 +105,7 @@ def _lightning_module(pause_at: int = 0) -> Any:
                                                batch_size=1)
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return torch.optim.SGD(self.net.parameters(), lr=0.1)
 
     return Tiny()
 
@@ -106,21 +113,24 @@ def _lightning_module(pause_at: int = 0) -> Any:
 def train_lightning(directory: pathlib.Path | str, stop: int, *,
                     keep: RetentionPolicy | None = None, every: int = 1,
                     pause_at: int = 0, devices: int = 1, preemption: bool = True,
-                    callbacks: tuple[Any, ...] = ()) -> torch.nn.Module:
+                    callbacks: tuple[Any, ...] = (), memory: Any = None,
+                    backbone: torch.nn.Module | None = None) -> torch.nn.Module:
     """Lightning's Trainer with snapkeep's CheckpointIO and ModelCheckpoint (names
-    ``ckpt_<step>``, every ``every`` steps), resumed with ``ckpt_path="last"``."""
+    ``ckpt_<step>``, every ``every`` steps), resumed with ``ckpt_path="last"``; with
+    ``memory`` (a ``snapkeep.MemoryTier``) the IO keeps the tier; with ``backbone`` (a frozen
+    module, part of the model) the checkpoints are incremental."""
     import lightning.pytorch as pl
 
     from snapkeep.lightning import ModelCheckpoint, SnapkeepCheckpointIO
 
     with _quiet_framework("lightning.pytorch", "lightning.fabric"):
-        module = _lightning_module(pause_at)
+        module = _lightning_module(pause_at, backbone)
         checkpoint = ModelCheckpoint(dirpath=directory, filename="ckpt_{step}",
                                      auto_insert_metric_name=False, every_n_train_steps=every,
                                      save_top_k=-1, enable_version_counter=False,
                                      preemption=preemption)
         checkpoint.FILE_EXTENSION = ""  # Lightning's documented knob: names end in the step
-        io = SnapkeepCheckpointIO(keep=keep)
+        io = SnapkeepCheckpointIO(keep=keep, memory=memory, incremental=backbone is not None)
         trainer = pl.Trainer(
             max_steps=stop, max_epochs=-1, accelerator="cpu", devices=devices, logger=False,
             strategy="ddp" if devices > 1 else "auto",
@@ -137,13 +147,41 @@ class LightningDoor:
     name = "lightning"
     sharded = False
     skips: dict[str, str] = {}
+    memory_tier = True  # SnapkeepCheckpointIO(memory=...)
+    frozen_blobs = True  # SnapkeepCheckpointIO(incremental=True)
 
     def snapshot_name(self, step: int) -> str:
         return f"ckpt_{step}"
 
     def train(self, directory: pathlib.Path, stop: int, *,
-              keep: RetentionPolicy | None = None) -> torch.nn.Module:
-        return train_lightning(directory, stop, keep=keep)
+              keep: RetentionPolicy | None = None, memory: Any = None, every: int = 1,
+              length: int | None = None) -> torch.nn.Module:
+        # length: Lightning's run ends at max_steps=stop; the tier stays while RAM is newer
+        return train_lightning(directory, stop, keep=keep, memory=memory, every=every)
+
+    def train_frozen(self, directory: pathlib.Path | str, stop: int, *,
+                     after_save: Any = None) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """Incremental checkpoints over a frozen 1 MiB backbone (the matrix's
+        ``_frozen_backbone``); ``after_save(step)`` once step's checkpoint is committed (at
+        the next batch's start: Lightning runs ModelCheckpoint's save after every other
+        callback's batch end)."""
+        import lightning.pytorch as pl
+
+        from snapkeep.lightning import SnapkeepCheckpointIO
+
+        class AfterSave(pl.Callback):  # type: ignore[misc]
+            def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+                io = trainer.strategy.checkpoint_io
+                if after_save is not None and isinstance(io, SnapkeepCheckpointIO) \
+                        and trainer.global_step > 0:
+                    io.wait()
+                    after_save(trainer.global_step)
+
+        torch.manual_seed(1)
+        backbone = torch.nn.Linear(512, 512, bias=False)
+        backbone.requires_grad_(False)
+        net = train_lightning(directory, stop, backbone=backbone, callbacks=(AfterSave(),))
+        return net, backbone
 
     def plant_other_door(self, directory: pathlib.Path | str, step: int,
                          storage_options: dict[str, Any] | None = None) -> str | None:
@@ -213,10 +251,14 @@ class _Inputs(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 def train_hf(directory: pathlib.Path | str, stop: int, *,
              keep: RetentionPolicy | None = None, every: int = 1, preemption: bool = False,
-             callbacks: tuple[Any, ...] = ()) -> torch.nn.Module:
+             callbacks: tuple[Any, ...] = (), memory: Any = None,
+             length: int | None = None) -> torch.nn.Module:
     """The Trainer with snapkeep's owned, asynchronous save (``SnapkeepTrainer``, its
     ``SnapkeepCallback`` giving ``keep``), saving ``checkpoint-N`` every step with ``val_loss``
-    logged at each, resumed with ``resume_from_checkpoint=latest_verified(...)``."""
+    logged at each, resumed with ``resume_from_checkpoint=latest_verified(...)``; with
+    ``memory`` (a ``snapkeep.MemoryTier``) the owned save keeps the tier and the resume is
+    ``resume_from_checkpoint=True`` (the newer of RAM and ``latest_verified``); with
+    ``length`` the run plans ``length`` steps and stops after ``stop`` (an unfinished run)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import TrainerCallback, TrainingArguments
 
@@ -227,10 +269,12 @@ def train_hf(directory: pathlib.Path | str, stop: int, *,
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.trainer.log({"val_loss": val_loss(state.global_step)})
+            if state.global_step == stop:  # before its planned end (length): no end save
+                control.should_training_stop = True
 
     with _quiet_framework("transformers"):
         args = TrainingArguments(
-            output_dir=str(directory), max_steps=stop, per_device_train_batch_size=1,
+            output_dir=str(directory), max_steps=length or stop, per_device_train_batch_size=1,
             optim="sgd", learning_rate=0.1, lr_scheduler_type="constant", save_strategy="steps",
             save_steps=every, report_to=[], use_cpu=True, disable_tqdm=True,
             logging_strategy="no", seed=0, dataloader_num_workers=0)
@@ -238,29 +282,37 @@ def train_hf(directory: pathlib.Path | str, stop: int, *,
         trainer = hf.SnapkeepTrainer(model=_hf_model(), args=args, train_dataset=_Inputs(),
                                      callbacks=[hf.SnapkeepCallback(keep=keep,
                                                                     preemption=preemption),
-                                                log, *callbacks])
+                                                log, *callbacks], memory=memory)
         log.trainer = trainer
-        trainer.train(resume_from_checkpoint=hf.latest_verified(directory))
+        trainer.train(resume_from_checkpoint=True if memory is not None
+                      else hf.latest_verified(directory))
     return trainer.model.net
 
 
 class HFDoor:
     name = "hf"
     sharded = True  # its snapshots are directories (checkpoint-N), each with a marker
+    memory_tier = True  # SnapkeepTrainer(memory=...)
     other_door_skip = ("its snapshots are checkpoint-N directories the Trainer writes; another "
                        "door's single file under those names is no directory and never listed")
     skips = {
         "test_the_reading_doors_agree_with_the_training_door":
             "load_latest reads snapkeep's own snapshots; the Trainer reads its checkpoint-N "
             "directories itself (resume_from_checkpoint=latest_verified(...))",
+        "test_a_damaged_blob_is_written_again_and_every_snapshot_loads":
+            "no incremental checkpoints: checkpoint-N holds the Trainer's own files "
+            "(model.safetensors, optimizer.pt), which from_pretrained and "
+            "resume_from_checkpoint read as they are; a file referring to shared blobs would "
+            "break both (hf.SnapkeepSaveMixin)",
     }
 
     def snapshot_name(self, step: int) -> str:
         return f"checkpoint-{step}"
 
     def train(self, directory: pathlib.Path, stop: int, *,
-              keep: RetentionPolicy | None = None) -> torch.nn.Module:
-        return train_hf(directory, stop, keep=keep)
+              keep: RetentionPolicy | None = None, memory: Any = None, every: int = 1,
+              length: int | None = None) -> torch.nn.Module:
+        return train_hf(directory, stop, keep=keep, memory=memory, every=every, length=length)
 
     def worker_command(self, directory: str, steps: int, exit_at: int | None) -> list[str]:
         """``SnapkeepTrainer``, 4 batches an epoch, ``checkpoint-N`` every step."""
@@ -281,10 +333,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=int, default=1)
     parser.add_argument("--pause-at", type=int, default=0)
     parser.add_argument("--devices", type=int, default=1, help="ranks (under torchrun: DDP)")
+    parser.add_argument("--memory", default=None, help="a memory tier's root (every step)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    memory = None
+    if args.memory is not None:
+        import snapkeep
+
+        memory = snapkeep.MemoryTier(every=1, replicas=0, root=args.memory)
     model = train_lightning(args.directory, args.stop, every=args.every,
-                            pause_at=args.pause_at, devices=args.devices)
+                            pause_at=args.pause_at, devices=args.devices, memory=memory)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(model.state_dict(), os.path.join(args.directory, "final.pt"))
     return 0

@@ -2,14 +2,18 @@
 door's tests and its kill benchmark.
 
     python hf_worker.py OUT_DIR [--max-steps 8] [--save-steps 2] [--eval-steps N]
-        [--resume none|verified|stock] [--callback] [--save-total-limit K]
+        [--resume none|verified|stock|latest] [--callback] [--save-total-limit K]
         [--hold-at N] [--hold-stage model|optimizer|state] [--hidden 32] [--stale N]
+        [--owned [--memory ROOT]]
 
 ``--hold-at N``: while saving checkpoint-N, at ``--hold-stage``, write ``OUT_DIR/holding-N`` and
 wait to be killed (the parent sends SIGKILL): ``model`` after the weights, ``optimizer`` after
 ``optimizer.pt`` is half written (its bytes flushed so far), ``state`` after
 ``trainer_state.json``, before the commit marker. At the end it writes ``OUT_DIR/final.pt`` (the
 model's parameters) and prints ``resumed-from <path|None>`` and ``best <path|None>``.
+``--memory ROOT``: the owned save keeps a memory tier in ``ROOT`` every step
+(``SnapkeepTrainer(memory=...)``); ``--resume latest`` passes ``resume_from_checkpoint=True``
+(the newer of RAM and ``latest_verified``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
+import snapkeep  # noqa: E402
 from snapkeep import hf  # noqa: E402
 
 SEQ = 16
@@ -100,7 +105,9 @@ def main(argv: list[str] | None = None) -> Trainer:
     p.add_argument("--load-best", action="store_true")
     p.add_argument("--greater-is-better", action="store_true",
                    help="rank eval_loss upside down, so the best is an early checkpoint")
-    p.add_argument("--resume", choices=["none", "verified", "stock"], default="none")
+    p.add_argument("--resume", choices=["none", "verified", "stock", "latest"],
+                   default="none")
+    p.add_argument("--memory", default=None, help="the owned save's memory tier root")
     p.add_argument("--callback", action="store_true")
     p.add_argument("--owned", action="store_true", help="hf.SnapkeepTrainer's async save")
     p.add_argument("--hold-at", type=int, default=None)
@@ -138,11 +145,16 @@ def main(argv: list[str] | None = None) -> Trainer:
                                           else None))
     base: type = hf.SnapkeepTrainer if a.owned else Trainer
     cls = make_trainer_class(base, a.out_dir, a.hold_at, a.hold_stage)
+    tier = {} if a.memory is None else {
+        "memory": snapkeep.MemoryTier(every=1, replicas=0, root=a.memory)}
     trainer = cls(model=model, args=args, train_dataset=Tokens(64, 64, 1),
-                  eval_dataset=Tokens(8, 64, 2) if evaluating else None, callbacks=callbacks)
+                  eval_dataset=Tokens(8, 64, 2) if evaluating else None, callbacks=callbacks,
+                  **tier)
     resume: str | bool | None = None
     if a.resume == "verified":
         resume = hf.latest_verified(a.out_dir)
+    elif a.resume == "latest":
+        resume = True
     elif a.resume == "stock":
         resume = get_last_checkpoint(a.out_dir) if os.path.isdir(a.out_dir) else None
     print(f"resumed-from {resume}", flush=True)

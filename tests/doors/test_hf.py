@@ -245,6 +245,34 @@ def test_the_owned_async_save_killed_mid_save_resumes_bit_identical(
         hf.verify_checkpoint(killed / f"checkpoint-{step}")
 
 
+@pytest.mark.slow
+def test_killed_mid_save_with_the_memory_tier_resumes_from_ram_bit_identical(
+        tmp_path: pathlib.Path) -> None:
+    """``SnapkeepTrainer(memory=MemoryTier(every=1))``, checkpoints every 2 steps: SIGKILL while
+    checkpoint-6 is being written (storage's newest committed: 4; RAM: step 5, or 6 when its
+    RAM commit was done). The rerun with ``resume_from_checkpoint=True`` resumes from RAM (said
+    on stderr), writes that step as a committed checkpoint first, and ends bit-identical to an
+    uninterrupted stock run (dropout included); storage then holding step 8, the tier is
+    removed. (Before: no memory tier in the HF door; the rerun resumed from checkpoint-4.)"""
+    _run(tmp_path / "reference")
+    killed, root = tmp_path / "killed", tmp_path / "shm"
+    _kill_mid_save(killed, 6, "model", "--owned", "--memory", str(root))
+    held = {int(p.name.rsplit("_", 1)[1])
+            for p in root.glob("snapkeep-*/rank0/ram_iter_*")}
+    assert held and held <= {5, 6}, held  # 5 stays until 6 is committed
+    step = max(held)
+    done = subprocess.run([sys.executable, str(WORKER), str(killed), "--owned", "--memory",
+                           str(root), "--resume", "latest"], env=_env(), capture_output=True,
+                          text=True, timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"snapkeep: resuming from RAM step {step} (own copy; storage's newest: 4) in " \
+        in done.stderr, done.stderr[-3000:]
+    assert "resumed-from True" in done.stdout
+    hf.verify_checkpoint(killed / f"checkpoint-{step}")  # written from RAM, committed
+    assert_identical(_final(killed), _final(tmp_path / "reference"))
+    assert list(root.glob("snapkeep-*/rank0/ram_iter_*")) == []
+
+
 class _FailingAt4(hf.SnapkeepTrainer):
     """The owned save with a background write that fails at step 4 (a full disk, say)."""
 

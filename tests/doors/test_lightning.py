@@ -454,3 +454,33 @@ def test_an_alias_resolves_only_to_a_verified_file_of_its_directory(
         assert io.load_checkpoint(str(ckpts / "last.ckpt"))["global_step"] == 8
     finally:
         io.close()
+
+
+def test_memory_and_incremental_are_refused_unless_of_their_accepted_values() -> None:
+    """``memory=`` and ``incremental=`` take the Checkpointer's values; anything else is named
+    with them, before anything is created."""
+    with pytest.raises(TypeError, match=r"memory must be a snapkeep\.MemoryTier\(every=.*got 5"):
+        SnapkeepCheckpointIO(memory=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="incremental must be True or False, got 'yes'"):
+        SnapkeepCheckpointIO(incremental="yes")  # type: ignore[arg-type]
+
+
+def test_ckpt_path_last_resumes_from_ram_when_storage_holds_no_checkpoint_yet(
+        tmp_path: pathlib.Path, capfd: Any) -> None:
+    """RAM every step, checkpoints every 100: after 2 steps storage holds nothing and RAM step
+    2. ``ckpt_path="last"`` resumes from RAM (said on stderr; before: Lightning found no last
+    checkpoint and the run started fresh), ending as an uninterrupted run."""
+    from framework_doors import train_lightning
+
+    from snapkeep import MemoryTier
+
+    memory = MemoryTier(every=1, replicas=0, root=str(tmp_path / "shm"))
+    out = tmp_path / "run"
+    train_lightning(out, 2, every=100, memory=memory)
+    assert not [p for p in out.iterdir() if p.name.startswith("ckpt_")]
+    capfd.readouterr()
+    resumed = train_lightning(out, 4, every=100, memory=memory)
+    err = capfd.readouterr().err
+    assert "snapkeep: resuming from RAM step 2 (own copy; storage's newest: None) in " in err, err
+    straight = train_lightning(tmp_path / "straight", 4, every=100)
+    assert torch.equal(resumed.weight, straight.weight)

@@ -133,3 +133,40 @@ def test_under_torchrun_a_signal_to_one_rank_preempts_every_rank(tmp_path: Path)
     resumed = torch.load(out / "final.pt", weights_only=True)
     assert torch.equal(resumed["weight"], reference.weight)
     assert torch.equal(resumed["bias"], reference.bias)
+
+
+@pytest.mark.slow
+def test_killed_with_its_newest_step_in_ram_only_resumes_from_ram_bit_identical(
+        tmp_path: Path) -> None:
+    """``SnapkeepCheckpointIO(memory=MemoryTier(every=1))``, checkpoints every 2 steps:
+    SIGKILL after step 5 (committed to RAM; storage's newest is 4). The rerun's
+    ``ckpt_path="last"`` resumes from RAM step 5 (said on stderr, the RAM copy verified), ends
+    bit-identical to an uninterrupted run, and, storage then holding its newest step, removes
+    the tier. (Before: the Lightning door had no memory tier; the rerun resumed from step 4.)"""
+    out, root = tmp_path / "run", tmp_path / "shm"
+    command = [sys.executable, str(WORKER), "lightning", str(out), str(STEPS), "--every", "2",
+               "--memory", str(root)]
+    proc = subprocess.Popen([*command, "--pause-at", "5"], env=env(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "step 5", proc.communicate(timeout=BOUND_S)
+    finally:
+        proc.kill()
+        proc.communicate(timeout=BOUND_S)
+    assert [p.name for p in root.glob("snapkeep-*/rank0/ram_iter_*")] == ["ram_iter_5"]
+    assert "ckpt_4" in {p.name for p in out.iterdir()} and not (out / "ckpt_5").exists()
+    rerun = subprocess.run(command, env=env(), capture_output=True, text=True,
+                           timeout=BOUND_S)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "snapkeep: resuming from RAM step 5 (own copy; storage's newest: 4) in " \
+        in rerun.stderr, rerun.stderr[-3000:]
+    reference = subprocess.run([sys.executable, str(WORKER), "lightning",
+                                str(tmp_path / "straight"), str(STEPS)], env=env(),
+                               capture_output=True, text=True, timeout=BOUND_S)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    resumed = torch.load(out / "final.pt", weights_only=True)
+    straight = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert list(root.glob("snapkeep-*/rank0/ram_iter_*")) == []  # storage holds step 8

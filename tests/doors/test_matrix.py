@@ -17,7 +17,9 @@ doors (``load_latest``, ``snapkeep verify``) agreeing with the training door, un
 (a sharded snapshot's DCP ``.metadata``, a single file's manifest), on-error snapshots and the
 errors of a failing save or restore (naming the snapshot and step), kill -9 at a random step and
 a rerun (bit-identical, data position and RNG included), exit without ``close``/``finalize``,
-and the memory tier (RAM resume, lost node RAM, a corrupt RAM copy).
+the memory tier (RAM resume, lost node RAM, a corrupt RAM copy: every row, the tier being one
+layer on the session), and incremental snapshots (a damaged blob written again: every row
+writing them; the others skip saying why).
 """
 
 from __future__ import annotations
@@ -229,6 +231,8 @@ class Door:
     #: :meth:`train_frozen` exists: the door writes incremental snapshots, whose frozen
     #: tensors are blobs (the damaged-blob scenario).
     frozen_blobs = False
+    #: Why the door's row writes no incremental snapshots (``frozen_blobs`` False).
+    incremental_skip = "writes no incremental snapshots"
 
     def train_frozen(self, directory: pathlib.Path | str, stop: int, *,
                      storage_options: dict[str, Any] | None = None,
@@ -261,6 +265,7 @@ class Door:
 class CheckpointerDoor(Door):
     name = "checkpointer"
     incremental = False  # Checkpointer(incremental=True): unchanged tensors written once
+    incremental_skip = "incremental=False in this row; the -incremental row writes them"
     storages = frozenset({"local", "memory", "s3"})
     on_error_snapshots = True
     memory_tier = True
@@ -308,11 +313,21 @@ class CheckpointerDoor(Door):
                 *([str(exit_at)] if exit_at is not None else [])]
 
 
+#: Why the sharded kinds write no incremental snapshots.
+SHARDED_NOT_INCREMENTAL = (
+    "no incremental sharded snapshots (incremental=True with sharded snapshots raises "
+    "ValueError): torch.distributed.checkpoint's planner and storage writer write every "
+    "rank's shards as files of the snapshot's own directory, which DCP's load reads there; "
+    "referring to blobs saved before would take a StorageWriter/StorageReader pair of "
+    "snapkeep's own")
+
+
 class ShardedCheckpointerDoor(CheckpointerDoor):
     """The Checkpointer's DCP kind (one process: no process group needed)."""
 
     name = "checkpointer-sharded"
     sharded = True
+    incremental_skip = SHARDED_NOT_INCREMENTAL
     other_door_skip = ("its snapshots are directories: another door's single file under its "
                        "names is refused at start by the kind check "
                        "(tests/storage/test_store_contract.py), never listed")
@@ -322,6 +337,7 @@ class ShardedCheckpointerDoor(CheckpointerDoor):
 class ExtensionDoor(Door):
     name = "extension"
     incremental = False  # snapshot(incremental=True)
+    incremental_skip = CheckpointerDoor.incremental_skip
     mode = extensions.SnapshotMode.DEFAULT
     storages = frozenset({"local", "memory", "s3"})
     on_error_snapshots = True
@@ -393,6 +409,7 @@ class ShardedExtensionDoor(ExtensionDoor):
 
     name = "extension-sharded"
     sharded = True
+    incremental_skip = SHARDED_NOT_INCREMENTAL
     other_door_skip = ShardedCheckpointerDoor.other_door_skip
     mode = extensions.SnapshotMode.SHARDED
     hold_code = ExtensionDoor.hold_code.replace(
@@ -876,7 +893,7 @@ def test_a_damaged_blob_is_written_again_and_every_snapshot_loads(
     resumes from step 4, ending as the uninterrupted run. (Before: steps 3 and 4 referred to
     the bad blob and the restart raised NoValidSnapshotError.)"""
     if not capability(door, "frozen_blobs"):
-        pytest.skip(f"the {door.name} door writes no incremental snapshots")
+        pytest.skip(f"the {door.name} door: {capability(door, 'incremental_skip')}")
     options = {"storage_options": place.storage_options} if place.storage_options else {}
     blobs_dir = ".snapkeep/blobs"
     damaged: dict[str, bytes] = {}

@@ -1,6 +1,8 @@
-"""The memory tier for ppe's manager: an adapter on the core engine
-(:class:`snapkeep.store.TierEngine`; its module docstring says what the tier keeps, where, and
-how it recovers). Use it beside an autoloading snapshot extension, registered after it::
+"""The memory tier for ppe's manager: an adapter on the tier layer every door uses
+(:class:`snapkeep.store.TieredSession`, here without a session of its own: each snapshot
+extension holds its session; the engine's module docstring,
+:mod:`snapkeep._core.tiers.memory_tier`, says what the tier keeps, where, and how it
+recovers). Use it beside an autoloading snapshot extension, registered after it::
 
     manager.extend(extensions.snapshot(autoload=True), trigger=(1000, "iteration"))
     manager.extend(extensions.memory_tier(MemoryTier(every=50, replicas=1)))
@@ -25,7 +27,7 @@ from snapkeep.staging import StagedLoan, into_existing_state, optimizers_in
 from snapkeep.store import (
     MemoryTier,
     Restored,
-    TierEngine,
+    TieredSession,
     check_into_live,
     copy_into_live,
     flat_keys,
@@ -63,9 +65,15 @@ class _MemoryTierExtension(extension.Extension):
         self.tier = tier
         self.trigger = (tier.every, "iteration")
         self.restored: Restored | None = None
-        self.engine: TierEngine | None = None
+        self.layer: TieredSession | None = None
         self._failed = False
         self._sharded: Any = None
+
+    @property
+    def engine(self) -> Any:
+        """The tier's engine (:class:`snapkeep.store.TierEngine`; None before
+        ``initialize``)."""
+        return None if self.layer is None else self.layer.engine
 
     def initialize(self, manager: Any) -> None:  # type: ignore[override]
         """Open the engine (tmpfs check, claim, reclaim of dead jobs' tiers) and recover from
@@ -76,7 +84,7 @@ class _MemoryTierExtension(extension.Extension):
             MemoryTierTooSmallError, NotPrivateError, ValueError, CollectiveTimeoutError: as
                 :meth:`snapkeep.store.TierEngine.open` and ``recover``.
         """
-        if self.engine is not None:
+        if self.layer is not None:
             return
         snapshots = _lineage.snapshot_extensions(manager)
         # SHARDED snapshots: each rank's RAM snapshot is its part of what they save
@@ -85,9 +93,10 @@ class _MemoryTierExtension(extension.Extension):
         # snapshot_object registered first must not move the tier, and a snapshot of a model
         # alone, however new, is not a resumable step of the run
         whole = [s for s in snapshots if s.of_manager] or snapshots
-        engine = self.engine = TierEngine(self.tier, directory=str(manager.out),
-                                          template=str(whole[0].filename) if whole else "")
-        engine.open(state_bytes(canonical_tree(manager, manager.state_dict())))
+        layer = self.layer = TieredSession(None, self.tier, directory=str(manager.out),
+                                           template=str(whole[0].filename) if whole else "")
+        engine = layer.engine
+        layer.open_tier(state_bytes(canonical_tree(manager, manager.state_dict())))
         _say_if_before_snapshot(manager, self)
         if not any(s.autoload for s in snapshots):
             return
@@ -108,9 +117,8 @@ class _MemoryTierExtension(extension.Extension):
                     manager.load_state_dict(live_tree(manager, tree))  # match
 
         steps = [s for s in (x.listed_storage_step(manager) for x in whole) if s is not None]
-        self.restored = engine.recover(max(steps, default=None), apply,
-                                       prepare=prepare if sharded is not None else None)
-        engine.announce()
+        self.restored = layer.recover(max(steps, default=None), apply,
+                                      prepare=prepare if sharded is not None else None)
 
     def __call__(self, manager: Any) -> None:
         """Keep this rank's state in RAM (see :meth:`snapkeep.store.TierEngine.save`),
@@ -119,22 +127,21 @@ class _MemoryTierExtension(extension.Extension):
         Raises:
             SnapshotSaveError, SnapshotTimeoutError: as ``TierEngine.save``.
         """
-        engine = self.engine
-        if engine is None:
+        layer = self.layer
+        if layer is None:
             raise RuntimeError("memory tier: called before initialize")
-        sharded = self._sharded
+        sharded, rank = self._sharded, layer.engine.rank
         if sharded is not None:  # this rank's local shards and its non-tensor state
-            engine.save(int(manager.iteration), lambda: sharded.memory_state(manager,
-                                                                             engine.rank))
+            layer.keep(int(manager.iteration), lambda: sharded.memory_state(manager, rank))
         else:
-            engine.save(int(manager.iteration),
-                        lambda: canonical_tree(manager, manager.state_dict()),
-                        borrow=lambda: _borrow(manager))
+            layer.keep(int(manager.iteration),
+                       lambda: canonical_tree(manager, manager.state_dict()),
+                       borrow=lambda: _borrow(manager))
 
     def wait(self) -> None:
         """Wait for the RAM snapshot in flight (see :meth:`snapkeep.store.TierEngine.wait`)."""
-        if self.engine is not None:
-            self.engine.wait()
+        if self.layer is not None:
+            self.layer.wait()
 
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
         """Keep the tier: the run did not finish."""
@@ -147,13 +154,13 @@ class _MemoryTierExtension(extension.Extension):
         Raises:
             SnapshotSaveError, SnapshotTimeoutError: as ``TierEngine.close``.
         """
-        if self.engine is None:
+        if self.layer is None:
             return
         try:
             finished = bool(manager.stop_trigger)
         except Exception:  # a manager without a stop trigger: treat the run as unfinished
             finished = False
-        self.engine.close(finished=finished, failed=self._failed)
+        self.layer.close_tier(finished=finished, failed=self._failed)
 
 
 def _say_if_before_snapshot(manager: Any, tier: _MemoryTierExtension) -> None:
