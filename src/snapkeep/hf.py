@@ -54,6 +54,7 @@ from snapkeep.distributed import (
 )
 from snapkeep.errors import SnapshotCorruptError
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
+from snapkeep.staging import check_staging_budget, tensor_bytes
 from snapkeep.store import (
     CHECKPOINT_PATTERN,
     MARKER_FORMAT,
@@ -205,6 +206,13 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             ``preempted`` and the process exits with ``SystemExit(143)``. Default False:
             signals keep their default action.
         timeout_s: bound of that agreement between ranks, seconds (default 600).
+        staging_budget: for :class:`SnapkeepSaveMixin` (the asynchronous save): most bytes of
+            host memory a checkpoint's staging copy may hold (an int of at least 1 MiB), or
+            None (default: a full copy of the model's and optimizer's tensors). The Trainer's
+            own ``_save`` writes ``model.safetensors`` from a whole state dict, so a checkpoint
+            whose tensors exceed the budget is not staged at all: it is written in the training
+            thread from the live tensors (synchronously, no copy), then committed as usual.
+            The plain callback (the stock synchronous save) stages nothing either way.
 
     Raises:
         TypeError: ``save_best`` is not a bool, ``keep`` not an int or a policy, or
@@ -215,9 +223,10 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, *, output_dir: str | os.PathLike[str] | None = None,
                  save_best: bool = True, keep: int | RetentionPolicy | None = None,
                  preemption: bool | Sequence[signal.Signals | int] = False,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, staging_budget: int | None = None) -> None:
         if not isinstance(save_best, bool):
             raise TypeError(f"save_best must be True or False, got {save_best!r}")
+        self.staging_budget = check_staging_budget(staging_budget)
         self.keep = keep_policy(keep)
         self.save_best = save_best
         self._output_dir = None if output_dir is None else os.fspath(output_dir)
@@ -591,6 +600,11 @@ class SnapkeepSaveMixin:
         CheckpointDirs(storage, run_dir).claim(storage.join(run_dir, f"checkpoint-{step}"), step)
         metrics = self._snapkeep_callback.check_retention(trainer.state)  # before staging
         job = (*self._snapkeep_stage(trainer), metrics)
+        if job[2] is None:  # over the staging budget: written now, from the live tensors
+            live = {"model": trainer.model.state_dict(),
+                    "optimizer": trainer.optimizer.state_dict()}
+            self._snapkeep_write(job[0], job[1], live, *job[3:])
+            return
         self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)
 
     def _snapkeep_stage(self, trainer: Any) -> tuple[Any, ...]:
@@ -621,7 +635,11 @@ class SnapkeepSaveMixin:
                 state.stateful_callbacks[name] = cb.state()
         tree = {"model": trainer.model.state_dict(),
                 "optimizer": trainer.optimizer.state_dict()}
-        staged, _ = self._snapkeep_buffers.stage(tree)
+        budget = self._snapkeep_callback.staging_budget
+        if budget is not None and tensor_bytes(tree) > budget:
+            staged = None  # the caller writes the live tensors (see SnapkeepCallback)
+        else:
+            staged, _ = self._snapkeep_buffers.stage(tree)
         scheduler = copy.deepcopy(trainer.lr_scheduler.state_dict())
         scaler = getattr(trainer.accelerator, "scaler", None)
         scaler_state = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
@@ -711,7 +729,8 @@ class _OwnedCallback(SnapkeepCallback):
         if given is None:
             return cls()
         return cls(output_dir=given.output_dir, save_best=given.save_best, keep=given.keep,
-                   preemption=given.signals or False, timeout_s=given.timeout_s)
+                   preemption=given.signals or False, timeout_s=given.timeout_s,
+                   staging_budget=given.staging_budget)
 
     def on_train_end(self, *args: Any, **kwargs: Any) -> None:
         return None  # the mixin's train(): after the last commit

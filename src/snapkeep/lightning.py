@@ -346,6 +346,11 @@ class SnapkeepCheckpointIO(CheckpointIO):
             (default True: tensors, containers and primitive values only, plus snapkeep's
             allow-list; pass False only for trusted files holding other objects).
         quiet: no resume notice on stderr (it is still logged at INFO).
+        staging_budget: most bytes of host memory a checkpoint's staging may hold (an int of
+            at least 1 MiB), or None (default: a full copy). A larger checkpoint is copied and
+            written in pieces through that much memory; ``save_checkpoint`` returns once all of
+            it is copied (Lightning's optimizers are not guarded, so nothing is copied after
+            the call). See :class:`~snapkeep.writing.Writer`. With ``writer``: give it there.
 
     Raises:
         TypeError: ``writer`` is not a snapkeep writer, ``keep`` not an int or policy, or
@@ -356,7 +361,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
     def __init__(self, writer: Writer | None = None, *,
                  keep: int | RetentionPolicy | None = None,
                  storage_options: Mapping[str, Any] | None = None,
-                 weights_only: bool = True, quiet: bool = False) -> None:
+                 weights_only: bool = True, quiet: bool = False,
+                 staging_budget: int | None = None) -> None:
         if writer is not None and not isinstance(writer, Writer):
             raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
                             f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
@@ -367,8 +373,11 @@ class SnapkeepCheckpointIO(CheckpointIO):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         self._policy = keep_policy(keep)
+        if staging_budget is not None and writer is not None:
+            raise ValueError("staging_budget is given to the default ThreadWriter: with writer= "
+                             "pass it to that writer (ThreadWriter(staging_budget=...))")
         self._writer = writer if writer is not None else ThreadWriter(
-            storage_options=storage_options)
+            storage_options=storage_options, staging_budget=staging_budget)
         self._weights_only = weights_only
         self._quiet = quiet
         self._directories: dict[str, _Directory] = {}
