@@ -79,7 +79,8 @@ def status(out_dir: str, as_json: bool) -> None:
                                "snapshots": list(found.snapshots),
                                "world_size": found.world_size, "pid": found.pid,
                                "host": found.host, "alive": alive,
-                               "preemption": dict(found.preemption)}, sort_keys=True))
+                               "preemption": dict(found.preemption),
+                               "staging": dict(found.staging)}, sort_keys=True))
     else:
         text = found.state
         if found.state == "running":
@@ -103,12 +104,30 @@ def status(out_dir: str, as_json: bool) -> None:
             line += f"; snapshot {', '.join(map(shown, found.snapshots))}"
         if found.preemption:
             line += "; " + _describe_plan(found.preemption)
+        if found.staging:
+            line += "; " + _describe_staging(found.staging)
         click.echo(line)
     code = {"finished": EXIT_FINISHED, "preempted": EXIT_PREEMPTED}.get(found.state,
                                                                          EXIT_NOT_DONE)
     if found.state == "preempted" and not found.durable:
         code = EXIT_PREEMPTED_NOT_DURABLE
     raise click.exceptions.Exit(code)
+
+
+def _describe_staging(staging: Mapping[str, Any]) -> str:
+    """One clause for the last budgeted snapshot (untrusted record: numbers or 'unknown')."""
+
+    def number(key: str, scale: float, spec: str) -> str:
+        value = staging.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "unknown"
+        return format(value / scale, spec)
+
+    return (f"staging budget {number('budget_bytes', 1 << 20, '.0f')} MiB for "
+            f"{number('state_bytes', 1 << 20, '.0f')} MiB of tensors: predicted stall "
+            f"{number('predicted_stall_s', 1, '.2f')} s, measured "
+            f"{number('staged_s', 1, '.2f')} s (copy {number('copy_Bps', 1 << 30, '.2f')} GiB/s, "
+            f"write {number('write_Bps', 1 << 30, '.2f')} GiB/s)")
 
 
 def _describe_plan(plan: Mapping[str, Any]) -> str:

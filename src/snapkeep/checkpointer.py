@@ -487,6 +487,7 @@ class Checkpointer:
                 self._save_to_ram(step, state, None)
             return None
         started = self._times.start()
+        self._note_staging(run)  # the previous budgeted snapshot's figures, for the status
         handle = self._save_to_storage(session, step, state, recorded, on_error=on_error)
         if handle is not None and not on_error:
             self._times.staged(started, handle.committed)
@@ -517,6 +518,12 @@ class Checkpointer:
         if on_error and handle is not None:
             handle.wait()
         return handle
+
+    def _note_staging(self, run: RunControl) -> None:
+        """The last budgeted snapshot's figures into the run status (``staging_budget``)."""
+        stats = self._writer.last_budget_stats if self._writer is not None else None
+        if stats is not None:
+            run.status.note_staging(stats.as_status())
 
     def _run_of(self) -> RunControl:
         run = self._run
@@ -881,6 +888,7 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.finalize()
             if self._run is not None:
+                self._note_staging(self._run)
                 self._run.finished()
         except BaseException as e:
             if self._run is not None:

@@ -195,3 +195,40 @@ def test_hf_owned_save_over_the_budget_writes_the_live_tensors(tmp_path: pathlib
     saved = load_file(str(tmp_path / "checkpoint-4" / "model.safetensors"))
     live = model.state_dict()
     assert all(torch.equal(saved[k], live[k]) for k in saved)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_9_at_random_moments_with_a_budget_resumes_bit_identical(
+        tmp_path: pathlib.Path) -> None:
+    """The Checkpointer's loop of ``support.incremental_worker`` (a 12 MiB state) with
+    ``staging_budget`` of 2 MiB, SIGKILLed at random moments (start-up, or 0-60 ms after a save
+    call returned: the ring being filled and drained, the commit): every rerun resumes the newest
+    snapshot bit-identically. ``benchmarks/budget_kill_trials.py`` runs more."""
+    from support.incremental_trials import run_trials
+
+    tally = run_trials(3, steps=5, seed=5, root=tmp_path,
+                       worker_args=("--staging-budget", str(2 << 20)))
+    assert tally.failures == []
+    assert tally.trials == 3 and tally.resumes_checked >= 2
+    if (tmp_path / "run").exists():  # the next start removes what the last kill left
+        snapkeep.Checkpointer(tmp_path / "run").close()
+
+
+def test_status_shows_the_predicted_stall(tmp_path: pathlib.Path) -> None:
+    from click.testing import CliRunner
+
+    from snapkeep.cli import cli
+
+    model = Net()
+    state = {"model": model}
+    with snapkeep.Checkpointer(tmp_path, staging_budget=2 << 20) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state)
+            ckpt.wait()
+    result = CliRunner().invoke(cli, ["status", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "staging budget 2 MiB for 8 MiB of tensors: predicted stall " in result.output
+    assert "predicted stall unknown" not in result.output  # from the previous save's rates
+    record = snapkeep.store.run_status(tmp_path).staging
+    assert record["budget_bytes"] == 2 << 20 and record["predicted_stall_s"] > 0

@@ -327,6 +327,13 @@ class Writer:
             except Exception:
                 logger.exception("cleanup hook failed after committing %s", record.path)
 
+    @property
+    def last_budget_stats(self) -> Any:
+        """The last budgeted snapshot's figures
+        (:class:`~snapkeep._core.save.budget.BudgetStats`: sizes in bytes, times in seconds,
+        rates in bytes per second, the predicted time until staged), or None before one."""
+        return self._saver.last_budget_stats
+
     def _job(
         self, filename: str, out_dir: str, savefun: SaveFun | None, append: bool,
         savefun_kwargs: Mapping[str, Any], *, step: int | None = None,

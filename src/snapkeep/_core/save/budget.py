@@ -110,6 +110,13 @@ class BudgetStats:
     write_Bps: float
     predicted_staged_s: float | None
 
+    def as_status(self) -> dict[str, Any]:
+        """The figures the run status records (``snapkeep status``)."""
+        return {"budget_bytes": self.budget_bytes, "state_bytes": self.state_bytes,
+                "ring_bytes": self.ring_bytes, "predicted_stall_s": self.predicted_staged_s,
+                "staged_s": self.staged_s, "copy_Bps": self.copy_Bps,
+                "write_Bps": self.write_Bps}
+
 
 def predict_staged_s(streamed_bytes: int, ring_bytes: int, copy_Bps: float,
                      write_Bps: float) -> float:

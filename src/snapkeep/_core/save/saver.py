@@ -63,7 +63,13 @@ from snapkeep._core.errors import (
     WorkerDiedError,
 )
 from snapkeep._core.load.preflight import check_timeout_s
-from snapkeep._core.save.budget import BudgetStats, Ring, build_stream, check_staging_budget
+from snapkeep._core.save.budget import (
+    BudgetStats,
+    Ring,
+    build_stream,
+    check_staging_budget,
+    tensor_bytes,
+)
 from snapkeep._core.save.commit import commit_job
 from snapkeep._core.save.executors import Runner
 from snapkeep._core.save.exit_drain import DrainedAtExit
@@ -434,6 +440,8 @@ class Saver(DrainedAtExit):
         reports its own)."""
         from snapkeep._core.save.staging import prefault
 
+        if self.staging_budget is not None and tensor_bytes(tree) > self.staging_budget:
+            return  # streamed through the ring: a full set of buffers would break the budget
         with self._cond:
             if not self._stage or self._closed or not self._prefaulted.is_set():
                 return
