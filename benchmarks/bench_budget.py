@@ -241,7 +241,13 @@ def main() -> int:
     p.add_argument("--plot")
     p.add_argument("--child")
     p.add_argument("--out")
+    p.add_argument("--from-json", help="re-render the table (and --json, --plot) of a run")
     a = p.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        report(saved["runs"], saved["state_gib"], saved["repeats"], a.json, a.plot)
+        return 0
     if a.quick:
         a.state_gib, a.repeats = 0.25, 1
     _ARGS["state_gib"] = a.state_gib
@@ -258,10 +264,29 @@ def main() -> int:
         print(f"  {config:15s} peak +{result['peak_above_bytes'] / MIB:7.0f} MiB  stall "
               f"{result['stall_s']:.3f} s  predicted {result['predicted_s']}  durable "
               f"{result['durable_s']:.2f} s  exact {result['exact']}", flush=True)
+    report(runs, a.state_gib, a.repeats, a.json, a.plot)
+    return 0
+
+
+def model_s(run: dict[str, Any]) -> float | None:
+    """The prediction's formula with the measured snapshot's own rates (a check of the model,
+    where ``predicted_s`` is the forecast from the previous snapshot's rates)."""
+    from snapkeep._core.save.budget import predict_staged_s
+
+    if not run.get("copy_Bps") or not run.get("write_Bps"):
+        return None
+    return predict_staged_s(run["state_bytes"] - run["held_bytes"], run["ring_bytes"],
+                            run["copy_Bps"], run["write_Bps"])
+
+
+def report(runs: dict[str, list[dict[str, Any]]], state_gib: float, repeats: int,
+           json_path: str | None, plot_path: str | None) -> None:
     const = CONSTANT_BYTES
     rows = []
     summary: dict[str, Any] = {}
-    for config in CONFIGS:
+    dcp = runs.get("DCP async_save") or []
+    dcp_stall = median([r["stall_s"] for r in dcp]) if dcp else None
+    for config in [c for c in CONFIGS if runs.get(c)]:
         rs = runs[config]
         peak = median([r["peak_above_bytes"] for r in rs])
         stall = median([r["stall_s"] for r in rs])
@@ -269,34 +294,46 @@ def main() -> int:
         pred = median(preds) if preds else None
         ratios = [r["stall_s"] / r["predicted_s"] for r in rs if r["predicted_s"]]
         ratio = median(ratios) if ratios else None
+        models = [(r["stall_s"], m) for r in rs if (m := model_s(r))]
+        model = median([m for _, m in models]) if models else None
+        model_ratio = median([st / m for st, m in models]) if models else None
         budget = rs[0]["budget"]
         target = None if budget is None else 1.1 * budget + const
         summary[config] = dict(peak_above_bytes=peak, stall_s=stall, predicted_s=pred,
-                               stall_over_predicted=ratio, durable_s=median(
+                               stall_over_predicted=ratio, model_s=model,
+                               stall_over_model=model_ratio, durable_s=median(
                                    [r["durable_s"] for r in rs]), budget=budget,
                                peak_target_bytes=target,
+                               peak_within_target=None if target is None else all(
+                                   r["peak_above_bytes"] <= target for r in rs),
+                               stall_over_dcp=None if not dcp_stall else stall / dcp_stall,
                                exact=all(r["exact"] is not False for r in rs),
                                stall_range_s=[min(r["stall_s"] for r in rs),
                                               max(r["stall_s"] for r in rs)])
         rows.append(dict(config=config, budget=None if budget is None else budget / MIB,
                          peak=peak / MIB, target=None if target is None else target / MIB,
-                         stall=stall, pred=pred, ratio=ratio,
-                         durable=summary[config]["durable_s"],
+                         stall=stall, lo=summary[config]["stall_range_s"][0],
+                         hi=summary[config]["stall_range_s"][1], dcp=summary[config][
+                             "stall_over_dcp"], pred=pred, ratio=ratio, model=model,
+                         model_ratio=model_ratio, durable=summary[config]["durable_s"],
                          exact=None if rs[0]["exact"] is None else summary[config]["exact"]))
-    print(f"\nstate {runs[CONFIGS[0]][0]['state_bytes'] / MIB:.0f} MiB, {a.repeats} repeats "
-          f"(ABBA), medians; target: peak <= 1.1 x budget + {const / MIB:.0f} MiB")
+    any_run = next(iter(runs.values()))[0]
+    print(f"\nstate {any_run['state_bytes'] / MIB:.0f} MiB, {repeats} repeats (ABBA), medians; "
+          f"target: peak <= 1.1 x budget + {const / MIB:.0f} MiB")
     print(table(rows, [("config", "config", ""), ("budget", "budget MiB", ".0f"),
                        ("peak", "peak above training MiB", ".0f"),
-                       ("target", "target MiB", ".0f"), ("stall", "stall s", ".3f"),
-                       ("pred", "predicted s", ".3f"), ("ratio", "stall/predicted", ".2f"),
+                       ("target", "target MiB", ".0f"), ("stall", "stall s", ".2f"),
+                       ("lo", "min", ".2f"), ("hi", "max", ".2f"),
+                       ("dcp", "stall / DCP", ".2f"), ("pred", "forecast s", ".2f"),
+                       ("ratio", "stall / forecast", ".2f"), ("model", "model s", ".2f"),
+                       ("model_ratio", "stall / model", ".2f"),
                        ("durable", "durable s", ".2f"), ("exact", "exact", "")]))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"state_gib": a.state_gib, "repeats": a.repeats, "constant_bytes": const,
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"state_gib": state_gib, "repeats": repeats, "constant_bytes": const,
                        "summary": summary, "runs": runs}, f, indent=1)
-    if a.plot:
-        plot(summary, const, a.plot)
-    return 0
+    if plot_path:
+        plot(summary, const, plot_path)
 
 
 def plot(summary: dict[str, Any], const: float, path: str) -> None:

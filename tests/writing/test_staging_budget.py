@@ -232,3 +232,17 @@ def test_status_shows_the_predicted_stall(tmp_path: pathlib.Path) -> None:
     assert "predicted stall unknown" not in result.output  # from the previous save's rates
     record = snapkeep.store.run_status(tmp_path).staging
     assert record["budget_bytes"] == 2 << 20 and record["predicted_stall_s"] > 0
+
+
+def test_the_managers_memory_tier_refuses_a_budgeted_writer(tmp_path: pathlib.Path) -> None:
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    writer = writing.ThreadWriter(out_dir=str(tmp_path / "out"), staging_budget=2 << 20)
+    manager = ExtensionsManager(model, optimizer, max_epochs=1, iters_per_epoch=2, writer=writer,
+                                out_dir=str(tmp_path / "out"))
+    manager.extend(extensions.snapshot(), trigger=(1, "iteration"))
+    manager.extend(extensions.memory_tier(snapkeep.MemoryTier(every=1, root=str(tmp_path))))
+    with pytest.raises(ValueError, match="memory tier: .*staging_budget"):
+        with manager.run_iteration():
+            pass
+    writer.finalize()

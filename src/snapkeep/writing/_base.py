@@ -328,6 +328,11 @@ class Writer:
                 logger.exception("cleanup hook failed after committing %s", record.path)
 
     @property
+    def staging_budget(self) -> int | None:
+        """The ``staging_budget`` given (bytes), or None (unbounded)."""
+        return self._saver.staging_budget
+
+    @property
     def last_budget_stats(self) -> Any:
         """The last budgeted snapshot's figures
         (:class:`~snapkeep._core.save.budget.BudgetStats`: sizes in bytes, times in seconds,
