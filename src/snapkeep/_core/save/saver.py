@@ -124,6 +124,7 @@ class Saver(DrainedAtExit):
                 "reads a full staged copy from shared memory. Pass staging_budget=None or use "
                 "ThreadWriter(staging_budget=...)")
         self._ring: Ring | None = None
+        self._streams: set[Any] = set()  # budgeted snapshots whose stager may still run
         self.last_budget_stats: BudgetStats | None = None
         self.runner = runner
         self.max_pending = max_pending
@@ -193,6 +194,8 @@ class Saver(DrainedAtExit):
                 staged, stats = stream.skeleton, _no_stats()
                 if stream.members:
                     deferred = stream
+                with self._cond:
+                    self._streams.add(stream)
                 stream.start()
             elif self._stage and plan is not None:
                 staged, stats, deferred = plan.stage(slot.buffers, tree)
@@ -423,6 +426,10 @@ class Saver(DrainedAtExit):
             for slot in self._slots:
                 if slot not in lent:
                     _close_buffers(slot)
+            with self._cond:
+                streams, self._streams = list(self._streams), set()
+            for stream in streams:  # no stager copies into the ring once it is unmapped
+                stream.close()
             if self._ring is not None:
                 self._ring.close()
                 self._ring = None
@@ -579,6 +586,8 @@ class Saver(DrainedAtExit):
         finally:
             if ticket.stream is not None:  # whichever way it ended: the ring is free again
                 ticket.stream.close()
+                with self._cond:
+                    self._streams.discard(ticket.stream)
                 if ticket.stream.stats is not None:
                     self.last_budget_stats = ticket.stream.stats
 
