@@ -123,17 +123,29 @@ def test_checkpointer_budget_writes_torch_saves_bytes_of_the_call(tmp_path: path
     assert not _equal(model.state_dict(), expected["model"])
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
 def test_a_writer_under_budget_writes_the_same_bytes_as_torch_save(
-        tmp_path: pathlib.Path) -> None:
+        tmp_path: pathlib.Path, where: str) -> None:
+    """Local files (O_DIRECT from the ring) and an fsspec store (the pieces pass through its
+    buffered file): each write must be done with the ring's memory when it returns."""
+    import fsspec
+
     base = torch.randn(600, 1024)
     tree = {"w": base, "view": base[7:], "big": torch.randn(5, 1024, 1024), "n": [3, "x"],
             "empty": torch.zeros(0), "i": torch.arange(10)}
     expected = io.BytesIO()
     torch_save(tree, expected)
-    writer = writing.ThreadWriter(out_dir=str(tmp_path), staging_budget=2 << 20)
+    out = str(tmp_path) if where == "local" else f"memory://budget-{tmp_path.name}"
+    writer = writing.ThreadWriter(out_dir=out, staging_budget=2 << 20)
     writer("a.pt", "", tree)
     writer.finalize()
-    assert (tmp_path / "a.pt").read_bytes() == expected.getvalue()  # 20 MiB through 2 MiB
+    if where == "local":
+        written = (tmp_path / "a.pt").read_bytes()
+    else:
+        fs = fsspec.filesystem("memory")
+        written = fs.cat(f"/budget-{tmp_path.name}/a.pt")
+        fs.rm(f"/budget-{tmp_path.name}", recursive=True)
+    assert written == expected.getvalue()  # 20 MiB through a 2 MiB ring
 
 
 @pytest.mark.parametrize("value, error", [
