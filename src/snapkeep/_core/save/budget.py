@@ -131,7 +131,9 @@ def predict_staged_s(streamed_bytes: int, ring_bytes: int, copy_Bps: float,
 
 class Ring:
     """``size`` bytes of page-aligned host memory in :data:`RING_PIECES` equal blocks, reused by
-    every streamed snapshot of one writer; one stream uses it at a time (:meth:`claim`)."""
+    every streamed snapshot of one writer; one stream uses it at a time (:meth:`claim`). Its
+    pages are touched once when it is made, so the first snapshot's copy rate (from which the
+    next one's stall is forecast) is a copy's, not a first touch's."""
 
     def __init__(self, size: int) -> None:
         self.piece = max(_PAGE, size // RING_PIECES // _PAGE * _PAGE)
@@ -141,6 +143,8 @@ class Ring:
         self._map = mmap.mmap(-1, self.size, flags=flags) if flags else mmap.mmap(-1, self.size)
         self._array = np.frombuffer(self._map, dtype=np.uint8)
         self.address = int(self._array.ctypes.data)
+        for off in range(0, self.size, 64 << 20):  # fault in (releases the GIL)
+            ctypes.memset(self.address + off, 0, min(64 << 20, self.size - off))
         self._free = list(range(count))
         self._cond = threading.Condition()
         self._owner: object | None = None
