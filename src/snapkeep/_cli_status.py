@@ -84,6 +84,7 @@ def status(out_dir: str, as_json: bool) -> None:
                                "world_size": found.world_size, "pid": found.pid,
                                "host": found.host, "alive": alive,
                                "preemption": dict(found.preemption),
+                               "staging": dict(found.staging),
                                "goodput": goodput.as_dict() if goodput is not None else None},
                               sort_keys=True))
     else:
@@ -109,6 +110,8 @@ def status(out_dir: str, as_json: bool) -> None:
             line += f"; snapshot {', '.join(map(shown, found.snapshots))}"
         if found.preemption:
             line += "; " + _describe_plan(found.preemption)
+        if found.staging:
+            line += "; " + _describe_staging(found.staging)
         click.echo(line)
         if goodput is not None:
             click.echo(_describe_goodput(goodput))
@@ -117,6 +120,22 @@ def status(out_dir: str, as_json: bool) -> None:
     if found.state == "preempted" and not found.durable:
         code = EXIT_PREEMPTED_NOT_DURABLE
     raise click.exceptions.Exit(code)
+
+
+def _describe_staging(staging: Mapping[str, Any]) -> str:
+    """One clause for the last budgeted snapshot (untrusted record: numbers or 'unknown')."""
+
+    def number(key: str, scale: float, spec: str) -> str:
+        value = staging.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "unknown"
+        return format(value / scale, spec)
+
+    return (f"staging budget {number('budget_bytes', 1 << 20, '.0f')} MiB for "
+            f"{number('state_bytes', 1 << 20, '.0f')} MiB of tensors: predicted stall "
+            f"{number('predicted_stall_s', 1, '.2f')} s, measured "
+            f"{number('staged_s', 1, '.2f')} s (copy {number('copy_Bps', 1 << 30, '.2f')} GiB/s, "
+            f"write {number('write_Bps', 1 << 30, '.2f')} GiB/s)")
 
 
 def _describe_plan(plan: Mapping[str, Any]) -> str:

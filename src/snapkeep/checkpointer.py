@@ -278,6 +278,12 @@ class Checkpointer:
             a file fails, pointing to ``snapkeep convert`` (see
             :mod:`snapkeep._core.tiers.incremental`). Default False. With ``memory``, the RAM tier
             keeps full copies (it borrows no staged copy of an incremental snapshot).
+        staging_budget: most bytes of host memory a snapshot's staging may hold (an int of at
+            least 1 MiB), or None (default: a full copy of the state). A larger state is copied
+            and written in pieces through that much memory; :meth:`save` returns once every
+            tensor the optimizers do not own is copied, and an optimizer's next ``step()``
+            waits for the rest (see :class:`~snapkeep.writing.Writer`). Not with ``writer``
+            (give it to that writer), ``sharded`` or ``memory`` (``ValueError``).
 
     The run's status is recorded in ``directory/.snapkeep/status.json`` (rank 0), as with the
     manager's preemption extension: ``running`` from the first :meth:`load` or :meth:`save`
@@ -299,7 +305,7 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None, sharded: bool | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S, memory: MemoryTier | None = None,
         preemption: bool | Sequence[signal.Signals | int] = False, incremental: bool = False,
-        grace_s: float | None = None,
+        grace_s: float | None = None, staging_budget: int | None = None,
     ) -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"directory must be a path or URL string, got "
@@ -326,6 +332,13 @@ class Checkpointer:
         if isinstance(checked_every, AutoInterval) and sharded:
             raise ValueError("every='auto' is for single-file snapshots (sharded=False); with "
                              "sharded snapshots pass every=N (steps)")
+        if staging_budget is not None and (writer is not None or sharded or memory is not None):
+            raise ValueError(
+                "staging_budget is given to the Checkpointer's own ThreadWriter: with writer= "
+                "pass it to that writer (ThreadWriter(staging_budget=...)); sharded snapshots "
+                "(DCP) and the memory tier (memory=, a full copy of the state in node RAM, "
+                "which no budget below the state's size can hold) do not take it. Pass "
+                f"staging_budget=None, got {staging_budget!r}")
         if incremental and sharded:
             raise ValueError("incremental=True is for single-file snapshots; sharded "
                              "(torch.distributed.checkpoint) snapshots cannot be incremental "
@@ -354,7 +367,7 @@ class Checkpointer:
         self._incremental: IncrementalTracker | None = None
         if not sharded:
             self._writer = writer if writer is not None else ThreadWriter(
-                storage_options=storage_options)
+                storage_options=storage_options, staging_budget=staging_budget)
         try:
             if self._writer is not None:
                 self._writer.initialize(self._location)  # creates it; removes stale temps
@@ -510,6 +523,7 @@ class Checkpointer:
             self._note(step, None, 0.0)
             return None
         started = self._times.start()
+        self._note_staging(run)  # the previous budgeted snapshot's figures, for the status
         handle = self._save_to_storage(session, step, state, recorded, on_error=on_error)
         if handle is not None and not on_error:
             self._times.staged(started, handle.committed)
@@ -556,6 +570,12 @@ class Checkpointer:
         if on_error and handle is not None:
             handle.wait()
         return handle
+
+    def _note_staging(self, run: RunControl) -> None:
+        """The last budgeted snapshot's figures into the run status (``staging_budget``)."""
+        stats = self._writer.last_budget_stats if self._writer is not None else None
+        if stats is not None:
+            run.status.note_staging(stats.as_status())
 
     def _run_of(self) -> RunControl:
         run = self._run
@@ -967,6 +987,7 @@ class Checkpointer:
             if self._writer is not None:
                 self._writer.finalize()
             if self._run is not None:
+                self._note_staging(self._run)
                 self._run.finished()
         except BaseException as e:
             if self._run is not None:

@@ -57,6 +57,7 @@ from snapkeep.distributed import (
 )
 from snapkeep.errors import SnapshotCorruptError
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
+from snapkeep.staging import check_staging_budget, tensor_bytes
 from snapkeep.store import (
     CHECKPOINT_PATTERN,
     MARKER_FORMAT,
@@ -211,6 +212,13 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             ``preempted`` and the process exits with ``SystemExit(143)``. Default False:
             signals keep their default action.
         timeout_s: bound of that agreement between ranks, seconds (default 600).
+        staging_budget: for :class:`SnapkeepSaveMixin` (the asynchronous save): most bytes of
+            host memory a checkpoint's staging copy may hold (an int of at least 1 MiB), or
+            None (default: a full copy of the model's and optimizer's tensors). The Trainer's
+            own ``_save`` writes ``model.safetensors`` from a whole state dict, so a checkpoint
+            whose tensors exceed the budget is not staged at all: it is written in the training
+            thread from the live tensors (synchronously, no copy), then committed as usual.
+            The plain callback (the stock synchronous save) stages nothing either way.
 
     Raises:
         TypeError: ``save_best`` is not a bool, ``keep`` not an int or a policy, or
@@ -221,9 +229,10 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(self, *, output_dir: str | os.PathLike[str] | None = None,
                  save_best: bool = True, keep: int | RetentionPolicy | None = None,
                  preemption: bool | Sequence[signal.Signals | int] = False,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, staging_budget: int | None = None) -> None:
         if not isinstance(save_best, bool):
             raise TypeError(f"save_best must be True or False, got {save_best!r}")
+        self.staging_budget = check_staging_budget(staging_budget)
         self.keep = keep_policy(keep)
         self.save_best = save_best
         self._output_dir = None if output_dir is None else os.fspath(output_dir)
@@ -569,6 +578,12 @@ class SnapkeepSaveMixin:
             trainer.callback_handler.remove_callback(SnapkeepCallback)
         # the session (lock, lineage, retention, status) as the callback's, with its settings
         self._snapkeep_callback = _OwnedCallback.like(given[0] if given else None)
+        if self._snapkeep_memory is not None \
+                and self._snapkeep_callback.staging_budget is not None:
+            raise ValueError(
+                "SnapkeepCallback(staging_budget=...) and SnapkeepTrainer(memory=...) do not go "
+                "together: the memory tier keeps a full copy of the state in node RAM, which no "
+                "budget below its size can hold (as the Checkpointer). Pass one of them")
         trainer.add_callback(self._snapkeep_callback)
         self._snapkeep_buffers = BufferSet()
         self._snapkeep_pool = concurrent.futures.ThreadPoolExecutor(
@@ -621,12 +636,21 @@ class SnapkeepSaveMixin:
         CheckpointDirs(storage, run_dir).claim(storage.join(run_dir, f"checkpoint-{step}"), step)
         metrics = self._snapkeep_callback.check_retention(trainer.state)  # before staging
         job = (*self._snapkeep_stage(trainer), metrics)
+        if job[2] is None:  # over the staging budget: written now, from the live tensors
+            live = {"model": trainer.model.state_dict(),
+                    "optimizer": trainer.optimizer.state_dict()}
+            self._snapkeep_write(job[0], job[1], live, *job[3:])
+            return
         self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)
 
     def _snapkeep_stage(self, trainer: Any) -> tuple[Any, ...]:
         output_dir, step, tree, scheduler, scaler_state, rng, state = \
             self._snapkeep_capture(trainer)
-        staged, _ = self._snapkeep_buffers.stage(tree)
+        budget = self._snapkeep_callback.staging_budget
+        if budget is not None and tensor_bytes(tree) > budget:
+            staged = None  # the caller writes the live tensors (see SnapkeepCallback)
+        else:
+            staged, _ = self._snapkeep_buffers.stage(tree)
         return (output_dir, step, staged, scheduler, scaler_state, rng, state)
 
     def _snapkeep_capture(self, trainer: Any) -> tuple[Any, ...]:
@@ -888,7 +912,8 @@ class _OwnedCallback(SnapkeepCallback):
         if given is None:
             return cls()
         return cls(output_dir=given.output_dir, save_best=given.save_best, keep=given.keep,
-                   preemption=given.signals or False, timeout_s=given.timeout_s)
+                   preemption=given.signals or False, timeout_s=given.timeout_s,
+                   staging_budget=given.staging_budget)
 
     def on_train_end(self, *args: Any, **kwargs: Any) -> None:
         return None  # the mixin's train(): after the last commit

@@ -372,6 +372,11 @@ class SnapkeepCheckpointIO(CheckpointIO):
             ``load_checkpoint``, ``snapkeep verify`` and ``snapkeep.load_latest`` check every
             blob used; a bare ``torch.load`` of such a file fails, pointing to ``snapkeep
             convert``. Default False.
+        staging_budget: most bytes of host memory a checkpoint's staging may hold (an int of
+            at least 1 MiB), or None (default: a full copy). A larger checkpoint is copied and
+            written in pieces through that much memory; ``save_checkpoint`` returns once all of
+            it is copied (Lightning's optimizers are not guarded, so nothing is copied after
+            the call). See :class:`~snapkeep.writing.Writer`. With ``writer``: give it there.
 
     Raises:
         TypeError: ``writer`` is not a snapkeep writer, ``keep`` not an int or policy,
@@ -384,7 +389,8 @@ class SnapkeepCheckpointIO(CheckpointIO):
                  keep: int | RetentionPolicy | None = None,
                  storage_options: Mapping[str, Any] | None = None,
                  weights_only: bool = True, quiet: bool = False,
-                 memory: MemoryTier | None = None, incremental: bool = False) -> None:
+                 memory: MemoryTier | None = None, incremental: bool = False,
+                 staging_budget: int | None = None) -> None:
         if writer is not None and not isinstance(writer, Writer):
             raise TypeError(f"writer must be a snapkeep.writing writer (ThreadWriter(), "
                             f"SimpleWriter(), ProcessWriter(), ...), got {writer!r}")
@@ -398,8 +404,16 @@ class SnapkeepCheckpointIO(CheckpointIO):
         self._memory = check_memory(memory)
         self._incremental = incremental
         self._policy = keep_policy(keep)
+        if staging_budget is not None and writer is not None:
+            raise ValueError("staging_budget is given to the default ThreadWriter: with writer= "
+                             "pass it to that writer (ThreadWriter(staging_budget=...))")
+        if staging_budget is not None and memory is not None:
+            raise ValueError(
+                "staging_budget and memory= do not go together: the memory tier keeps a full "
+                "copy of the checkpoint in node RAM, which no budget below its size can hold "
+                "(as the Checkpointer). Pass staging_budget=None or memory=None")
         self._writer = writer if writer is not None else ThreadWriter(
-            storage_options=storage_options)
+            storage_options=storage_options, staging_budget=staging_budget)
         self._weights_only = weights_only
         self._quiet = quiet
         self._directories: dict[str, _Directory] = {}

@@ -79,7 +79,9 @@ def dangling(out: pathlib.Path) -> list[str]:
 
 
 def run_trials(trials: int, *, steps: int = 12, seed: int = 0, root: pathlib.Path,
-               log: bool = False) -> Tally:
+               log: bool = False, worker_args: tuple[str, ...] = ()) -> Tally:
+    """``worker_args``: more arguments of the worker (``--staging-budget N``: full snapshots
+    staged through N bytes, issue 34)."""
     rng = random.Random(seed)
     ref = reference(steps, root)
     out = root / "run"
@@ -89,7 +91,8 @@ def run_trials(trials: int, *, steps: int = 12, seed: int = 0, root: pathlib.Pat
         phase = "start" if rng.random() < 0.25 else "save"
         target = rng.randint(expected + 1, steps) if expected < steps else steps
         delay_s = rng.uniform(0, 0.4) if phase == "start" else rng.uniform(0, 0.06)
-        proc = subprocess.Popen([sys.executable, str(WORKER), str(out), "--steps", str(steps)],
+        proc = subprocess.Popen([sys.executable, str(WORKER), str(out), "--steps", str(steps),
+                                 *worker_args],
                                 env=env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True)
         finished = None

@@ -5,6 +5,8 @@ retention deletes the blobs of the snapshot it drops).
 
     python incremental_worker.py OUT --steps N             # prints starting/resumed/saved/final
     python incremental_worker.py OUT --steps N --reference # prints 'state STEP DIGEST' per step
+    python incremental_worker.py OUT --steps N --staging-budget B  # full snapshots, B bytes of
+                                                                   # staging (issue 34)
 
 Batches depend on the step only, so a resumed run continues as the uninterrupted one.
 """
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--staging-budget", type=int, default=None)
     args = parser.parse_args()
     model, optim = build()
     if args.reference:
@@ -61,7 +64,9 @@ def main() -> None:
         return
     print("starting", flush=True)
     state = {"model": model, "optim": optim}
-    with Checkpointer(args.out, keep=2, incremental=True) as ckpt:
+    budget = args.staging_budget
+    with Checkpointer(args.out, keep=2, incremental=budget is None,
+                      staging_budget=budget) as ckpt:
         start = ckpt.load(state) or 0
         print(f"resumed {start} {digest(model, optim)}", flush=True)
         for step in range(start + 1, args.steps + 1):

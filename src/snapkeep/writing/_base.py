@@ -61,6 +61,15 @@ class Writer:
             bytes without it (:func:`snapkeep.codecs.torch_save`), saving about 0.25 CPU-s per
             GiB; ``torch.load`` never checks that CRC, and snapkeep verifies its own XXH3-128
             checksum instead. Set True if other tools (``unzip -t``) must validate the files.
+        staging_budget: most bytes of host memory one snapshot's staging may hold (an int >= 1
+            MiB), or None (default: a full copy of the state per snapshot in flight). A state
+            whose tensors exceed it is copied and written in pieces through a ring of that
+            size, with the same consistency (see :mod:`snapkeep._core.save.budget`): the call
+            returns once every tensor no guarded optimizer owns is copied, and an overlapped
+            optimizer's next ``step()`` waits for the rest. A tensor larger than the budget is
+            streamed in pieces. For thread writers (``ThreadWriter``, ``ThreadQueueWriter``)
+            with ``savefun=torch.save``; a process writer raises ``ValueError``, a synchronous
+            one (``SimpleWriter``) stages nothing and ignores it.
     """
 
     _runner_class: type[Runner] = InlineRunner
@@ -70,6 +79,7 @@ class Writer:
         self, fs: Any = None, out_dir: str = "", *,
         storage_options: Mapping[str, Any] | None = None, max_pending: int | None = None,
         on_full: str = "block", timeout_s: float | None = None, zip_crc32: bool = False,
+        staging_budget: int | None = None,
     ) -> None:
         if not isinstance(zip_crc32, bool):
             raise TypeError(f"zip_crc32 must be True or False, got {zip_crc32!r}")
@@ -89,7 +99,7 @@ class Writer:
         self._saver = Saver(
             self._make_runner(),
             max_pending=self._default_max_pending if max_pending is None else max_pending,
-            on_full=on_full, timeout_s=timeout_s,
+            on_full=on_full, timeout_s=timeout_s, staging_budget=staging_budget,
         )
         self._saver.add_post_commit_hook(self._post_commit)
         self.last_handle: SaveHandle | None = None
@@ -316,6 +326,18 @@ class Writer:
                 hook()
             except Exception:
                 logger.exception("cleanup hook failed after committing %s", record.path)
+
+    @property
+    def staging_budget(self) -> int | None:
+        """The ``staging_budget`` given (bytes), or None (unbounded)."""
+        return self._saver.staging_budget
+
+    @property
+    def last_budget_stats(self) -> Any:
+        """The last budgeted snapshot's figures
+        (:class:`~snapkeep._core.save.budget.BudgetStats`: sizes in bytes, times in seconds,
+        rates in bytes per second, the predicted time until staged), or None before one."""
+        return self._saver.last_budget_stats
 
     def _job(
         self, filename: str, out_dir: str, savefun: SaveFun | None, append: bool,

@@ -54,11 +54,11 @@ class QueueWriter(Writer):
         self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "",
         task: Any = None, *, max_pending: int | None = None, on_full: str = "block",
         timeout_s: float | None = None, storage_options: Mapping[str, Any] | None = None,
-        zip_crc32: bool = False,
+        zip_crc32: bool = False, staging_budget: int | None = None,
     ) -> None:
         super().__init__(fs=fs, out_dir=out_dir, storage_options=storage_options,
                          max_pending=max_pending, on_full=on_full, timeout_s=timeout_s,
-                         zip_crc32=zip_crc32)
+                         zip_crc32=zip_crc32, staging_budget=staging_budget)
         self._savefun = savefun
         self._started = False
         self._queued: list[Ticket] = []  # tickets put on the queue and not yet known to be done
@@ -80,6 +80,7 @@ class QueueWriter(Writer):
         self._queued = [t for t in self._queued if not t.handle.committed.done()]
         self._queued.append(ticket)
         self._queue.put((self._task, filename, out_dir, ticket.staged, savefun, append, ticket))
+        self._saver.await_call(ticket)  # a budgeted snapshot: what the budget cannot hide
         return ticket.handle
 
     def create_task(self, savefun: SaveFun) -> Any:

@@ -35,6 +35,7 @@ class StandardWriter(Writer):
         on_full: ``'block'`` (default), ``'skip'`` or ``'replace'``.
         timeout_s: bound in seconds on waiting for a slot and on ``finalize``; None = unbounded
             while the worker is alive (a warning is logged every 30 s).
+        staging_budget: see :class:`Writer`.
         kwds: keyword arguments passed to ``savefun``.
     """
 
@@ -44,11 +45,11 @@ class StandardWriter(Writer):
         self, savefun: SaveFun = torch.save, fs: Any = None, out_dir: str = "", *,
         max_pending: int | None = None, on_full: str = "block", timeout_s: float | None = None,
         storage_options: Mapping[str, Any] | None = None, zip_crc32: bool = False,
-        **kwds: Any,
+        staging_budget: int | None = None, **kwds: Any,
     ) -> None:
         super().__init__(fs=fs, out_dir=out_dir, storage_options=storage_options,
                          max_pending=max_pending, on_full=on_full, timeout_s=timeout_s,
-                         zip_crc32=zip_crc32)
+                         zip_crc32=zip_crc32, staging_budget=staging_budget)
         self._savefun = savefun
         self._kwds = kwds
         self._workers: list[tuple[Any, Ticket | None]] = []
@@ -90,6 +91,7 @@ class StandardWriter(Writer):
         if runs_ticket:
             self._runs_ticket.add(id(worker))
             self._workers.append((worker, ticket))
+            self._saver.await_call(ticket)  # a budgeted snapshot: what the budget cannot hide
             return ticket.handle
         self._workers.append((worker, None))
         self.last_handle = None

@@ -152,6 +152,22 @@ class OverlapPlan:
         Raises:
             TypeError: as :meth:`BufferSet.stage`.
         """
+        defer, by_storage = self.protection(tree)
+        staged, stats, later = stage_split(buffers, tree, defer)
+        if not later:
+            return staged, stats, None
+        return staged, stats, DeferredCopy(
+            copies=[(dst, src) for _, src, dst in later],
+            members=[m for ident, _, _ in later for m in by_storage[ident]],
+            stats=stats, before_copy=self.before_copy)
+
+
+    def protection(self, tree: Any) -> tuple[Callable[[_Ident], bool],
+                                              dict[_Ident, list[_Member]]]:
+        """``(defer, members)``: ``defer(ident)`` tells whether the storage ``ident`` (device,
+        address, bytes) of ``tree`` may be copied after the call (a guarded optimizer owns it,
+        it is large enough, and every tensor viewing it can be overlapped); ``members`` maps
+        each storage to its ``(tree path, tensor, version counter now)``."""
         by_storage: dict[_Ident, list[_Member]] = {}
         for name, t in _named_tensors(tree):
             by_storage.setdefault(_ident(t), []).append((name, t, t._version))
@@ -161,13 +177,7 @@ class OverlapPlan:
         def defer(ident: _Ident) -> bool:
             return ident in self.deferred and ident not in blocked and ident[2] >= self.min_bytes
 
-        staged, stats, later = stage_split(buffers, tree, defer)
-        if not later:
-            return staged, stats, None
-        return staged, stats, DeferredCopy(
-            copies=[(dst, src) for _, src, dst in later],
-            members=[m for ident, _, _ in later for m in by_storage[ident]],
-            stats=stats, before_copy=self.before_copy)
+        return defer, by_storage
 
 
 class DeferredCopy:

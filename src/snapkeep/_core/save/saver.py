@@ -31,6 +31,11 @@ of staging a second copy, and the slot is not staged again while the loan is out
 that needs it waits, as for a slot still being written, whatever ``on_full``: a lent slot holds
 no snapshot in flight, so ``'skip'`` and ``'replace'`` drop nothing for it).
 
+Staging budget (``staging_budget``, bytes): a snapshot whose tensors exceed it is staged and
+written in pieces through a ring of that size instead of a full copy (see :mod:`.budget`); the
+writer that dispatched the ticket then waits in :meth:`await_call` for the part the budget cannot
+hide. Needs an in-process runner (a thread); such snapshots are never lent.
+
 Errors: a failed background save is raised once, as :class:`SnapshotSaveError` with the original
 exception as ``__cause__``, at the next ``save()`` or at ``finalize()``; later saves still run.
 """
@@ -39,12 +44,15 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from snapkeep._core.errors import (
     SnapshotError,
@@ -55,6 +63,13 @@ from snapkeep._core.errors import (
     WorkerDiedError,
 )
 from snapkeep._core.load.preflight import check_timeout_s
+from snapkeep._core.save.budget import (
+    BudgetStats,
+    Ring,
+    build_stream,
+    check_staging_budget,
+    tensor_bytes,
+)
 from snapkeep._core.save.commit import commit_job
 from snapkeep._core.save.executors import Runner
 from snapkeep._core.save.exit_drain import DrainedAtExit
@@ -83,20 +98,34 @@ class Saver(DrainedAtExit):
         warn_after_s: interval of the "still waiting" log line, seconds.
         stage: copy the state before returning (True for background runners). A synchronous
             runner writes the caller's objects directly.
+        staging_budget: most bytes of host memory a snapshot's staging may hold (see
+            :mod:`.budget`); None: a full copy of the state per snapshot in flight.
 
     Raises:
-        ValueError: ``max_pending`` < 1 or an unknown ``on_full``.
+        ValueError: ``max_pending`` < 1, an unknown ``on_full``, or a bad ``staging_budget``
+            (also for a runner in another process).
     """
 
     def __init__(
         self, runner: Runner, *, max_pending: int = 1, on_full: str = "block",
         timeout_s: float | None = None, warn_after_s: float = 30.0, stage: bool | None = None,
+        staging_budget: int | None = None,
     ) -> None:
         if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
         if on_full not in ON_FULL_POLICIES:
             raise ValueError(f"on_full must be one of {ON_FULL_POLICIES}, got {on_full!r}")
         check_timeout_s(timeout_s, none_ok=True)
+        self.staging_budget = check_staging_budget(staging_budget)
+        if self.staging_budget is not None and not runner.in_process:
+            raise ValueError(
+                "staging_budget is for writers that write on a thread of the training process "
+                "(ThreadWriter, the doors' default, ThreadQueueWriter); a process writer "
+                "reads a full staged copy from shared memory. Pass staging_budget=None or use "
+                "ThreadWriter(staging_budget=...)")
+        self._ring: Ring | None = None
+        self._streams: set[Any] = set()  # budgeted snapshots whose stager may still run
+        self.last_budget_stats: BudgetStats | None = None
         self.runner = runner
         self.max_pending = max_pending
         self.on_full = on_full
@@ -160,7 +189,16 @@ class Saver(DrainedAtExit):
             self.raise_pending_error()
             self._wait_prefault()
             deferred = None
-            if self._stage and plan is not None:
+            stream = self._stream_for(job, tree, plan) if incremental is None else None
+            if stream is not None:
+                job = dataclasses.replace(job, savefun=stream.savefun)
+                staged, stats = stream.skeleton, _no_stats()
+                if stream.members:
+                    deferred = stream
+                with self._cond:
+                    self._streams.add(stream)
+                stream.start()
+            elif self._stage and plan is not None:
                 staged, stats, deferred = plan.stage(slot.buffers, tree)
             else:
                 staged, stats = slot.buffers.stage(tree) if self._stage else (tree, _no_stats())
@@ -174,18 +212,68 @@ class Saver(DrainedAtExit):
             self._release(slot, handle)
             raise
         self.last_stage_stats = stats
-        if self._stage and incremental is None:  # kept for a loan until staged again
+        if stream is not None:
+            stream.verdict_wait = None if deferred is None else (
+                lambda: handle.verdict.wait(self.timeout_s, self.warn_after_s))
+        elif self._stage and incremental is None:  # kept for a loan until staged again
             with self._cond:
                 slot.holds, slot.staged = handle, staged
         if deferred is None:
-            handle.staged.set_result(stats)
+            if stream is None:
+                handle.staged.set_result(stats)
         else:
             verdict = handle.verdict = PendingVerdict(handle, deferred, plan.on_race)
             with self._cond:
                 self._verdicts.append(verdict)
             verdict.start()
         return Ticket(slot=slot, handle=handle, job=job, staged=staged, retain=retain,
-                      incremental=incremental)
+                      incremental=incremental, stream=stream)
+
+    def await_call(self, ticket: Ticket) -> None:
+        """For a budgeted snapshot (:mod:`.budget`), called on the training thread once the
+        ticket was handed to whoever writes it: wait until every storage that no guarded
+        optimizer protects is staged (the stall the budget cannot hide). Nothing for other
+        snapshots. A stream that failed meanwhile returns at once (its error is the save's).
+
+        Raises:
+            SnapshotTimeoutError: not staged within ``timeout_s``.
+        """
+        stream = ticket.stream
+        if stream is None:
+            return
+        stream.wait_call(self.timeout_s)
+        if ticket.handle.verdict is None and not ticket.handle.staged.done():
+            ticket.handle.staged.set_result(StageStats(
+                tensor_bytes=stream.stats.state_bytes if stream.stats else 0,
+                allocated_bytes=0, num_storages=0))
+
+    def _stream_for(self, job: SaveJob, tree: Any, plan: Any) -> Any:
+        """The :class:`~snapkeep._core.save.budget.Stream` of a budgeted snapshot, or None (no
+        budget, nothing staged, or the state's tensors fit the budget).
+
+        Raises:
+            ValueError: a budget with a ``savefun`` other than ``torch.save`` or append mode.
+        """
+        if self.staging_budget is None or not self._stage:
+            return None
+        from snapkeep._core.format.codec import record_alignment, torch_save
+
+        if job.append or job.savefun not in (torch.save, torch_save) or job.savefun_kwargs:
+            raise ValueError(
+                "staging_budget streams torch.save files: the writer's savefun must be "
+                f"torch.save (got {job.savefun!r}, kwargs {job.savefun_kwargs!r}) and append "
+                "False; pass staging_budget=None to stage a full copy for another savefun")
+        base = torch.serialization._get_storage_alignment()  # type: ignore[attr-defined]
+        return build_stream(tree, budget_bytes=self.staging_budget, ring_for=self._ring_for,
+                            plan=plan, previous=self.last_budget_stats,
+                            alignment=lambda skeleton: record_alignment(skeleton, base))
+
+    def _ring_for(self, size: int) -> Ring:
+        """This saver's ring (one for all its streams), made at the first budgeted snapshot."""
+        with self._cond:
+            if self._ring is None:
+                self._ring = Ring(size)
+            return self._ring
 
     def overlap_next(self, plan: Any) -> None:
         """Stage the next :meth:`submit` (same thread) per ``plan``
@@ -345,6 +433,13 @@ class Saver(DrainedAtExit):
             for slot in self._slots:
                 if slot not in lent:
                     _close_buffers(slot)
+            with self._cond:
+                streams, self._streams = list(self._streams), set()
+            for stream in streams:  # no stager copies into the ring once it is unmapped
+                stream.close()
+            if self._ring is not None:
+                self._ring.close()
+                self._ring = None
             with self._cond:  # a closed saver keeps no staging copies of the state
                 for slot in self._slots:
                     slot.holds = slot.staged = None
@@ -359,6 +454,8 @@ class Saver(DrainedAtExit):
         reports its own)."""
         from snapkeep._core.save.staging import prefault
 
+        if self.staging_budget is not None and tensor_bytes(tree) > self.staging_budget:
+            return  # streamed through the ring: a full set of buffers would break the budget
         with self._cond:
             if not self._stage or self._closed or not self._prefaulted.is_set():
                 return
@@ -485,14 +582,33 @@ class Saver(DrainedAtExit):
             True when committed, False when it failed or was replaced. The outcome is always set
             on ``ticket.handle.committed``.
         """
-        slot, handle, job = ticket.slot, ticket.handle, ticket.job
+        slot, handle = ticket.slot, ticket.handle
         with self._cond:
             if not handle.committed.set_running_or_notify_cancel():
+                if ticket.stream is not None:
+                    ticket.stream.close()
                 return False  # replaced while queued; its slot was already handed over
             slot.started = True
         staged = ticket.staged
         try:
-            if handle.verdict is not None:  # overlapped staging: nothing before the verdict
+            return self._run(ticket, staged, execute, report)
+        finally:
+            if ticket.stream is not None:  # whichever way it ended: the ring is free again
+                ticket.stream.close()
+                with self._cond:
+                    self._streams.discard(ticket.stream)
+                if ticket.stream.stats is not None:
+                    self.last_budget_stats = ticket.stream.stats
+
+    def _run(self, ticket: Ticket, staged: Any,
+             execute: Callable[[Any], CommitRecord | None] | None, report: bool) -> bool:
+        slot, handle, job = ticket.slot, ticket.handle, ticket.job
+        try:
+            if ticket.stream is not None and execute is not None:
+                raise ValueError("a budgeted snapshot (staging_budget) is written by snapkeep's "
+                                 "own commit; a custom queue task cannot write it")
+            if handle.verdict is not None and ticket.stream is None:
+                # overlapped staging: nothing before the verdict
                 handle.verdict.wait(self.timeout_s, self.warn_after_s)
             if ticket.incremental is not None:  # unchanged tensors hashed against their blobs
                 if execute is not None:
@@ -559,12 +675,16 @@ class Saver(DrainedAtExit):
         if ticket.handle.committed.cancel():
             logger.warning("snapshot %s (step %s) was not written: %s", ticket.job.path,
                            ticket.job.step, reason)
+            if ticket.stream is not None:
+                ticket.stream.close()
             self._release(ticket.slot, ticket.handle)
 
     def discard(self, ticket: Ticket) -> None:
         """Give back the slot of a ticket that will not be used (its snapshot is written by
         another save); nothing is logged."""
         if ticket.handle.committed.cancel():
+            if ticket.stream is not None:
+                ticket.stream.close()
             self._release(ticket.slot, ticket.handle)
 
     def _run_hooks(self, record: CommitRecord) -> None:

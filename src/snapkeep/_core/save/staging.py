@@ -163,6 +163,28 @@ def stage_split(
                               num_storages=len(reserved)), later
 
 
+def collect_storages(tree: Any) -> tuple[dict[tuple[str, int, int], int],
+                                         list[torch.UntypedStorage]]:
+    """The distinct tensor storages of ``tree`` in staging order, and each storage identity's
+    ``(device, address, bytes)`` index in that list.
+
+    Raises:
+        TypeError: as :meth:`BufferSet.stage`.
+    """
+    sources: dict[tuple[str, int, int], int] = {}
+    layout: list[tuple[_Path, int, bool]] = []
+    storages: list[torch.UntypedStorage] = []
+    _collect(tree, (), sources, layout, storages)
+    return sources, storages
+
+
+def rebuild_onto(tree: Any, sources: dict[tuple[str, int, int], int],
+                 buffers: list[torch.UntypedStorage]) -> Any:
+    """``tree`` rebuilt as :meth:`BufferSet.stage` does, each tensor a view of
+    ``buffers[sources[its storage identity]]`` (``sources`` from :func:`collect_storages`)."""
+    return _rebuild(tree, sources, buffers)
+
+
 def prefault(buffers: BufferSet, tree: Any) -> int:
     """Allocate ``buffers``' staging buffers for a tree shaped like ``tree`` and fault them in
     (zero-fill every page), so that staging a snapshot of it later only copies. Returns the

@@ -159,3 +159,6 @@ class Ticket:
     staged: Any
     retain: Retain | None = None
     incremental: Any = None
+    #: the :class:`~snapkeep._core.save.budget.Stream` of a budgeted snapshot (staged and
+    #: written in pieces), else None
+    stream: Any = None

@@ -65,7 +65,10 @@ class RunStatus:
     they were recorded); ``preemption`` the decision of a preemption (``committed_to``:
     ``'storage'``, ``'ram'`` or ``'none'``, ``remaining_s``, ``durable_estimate_s``,
     ``stage_s``, ``commit_s``, ``pending_s``: seconds or None where unknown,
-    ``deadline_from``); empty when not preempted (or by a door without a deadline)."""
+    ``deadline_from``); empty when not preempted (or by a door without a deadline);
+    ``staging`` the last budgeted snapshot's figures (``staging_budget``, see
+    :class:`~snapkeep._core.save.budget.BudgetStats`: ``budget_bytes``, ``state_bytes``,
+    ``predicted_stall_s``, ``staged_s``, ``copy_Bps``, ``write_Bps``), empty without one."""
 
     state: str
     step: int
@@ -77,6 +80,7 @@ class RunStatus:
     host: str = ""
     start_token: str = ""
     preemption: Mapping[str, Any] = field(default_factory=dict)
+    staging: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def durable(self) -> bool:
@@ -90,7 +94,8 @@ class RunStatus:
 
     def to_bytes(self) -> bytes:
         return json.dumps({"format": FORMAT, **asdict(self), "snapshots": list(self.snapshots),
-                           "preemption": dict(self.preemption)}, sort_keys=True).encode()
+                           "preemption": dict(self.preemption),
+                           "staging": dict(self.staging)}, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunStatus:
@@ -118,7 +123,11 @@ class RunStatus:
         preemption = raw.get("preemption") or {}
         if not isinstance(preemption, dict) or len(preemption) > 64:
             raise ValueError("field 'preemption' must be an object of at most 64 fields")
-        return cls(preemption=preemption, state=state, step=int_field(raw, "step"),
+        staging = raw.get("staging") or {}
+        if not isinstance(staging, dict) or len(staging) > 64:
+            raise ValueError("field 'staging' must be an object of at most 64 fields")
+        return cls(preemption=preemption, staging=staging, state=state,
+                   step=int_field(raw, "step"),
                    time_unix_s=number_field(raw, "time_unix_s"),
                    reason=str_field(raw, "reason", max_chars=MAX_REASON_CHARS, default=""),
                    snapshots=tuple(snapshots),
@@ -135,6 +144,7 @@ def status_path(storage: Storage, directory: str) -> str:
 def write_status(storage: Storage, directory: str, *, state: str, step: int, reason: str = "",
                  snapshots: tuple[str, ...] = (), world_size: int = 1,
                  preemption: Mapping[str, Any] | None = None,
+                 staging: Mapping[str, Any] | None = None,
                  clock: Any = time.time) -> RunStatus:
     """Record ``state`` for the run in ``directory`` (replaces the previous status atomically).
 
@@ -145,7 +155,7 @@ def write_status(storage: Storage, directory: str, *, state: str, step: int, rea
     status = RunStatus(state=state, step=int(step), time_unix_s=float(clock()), reason=reason,
                        snapshots=tuple(snapshots), world_size=world_size, pid=pid,
                        host=socket.gethostname(), start_token=_start_token(pid) or "",
-                       preemption=dict(preemption or {}))
+                       preemption=dict(preemption or {}), staging=dict(staging or {}))
     storage.makedirs(storage.join(directory, MANIFEST_DIR))
     storage.write_bytes(status_path(storage, directory), status.to_bytes(), tag="status")
     return status
@@ -185,12 +195,27 @@ class StatusLog:
         self.rank = rank
         self.world_size = world_size
         self.final: str | None = None
+        self.staging: dict[str, Any] = {}  # recorded with every state from now on
+        self._running_step: int | None = None
+
+    def note_staging(self, staging: Mapping[str, Any]) -> None:
+        """The last budgeted snapshot's figures, recorded with the next state; the first ones
+        also rewrite a ``running`` status at once (same step), so ``snapkeep status`` shows
+        the prediction while the run goes on."""
+        first = not self.staging
+        self.staging = dict(staging)
+        if first and self.final is None and self._running_step is not None:
+            self.record("running", self._running_step)
 
     def record(self, state: str, step: int, **fields: Any) -> None:
         """Record ``state`` at ``step`` (``reason``, ``snapshots``); nothing after a final
         state (``preempted``, ``failed``, ``finished``) was recorded."""
         if self.final is not None:
             return
+        if state == "running":
+            self._running_step = step
+        if self.staging:
+            fields.setdefault("staging", self.staging)
         if state != "running":
             self.final = state
         if self.rank != 0:

@@ -87,6 +87,14 @@ class _MemoryTierExtension(extension.Extension):
         if self.layer is not None:
             return
         snapshots = _lineage.snapshot_extensions(manager)
+        writers = [getattr(s, "writer", None) for s in snapshots] + [
+            getattr(manager, "writer", None)]
+        if any(getattr(w, "staging_budget", None) is not None for w in writers):
+            raise ValueError(
+                "memory tier: a snapshot writer of this manager has a staging_budget; the tier "
+                "keeps a full copy of the state in node RAM, which no budget below the state's "
+                "size can hold (it would be memory outside the budget). Pass "
+                "staging_budget=None to the writer, or do not extend the manager with the tier")
         # SHARDED snapshots: each rank's RAM snapshot is its part of what they save
         self._sharded = next((s for s in snapshots if s.sharded_directories), None)
         # named after (and competing with) the snapshots of the whole manager: a
