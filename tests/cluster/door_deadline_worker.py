@@ -8,7 +8,8 @@ Usage: ``python door_deadline_worker.py DOOR OUT_DIR STEPS`` (DOOR: ``ppe``, ``l
 print ``paused N pid P`` and wait for a line on stdin: the test signals it there), ``SLOW_S``
 (each durable write takes about that many seconds more: a throttled storage for ppe and
 Lightning, a slower checkpoint write for the HF Trainer; unset: local files, fast),
-``SNAPKEEP_GRACE_S`` (snapkeep's). Prints ``step N``; at the end saves the model's state to
+``SNAPKEEP_GRACE_S`` (snapkeep's), ``TIER_ROOT`` (ppe: ``extensions.memory_tier`` in that
+directory). Prints ``step N``; at the end saves the model's state to
 ``final.pt`` beside OUT_DIR.
 """
 
@@ -60,6 +61,9 @@ def ppe(out: str, steps: int, pause_at: int) -> torch.nn.Module:
                                 writer=writer)
     manager.extend(ext.snapshot(autoload=True, filename="ckpt_{.iteration}"),
                    trigger=(EVERY, "iteration"))
+    tier_root = os.environ.get("TIER_ROOT")
+    if tier_root:  # the door's memory tier: a preemption that does not fit goes there
+        manager.extend(ext.memory_tier(ext.MemoryTier(every=EVERY, replicas=0, root=tier_root)))
     manager.extend(ext.preemption(timeout_s=60))
     while not manager.stop_trigger:
         with manager.run_iteration():
