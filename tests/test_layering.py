@@ -245,3 +245,75 @@ def test_no_import_cycles() -> None:
     tool = _structure_report()
     strict = tool.cycles(tool.load_modules(SRC.parent))["strict"]
     assert strict["component_members"] == []
+
+
+# -- one run control (issue 31 item 3) -----------------------------------------------------------
+#: The one place that installs signal handlers: the run control's signal flags
+#: (``SignalWatch``, held by ``RunControl``). The process writer's child ignores SIGINT there
+#: (a worker process, not a run: Ctrl-C reaches the trainer, which drains it).
+_SIGNAL_HANDLERS = {"_core/distributed/signals.py", "_core/save/worker.py"}
+#: What only the run control builds: the doors get it from their session
+#: (``session.run_control(...)``) and never hold these parts themselves.
+_RUN_CONTROL_PARTS = {"SignalWatch", "StatusLog", "write_status", "write_run_status",
+                      "StatusRecorder"}
+_COLLECTIVES = {"all_reduce", "all_gather", "all_gather_object", "broadcast",
+                "broadcast_object_list", "all_gather_into_tensor", "reduce", "gather",
+                "scatter"}
+
+
+def _run_control_offenders(src: pathlib.Path) -> list[str]:
+    """Calls of ``signal.signal`` outside :data:`_SIGNAL_HANDLERS`; a door naming one of
+    :data:`_RUN_CONTROL_PARTS`; a door calling a torch.distributed collective itself
+    (``dist.all_reduce``: a hand-written cross-rank outcome exchange; the run control and
+    ``_core/distributed`` exchange them)."""
+    offenders = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                func = node.func
+                owner = ast.unparse(func.value)
+                if func.attr == "signal" and owner == "signal" and rel not in _SIGNAL_HANDLERS:
+                    offenders.append(f"{rel}:{node.lineno} installs a signal handler")
+                if func.attr in _COLLECTIVES and owner in ("dist", "torch.distributed") \
+                        and _layer(rel) == "door" and not rel.startswith("_core/"):
+                    offenders.append(f"{rel}:{node.lineno} calls {owner}.{func.attr}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id == "RunControl" and _layer(rel) == "door":
+                offenders.append(f"{rel}:{node.lineno} builds a RunControl")
+            if _layer(rel) == "door" and isinstance(node, (ast.Name, ast.alias)):
+                name = node.id if isinstance(node, ast.Name) else node.name
+                if name in _RUN_CONTROL_PARTS:
+                    offenders.append(f"{rel}:{getattr(node, 'lineno', 0)} uses {name}")
+    return offenders
+
+
+#: Known, outside the run control: the ppe distributed snapshot's resume listing, broadcast
+#: from the saver rank on the world group (not a preemption or status exchange).
+_KNOWN_COLLECTIVES = {"training/extensions/_distributed.py"}
+
+
+def test_the_doors_hold_no_signal_handling_status_writing_or_collectives_of_their_own() -> None:
+    """Every door's preemption and run status is the one run control's: no door installs a
+    signal handler, builds a run control, a signal watch or a status log, or all-reduces a flag
+    itself (at 2c657db the ppe preemption extension did all three, HF built a SignalWatch +
+    StatusLog, Lightning a RunControl of its own)."""
+    offenders = [o for o in _run_control_offenders(SRC)
+                 if o.split(":")[0] not in _KNOWN_COLLECTIVES or "calls" not in o]
+    assert offenders == []
+
+
+def test_the_run_control_check_sees_each_kind(tmp_path: pathlib.Path) -> None:
+    src = tmp_path / "snapkeep"
+    (src / "training").mkdir(parents=True)
+    (src / "training" / "door.py").write_text(
+        "import signal\nimport torch.distributed as dist\n"
+        "from snapkeep.distributed import SignalWatch\n"
+        "signal.signal(signal.SIGTERM, print)\ndist.all_reduce(flag)\nRunControl(s, d)\n")
+    assert sorted(_run_control_offenders(src)) == [
+        "training/door.py:3 uses SignalWatch",
+        "training/door.py:4 installs a signal handler",
+        "training/door.py:5 calls dist.all_reduce",
+        "training/door.py:6 builds a RunControl",
+    ]

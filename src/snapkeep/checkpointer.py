@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import signal
+import time
 import types
 import weakref
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -40,10 +41,6 @@ import torch
 
 from snapkeep._version import __version__
 from snapkeep.distributed import (
-    EXIT_CODE_PREEMPTED,
-    EXIT_CODE_PREEMPTED_NOT_DURABLE,
-    exchange_outcomes,
-    exit_cleanly_at_exit,
     is_distributed,
     job_rank,
 )
@@ -74,7 +71,6 @@ from snapkeep.store import (
     RunControl,
     RunHistory,
     RunLineage,
-    SaveTimes,
     Session,
     SnapshotStore,
     Storage,
@@ -360,7 +356,6 @@ class Checkpointer:
         self._tier: TieredSession | None = None  # the session, when the tier is its layer
         self._session: Session | TieredSession | None = None
         self._run: RunControl | None = None  # the run status and preemption hook
-        self._times = SaveTimes()  # this run's durable saves, timed: the preemption's estimate
         self._key = ("", "")
         self._sharded: ShardedCheckpoint | None = None
         self._writer: Writer | None = None
@@ -404,7 +399,7 @@ class Checkpointer:
                     else os.path.abspath(path))
                 self._session = self._tier
             groups = self._sharded.groups if self._sharded is not None else None
-            self._run = self._session.track_run(
+            self._run = self._session.run_control(
                 rank=groups.rank if groups is not None else job_rank(),
                 world_size=groups.world_size if groups is not None else 1,
                 signals=preemption_signals(preemption),
@@ -507,7 +502,7 @@ class Checkpointer:
         run.at(step)
         agreed = run.agree() if not on_error else 0
         tier = self._tier
-        plan = run.plan(self._times.estimate(), tier=tier is not None) if agreed else None
+        plan = run.plan(tier=tier is not None) if agreed else None
         if plan is not None and plan.where != "storage":  # the durable write would not fit
             if plan.where == "ram":
                 self._open_tier(state)
@@ -522,12 +517,11 @@ class Checkpointer:
                 self._save_to_ram(step, state, None)
             self._note(step, None, 0.0)
             return None
-        started = self._times.start()
         self._note_staging(run)  # the previous budgeted snapshot's figures, for the status
+        started = time.monotonic()
         handle = self._save_to_storage(session, step, state, recorded, on_error=on_error)
         if handle is not None and not on_error:
-            self._times.staged(started, handle.committed)
-            self._note(step, handle, self._times.start() - started)
+            self._note(step, handle, time.monotonic() - started)
         if to_ram:
             self._save_to_ram(step, state, handle)
         if agreed:
@@ -557,8 +551,12 @@ class Checkpointer:
             self._refuse_unloadable(self._payload(step, state))
             for key, value in _check_state(state).items():
                 stateful(key, value)
+            run = self._run_of()
+            started = run.times.start()
             sharded_handle = self._sharded.save(name, step, state, __version__,
                                                 metrics=recorded)
+            if not on_error:  # the deadline's estimate (single files: Session.save times it)
+                run.times.staged(started, sharded_handle.committed)
             if on_error:
                 sharded_handle.committed.result()
             return sharded_handle
@@ -574,7 +572,7 @@ class Checkpointer:
     def _note_staging(self, run: RunControl) -> None:
         """The last budgeted snapshot's figures into the run status (``staging_budget``)."""
         stats = self._writer.last_budget_stats if self._writer is not None else None
-        if stats is not None:
+        if stats is not None and run.status is not None:
             run.status.note_staging(stats.as_status())
 
     def _run_of(self) -> RunControl:
@@ -591,10 +589,7 @@ class Checkpointer:
         run = self._run_of()
         where = "storage" if plan is None else plan.where
         name = self._template.name_at(step) if where == "storage" else ""
-        code = EXIT_CODE_PREEMPTED if where == "storage" else EXIT_CODE_PREEMPTED_NOT_DURABLE
-        logger.warning("rank %d: preemption requested; step %d taken (%s), waiting for its "
-                       "commit, then exiting with %d", run.rank, step, where, code)
-        run.preempting = True
+        run.requested(step, plan)
         if where == "storage":
             self.wait()  # committed on every rank (sharded: collective)
         else:
@@ -604,18 +599,9 @@ class Checkpointer:
                     self._tier.wait()
             except Exception as e:  # exchanged: every rank raises, naming the failing one
                 error = e
-            groups = self._sharded.groups if self._sharded is not None else None
-            exchange_outcomes(groups.control if groups is not None else None, error,
-                              what=f"preemption RAM snapshot of step {step}",
-                              timeout_s=run.timeout_s)
+            run.together(error, f"preemption RAM snapshot of step {step}")
         run.preempted(step, name, agreed, plan)
         self.close()
-        if where != "storage" or (self._sharded is not None
-                                  and self._sharded.groups is not None):
-            # teardown with gloo can abort (-6); and a deadline leaves no time for a slow
-            # interpreter teardown (seconds on a loaded machine): every atexit handler runs,
-            # then os._exit
-            exit_cleanly_at_exit(code)
         run.exit_preempted(step, plan)
 
     # -- the memory tier -------------------------------------------------------------------------
@@ -998,7 +984,9 @@ class Checkpointer:
                 self._close_tier()
             finally:
                 if self._history is not None and self._run is not None:
-                    self._history.ended(self._run.status.final or "running")
+                    status = self._run.status
+                    self._history.ended(status.final if status is not None and status.final
+                                        else "running")
                 self._release()  # the lock, and the preemption hook's signal handlers
 
     def _close_tier(self) -> None:

@@ -28,12 +28,8 @@ from snapkeep._core.distributed.groups import (
 )
 from snapkeep._core.distributed.launcher import end_if_orphaned, on_orphaned
 from snapkeep._core.distributed.signals import (
-    AGENT_GONE,
-    DEFAULT_SIGNALS,
     EXIT_CODE_PREEMPTED,
     EXIT_CODE_PREEMPTED_NOT_DURABLE,
-    SignalWatch,
-    describe_signal,
     parse_signals,
     signal_name,
     signalled,
@@ -50,10 +46,9 @@ _SHARDED = {
 __all__ = [
     "CollectiveTimeoutError", "Groups", "NoCommonSnapshotError", "RankFailedError",
     "agree_on_resume", "all_gather", "background_groups", "end_if_orphaned",
-    "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed", "DEFAULT_SIGNALS",
-    "EXIT_CODE_PREEMPTED", "EXIT_CODE_PREEMPTED_NOT_DURABLE", "SignalWatch", "describe_signal",
-    "job_rank", "on_orphaned",
-    "AGENT_GONE", "parse_signals", "signal_name", "signalled", "together",
+    "exchange_outcomes", "exit_cleanly_at_exit", "is_distributed",
+    "EXIT_CODE_PREEMPTED", "EXIT_CODE_PREEMPTED_NOT_DURABLE",
+    "job_rank", "on_orphaned", "parse_signals", "signal_name", "signalled", "together",
     *sorted(_SHARDED),
 ]
 

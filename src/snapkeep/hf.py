@@ -46,14 +46,8 @@ from transformers import (
 )
 
 from snapkeep.distributed import (
-    DEFAULT_SIGNALS,
-    EXIT_CODE_PREEMPTED,
-    SignalWatch,
     background_groups,
-    describe_signal,
-    exit_cleanly_at_exit,
     is_distributed,
-    parse_signals,
 )
 from snapkeep.errors import SnapshotCorruptError
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
@@ -68,13 +62,16 @@ from snapkeep.store import (
     Entry,
     FileRecord,
     MemoryTier,
+    Plan,
+    RunControl,
     Session,
-    StatusLog,
     Storage,
     TieredSession,
+    check_grace_s,
     check_memory,
     checkpoint_step,
     commit_checkpoint,
+    preemption_signals,
     read_marker,
     resolve_storage,
     say,
@@ -205,12 +202,16 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             :mod:`snapkeep.retention`, ``KeepBest`` ranking by the markers' metrics); default
             ``save_total_limit``'s newest N.
         preemption: catch SIGTERM and SIGUSR1 (``True``) or the given signals (a sequence of
-            ``signal.Signals``) while training, as the Checkpointer's ``preemption``: the
-            handler only records the signal; at the next step end every rank agrees (one
-            all-reduce of one int on snapkeep's own gloo group), the Trainer saves that step
-            and stops, and once its checkpoint is committed the run status becomes
-            ``preempted`` and the process exits with ``SystemExit(143)``. Default False:
-            signals keep their default action.
+            ``signal.Signals``) while training, as the Checkpointer's ``preemption`` (the run
+            control of every door, :class:`snapkeep.store.RunControl`): the handler only
+            records the signal; at the next step end every rank agrees (one all-reduce of one
+            int on snapkeep's own gloo group), the Trainer saves that step and stops, and once
+            its checkpoint is committed the run status becomes ``preempted`` and the process
+            exits with ``SystemExit(143)``. With a deadline (``grace_s``) that this run's
+            measured checkpoint write does not fit, the Trainer does not save that step (no
+            durable write is started), the run status records ``committed_to: none`` and the
+            process exits with ``SystemExit(79)``; the newest committed checkpoint is the
+            resume point. Default False: signals keep their default action.
         timeout_s: bound of that agreement between ranks, seconds (default 600).
         staging_budget: for :class:`SnapkeepSaveMixin` (the asynchronous save): most bytes of
             host memory a checkpoint's staging copy may hold (an int of at least 1 MiB), or
@@ -219,17 +220,23 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             whose tensors exceed the budget is not staged at all: it is written in the training
             thread from the live tensors (synchronously, no copy), then committed as usual.
             The plain callback (the stock synchronous save) stages nothing either way.
+        grace_s: seconds between the first preemption signal and SIGKILL (the launcher's
+            grace period); None: from ``$SNAPKEEP_GRACE_S``, else SLURM's
+            ``$SLURM_JOB_END_TIME``, else no deadline (the step is always saved). See
+            docs/cluster.md.
 
     Raises:
         TypeError: ``save_best`` is not a bool, ``keep`` not an int or a policy, or
             ``preemption`` not a bool or a sequence of signals.
-        ValueError: ``keep`` < 1; a signal that cannot be caught (SIGKILL, SIGSTOP).
+        ValueError: ``keep`` < 1; a signal that cannot be caught (SIGKILL, SIGSTOP);
+            ``grace_s`` not a number of seconds > 0.
     """
 
     def __init__(self, *, output_dir: str | os.PathLike[str] | None = None,
                  save_best: bool = True, keep: int | RetentionPolicy | None = None,
                  preemption: bool | Sequence[signal.Signals | int] = False,
-                 timeout_s: float = 600.0, staging_budget: int | None = None) -> None:
+                 timeout_s: float = 600.0, staging_budget: int | None = None,
+                 grace_s: float | None = None) -> None:
         if not isinstance(save_best, bool):
             raise TypeError(f"save_best must be True or False, got {save_best!r}")
         self.staging_budget = check_staging_budget(staging_budget)
@@ -238,19 +245,13 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         self._output_dir = None if output_dir is None else os.fspath(output_dir)
         self.save_total_limit: int | None = None
         self.session: Session | None = None
-        self.status: StatusLog | None = None
-        if preemption is True:
-            self.signals: tuple[signal.Signals | int, ...] = DEFAULT_SIGNALS
-        elif preemption is False:
-            self.signals = ()
-        elif isinstance(preemption, Sequence) and not isinstance(preemption, (str, bytes)):
-            self.signals = parse_signals(preemption)
-        else:
-            raise TypeError(f"preemption must be True, False or a sequence of signals "
-                            f"(signal.SIGTERM, ...), got {preemption!r}")
+        self.signals: tuple[signal.Signals | int, ...] = preemption_signals(preemption)
         self.timeout_s = float(timeout_s)
-        self.watch: SignalWatch | None = None
+        self.grace_s = check_grace_s(grace_s)
+        self.run: RunControl | None = None  # the run control (status, signals, deadline, exit)
         self.preempted = 0  # the agreed signal (signalled(...)) once preempted
+        self.plan: Plan | None = None  # where the preemption step goes (the deadline's decision)
+        self._save_started: float | None = None  # a save decided: the deadline's estimate
 
     @property
     def output_dir(self) -> str | None:
@@ -286,9 +287,6 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
 
     def close(self) -> None:
         """Release the output directory's lock and the preemption handlers (idempotent)."""
-        watch, self.watch = self.watch, None
-        if watch is not None:
-            watch.uninstall()
         session, self.session = self.session, None
         if session is not None:
             session.close()
@@ -314,16 +312,14 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
                 path=store.storage.join(store.directory, f"checkpoint-{state.global_step}"),
                 key=(float(state.global_step),)))
             session.lineage.continue_run(marker.run_id if marker is not None else None)
-        storage, path = _storage(directory)
-        self.status = StatusLog(storage, path, rank=args.process_index,
-                                world_size=args.world_size)
-        self.status.record("running", state.global_step)
-        self.preempted = 0
-        if self.signals and self.watch is None:
-            groups = background_groups(self.timeout_s) if is_distributed() else None
-            self.watch = SignalWatch(self.signals, control=groups.control if groups else None,
-                                     rank=args.process_index, timeout_s=self.timeout_s)
-            self.watch.install()
+        groups = background_groups(self.timeout_s) if self.signals and is_distributed() \
+            else None
+        self.run = session.run_control(
+            rank=args.process_index, world_size=args.world_size, signals=self.signals,
+            control=groups.control if groups else None, timeout_s=self.timeout_s,
+            grace_s=self.grace_s)
+        self.run.at(state.global_step)  # running
+        self.preempted, self.plan = 0, None
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
@@ -331,27 +327,28 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
 
     def end(self, step: int) -> None:
         """The run's end, once its last checkpoint is committed: the status ``finished`` (or,
-        after an agreed preemption, ``preempted``, and ``SystemExit(143)``); the lock
-        released."""
-        watch, self.watch = self.watch, None
-        if watch is not None:
-            watch.uninstall(preempting=bool(self.preempted))
+        after an agreed preemption, ``preempted`` and ``SystemExit(143)``, or ``SystemExit(79)``
+        when the deadline left no time for the checkpoint's write); the lock released."""
+        run, plan = self.run, self.plan
         try:
-            if self.preempted and self.status is not None:
-                self.status.record("preempted", step, snapshots=(f"checkpoint-{step}",),
-                                   reason=describe_signal(self.preempted,
-                                                          watch.received if watch else []))
-            elif self.status is not None:
-                self.status.record("finished", step)
+            if run is not None:
+                run.at(step)
+                if self.preempted:
+                    names = (f"checkpoint-{step}",) if plan is None or plan.where == "storage" \
+                        else ()
+                    run.preempted(step, names, self.preempted, plan)
+                else:
+                    run.finished()
         finally:
             self.close()
-        if self.preempted:
-            logger.warning("snapkeep: preemption checkpoint-%d committed; exiting with %d (run "
-                           "the same command again to resume from it)", step,
-                           EXIT_CODE_PREEMPTED)
-            if is_distributed():
-                exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort
-            raise SystemExit(EXIT_CODE_PREEMPTED)
+        if self.preempted and run is not None:
+            run.exit_preempted(step, plan)
+
+    def failed(self, step: int, error: BaseException) -> None:
+        """Record the run as ``failed`` at ``step`` with ``error`` (its type and first line)."""
+        if self.run is not None:
+            self.run.at(step)
+            self.run.failed(error)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, metrics: Mapping[str, float] | None = None,
@@ -374,14 +371,15 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
-        if self.watch is not None and not self.preempted:
-            agreed = self.watch.agree()  # every rank, every step: one int
-            if agreed:  # every rank saves this step, then training stops (see end())
-                logger.warning("snapkeep: preemption requested at step %d; saving "
-                               "checkpoint-%d, then exiting with %d", state.global_step,
-                               state.global_step, EXIT_CODE_PREEMPTED)
+        run = self.run
+        if run is not None and run.watch is not None and not self.preempted:
+            run.at(state.global_step)
+            agreed = run.agree()  # every rank, every step: one int
+            if agreed:  # every rank saves this step (if it fits), then training stops
+                self.plan = run.plan(tier=False)  # the deadline (every rank); no tier yet
+                run.requested(state.global_step, self.plan)
                 self.preempted = agreed
-                control.should_save = True
+                control.should_save = self.plan.where == "storage"  # else: no durable write
                 control.should_training_stop = True
         self.claim(args, state, control)
         self.uncommit(args, state, control)
@@ -404,6 +402,7 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
         """
         if not (control.should_save and args.should_save):
             return
+        self.save_started()
         storage, path = _storage(self._dir(args))
         CheckpointDirs(storage, path).claim(
             storage.join(path, f"checkpoint-{state.global_step}"), state.global_step)
@@ -438,6 +437,26 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
                           metrics=metrics)
         CheckpointDirs(storage, path).release(f"checkpoint-{state.global_step}")
         self.retain(state)
+        self.save_staged()  # written and committed: a synchronous save
+
+    def save_started(self) -> None:
+        """A checkpoint save begins (timed for the deadline's estimate, see
+        :attr:`snapkeep.store.RunControl.times`)."""
+        if self.run is not None and self._save_started is None:
+            self._save_started = self.run.times.start()
+
+    def save_staged(self, committed: Any = None) -> None:
+        """The save begun at :meth:`save_started` returned; ``committed``: its commit future
+        (None: committed already, a synchronous save)."""
+        import concurrent.futures
+
+        started, self._save_started = self._save_started, None
+        if self.run is None or started is None:
+            return
+        if committed is None:
+            committed = concurrent.futures.Future()
+            committed.set_result(None)
+        self.run.times.staged(started, committed)
 
     def check_retention(self, state: TrainerState) -> dict[str, float]:
         """The metrics of the checkpoint of ``state.global_step`` (:func:`step_metrics`),
@@ -626,6 +645,7 @@ class SnapkeepSaveMixin:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         trainer: Any = self
         self.wait_for_checkpoint()
+        self._snapkeep_callback.save_started()  # timed: the preemption deadline's estimate
         if not self._snapkeep_owned() or trial is not None:
             super()._save_checkpoint(model, trial)  # type: ignore[misc]
             SnapkeepCallback.on_save(self._snapkeep_callback, trainer.args, trainer.state,
@@ -642,6 +662,7 @@ class SnapkeepSaveMixin:
             self._snapkeep_write(job[0], job[1], live, *job[3:])
             return
         self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)
+        self._snapkeep_callback.save_staged(self._snapkeep_pending)
 
     def _snapkeep_stage(self, trainer: Any) -> tuple[Any, ...]:
         output_dir, step, tree, scheduler, scaler_state, rng, state = \
@@ -835,21 +856,16 @@ class SnapkeepSaveMixin:
                 except Exception as save_error:  # the training error wins; the save's logged
                     logger.error("snapkeep: a background checkpoint save also failed: %s",
                                  save_error)
-                if callback.status is not None and not isinstance(e, KeyboardInterrupt):
-                    callback.status.record("failed", trainer.state.global_step,
-                                           reason=f"{type(e).__name__}: {e}"
-                                           .splitlines()[0][:500])
+                if not isinstance(e, KeyboardInterrupt):
+                    callback.failed(trainer.state.global_step, e)
                 raise
             try:
                 self.wait_for_checkpoint()
             except Exception as e:
-                if callback.status is not None:
-                    callback.status.record("failed", trainer.state.global_step,
-                                           reason=f"{type(e).__name__}: {e}"
-                                           .splitlines()[0][:500])
+                callback.failed(trainer.state.global_step, e)
                 raise
             failed = False
-            callback.end(trainer.state.global_step)  # finished; or preempted: SystemExit(143)
+            callback.end(trainer.state.global_step)  # finished; or preempted: exit 143 / 79
             return result
         finally:
             try:
@@ -913,7 +929,7 @@ class _OwnedCallback(SnapkeepCallback):
             return cls()
         return cls(output_dir=given.output_dir, save_best=given.save_best, keep=given.keep,
                    preemption=given.signals or False, timeout_s=given.timeout_s,
-                   staging_budget=given.staging_budget)
+                   staging_budget=given.staging_budget, grace_s=given.grace_s)
 
     def on_train_end(self, *args: Any, **kwargs: Any) -> None:
         return None  # the mixin's train(): after the last commit

@@ -97,9 +97,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpo
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from snapkeep.distributed import (
-    EXIT_CODE_PREEMPTED,
     background_groups,
-    exit_cleanly_at_exit,
     is_distributed,
 )
 from snapkeep.errors import (
@@ -128,6 +126,7 @@ from snapkeep.store import (
     Session,
     SnapshotStore,
     TieredSession,
+    check_grace_s,
     check_memory,
     check_timeout_s,
     load_file,
@@ -641,12 +640,15 @@ class SnapkeepCheckpointIO(CheckpointIO):
         with self._guard:
             self._metrics[os.fspath(path)] = _finite_metrics(metrics)
 
-    def run_control(self, directory: str, *, rank: int, world_size: int) -> RunControl:
-        """The run of ``directory``: its status (``.snapkeep/status.json``, written on rank 0,
-        what ``snapkeep status DIR`` reads) and the preemption hook, as every door's
-        (:class:`snapkeep.store.RunControl`)."""
-        storage, path = self._writer.storage_for(os.fspath(directory))
-        return RunControl(storage, path, rank=rank, world_size=world_size)
+    def run_control(self, directory: str, *, rank: int, world_size: int,
+                    grace_s: float | None = None) -> RunControl:
+        """The run of ``directory``, from its session as every door's
+        (:meth:`snapkeep.store.Session.run_control`): its status (``.snapkeep/status.json``,
+        written on rank 0, what ``snapkeep status DIR`` reads), the preemption hook (armed
+        later, :meth:`snapkeep.store.RunControl.arm`), the deadline (``grace_s``; the saves of
+        this directory are timed for its estimate) and the exit codes."""
+        session = self._directory(os.fspath(directory), lock=False).session
+        return session.run_control(rank=rank, world_size=world_size, grace_s=grace_s)
 
     # -- CheckpointIO ----------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
@@ -1037,22 +1039,34 @@ class ModelCheckpoint(LightningModelCheckpoint):
             ranks agree (one all-reduce of one int on snapkeep's own gloo group), a snapshot of
             that step is saved and committed, the run status becomes ``preempted`` and every
             rank exits with ``SystemExit(143)``
-            (:data:`~snapkeep.distributed.EXIT_CODE_PREEMPTED`). ``False``: Lightning's
-            handling (a snapshot of the step at its ``SIGTERMException``, exit status 0).
+            (:data:`~snapkeep.distributed.EXIT_CODE_PREEMPTED`). With a deadline
+            (``grace_s``) that this run's measured durable write does not fit, no snapshot of
+            that step is started: the run status records ``committed_to: none`` and every
+            rank exits with ``SystemExit(79)``
+            (:data:`~snapkeep.distributed.EXIT_CODE_PREEMPTED_NOT_DURABLE`); the newest
+            committed snapshot is the resume point. ``False``: Lightning's handling (a
+            snapshot of the step at its ``SIGTERMException``, exit status 0).
         timeout_s: bound of that agreement between ranks, seconds (default 600).
+        grace_s: seconds between the first preemption signal and SIGKILL (the launcher's
+            grace period); None: from ``$SNAPKEEP_GRACE_S``, else SLURM's
+            ``$SLURM_JOB_END_TIME``, else no deadline (the step is always saved). See
+            docs/cluster.md.
         **kwargs: Lightning's ``ModelCheckpoint`` keyword arguments.
 
     With another ``CheckpointIO`` it behaves as Lightning's, plus the random generators.
 
     Raises:
         TypeError: ``preemption`` is not a bool or a sequence of signals.
-        ValueError: a signal cannot be caught (SIGKILL, SIGSTOP) or is unknown.
+        ValueError: a signal cannot be caught (SIGKILL, SIGSTOP) or is unknown; ``grace_s``
+            is not a number of seconds > 0.
     """
 
     def __init__(self, *args: Any, preemption: bool | Sequence[signal.Signals | int] = True,
-                 timeout_s: float = _TIMEOUT_S, **kwargs: Any) -> None:
+                 timeout_s: float = _TIMEOUT_S, grace_s: float | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._signals = preemption_signals(preemption)  # checked before training
+        self._grace_s = check_grace_s(grace_s)
         check_timeout_s(timeout_s)
         self._timeout_s = float(timeout_s)
         self._run: RunControl | None = None  # the run status and the preemption hook
@@ -1084,7 +1098,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if trainer.is_global_zero:
             io.open(directory, template=self.step_template())
         self._run = io.run_control(directory, rank=trainer.global_rank,
-                                   world_size=trainer.world_size)
+                                   world_size=trainer.world_size, grace_s=self._grace_s)
         self._run.at(trainer.global_step)  # running
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
@@ -1294,33 +1308,32 @@ class ModelCheckpoint(LightningModelCheckpoint):
             self._preempt(trainer, agreed)
 
     def _preempt(self, trainer: Any, agreed: int) -> None:
-        """Every rank agreed on a preemption at this step: snapshot it (unless this step's
-        snapshot was just saved), wait until it is committed, record ``preempted`` and exit
-        with 143, as the Checkpointer's preemption."""
+        """Every rank agreed on a preemption at this step: where the deadline lets it
+        (:meth:`snapkeep.store.RunControl.plan`), snapshot it (unless this step's snapshot was
+        just saved) and wait until it is committed; record ``preempted`` and exit with 143 (79:
+        the durable write did not fit the deadline and was not started), as every door."""
         run = self._run
         io = _snapkeep_io(trainer)
         if run is None or io is None:
             raise RuntimeError("no preemption watch")
         step = trainer.global_step
-        run.preempting = True
-        candidates = self._monitor_candidates(trainer)
-        if self._last_global_step_saved != step:
-            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))
-            if self.save_last:
-                self._save_last_checkpoint(trainer, candidates)
-        name = os.path.basename(self._last_checkpoint_saved or "")
-        logger.warning("rank %d: preemption requested; snapshot %s of step %d taken, waiting "
-                       "for its commit, then exiting with %d", run.rank, name, step,
-                       EXIT_CODE_PREEMPTED)
-        if trainer.is_global_zero:
-            io.wait()
+        plan = run.plan(tier=False)  # the deadline, agreed by every rank; no memory tier yet
+        run.requested(step, plan)
+        name = ""
+        if plan.where == "storage":
+            candidates = self._monitor_candidates(trainer)
+            if self._last_global_step_saved != step:
+                self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))
+                if self.save_last:
+                    self._save_last_checkpoint(trainer, candidates)
+            name = os.path.basename(self._last_checkpoint_saved or "")
+            if trainer.is_global_zero:
+                io.wait()
         trainer.strategy.barrier("snapkeep-preemption")  # committed before any rank leaves
         run.at(step)
-        run.preempted(step, name, agreed)
+        run.preempted(step, name, agreed, plan)
         run.disarm()
-        if trainer.world_size > 1:
-            exit_cleanly_at_exit(EXIT_CODE_PREEMPTED)  # teardown with gloo can abort (-6)
-        run.exit_preempted(step)
+        run.exit_preempted(step, plan)
 
     def _uninstall(self) -> None:
         if self._run is not None:
@@ -1376,6 +1389,6 @@ class ModelCheckpoint(LightningModelCheckpoint):
             if trainer.is_global_zero:
                 io.wait()
             saved = os.path.basename(self._last_checkpoint_saved or "")
-            run.status.record("preempted", trainer.global_step,
-                                snapshots=(saved,) if saved else (),
-                                reason="signal SIGTERM (Lightning's SIGTERMException)")
+            run.at(trainer.global_step)
+            run.preempted(trainer.global_step, saved, 0,
+                          reason="signal SIGTERM (Lightning's SIGTERMException)")

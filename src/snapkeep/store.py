@@ -56,7 +56,7 @@ from snapkeep._core.session.deadline import (
 )
 from snapkeep._core.session.goodput import Goodput, RunHistory, read_runs, summarize
 from snapkeep._core.session.run_control import RunControl, preemption_signals
-from snapkeep._core.session.run_status import RunStatus, StatusLog, failure_reason
+from snapkeep._core.session.run_status import RunStatus
 from snapkeep._core.session.run_status import is_alive as run_is_alive
 from snapkeep._core.session.run_status import read_status as read_run_status
 from snapkeep._core.session.run_status import write_status as write_run_status
@@ -142,7 +142,7 @@ __all__ = [
     "user_stacklevel", "warn_user", "RunStatus", "write_run_status", "run_status",
     "lookalike_message", "SaveHandle", "StoreKind", "newest_valid", "run_is_alive", "Session",
     "RunLineage", "warn_about_existing", "MetricCheck", "Skipped", "announce", "check_quiet",
-    "StatusLog", "RunControl", "preemption_signals", "failure_reason", "MemoryTier", "Restored",
+    "RunControl", "preemption_signals", "MemoryTier", "Restored",
     "TierEngine", "check_into_live", "copy_into_live", "flat_keys", "local_shards",
     "state_bytes", "say", "newest_listed_step", "CheckpointDirs", "CheckpointMarker",
     "is_marker", "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "TEMPLATE", "FileRecord",

@@ -53,12 +53,20 @@ class Outcome:
 def preempt(root: pathlib.Path, grace_s: float) -> Outcome:
     """Run to step ``PAUSE_AT``, SIGTERM the trainer, SIGKILL its group ``grace_s`` later."""
     (root / "shm").mkdir(mode=0o700, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(root / "out"),
-                             str(root / "shm"), str(STEPS)],
-                            env=env({"PAUSE_AT": str(PAUSE_AT), "SNAPKEEP_GRACE_S": str(grace_s),
-                                     "SLOW_BPS": str(SLOW_BPS)}),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return signal_with_grace(
+        [sys.executable, str(WORKER), str(root / "out"), str(root / "shm"), str(STEPS)],
+        env({"PAUSE_AT": str(PAUSE_AT), "SNAPKEEP_GRACE_S": str(grace_s),
+             "SLOW_BPS": str(SLOW_BPS)}), f"paused {PAUSE_AT} ", grace_s)
+
+
+def signal_with_grace(argv: list[str], environment: dict[str, str], paused: str,
+                      grace_s: float) -> Outcome:
+    """Start ``argv`` in a session of its own; once it prints a line starting with ``paused``
+    (and waits for a line on stdin), SIGTERM it, start a real grace timer that SIGKILLs its
+    process group ``grace_s`` later, let it go on, and wait (bounded) for its end."""
+    proc = subprocess.Popen(argv, env=environment, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     killed = threading.Event()
 
     def kill() -> None:
@@ -74,7 +82,7 @@ def preempt(root: pathlib.Path, grace_s: float) -> Outcome:
         assert proc.stdout is not None and proc.stdin is not None
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith(f"paused {PAUSE_AT} "):
+            if line.startswith(paused):
                 break
         os.kill(proc.pid, signal.SIGTERM)
         timer.start()  # the launcher's grace period runs from the signal

@@ -40,6 +40,11 @@ EXIT_CODE_PREEMPTED_NOT_DURABLE = 79
 #: high, and it fits the 10 bits :func:`signalled` gives a signal.
 AGENT_GONE = 0x3FF
 
+#: The per-step agreement's value from a rank whose step raised (its door reports it through
+#: :meth:`SignalWatch.agree` with ``failed=True``): above every :func:`signalled` value, so the
+#: maximum over the ranks reports the failure, and the other ranks gather its error.
+FAILED = 1 << 30
+
 #: Signals a preemptible door catches by default: torchrun forwards SIGTERM to its workers;
 #: SLURM sends SIGUSR1 ahead of the time limit with ``--signal=USR1@<seconds>``.
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -164,14 +169,16 @@ class SignalWatch:
                 f"more than {self.timeout_s:g} s or failed outside snapkeep): {e}") from e
         return [float(v) for v in flag.tolist()]
 
-    def agree(self) -> int:
-        """0 when no rank was signalled, else a :func:`signalled` value of a rank that was
-        (collective with ``control``: every rank calls it at the same step).
+    def agree(self, *, failed: bool = False) -> int:
+        """0 when no rank was signalled, else a :func:`signalled` value of a rank that was, or
+        :data:`FAILED` when a rank's step raised (``failed=True`` there); collective with
+        ``control``: every rank calls it at the same step.
 
         Raises:
             CollectiveTimeoutError: a rank died or did not take part in time.
         """
-        local = signalled(self.received[0], self.rank) if self.received else 0
+        local = FAILED if failed else \
+            signalled(self.received[0], self.rank) if self.received else 0
         if self.control is None:
             return local
         flag = torch.tensor([local], dtype=torch.int32)

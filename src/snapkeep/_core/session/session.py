@@ -6,7 +6,7 @@ sharded directories, :class:`~snapkeep._core.store.contract.StoreKind`), and cal
 on the training thread::
 
     session.open()                      # once: list, kind check, lock, sweep (one order)
-    run = session.track_run(...)        # the run status (+ preemption hook), when recorded
+    run = session.run_control(...)      # the run status, preemption hook, deadline, exit
     session.resume(load, apply)         # at most once (single files; sharded: its own agreement)
     session.save(writer, name, ...)     # each save: retention input check, the door's
                                         # pre-write step, the writer (stage + commit), whose
@@ -655,7 +655,13 @@ class Session:
             extra["incremental"] = incremental
         if before_write is not None:
             before_write()
-        return writer(name, directory, state, **writer_kwargs, **extra)
+        run = self.run
+        started = run.times.start() if run is not None and not on_error else None
+        handle = writer(name, directory, state, **writer_kwargs, **extra)
+        committed = getattr(handle, "committed", None)
+        if run is not None and started is not None and committed is not None:
+            run.times.staged(started, committed)  # the deadline's estimate
+        return handle
 
     def check_retention_input(self, name: str, step: int, metrics: Mapping[str, float]) -> None:
         """The retention input check alone (sharded stores, whose saver retains itself); see
@@ -663,26 +669,46 @@ class Session:
         self._metric_check.before_save(self.store, self.lineage.members, name, step, metrics)
 
     # -- the run ----------------------------------------------------------------------------------
-    def track_run(self, *, rank: int = 0, world_size: int = 1, signals: Sequence[int] = (),
-                  control: Any = None, timeout_s: float = 600.0,
-                  grace_s: float | None = None) -> RunControl:
-        """Record this run's status in the store's directory and, with ``signals``, install the
-        preemption hook (see :mod:`snapkeep._core.session.run_control`, whose :class:`RunControl`
-        this returns and keeps as :attr:`run`; the arguments are its own)."""
+    def run_control(self, *, rank: int = 0, world_size: int = 1, signals: Sequence[int] = (),
+                    control: Any = None, timeout_s: float = 600.0,
+                    grace_s: float | None = None, step_name: str = "step") -> RunControl:
+        """The run control of every door (see :mod:`snapkeep._core.session.run_control`, whose
+        :class:`RunControl` this returns and keeps as :attr:`run`; the arguments are its own):
+        this run's status in the store's directory and, with ``signals``, the preemption hook
+        (installed now), its deadline and its exit. From now on :meth:`save` times each durable
+        save for the deadline's estimate (:attr:`RunControl.times`).
+
+        Raises:
+            ValueError: ``grace_s`` or ``$SNAPKEEP_GRACE_S`` is not a number of seconds > 0; a
+                signal cannot be caught.
+        """
+        if self.run is not None:
+            self.run.close()
         self.run = RunControl(self.store.storage, self.store.directory, rank=rank,
                               world_size=world_size, signals=signals, control=control,
-                              timeout_s=timeout_s, grace_s=grace_s)
+                              timeout_s=timeout_s, grace_s=grace_s, step_name=step_name)
         self.run.install()
         return self.run
 
+    @staticmethod
+    def unrecorded_run_control(**arguments: Any) -> RunControl:
+        """The run control of a door without a store (ppe's own writers: no snapkeep
+        directory to record the status in): the preemption hook (installed now), its
+        deadline and its exit, with nothing recorded; the arguments are
+        :meth:`run_control`'s."""
+        run = RunControl(None, "", **arguments)
+        run.install()
+        return run
+
     # -- close ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release the lock and put the preemption hook's signal handlers back (idempotent).
-        Pending saves are the writer's: wait for them first."""
+        """Release the lock and put the preemption hook's signal handlers back (idempotent;
+        during a preemption they stay until :meth:`RunControl.exit_preempted`). Pending saves
+        are the writer's: wait for them first."""
         lock, self._lock = self._lock, None
         try:
-            if self.run is not None:
-                self.run.close()
+            if self.run is not None and not self.run.preempting:  # preempting: the handlers
+                self.run.close()  # stay until the exit (RunControl.exit_preempted)
         finally:
             if lock is not None:
                 lock.release()

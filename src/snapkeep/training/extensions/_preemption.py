@@ -1,15 +1,23 @@
 """``extensions.preemption``: a signal becomes one committed snapshot on every rank and a clean
 exit with a documented code.
 
-Flow (every rank runs the extension at every iteration, after the snapshot extensions):
+An adapter on the run control every door uses (:class:`snapkeep.store.RunControl`, got from the
+session of the manager's first snapshot extension: ``session.run_control(...)``). Flow (every
+rank runs the extension at every iteration, after the snapshot extensions):
 
 1. a signal handler (installed in ``initialize``, main thread) only records the signal;
 2. at each iteration boundary the ranks agree whether any of them was signalled: one all-reduce
    of one integer on snapkeep's control process group (bounded by ``timeout_s``; single-process:
    the local flag), so every rank sees the request at the same iteration;
-3. if so, every snapshot extension of the manager snapshots this iteration (unless its trigger
-   already did), the manager is finalized (which waits until the snapshots are committed), the
-   ranks exchange the outcome, and every rank raises ``SystemExit(exit_code)``;
+3. if so, the ranks agree on the deadline (one all-reduce; ``grace_s``, ``$SNAPKEEP_GRACE_S`` or
+   SLURM's end time, against this run's measured durable saves): when the durable write fits
+   (or no deadline is known), every snapshot extension of the manager snapshots this iteration
+   (unless its trigger already did), the manager is finalized (which waits until the snapshots
+   are committed), the ranks exchange the outcome, and every rank raises
+   ``SystemExit(exit_code)`` (143). When it does not fit, no durable write is started: the
+   iteration goes to the memory tier (``extensions.memory_tier``) when one is registered, else
+   nowhere (the newest committed snapshot stays the resume point), and every rank exits with
+   79 (:data:`~snapkeep.distributed.EXIT_CODE_PREEMPTED_NOT_DURABLE`); the run status says which;
 4. a second signal meanwhile is only logged: snapshots commit atomically (temp + fsync + rename,
    a marker written last), so nothing can be half-committed by any signal, even SIGKILL.
 
@@ -30,34 +38,25 @@ import logging
 import os
 import signal
 import subprocess
-import threading
+import sys
 import types
 from collections.abc import Sequence
 from typing import Any
 
-from snapkeep.distributed import (
-    AGENT_GONE,
-    EXIT_CODE_PREEMPTED,
-    describe_signal,
-    parse_signals,
-    signal_name,
-    signalled,
-)
-from snapkeep.store import check_timeout_s
+from snapkeep.distributed import EXIT_CODE_PREEMPTED, parse_signals
+from snapkeep.store import RunControl, Session, check_grace_s, check_timeout_s
 from snapkeep.training import extension
-from snapkeep.training.extensions._lineage import snapshot_extensions
-from snapkeep.training.extensions._run_status import StatusRecorder
+from snapkeep.training.extensions._lineage import (
+    MEMORY_TIER_MARKER,
+    registered_extensions,
+    snapshot_extensions,
+)
+from snapkeep.writing import Writer
 
 logger = logging.getLogger(__name__)
 
 PRIORITY_PREEMPTION = extension.PRIORITY_SNAPSHOT - 100
 """Runs after the snapshot extensions of the same iteration."""
-
-_FAILED = 1 << 30
-"""The per-iteration agreement's value from a rank whose iteration raised (its ``on_error``):
-the other ranks then gather its error and raise :class:`~snapkeep.errors.RankFailedError`.
-Above every ``snapkeep.distributed.signalled`` value, so the maximum over the ranks reports
-the failure."""
 
 
 def preemption(
@@ -66,6 +65,7 @@ def preemption(
     exit_code: int = EXIT_CODE_PREEMPTED,
     timeout_s: float = 600.0,
     requeue: bool = False,
+    grace_s: float | None = None,
 ) -> Preemption:
     """Returns an extension that turns ``signals`` into a snapshot of the same iteration on
     every rank, then a clean exit (see the module docstring). Register it on every rank with
@@ -78,13 +78,19 @@ def preemption(
             committed (default :data:`EXIT_CODE_PREEMPTED`, 143).
         timeout_s: bound in seconds of the per-iteration agreement and of the commit exchange.
         requeue: under SLURM, rank 0 requeues the job (``scontrol requeue $SLURM_JOB_ID``).
+        grace_s: seconds between the first signal and SIGKILL (the launcher's grace period:
+            Kubernetes' ``terminationGracePeriodSeconds``, a Spot notice); None: from
+            ``$SNAPKEEP_GRACE_S``, else SLURM's ``$SLURM_JOB_END_TIME``, else no deadline. A
+            durable write that would not finish in time is never started: the iteration goes
+            to the memory tier (or nowhere) and the exit code is 79 (see the module docstring
+            and docs/cluster.md).
 
     Raises:
         ValueError: an unknown signal, SIGKILL/SIGSTOP (cannot be caught), an ``exit_code``
-            outside 0..255, or a non-positive ``timeout_s``.
+            outside 0..255, a non-positive ``timeout_s`` or ``grace_s``.
     """
     return Preemption(signals=signals, exit_code=exit_code, timeout_s=timeout_s,
-                      requeue=requeue)
+                      requeue=requeue, grace_s=grace_s)
 
 
 class Preemption(extension.Extension):
@@ -95,92 +101,78 @@ class Preemption(extension.Extension):
     needs_model_state = True
 
     def __init__(self, *, signals: Sequence[signal.Signals | int], exit_code: int,
-                 timeout_s: float, requeue: bool) -> None:
+                 timeout_s: float, requeue: bool, grace_s: float | None = None) -> None:
         parsed = parse_signals(signals)
         if isinstance(exit_code, bool) or not isinstance(exit_code, int) \
                 or not 0 <= exit_code <= 255:
             raise ValueError(f"exit_code must be an int in 0..255, got {exit_code!r}")
         check_timeout_s(timeout_s)
+        self.grace_s = check_grace_s(grace_s)
         self.signals = parsed
         self.exit_code = exit_code
         self.timeout_s = float(timeout_s)
         self.requeue = requeue
-        self.received: list[int] = []
         self.preempted_at: int | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-        self._groups: Any = None
+        self._run: RunControl | None = None  # the run control (status, signals, deadline, exit)
         self._snapshotted: dict[int, int] = {}
-        self._agreeing = False  # inside the agreement's collective
-        self._told = False  # a failure was exchanged (once per run)
-        self._status = StatusRecorder()  # .snapkeep/status.json, for the job script
+
+    @property
+    def received(self) -> list[int]:
+        """The signals received so far on this rank (and torchrun's agent's death)."""
+        run = self._run
+        return run.watch.received if run is not None and run.watch is not None else []
 
     # -- lifecycle -----------------------------------------------------------------------------
     def initialize(self, manager: Any) -> None:
-        """Install the signal handlers (main thread only) and, under torch.distributed,
-        snapkeep's control group (collective)."""
+        """Get the run control from the session of the manager's first snapshot extension with
+        a snapkeep writer (the status is recorded in its directory; without one it is not,
+        said once), which installs the signal handlers (main thread only); under
+        torch.distributed, snapkeep's control group (collective)."""
         from snapkeep.distributed import background_groups, is_distributed
 
-        if is_distributed():
-            from snapkeep.distributed import on_orphaned
-
-            self._groups = background_groups(self.timeout_s)
-            on_orphaned(self._on_agent_gone, self.timeout_s)
-        if threading.current_thread() is not threading.main_thread():
-            logger.warning("preemption: not on the main thread; signal handlers not installed")
+        groups = background_groups(self.timeout_s) if is_distributed() else None
+        arguments: dict[str, Any] = dict(
+            rank=groups.rank if groups else 0, world_size=groups.world_size if groups else 1,
+            signals=self.signals, control=groups.control if groups else None,
+            timeout_s=self.timeout_s, grace_s=self.grace_s, step_name="iteration")
+        session = _session(manager)
+        if session is not None:
+            self._run = session.run_control(**arguments)
         else:
-            for sig in self.signals:
-                self._previous[sig] = signal.signal(sig, self._on_signal)
+            logger.warning("preemption: no snapshot extension with a snapkeep writer; the run's "
+                           "status is not recorded")
+            self._run = Session.unrecorded_run_control(**arguments)
         self._watch_snapshots(manager)
-        self._status.start(manager, snapshot_extensions(manager),
-                           rank=self._groups.rank if self._groups else 0,
-                           world_size=self._groups.world_size if self._groups else 1)
+        self._run.at(int(manager.iteration))  # running
 
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
         """Tell the other ranks that this rank's iteration raised, and record the run as
-        ``failed`` in its status file (rank 0).
+        ``failed`` in its status file (rank 0; :meth:`snapkeep.store.RunControl.tell_failure`).
 
         Under torch.distributed the other ranks are at (or on their way to) this iteration's
         agreement: this rank takes part in it with its failure and then in an exchange of
         outcomes, so they raise :class:`~snapkeep.errors.RankFailedError` naming this rank and
         its error (rank 0 records that in the status) instead of failing later on a lost rank.
         Not when the error came from a collective (the group may be broken)."""
-        from snapkeep.distributed import exchange_outcomes
-        from snapkeep.errors import CollectiveTimeoutError, RankFailedError
-
-        if self._groups is not None and not self._told and not self._agreeing \
-                and not isinstance(exc, CollectiveTimeoutError):
-            self._told = True
-            try:
-                self._all_reduce(_FAILED)
-                exchange_outcomes(self._groups.control, exc, what=_failed_at(manager),
-                                  timeout_s=self.timeout_s)
-            except RankFailedError:
-                pass  # expected: it names this rank (and any other that failed)
-            except CollectiveTimeoutError as e:
-                logger.warning("rank %d: could not tell the other ranks about the error: %s",
-                               self._groups.rank, e)
-        self._status.failed(manager, exc)
-
-    def _on_signal(self, signum: int, frame: types.FrameType | None) -> None:
-        self.received.append(signum)  # only record: the boundary acts (async-signal safe)
-
-    def _on_agent_gone(self, agent_pid: int) -> None:
-        """torchrun's agent died (the launcher watch's thread): a preemption request."""
-        self.received.append(AGENT_GONE)
+        run = self._run
+        if run is not None:
+            run.at(int(manager.iteration))
+            run.tell_failure(exc)
 
     def finalize(self, manager: Any) -> None:
         """Record ``finished`` in the status file unless preempted or failing (rank 0), and
         restore the previous signal handlers. Idempotent."""
-        if self.preempted_at is None:
-            self._status.finalize(manager)
-        if self._groups is not None and self.preempted_at is None:  # preempting: the watch
-            from snapkeep.distributed import on_orphaned  # must still wait for it
-
-            on_orphaned(None)
-        if threading.current_thread() is threading.main_thread():
-            for sig, previous in self._previous.items():
-                signal.signal(sig, previous)
-        self._previous.clear()
+        run = self._run
+        if run is None or self.preempted_at is not None:
+            return  # preempting: the handlers (and the agent watch) stay until the exit
+        run.at(int(manager.iteration))
+        error = sys.exc_info()[1]
+        if error is not None and not isinstance(error, SystemExit) or \
+                isinstance(error, SystemExit) and error.code not in (0, None):
+            run.failed(error)  # a ``with manager:`` block left by an exception
+        else:
+            run.finished(reason="the manager was finalized")
+        run.close()
 
     # -- the snapshot extensions -------------------------------------------------------------------
     def _watch_snapshots(self, manager: Any) -> None:
@@ -200,96 +192,56 @@ class Preemption(extension.Extension):
 
     # -- each iteration --------------------------------------------------------------------------
     def __call__(self, manager: Any) -> None:
-        requested = self._agree(manager)
-        if not requested:
-            return
-        self._preempt(manager, requested)
+        run = self._run
+        if run is None:
+            raise RuntimeError("preemption: called before initialize")
+        run.at(int(manager.iteration))
+        agreed = run.agree()  # RankFailedError when another rank's iteration raised
+        if agreed:
+            self._preempt(manager, run, agreed)
 
-    def _agree(self, manager: Any) -> int:
-        """0 when no rank was signalled, else a ``snapkeep.distributed.signalled`` value of
-        some rank that was.
-        Raises :class:`~snapkeep.errors.RankFailedError` when a rank reports its failure
-        instead (see :meth:`on_error`)."""
-        rank = self._groups.rank if self._groups else 0
-        local = signalled(self.received[0], rank) if self.received else 0
-        if self._groups is None:
-            return local
-        value = self._all_reduce(local)
-        if value == _FAILED:
-            from snapkeep.distributed import exchange_outcomes
-
-            self._told = True
-            exchange_outcomes(self._groups.control, None, what=_failed_at(manager),
-                              timeout_s=self.timeout_s)
-        return value
-
-    def _all_reduce(self, value: int) -> int:
-        """The maximum of ``value`` over the ranks (one collective on the control group)."""
-        import torch
-        import torch.distributed as dist
-
-        from snapkeep.errors import CollectiveTimeoutError
-
-        flag = torch.tensor([value], dtype=torch.int32)
-        self._agreeing = True
-        try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._groups.control)
-        except RuntimeError as e:
-            raise CollectiveTimeoutError(
-                f"preemption check: rank {self._groups.rank} lost the other ranks (one died, "
-                f"hung for more than {self.timeout_s:g} s or failed outside snapkeep): {e}"
-            ) from e
-        finally:
-            self._agreeing = False
-        return int(flag.item())
-
-    def _preempt(self, manager: Any, agreed: int) -> None:
-        from snapkeep.distributed import exchange_outcomes
-
+    def _preempt(self, manager: Any, run: RunControl, agreed: int) -> None:
         iteration = int(manager.iteration)
         self.preempted_at = iteration
-        rank = self._groups.rank if self._groups else 0
-        logger.warning("rank %d: preemption requested (signals here: %s); snapshotting "
-                       "iteration %d on every rank, then exiting with %d", rank,
-                       [signal_name(s) for s in self.received] or "none", iteration,
-                       self.exit_code)
-        error: BaseException | None = None
+        tier = next((x for x in registered_extensions(manager)
+                     if getattr(x, MEMORY_TIER_MARKER, False)), None)
+        plan = run.plan(tier=tier is not None)  # the deadline, agreed by every rank
+        run.requested(iteration, plan)
         snapshots = snapshot_extensions(manager)
-        if not snapshots:
-            logger.error("preemption: the manager has no snapshot extension; exiting without "
-                         "a snapshot")
+        error: BaseException | None = None
         try:
-            self._watch_snapshots(manager)
-            for ext in snapshots:
-                if self._snapshotted.get(id(ext)) != iteration:
-                    ext._make_snapshot(manager)
-            manager.finalize()  # waits until every snapshot is committed
+            if plan.where == "storage":
+                if not snapshots:
+                    logger.error("preemption: the manager has no snapshot extension; exiting "
+                                 "without a snapshot")
+                self._watch_snapshots(manager)
+                for ext in snapshots:
+                    if self._snapshotted.get(id(ext)) != iteration:
+                        ext._make_snapshot(manager)
+                manager.finalize()  # waits until every snapshot is committed
+            elif plan.where == "ram" and tier is not None:  # never a durable write
+                tier(manager)
+                tier.wait()
         except Exception as e:  # exchanged below: every rank raises, naming the failing one
             error = e
-        exchange_outcomes(self._groups.control if self._groups else None, error,
-                          what=f"preemption snapshot at iteration {iteration}",
-                          timeout_s=self.timeout_s)
-        if len(self.received) > 1:
-            logger.warning("rank %d: %d further signal(s) arrived during the preemption "
-                           "snapshot; ignored (the snapshot is committed)", rank,
-                           len(self.received) - 1)
-        self._status.preempted(
-            manager, snapshots=[n for n in (e.snapshot_name(manager) for e in snapshots) if n],
-            reason=describe_signal(agreed, self.received))
-        if self.requeue and rank == 0:
+        run.together(error, f"preemption snapshot at iteration {iteration}")
+        names = [n for n in (e.snapshot_name(manager) for e in snapshots) if n] \
+            if plan.where == "storage" else []
+        run.preempted(iteration, names, agreed, plan)
+        if self.requeue and run.rank == 0:
             _requeue()
-        if self._groups is not None:
-            from snapkeep.distributed import exit_cleanly_at_exit
-
-            exit_cleanly_at_exit(self.exit_code)  # teardown with gloo can abort (exit -6)
-        logger.warning("rank %d: preemption snapshot of iteration %d committed; exiting with %d "
-                       "(run the same command again to resume from it)", rank, iteration,
-                       self.exit_code)
-        raise SystemExit(self.exit_code)
+        run.close()
+        run.exit_preempted(iteration, plan, exit_code_durable=self.exit_code)
 
 
-def _failed_at(manager: Any) -> str:
-    return f"training (iteration {int(manager.iteration)})"
+def _session(manager: Any) -> Any:
+    """The engine session of the manager's first snapshot extension with a snapkeep writer
+    (the status goes in its directory), or None."""
+    for ext in snapshot_extensions(manager):
+        writer = ext.writer if ext.writer is not None else manager.writer
+        if isinstance(writer, Writer):
+            return ext.session(manager)
+    return None
 
 
 def _requeue() -> None:

@@ -166,6 +166,11 @@ class _ShardedSnapshot(SnapshotExtension):
                 storage_options=getattr(writer, "_storage_options", None))
         return self._sharded_store
 
+    def session(self, manager: Any) -> Session | None:
+        """The engine session on the sharded store (``extensions.preemption`` gets the run
+        control from it)."""
+        return self._sharded_session_of(manager)
+
     def _sharded_session_of(self, manager: Any) -> Session:
         """The engine session on the sharded store (its start-up, lock and retention input
         check; the store's lineage is this manager's)."""

@@ -488,6 +488,11 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             tracker = self._tracker = IncrementalTracker.for_store(store)
         return tracker
 
+    def session(self, manager: Any) -> Session | None:
+        """The engine session on this extension's store (None where there is none: a callable
+        template, ppe's own writer); ``extensions.preemption`` gets the run control from it."""
+        return self._session_of(manager)
+
     def _session_of(self, manager: Any) -> Session | None:
         """The engine session on :meth:`_store_of`'s store (None where there is no store)."""
         store = self._store_of(manager, quiet=True)

@@ -1,0 +1,112 @@
+"""Preemption with a deadline through every door (issue 31 item 3, issue 33 item 1): the ppe
+``ExtensionsManager`` loop with ``extensions.preemption``, Lightning's ``Trainer`` and the Hugging
+Face ``Trainer``, each on a really slow durable write (``door_deadline_worker.py``), get a real
+SIGTERM after step 6 and a real grace timer that SIGKILLs the process group when it runs out.
+
+- a grace shorter than this run's measured durable write: no durable write is started (these
+  doors have no memory tier here: nothing new is committed), the status records
+  ``committed_to: none`` and the exit code is 79; the rerun resumes from step 4 bit-identical;
+- a grace that fits: the step is committed to storage before the kill, exit 143; the rerun
+  resumes from it bit-identical;
+- with the ppe door's memory tier (``extensions.memory_tier``), the short grace commits the step
+  to RAM only (exit 79) and the rerun resumes it from RAM bit-identical.
+
+(The Checkpointer's own trials, with its memory tier: test_preemption_deadline.py.)"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import snapkeep
+from support import deadline_trials
+
+WORKER = pathlib.Path(__file__).with_name("door_deadline_worker.py")
+STEPS = 10
+PAUSE_AT = 6  # the signal arrives after step 6; the preemption is agreed at step 7
+SLOW_S = "6"  # each durable write of the preempted run takes about 6 s more
+SHORT_GRACE_S = 4.0  # the exit fits, the measured durable write (>= 6 s x 1.25 + 1) does not
+LONG_GRACE_S = 60.0
+NAMES = {"ppe": "ckpt_{}", "lightning": "ckpt_{}", "hf": "checkpoint-{}"}
+
+
+def _run(door: str, root: pathlib.Path, extra: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(WORKER), door, str(root / "out"), str(STEPS)],
+                          env=deadline_trials.env(extra or {}), capture_output=True, text=True,
+                          timeout=deadline_trials.BOUND_S)
+
+
+def _reference(door: str, tmp_path: pathlib.Path) -> dict[str, object]:
+    root = tmp_path / "reference"
+    root.mkdir()
+    done = _run(door, root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return deadline_trials.final_model(root)
+
+
+def _trial(door: str, root: pathlib.Path, grace_s: float, *, code: int, where: str,
+           kept: list[str], resumed: str, extra: dict[str, str] | None = None) -> None:
+    """Signal the door's training after step 6 with a ``grace_s`` timer; check the exit code,
+    where the status says step 7 went, the snapshots left (``kept``, no temp file), and that
+    the rerun says ``resumed`` (its resume line) and ends as ``reference.pt``."""
+    root.mkdir()
+    outcome = deadline_trials.signal_with_grace(
+        [sys.executable, str(WORKER), door, str(root / "out"), str(STEPS)],
+        deadline_trials.env({"PAUSE_AT": str(PAUSE_AT), "SLOW_S": SLOW_S,
+                             "SNAPKEEP_GRACE_S": str(grace_s), **(extra or {})}),
+        f"paused {PAUSE_AT} ", grace_s)
+    assert (outcome.returncode, outcome.killed) == (code, False), outcome.output[-3000:]
+    status = snapkeep.store.run_status(str(root / "out"))
+    assert status is not None and (status.state, status.step) == ("preempted", 7), status
+    assert status.preemption["committed_to"] == where, status
+    assert status.preemption["deadline_from"] == "$SNAPKEEP_GRACE_S"
+    assert status.preemption["durable_estimate_s"] > float(SLOW_S), status  # measured
+    assert status.snapshots == ((kept[-1],) if where == "storage" else ()), status
+    assert "SIGTERM" in status.reason
+    out = root / "out"
+    assert _snapshots(out) == kept and _temps(out) == [], sorted(out.rglob("*"))
+    rerun = _run(door, root, extra)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-3000:]
+    assert resumed in rerun.stderr, rerun.stderr[-3000:]
+
+
+def _snapshots(out: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+
+
+def _temps(out: pathlib.Path) -> list[str]:
+    return [str(p) for p in out.rglob("*") if "tmp" in p.name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("door", ["ppe", "lightning", "hf"])
+def test_a_short_grace_starts_no_durable_write_and_a_fitting_one_commits_before_the_kill(
+        door: str, tmp_path: pathlib.Path) -> None:
+    name = NAMES[door].format
+    reference = _reference(door, tmp_path)
+    _trial(door, tmp_path / "short", SHORT_GRACE_S, code=79, where="none", kept=[name(4)],
+           resumed=f"resuming from {name(4)}")
+    assert deadline_trials.identical(deadline_trials.final_model(tmp_path / "short"),
+                                     reference)
+    _trial(door, tmp_path / "fits", LONG_GRACE_S, code=143, where="storage",
+           kept=[name(4), name(7)], resumed=f"resuming from {name(7)}")
+    assert deadline_trials.identical(deadline_trials.final_model(tmp_path / "fits"), reference)
+
+
+@pytest.mark.slow
+def test_ppe_a_short_grace_commits_the_step_to_its_memory_tier_only(
+        tmp_path: pathlib.Path) -> None:
+    """The same decision with a door that has a memory tier (``extensions.memory_tier``): step
+    7 goes to RAM only, no durable write is started (exit 79), and the rerun resumes it from
+    RAM bit-identical."""
+    reference = _reference("ppe", tmp_path)
+    tier = tmp_path / "shm"
+    tier.mkdir(mode=0o700)
+    _trial("ppe", tmp_path / "short", SHORT_GRACE_S, code=79, where="ram", kept=["ckpt_4"],
+           resumed="resuming from RAM step 7", extra={"TIER_ROOT": str(tier)})
+    assert deadline_trials.identical(deadline_trials.final_model(tmp_path / "short"),
+                                     reference)
