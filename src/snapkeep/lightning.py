@@ -615,17 +615,19 @@ class SnapkeepCheckpointIO(CheckpointIO):
         session = self._directory(os.fspath(directory), lock=False).session
         session.resume(_nothing_to_apply, candidates=[])
 
-    def keep_in_ram(self, directory: str, step: int, build: Callable[[], Any]) -> bool:
+    def keep_in_ram(self, directory: str, step: int, build: Callable[[], Any], *,
+                    force: bool = False) -> bool:
         """Keep ``build()`` (the checkpoint dict of ``step``) in the memory tier of
         ``directory`` when ``memory=`` was given and ``step`` is due (a multiple of
-        ``memory.every``); :class:`ModelCheckpoint` calls it at each training batch end
+        ``memory.every``; any step with ``force``: a preemption whose deadline leaves no time
+        for a durable write); :class:`ModelCheckpoint` calls it at each training batch end
         without a save. Returns whether it was kept. Returns once the copy is staged.
 
         Raises:
             SnapshotSaveError: the previous RAM snapshot failed in the background (once).
             MemoryTierTooSmallError, NotPrivateError: the tier cannot be opened.
         """
-        if self._memory is None or step % self._memory.every:
+        if self._memory is None or (step % self._memory.every and not force):
             return False
         session = self._directory(os.fspath(directory), lock=True).session
         if not isinstance(session, TieredSession):
@@ -792,6 +794,17 @@ class SnapkeepCheckpointIO(CheckpointIO):
         target_path, alias_path = os.fspath(target), os.fspath(alias)
         self._after_commit(lambda: self._write_alias(target_path, alias_path), priority=0,
                            what=f"pointing {alias_path} at {target_path}")
+
+    def wait_ram(self, directory: str) -> None:
+        """Block until the RAM snapshot in flight of ``directory`` (``memory=``) is committed,
+        not waiting for durable saves (a preemption whose deadline leaves them no time).
+
+        Raises:
+            SnapshotSaveError, SnapshotTimeoutError: as :meth:`wait`.
+        """
+        session = self._directory(os.fspath(directory), lock=True).session
+        if isinstance(session, TieredSession):
+            session.wait()
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until every save so far is committed and the removals and aliases waiting
@@ -1317,9 +1330,21 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if run is None or io is None:
             raise RuntimeError("no preemption watch")
         step = trainer.global_step
-        plan = run.plan(tier=False)  # the deadline, agreed by every rank; no memory tier yet
+        # the memory tier (memory=, one process) can take the step when storage cannot in time
+        ram = io.memory is not None and bool(self.dirpath)
+        plan = run.plan(tier=ram)  # the deadline, agreed by every rank
         run.requested(step, plan)
         name = ""
+        memory = io.memory
+        if plan.where == "ram" and memory is not None and self.dirpath \
+                and trainer.is_global_zero:  # never a durable write
+            connector = trainer._checkpoint_connector
+            directory = os.fspath(self.dirpath)
+            if step % memory.every:  # a due step is in RAM already (kept, or by its save)
+                io.keep_in_ram(directory, step,
+                               lambda: connector.dump_checkpoint(weights_only=False),
+                               force=True)
+            io.wait_ram(directory)
         if plan.where == "storage":
             candidates = self._monitor_candidates(trainer)
             if self._last_global_step_saved != step:

@@ -9,8 +9,8 @@ print ``paused N pid P`` and wait for a line on stdin: the test signals it there
 (each durable write takes about that many seconds more: a throttled storage for ppe and
 Lightning, a slower checkpoint write for the HF Trainer; unset: local files, fast),
 ``SNAPKEEP_GRACE_S`` (snapkeep's), ``TIER_ROOT`` (ppe: ``extensions.memory_tier`` in that
-directory). Prints ``step N``; at the end saves the model's state to
-``final.pt`` beside OUT_DIR.
+directory; Lightning: ``SnapkeepCheckpointIO(memory=...)`` there). Prints ``step N``; at the
+end saves the model's state to ``final.pt`` beside OUT_DIR.
 """
 
 from __future__ import annotations
@@ -83,7 +83,13 @@ def lightning(out: str, steps: int, pause_at: int) -> torch.nn.Module:
 
     from snapkeep.lightning import ModelCheckpoint, SnapkeepCheckpointIO
 
-    io = SnapkeepCheckpointIO(_slow_writer())
+    tier_root = os.environ.get("TIER_ROOT")
+    memory = None
+    if tier_root:  # the door's memory tier: a preemption that does not fit goes there
+        import snapkeep
+
+        memory = snapkeep.MemoryTier(every=EVERY, replicas=0, root=tier_root)
+    io = SnapkeepCheckpointIO(_slow_writer(), memory=memory)
 
     class Tiny(pl.LightningModule):
         """One batch per epoch, the input the step's: a resume is exact at any step."""

@@ -8,8 +8,8 @@ SIGTERM after step 6 and a real grace timer that SIGKILLs the process group when
   ``committed_to: none`` and the exit code is 79; the rerun resumes from step 4 bit-identical;
 - a grace that fits: the step is committed to storage before the kill, exit 143; the rerun
   resumes from it bit-identical;
-- with the ppe door's memory tier (``extensions.memory_tier``), the short grace commits the step
-  to RAM only (exit 79) and the rerun resumes it from RAM bit-identical.
+- with the ppe or Lightning door's memory tier, the short grace commits the step to RAM only
+  (exit 79) and the rerun resumes it from RAM bit-identical.
 
 (The Checkpointer's own trials, with its memory tier: test_preemption_deadline.py.)"""
 
@@ -98,15 +98,17 @@ def test_a_short_grace_starts_no_durable_write_and_a_fitting_one_commits_before_
 
 
 @pytest.mark.slow
-def test_ppe_a_short_grace_commits_the_step_to_its_memory_tier_only(
-        tmp_path: pathlib.Path) -> None:
-    """The same decision with a door that has a memory tier (``extensions.memory_tier``): step
-    7 goes to RAM only, no durable write is started (exit 79), and the rerun resumes it from
-    RAM bit-identical."""
-    reference = _reference("ppe", tmp_path)
+@pytest.mark.parametrize("door", ["ppe", "lightning"])
+def test_a_short_grace_commits_the_step_to_the_doors_memory_tier_only(
+        door: str, tmp_path: pathlib.Path) -> None:
+    """The same decision with a door that has a memory tier (ppe: ``extensions.memory_tier``;
+    Lightning: ``SnapkeepCheckpointIO(memory=...)``; step 7 is not one the tier keeps on its
+    own, every 4): step 7 goes to RAM only, no durable write is started (exit 79), and the
+    rerun resumes it from RAM bit-identical."""
+    reference = _reference(door, tmp_path)
     tier = tmp_path / "shm"
     tier.mkdir(mode=0o700)
-    _trial("ppe", tmp_path / "short", SHORT_GRACE_S, code=79, where="ram", kept=["ckpt_4"],
+    _trial(door, tmp_path / "short", SHORT_GRACE_S, code=79, where="ram", kept=["ckpt_4"],
            resumed="resuming from RAM step 7", extra={"TIER_ROOT": str(tier)})
     assert deadline_trials.identical(deadline_trials.final_model(tmp_path / "short"),
                                      reference)
