@@ -34,7 +34,7 @@ import math
 import os
 import signal
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from transformers import (
@@ -376,13 +376,22 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             run.at(state.global_step)
             agreed = run.agree()  # every rank, every step: one int
             if agreed:  # every rank saves this step (if it fits), then training stops
-                self.plan = run.plan(tier=False)  # the deadline (every rank); no tier yet
+                keep = self._ram_keeper()
+                self.plan = run.plan(tier=keep is not None)  # the deadline (every rank)
                 run.requested(state.global_step, self.plan)
                 self.preempted = agreed
+                if self.plan.where == "ram" and keep is not None:  # never a durable write
+                    keep()
                 control.should_save = self.plan.where == "storage"  # else: no durable write
                 control.should_training_stop = True
         self.claim(args, state, control)
         self.uncommit(args, state, control)
+
+    def _ram_keeper(self) -> Callable[[], None] | None:
+        """What keeps this step in the memory tier and waits until it is committed there, for
+        a preemption whose deadline leaves no time for the durable write; None without a tier
+        (the plain callback has none: ``SnapkeepTrainer(memory=...)`` has)."""
+        return None
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
@@ -586,6 +595,7 @@ class SnapkeepSaveMixin:
 
         self._snapkeep_memory = check_memory(memory)
         self._snapkeep_tier: TieredSession | None = None
+        self._snapkeep_kept: int | None = None  # the last step kept in RAM
         self._snapkeep_told_tier = False
         self._snapkeep_pending: Any = None
         self._snapkeep_told = False
@@ -603,6 +613,7 @@ class SnapkeepSaveMixin:
                 "SnapkeepCallback(staging_budget=...) and SnapkeepTrainer(memory=...) do not go "
                 "together: the memory tier keeps a full copy of the state in node RAM, which no "
                 "budget below its size can hold (as the Checkpointer). Pass one of them")
+        self._snapkeep_callback.mixin = weakref.ref(self)
         trainer.add_callback(self._snapkeep_callback)
         self._snapkeep_buffers = BufferSet()
         self._snapkeep_pool = concurrent.futures.ThreadPoolExecutor(
@@ -737,12 +748,27 @@ class SnapkeepSaveMixin:
             self._snapkeep_tier = tier
         return tier
 
-    def _snapkeep_keep_in_ram(self) -> None:
-        """Keep this step's state in RAM (at a step end, every ``memory.every`` steps)."""
+    def _snapkeep_ram_keeper(self) -> Callable[[], None] | None:
+        """For a preemption whose deadline leaves no time for the durable write: what keeps
+        this step in RAM (whatever ``memory.every`` says) and waits until the tier committed it;
+        None without a tier this setup uses."""
+        if self._snapkeep_memory is None or not self._snapkeep_owned():
+            return None
+
+        def keep() -> None:
+            self._snapkeep_keep_in_ram(force=True)
+            self._snapkeep_tiered().wait()
+
+        return keep
+
+    def _snapkeep_keep_in_ram(self, *, force: bool = False) -> None:
+        """Keep this step's state in RAM (at a step end, every ``memory.every`` steps; any step
+        with ``force``), once per step."""
         trainer: Any = self
         memory = self._snapkeep_memory
         step = trainer.state.global_step
-        if memory is None or step % memory.every:
+        if memory is None or (step % memory.every and not force) \
+                or self._snapkeep_kept == step:
             return
         if not self._snapkeep_owned():
             if not self._snapkeep_told_tier:
@@ -760,6 +786,7 @@ class SnapkeepSaveMixin:
                     "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True)}
 
         tier.keep(step, build)
+        self._snapkeep_kept = step
 
     def _snapkeep_resume(self, resume_from_checkpoint: Any) -> Any:
         """``resume_from_checkpoint`` with the memory tier: the newer of RAM and storage (see
@@ -930,6 +957,13 @@ class _OwnedCallback(SnapkeepCallback):
         return cls(output_dir=given.output_dir, save_best=given.save_best, keep=given.keep,
                    preemption=given.signals or False, timeout_s=given.timeout_s,
                    staging_budget=given.staging_budget, grace_s=given.grace_s)
+
+    mixin: Callable[[], SnapkeepSaveMixin | None] = staticmethod(lambda: None)
+    """The owned save this callback belongs to (a weak reference, set by the mixin)."""
+
+    def _ram_keeper(self) -> Callable[[], None] | None:
+        mixin = self.mixin()
+        return None if mixin is None else mixin._snapkeep_ram_keeper()
 
     def on_train_end(self, *args: Any, **kwargs: Any) -> None:
         return None  # the mixin's train(): after the last commit

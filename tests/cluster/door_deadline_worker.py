@@ -9,8 +9,9 @@ print ``paused N pid P`` and wait for a line on stdin: the test signals it there
 (each durable write takes about that many seconds more: a throttled storage for ppe and
 Lightning, a slower checkpoint write for the HF Trainer; unset: local files, fast),
 ``SNAPKEEP_GRACE_S`` (snapkeep's), ``TIER_ROOT`` (ppe: ``extensions.memory_tier`` in that
-directory; Lightning: ``SnapkeepCheckpointIO(memory=...)`` there). Prints ``step N``; at the
-end saves the model's state to ``final.pt`` beside OUT_DIR.
+directory; Lightning: ``SnapkeepCheckpointIO(memory=...)`` there; HF:
+``SnapkeepTrainer(memory=...)``). Prints ``step N``; at the end saves the model's state to
+``final.pt`` beside OUT_DIR.
 """
 
 from __future__ import annotations
@@ -168,10 +169,22 @@ def hf(out: str, steps: int, pause_at: int) -> torch.nn.Module:
             time.sleep(slow_s)
             super()._save_checkpoint(model, trial)
 
+    class SlowOwnedSave(snapkeep_hf.SnapkeepTrainer):  # type: ignore[misc]
+        """snapkeep's owned save (with its memory tier) whose background checkpoint write
+        takes ``SLOW_S`` seconds more."""
+
+        def _snapkeep_write(self, *args: Any) -> None:
+            time.sleep(slow_s)
+            super()._snapkeep_write(*args)
+
+    owned: list[Any] = []  # the owned save, whose checkpoint-4 is written in the background
+
     class Pause(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             print("step", state.global_step, flush=True)
-            _pause(state.global_step, pause_at)  # checkpoint-4 was written synchronously
+            if state.global_step == pause_at and owned:
+                owned[0].wait_for_checkpoint()  # checkpoint-4 committed
+            _pause(state.global_step, pause_at)  # (the stock save wrote it synchronously)
 
     args = TrainingArguments(
         output_dir=out, max_steps=steps, per_device_train_batch_size=1, optim="adamw_torch",
@@ -181,8 +194,17 @@ def hf(out: str, steps: int, pause_at: int) -> torch.nn.Module:
     torch.manual_seed(0)
     model = Tiny(PretrainedConfig())
     callback = snapkeep_hf.SnapkeepCallback(preemption=True, timeout_s=60)
-    trainer = SlowSave(model=model, args=args, train_dataset=Inputs(),
-                       callbacks=[callback, Pause()])  # the agreement first: at the next step
+    tier_root = os.environ.get("TIER_ROOT")
+    if tier_root:  # the owned save's memory tier: a preemption that does not fit goes there
+        import snapkeep
+
+        trainer = SlowOwnedSave(
+            model=model, args=args, train_dataset=Inputs(), callbacks=[callback, Pause()],
+            memory=snapkeep.MemoryTier(every=EVERY, replicas=0, root=tier_root))
+        owned.append(trainer)
+    else:
+        trainer = SlowSave(model=model, args=args, train_dataset=Inputs(),
+                           callbacks=[callback, Pause()])  # the agreement first: next step
     trainer.train(resume_from_checkpoint=snapkeep_hf.latest_verified(out))
     return model.net
 

@@ -49,7 +49,8 @@ def _reference(door: str, tmp_path: pathlib.Path) -> dict[str, object]:
 
 
 def _trial(door: str, root: pathlib.Path, grace_s: float, *, code: int, where: str,
-           kept: list[str], resumed: str, extra: dict[str, str] | None = None) -> None:
+           kept: list[str], resumed: str, extra: dict[str, str] | None = None,
+           at: int = PAUSE_AT + 1) -> None:
     """Signal the door's training after step 6 with a ``grace_s`` timer; check the exit code,
     where the status says step 7 went, the snapshots left (``kept``, no temp file), and that
     the rerun says ``resumed`` (its resume line) and ends as ``reference.pt``."""
@@ -61,7 +62,7 @@ def _trial(door: str, root: pathlib.Path, grace_s: float, *, code: int, where: s
         f"paused {PAUSE_AT} ", grace_s)
     assert (outcome.returncode, outcome.killed) == (code, False), outcome.output[-3000:]
     status = snapkeep.store.run_status(str(root / "out"))
-    assert status is not None and (status.state, status.step) == ("preempted", 7), status
+    assert status is not None and (status.state, status.step) == ("preempted", at), status
     assert status.preemption["committed_to"] == where, status
     assert status.preemption["deadline_from"] == "$SNAPKEEP_GRACE_S"
     assert status.preemption["durable_estimate_s"] > float(SLOW_S), status  # measured
@@ -98,17 +99,20 @@ def test_a_short_grace_starts_no_durable_write_and_a_fitting_one_commits_before_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("door", ["ppe", "lightning"])
+@pytest.mark.parametrize("door", ["ppe", "lightning", "hf"])
 def test_a_short_grace_commits_the_step_to_the_doors_memory_tier_only(
         door: str, tmp_path: pathlib.Path) -> None:
     """The same decision with a door that has a memory tier (ppe: ``extensions.memory_tier``;
-    Lightning: ``SnapkeepCheckpointIO(memory=...)``; step 7 is not one the tier keeps on its
-    own, every 4): step 7 goes to RAM only, no durable write is started (exit 79), and the
-    rerun resumes it from RAM bit-identical."""
+    Lightning: ``SnapkeepCheckpointIO(memory=...)``; HF: ``SnapkeepTrainer(memory=...)``; step
+    7 (HF: 6) is not one the tier keeps on its own, every 4): it goes to RAM only, no durable
+    write is started (exit 79), and the rerun resumes it from RAM bit-identical."""
     reference = _reference(door, tmp_path)
     tier = tmp_path / "shm"
     tier.mkdir(mode=0o700)
-    _trial(door, tmp_path / "short", SHORT_GRACE_S, code=79, where="ram", kept=["ckpt_4"],
-           resumed="resuming from RAM step 7", extra={"TIER_ROOT": str(tier)})
+    # the owned save puts its callback after the user's (Pause): it agrees at step 6's end
+    at = PAUSE_AT if door == "hf" else PAUSE_AT + 1
+    _trial(door, tmp_path / "short", SHORT_GRACE_S, code=79, where="ram",
+           kept=[NAMES[door].format(4)], resumed=f"resuming from RAM step {at}",
+           extra={"TIER_ROOT": str(tier)}, at=at)
     assert deadline_trials.identical(deadline_trials.final_model(tmp_path / "short"),
                                      reference)
