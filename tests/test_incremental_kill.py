@@ -1,6 +1,6 @@
 """Kill -9 at random moments of incremental snapshots (start-up and its sweep, blob writes,
 the skeleton and manifest, retention): never a dangling reference, every rerun resumes the
-newest snapshot bit-identically. ``benchmarks/incremental_kill_trials.py`` runs 200 trials."""
+newest snapshot bit-identically. ``benchmarks/checkpointer_kill_trials.py`` runs 200 trials."""
 
 from __future__ import annotations
 

@@ -223,7 +223,8 @@ def test_kill_9_at_random_moments_with_a_budget_resumes_bit_identical(
     """The Checkpointer's loop of ``support.incremental_worker`` (a 12 MiB state) with
     ``staging_budget`` of 2 MiB, SIGKILLed at random moments (start-up, or 0-60 ms after a save
     call returned: the ring being filled and drained, the commit): every rerun resumes the newest
-    snapshot bit-identically. ``benchmarks/budget_kill_trials.py`` runs more."""
+    snapshot bit-identically. ``benchmarks/checkpointer_kill_trials.py --staging-budget`` runs
+    more."""
     from support.incremental_trials import run_trials
 
     tally = run_trials(3, steps=5, seed=5, root=tmp_path,
