@@ -20,6 +20,7 @@ import snapkeep
 from snapkeep import writing
 from snapkeep._core.save.overlap import OverlapPlan, owned_storages
 from snapkeep.training import ExtensionsManager, extensions
+from support.ema import Ema
 from support.writer_gates import CopyGate
 
 WRITERS = ["ThreadWriter", "ThreadQueueWriter", "ProcessWriter", "ProcessQueueWriter"]
@@ -35,25 +36,6 @@ class Net(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn(self.fc(x))  # type: ignore[no-any-return]
 
-
-
-class Ema:
-    """An EMA copy of the model's state, updated in place after each step (a state object)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        for key, value in model.state_dict().items():
-            if value.is_floating_point():
-                self.shadow[key].mul_(0.5).add_(value, alpha=0.5)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.shadow
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.shadow = state
 
 
 def _setup(tmp_path, writer_name, **snapshot_kwargs):

@@ -16,6 +16,7 @@ import snapkeep
 from snapkeep import writing
 from snapkeep.codecs import torch_save
 from snapkeep.training import ExtensionsManager, extensions
+from support.ema import Ema
 
 WAIT_S = 120
 
@@ -29,26 +30,6 @@ class Net(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn(self.fc2(self.fc1(x)))  # type: ignore[no-any-return]
-
-
-class Ema:
-    """An EMA copy updated in place right after each step (no optimizer owns it: copied at
-    the call, through the ring)."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-    @torch.no_grad()
-    def update(self, model: torch.nn.Module) -> None:
-        for key, value in model.state_dict().items():
-            if value.is_floating_point():
-                self.shadow[key].mul_(0.5).add_(value, alpha=0.5)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.shadow
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.shadow = state
 
 
 def _equal(a: object, b: object) -> bool:
