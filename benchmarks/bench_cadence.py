@@ -14,7 +14,7 @@ Three parts, one run:
    failure loses the training since the newest durable snapshot and costs ``R``. Policies:
    fixed intervals swept around Young's (the best one reported), CheckFreq's rule
    (``max(C / 3.5 %, D)``), and ``every="auto"``: the library's own choice
-   (:func:`snapkeep.store.Cadence`'s ``choose``) with the MTBF it would estimate from the job's
+   (:func:`snapkeep.session.Cadence`'s ``choose``) with the MTBF it would estimate from the job's
    history (``estimate_mtbf_s``: ``(0.1 prior + uptime) / (0.1 + failures)``, re-estimated
    at each restart, where the library also re-chooses as the uptime grows; the
    default prior of one day, and the true ``M`` as prior). Reported: the effective training
@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from snapkeep.store import (
+from snapkeep.session import (
     AutoInterval,
     checkfreq_interval_s,
     choose,
@@ -291,7 +291,7 @@ def killed_run(args: argparse.Namespace, workdir: str) -> dict[str, Any]:
             break
     with open(os.path.join(out, ".snapkeep", "goodput.json")) as f:
         history = json.load(f)
-    from snapkeep.store import run_goodput
+    from snapkeep.session import run_goodput
     goodput = run_goodput(out)
     return {"runs": runs, "wall_s": time.monotonic() - started, "history": history,
             "goodput": goodput.as_dict() if goodput is not None else None}

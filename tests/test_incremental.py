@@ -233,7 +233,8 @@ def test_the_snapshot_extension_writes_incremental_snapshots(tmp_path: pathlib.P
 
 
 def test_no_blob_is_deleted_while_another_save_is_in_flight(tmp_path: pathlib.Path) -> None:
-    from snapkeep.store import IncrementalTracker, open_store, step_template
+    from snapkeep.store import open_store, step_template
+    from snapkeep.tiers import IncrementalTracker
 
     net, opt = make()
     state = {"model": net, "optim": opt}

@@ -67,8 +67,8 @@ def test_writing_never_imports_the_package_root() -> None:
 
 #: The public seams: modules that hand the engine's names to the doors by role. Only these (and
 #: ``writing``, the ppe writers on the engine) import ``snapkeep._core``.
-SEAMS = {"store.py", "errors.py", "retention.py", "layout.py", "distributed.py", "staging.py",
-         "wrapping.py", "codecs.py"}
+SEAMS = {"store.py", "session.py", "tiers.py", "errors.py", "retention.py", "layout.py",
+         "distributed.py", "staging.py", "wrapping.py", "codecs.py"}
 
 
 def _layer(rel: str) -> str:

@@ -201,7 +201,7 @@ def test_hostile_owner_records_never_block_or_crash_the_start_or_ls(
 def test_a_root_others_can_rename_in_is_refused_at_start(tmp_path: Path) -> None:
     """Without the sticky bit, another user could rename our tier away and put theirs in its
     place between our checks: such a root is refused, naming why."""
-    from snapkeep.store import NotPrivateError
+    from snapkeep.tiers import NotPrivateError
 
     root = tmp_path / "shared"
     root.mkdir()

@@ -25,7 +25,8 @@ from snapkeep.errors import (  # noqa: E402
 )
 from snapkeep.loading import load_latest  # noqa: E402
 from snapkeep.reporting import report  # noqa: E402
-from snapkeep.store import AutoInterval, MemoryTier  # noqa: E402
+from snapkeep.session import AutoInterval
+from snapkeep.tiers import MemoryTier
 
 __all__ = [
     "__version__", "errors", "reporting", "retention", "training", "writing", "load_latest",

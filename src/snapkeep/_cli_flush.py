@@ -27,7 +27,7 @@ from snapkeep._cli_status import (
     EXIT_PREEMPTED,
     EXIT_PREEMPTED_NOT_DURABLE,
 )
-from snapkeep.store import RunStatus, run_is_alive, run_status
+from snapkeep.session import RunStatus, run_is_alive, run_status
 
 EXIT_NO_TRAINER = 4
 """No live trainer of this host writes OUT_DIR (no status, not running, another host)."""

@@ -174,7 +174,7 @@ def ls_command(directory: str, template: str | None, storage_options: tuple[str,
 
 
 def _ls_memory(root: str, as_json: bool) -> None:
-    from snapkeep.store import describe_tiers
+    from snapkeep.tiers import describe_tiers
 
     tiers = describe_tiers(root)
     if as_json:

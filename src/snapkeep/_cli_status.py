@@ -1,6 +1,6 @@
 """``snapkeep status OUT_DIR``: how the last run in OUT_DIR ended, for job scripts (requeue after
 a preemption, stop after a finished run). Reads ``.snapkeep/status.json`` (written by
-``extensions.preemption``) through :func:`snapkeep.store.run_status`."""
+``extensions.preemption``) through :func:`snapkeep.session.run_status`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from snapkeep._cli_common import storage_errors
-from snapkeep.store import Goodput, run_goodput, run_is_alive, run_status
+from snapkeep.session import Goodput, run_goodput, run_is_alive, run_status
 
 EXIT_FINISHED = 0
 EXIT_PREEMPTED = 75

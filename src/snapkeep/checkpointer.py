@@ -59,36 +59,34 @@ from snapkeep.layout import (
     loader_position,
 )
 from snapkeep.retention import RetentionPolicy, keep_policy
-from snapkeep.staging import into_existing_state
-from snapkeep.store import (
-    ON_ERROR_SUFFIX,
+from snapkeep.session import (
     AutoInterval,
     Cadence,
-    Entry,
-    IncrementalTracker,
-    MemoryTier,
     Plan,
     RunControl,
     RunHistory,
     RunLineage,
     Session,
-    SnapshotStore,
-    Storage,
-    TieredSession,
     check_every,
     check_grace_s,
-    check_memory,
+    preemption_signals,
+    warn_user,
+)
+from snapkeep.staging import into_existing_state
+from snapkeep.store import (
+    ON_ERROR_SUFFIX,
+    Entry,
+    SnapshotStore,
+    Storage,
     check_timeout_s,
     describe,
     find_mismatches,
     lookalike_message,
-    preemption_signals,
     resolve_storage,
-    state_bytes,
     step_template,
     unloadable_value,
-    warn_user,
 )
+from snapkeep.tiers import IncrementalTracker, MemoryTier, TieredSession, check_memory, state_bytes
 from snapkeep.writing import ThreadWriter, Writer
 
 if TYPE_CHECKING:  # importing it imports torch.distributed.checkpoint (seconds): when sharded
@@ -241,7 +239,7 @@ class Checkpointer:
             order), ``writer`` cannot be given, and rank 0 locks and runs retention.
         timeout_s: bound of every collective of sharded snapshots, seconds (default 600): a
             dead rank makes the others raise ``CollectiveTimeoutError`` within it.
-        memory: keep the state in node RAM too (:class:`~snapkeep.store.MemoryTier`, also
+        memory: keep the state in node RAM too (:class:`~snapkeep.tiers.MemoryTier`, also
             ``snapkeep.MemoryTier``): every ``memory.every`` steps :meth:`save` stages this
             rank's state (sharded: its local shards; or borrows the copy the writer staged at
             the same step) and a background thread commits it to ``memory.root`` (a tmpfs,
@@ -446,7 +444,7 @@ class Checkpointer:
         """With ``every="auto"``: the current choice (``interval_steps``, ``interval_s``,
         ``step_s``, ``cost_s``, ``durable_s``, ``restart_s``, ``mtbf_s`` in seconds,
         ``failures``, ``clamped``: raised to the time to durable; see
-        :class:`snapkeep.store.Choice`); None before the first snapshot was timed, or with a
+        :class:`snapkeep.session.Choice`); None before the first snapshot was timed, or with a
         fixed ``every``."""
         return self._cadence.choice if self._cadence is not None else None
 
@@ -478,7 +476,7 @@ class Checkpointer:
                 them (``snapkeep ls`` shows them). ``None``: none recorded.
 
         Returns:
-            The save handle (:class:`snapkeep.store.SaveHandle`: ``handle.staged``,
+            The save handle (:class:`snapkeep.session.SaveHandle`: ``handle.staged``,
             ``handle.committed`` futures and ``handle.wait(timeout_s)``, which returns the commit
             record or raises the save's error; sharded: a ``ShardedHandle`` with the same two
             futures, ``committed`` giving the marker's manifest on rank 0), or ``None`` when the

@@ -51,6 +51,15 @@ from snapkeep.distributed import (
 )
 from snapkeep.errors import SnapshotCorruptError
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
+from snapkeep.session import (
+    Plan,
+    RunControl,
+    Session,
+    check_grace_s,
+    preemption_signals,
+    say,
+    warn_user,
+)
 from snapkeep.staging import check_staging_budget, tensor_bytes
 from snapkeep.store import (
     CHECKPOINT_PATTERN,
@@ -61,23 +70,14 @@ from snapkeep.store import (
     CheckpointMarker,
     Entry,
     FileRecord,
-    MemoryTier,
-    Plan,
-    RunControl,
-    Session,
     Storage,
-    TieredSession,
-    check_grace_s,
-    check_memory,
     checkpoint_step,
     commit_checkpoint,
-    preemption_signals,
     read_marker,
     resolve_storage,
-    say,
     verify_checkpoint,
-    warn_user,
 )
+from snapkeep.tiers import MemoryTier, TieredSession, check_memory
 
 __all__ = [
     "CHECKPOINT_PATTERN", "MARKER_FORMAT", "MARKER_NAME", "CheckpointDirs", "CheckpointMarker",
@@ -156,7 +156,7 @@ def latest_verified(output_dir: str | os.PathLike[str], *, quiet: bool = False) 
 # -- the callback --------------------------------------------------------------------------------
 class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
     """Commits every ``checkpoint-N`` the Trainer saves, and rotates them safely, through the
-    engine session (:class:`snapkeep.store.Session`, as every door: lock, lineage, the
+    engine session (:class:`snapkeep.session.Session`, as every door: lock, lineage, the
     retention input check, retention after the commit).
 
     ``Trainer(..., callbacks=[SnapkeepCallback()])``. On the process that saves
@@ -203,7 +203,7 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
             ``save_total_limit``'s newest N.
         preemption: catch SIGTERM and SIGUSR1 (``True``) or the given signals (a sequence of
             ``signal.Signals``) while training, as the Checkpointer's ``preemption`` (the run
-            control of every door, :class:`snapkeep.store.RunControl`): the handler only
+            control of every door, :class:`snapkeep.session.RunControl`): the handler only
             records the signal; at the next step end every rank agrees (one all-reduce of one
             int on snapkeep's own gloo group), the Trainer saves that step and stops, and once
             its checkpoint is committed the run status becomes ``preempted`` and the process
@@ -450,7 +450,7 @@ class SnapkeepCallback(TrainerCallback):  # type: ignore[misc]
 
     def save_started(self) -> None:
         """A checkpoint save begins (timed for the deadline's estimate, see
-        :attr:`snapkeep.store.RunControl.times`)."""
+        :attr:`snapkeep.session.RunControl.times`)."""
         if self.run is not None and self._save_started is None:
             self._save_started = self.run.times.start()
 

@@ -29,7 +29,7 @@ What they change (each from Lightning's own code, 2.4-2.6):
   takes the newest ``last*`` file by mtime and never checks it. snapkeep's
   :class:`ModelCheckpoint` resolves ``"last"`` to the snapshot with the highest step, and
   ``load_checkpoint`` resumes through the engine session
-  (:meth:`snapkeep.store.Session.resume`, the Checkpointer's): verified against its checksum
+  (:meth:`snapkeep.session.Session.resume`, the Checkpointer's): verified against its checksum
   while it loads, safely unpickled, said on stderr (``snapkeep: resuming from NAME (step N) in
   DIR``); a corrupt or truncated file is skipped, named on stderr with why, and the next older
   one that verifies is loaded instead (:class:`~snapkeep.errors.NoValidSnapshotError` when none
@@ -41,7 +41,7 @@ What they change (each from Lightning's own code, 2.4-2.6):
   otherwise it is refused, said on stderr, and the newest verified snapshot loads. After a
   fallback, Lightning's ``Restored all states from ...`` names the file really loaded.
 - **One trainer per directory.** The directory is opened as the Checkpointer opens its own
-  (:meth:`snapkeep.store.Session.open`: created, checked writable, locked in ``.snapkeep/``,
+  (:meth:`snapkeep.session.Session.open`: created, checked writable, locked in ``.snapkeep/``,
   temp files of a killed writer swept) at ``setup`` (or the first save):
   :class:`~snapkeep.errors.StoreLockedError` names the holder, and ``snapkeep prune`` refuses
   while it runs; ``teardown`` waits for pending commits and releases it.
@@ -60,7 +60,7 @@ What they change (each from Lightning's own code, 2.4-2.6):
   mid-epoch is restarted by Lightning from its epoch's start: the resume says so (a warning).
 - **Preemption through snapkeep's agreement** (``ModelCheckpoint(preemption=True)``, the
   default): SIGTERM and SIGUSR1 are recorded by the run control every door uses
-  (:class:`snapkeep.store.RunControl`, replacing Lightning's handlers while fitting);
+  (:class:`snapkeep.session.RunControl`, replacing Lightning's handlers while fitting);
   at the next training batch end every rank agrees, the snapshot of that step is committed,
   the run status (``.snapkeep/status.json``, ``snapkeep status``) becomes ``preempted`` and
   every rank exits with 143. The run status is kept otherwise too: ``running``, then
@@ -113,31 +113,29 @@ from snapkeep.layout import (
     set_generator_states,
 )
 from snapkeep.retention import RetentionPolicy, keep_policy
+from snapkeep.session import (
+    RunControl,
+    RunLineage,
+    Session,
+    check_grace_s,
+    preemption_signals,
+    say,
+    warn_user,
+)
 from snapkeep.store import (
     DECODE_ERRORS,
     MANIFEST_DIR,
     Entry,
     FilenameTemplate,
-    IncrementalTracker,
     ManifestError,
-    MemoryTier,
-    RunControl,
-    RunLineage,
-    Session,
     SnapshotStore,
-    TieredSession,
-    check_grace_s,
-    check_memory,
     check_timeout_s,
     load_file,
     manifest_path,
-    preemption_signals,
     read_manifest,
-    say,
     step_template,
-    tiered,
-    warn_user,
 )
+from snapkeep.tiers import IncrementalTracker, MemoryTier, TieredSession, check_memory, tiered
 from snapkeep.writing import ThreadWriter, Writer
 
 __all__ = ["ALIAS_FORMAT", "RUN_ID", "ModelCheckpoint", "SnapkeepCheckpointIO"]
@@ -326,7 +324,7 @@ class SnapkeepCheckpointIO(CheckpointIO):
     Pass it as ``Trainer(plugins=[SnapkeepCheckpointIO()])`` or
     ``Fabric(plugins=[SnapkeepCheckpointIO()])``. Lightning calls it on global rank 0 only.
 
-    Each directory it saves into is an engine session (:class:`snapkeep.store.Session`, as the
+    Each directory it saves into is an engine session (:class:`snapkeep.session.Session`, as the
     Checkpointer's): the first save (or :meth:`open`) creates the directory, takes its lock,
     and removes what a killed writer left; a load verifies, falls back, loads safely and says
     what it resumed from on stderr; ``keep`` retains after each commit.
@@ -645,9 +643,9 @@ class SnapkeepCheckpointIO(CheckpointIO):
     def run_control(self, directory: str, *, rank: int, world_size: int,
                     grace_s: float | None = None) -> RunControl:
         """The run of ``directory``, from its session as every door's
-        (:meth:`snapkeep.store.Session.run_control`): its status (``.snapkeep/status.json``,
+        (:meth:`snapkeep.session.Session.run_control`): its status (``.snapkeep/status.json``,
         written on rank 0, what ``snapkeep status DIR`` reads), the preemption hook (armed
-        later, :meth:`snapkeep.store.RunControl.arm`), the deadline (``grace_s``; the saves of
+        later, :meth:`snapkeep.session.RunControl.arm`), the deadline (``grace_s``; the saves of
         this directory are timed for its estimate) and the exit codes."""
         session = self._directory(os.fspath(directory), lock=False).session
         return session.run_control(rank=rank, world_size=world_size, grace_s=grace_s)
@@ -1322,7 +1320,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def _preempt(self, trainer: Any, agreed: int) -> None:
         """Every rank agreed on a preemption at this step: where the deadline lets it
-        (:meth:`snapkeep.store.RunControl.plan`), snapshot it (unless this step's snapshot was
+        (:meth:`snapkeep.session.RunControl.plan`), snapshot it (unless this step's snapshot was
         just saved) and wait until it is committed; record ``preempted`` and exit with 143 (79:
         the durable write did not fit the deadline and was not started), as every door."""
         run = self._run

@@ -13,15 +13,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from snapkeep.session import Session, warn_user
 from snapkeep.store import (
     Entry,
-    Session,
     SnapshotStore,
     lookalike_message,
     newest_valid,
     resolve_storage,
     skip_message,
-    warn_user,
 )
 
 __all__ = ["DEFAULT_TEMPLATE", "load_latest"]

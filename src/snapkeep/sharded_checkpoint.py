@@ -51,17 +51,9 @@ from snapkeep.distributed import (
 from snapkeep.errors import NoValidSnapshotError, SnapshotError
 from snapkeep.layout import RngState, StatefulLoaderState, is_stateful_loader
 from snapkeep.retention import RetentionPolicy, best_metrics
-from snapkeep.store import (
-    Entry,
-    FilenameTemplate,
-    RunLineage,
-    Session,
-    Storage,
-    check_into_live,
-    copy_into_live,
-    flat_keys,
-    local_shards,
-)
+from snapkeep.session import RunLineage, Session
+from snapkeep.store import Entry, FilenameTemplate, Storage
+from snapkeep.tiers import check_into_live, copy_into_live, flat_keys, local_shards
 
 logger = logging.getLogger(__name__)
 

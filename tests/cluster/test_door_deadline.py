@@ -61,7 +61,7 @@ def _trial(door: str, root: pathlib.Path, grace_s: float, *, code: int, where: s
                              "SNAPKEEP_GRACE_S": str(grace_s), **(extra or {})}),
         f"paused {PAUSE_AT} ", grace_s)
     assert (outcome.returncode, outcome.killed) == (code, False), outcome.output[-3000:]
-    status = snapkeep.store.run_status(str(root / "out"))
+    status = snapkeep.session.run_status(str(root / "out"))
     assert status is not None and (status.state, status.step) == ("preempted", at), status
     assert status.preemption["committed_to"] == where, status
     assert status.preemption["deadline_from"] == "$SNAPKEEP_GRACE_S"

@@ -166,7 +166,7 @@ def test_slurm_requeue_recipe(tmp_path: pathlib.Path) -> None:
     assert f"job 4242, start {len(outputs)}" in outputs[-1]
     resumed = [line for line in outputs[1].splitlines() if line.startswith("resumed at ")]
     assert resumed and int(resumed[0].split()[-1]) > 0, outputs[1][-3000:]
-    status = snapkeep.store.run_status(str(work / "out"))
+    status = snapkeep.session.run_status(str(work / "out"))
     assert status is not None and status.state == "finished"
     final = deadline_trials.final_model(work)
     assert deadline_trials.identical(final, reference)
@@ -209,7 +209,7 @@ def test_kubernetes_prestop_flush_with_a_real_grace_timer(tmp_path: pathlib.Path
     output = "".join(lines)
     assert hook.returncode == 75, hook.stdout + hook.stderr + output[-3000:]
     assert code == 143, output[-3000:]
-    status = snapkeep.store.run_status(str(root / "out"))
+    status = snapkeep.session.run_status(str(root / "out"))
     assert status is not None and status.state == "preempted" and status.durable
     again = subprocess.run([sys.executable, "-m", "snapkeep", "flush", str(root / "out")],
                            env=deadline_trials.env({}), capture_output=True, text=True,
@@ -229,7 +229,8 @@ def test_flush_without_a_live_trainer_signals_nothing(tmp_path: pathlib.Path) ->
     # a 'running' status whose process is gone (this one, reaped): nothing signalled
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    from snapkeep.store import RunStatus, resolve_storage
+    from snapkeep.session import RunStatus
+    from snapkeep.store import resolve_storage
 
     storage, path = resolve_storage(str(out))
     storage.makedirs(storage.join(path, ".snapkeep"))

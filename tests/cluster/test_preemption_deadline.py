@@ -17,7 +17,7 @@ import pytest
 
 import snapkeep
 from snapkeep._core.session.deadline import decide
-from snapkeep.store import Estimate, Grace, SaveTimes, grace_from
+from snapkeep.session import Estimate, Grace, SaveTimes, grace_from
 from support import deadline_trials, ranks
 
 WORKER = pathlib.Path(__file__).with_name("deadline_worker.py")
@@ -102,7 +102,7 @@ def test_real_signal_real_grace_timer(tmp_path: pathlib.Path, grace_s: float) ->
     root = tmp_path / "preempted"
     root.mkdir()
     assert deadline_trials.trial(root, grace_s, deadline_trials.final_model(reference)) == ""
-    status = snapkeep.store.run_status(str(root / "out"))
+    status = snapkeep.session.run_status(str(root / "out"))
     assert status is not None  # the rerun finished: its own status now
     assert status.state == "finished"
 
@@ -159,7 +159,7 @@ def test_torchrun_signal_to_one_rank_same_outcome_on_both(tmp_path: pathlib.Path
     output = "".join(lines)
     assert output.count(f"exiting with {code}") >= 2, output[-4000:]  # both ranks
     assert "exiting with 143" not in output or code == 143
-    status = snapkeep.store.run_status(str(root / "out"))
+    status = snapkeep.session.run_status(str(root / "out"))
     assert status is not None and status.state == "preempted", output[-3000:]
     assert status.preemption["committed_to"] == where
     assert status.world_size == 2 and "on rank 1" in status.reason or "SIGTERM" in status.reason
@@ -179,7 +179,8 @@ def test_status_says_where_a_preempted_step_went(tmp_path: pathlib.Path) -> None
     from click.testing import CliRunner
 
     from snapkeep.cli import cli
-    from snapkeep.store import resolve_storage, write_run_status
+    from snapkeep.session import write_run_status
+    from snapkeep.store import resolve_storage
 
     storage, path = resolve_storage(str(tmp_path))
     record = {"committed_to": "ram", "remaining_s": 5.0, "durable_estimate_s": 11.5,

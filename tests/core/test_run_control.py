@@ -10,15 +10,8 @@ import signal
 
 import pytest
 
-from snapkeep.store import (
-    FilenameTemplate,
-    RunControl,
-    Session,
-    SnapshotStore,
-    preemption_signals,
-    resolve_storage,
-    run_status,
-)
+from snapkeep.session import RunControl, Session, preemption_signals, run_status
+from snapkeep.store import FilenameTemplate, SnapshotStore, resolve_storage
 
 
 def _session(directory: pathlib.Path) -> Session:

@@ -1,4 +1,4 @@
-"""The memory tier as a layer on the engine session (``snapkeep.store.TieredSession``): the
+"""The memory tier as a layer on the engine session (``snapkeep.tiers.TieredSession``): the
 session's interface, whose ``save`` also keeps due steps in RAM and whose ``resume`` takes the
 newer of RAM (verified) and storage. The doors' end-to-end cells: the matrix's tier scenario."""
 
@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
-from snapkeep.store import MemoryTier, Session, TieredSession, open_store
+from snapkeep.session import Session
+from snapkeep.store import open_store
+from snapkeep.tiers import MemoryTier, TieredSession
 from snapkeep.writing import SimpleWriter
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed
 
-from snapkeep.store import run_status
+from snapkeep.session import run_status
 from support.ranks import finish, start
 
 WORKER = Path(__file__).with_name("failing_rank_worker.py")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed
 
-from snapkeep.store import run_status
+from snapkeep.session import run_status
 from support.ranks import torchrun
 
 WORKER = Path(__file__).with_name("status_worker.py")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.distributed
 
-from snapkeep.store import run_status
+from snapkeep.session import run_status
 from snapkeep.training.extensions import EXIT_CODE_PREEMPTED
 from support.ranks import finish, reports, run, start
 

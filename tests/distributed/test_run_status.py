@@ -21,7 +21,8 @@ from click.testing import CliRunner
 
 from snapkeep import writing
 from snapkeep.cli import cli
-from snapkeep.store import resolve_storage, run_status, write_run_status
+from snapkeep.session import run_status, write_run_status
+from snapkeep.store import resolve_storage
 from snapkeep.training import ExtensionsManager
 from snapkeep.training import extensions as ext
 from support.ranks import rank_env, torchrun

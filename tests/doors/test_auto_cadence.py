@@ -139,7 +139,7 @@ def test_a_hostile_run_history_is_said_and_replaced_never_a_traceback(
     else:
         path.write_bytes(history)  # type: ignore[arg-type]
     storage, where = snapkeep.store.resolve_storage(str(out))
-    snapkeep.store.write_run_status(storage, where, state="finished", step=3)
+    snapkeep.session.write_run_status(storage, where, state="finished", step=3)
     result = CliRunner().invoke(cli, ["status", str(out)])
     assert result.exit_code == 0 and "invalid run history" in result.output, result.output
     lines = result.output.splitlines()

@@ -28,8 +28,8 @@ def _final(output: str) -> str:
     return [line for line in output.splitlines() if line.startswith("final ")][-1]
 
 
-def _status(out: Path) -> snapkeep.store.RunStatus:
-    status = snapkeep.store.run_status(str(out))
+def _status(out: Path) -> snapkeep.session.RunStatus:
+    status = snapkeep.session.run_status(str(out))
     assert status is not None
     return status
 

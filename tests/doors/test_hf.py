@@ -327,7 +327,7 @@ def test_preemption_commits_the_step_says_preempted_exits_143_and_the_rerun_is_i
     assert exited.value.code == 143
     assert sorted(os.listdir(tmp_path)) == [".snapkeep", "checkpoint-3"]
     hf.verify_checkpoint(tmp_path / "checkpoint-3")
-    status = snapkeep.store.run_status(str(tmp_path))
+    status = snapkeep.session.run_status(str(tmp_path))
     assert status is not None and status.state == "preempted" and status.step == 3
     assert status.snapshots == ("checkpoint-3",) and status.reason == "signal SIGTERM"
     resumed = framework_doors.train_hf(tmp_path, 8, every=100)

@@ -54,7 +54,7 @@ def test_a_signal_commits_the_next_step_says_preempted_and_exits_143(tmp_path: P
             proc.wait()
     assert proc.returncode == 143, err
     assert sorted(p.name for p in out.iterdir()) == [".snapkeep", "ckpt_4"]  # committed
-    status = snapkeep.store.run_status(str(out))
+    status = snapkeep.session.run_status(str(out))
     assert status is not None and status.state == "preempted" and status.step == 4
     assert status.snapshots == ("ckpt_4",) and status.reason == f"signal {sig.name}"
     result = CliRunner().invoke(cli, ["status", str(out)])
@@ -77,7 +77,7 @@ def test_without_snapkeeps_preemption_lightnings_sigterm_path_still_says_preempt
         framework_doors.train_lightning(tmp_path, STEPS, every=100, preemption=False,
                                         callbacks=(SignalAt3(),))
     assert exited.value.code is None
-    status = snapkeep.store.run_status(str(tmp_path))
+    status = snapkeep.session.run_status(str(tmp_path))
     assert status is not None and status.state == "preempted", status
     assert status.snapshots == (f"ckpt_{status.step}",) and 3 <= status.step < STEPS
     assert sorted(p.name for p in tmp_path.iterdir()) == [".snapkeep", f"ckpt_{status.step}"]
@@ -117,7 +117,7 @@ def test_under_torchrun_a_signal_to_one_rank_preempts_every_rank(tmp_path: Path)
             proc.communicate()
     assert output.count("exitcode  : 143") == 2, output  # torchrun's report of each rank
     assert sorted(p.name for p in out.iterdir()) == [".snapkeep", "ckpt_4"]
-    status = snapkeep.store.run_status(str(out))
+    status = snapkeep.session.run_status(str(out))
     assert status is not None and status.state == "preempted" and status.step == 4
     assert status.reason == "signal SIGTERM on rank 1" and status.world_size == 2
     rerun = ranks.torchrun(WORKER, args)

@@ -121,7 +121,7 @@ def trial(root: pathlib.Path, grace_s: float, reference: dict[str, Any]) -> str:
     import snapkeep
 
     outcome = preempt(root, grace_s)
-    status = snapkeep.store.run_status(str(root / "out"))
+    status = snapkeep.session.run_status(str(root / "out"))
     files = listing(root / "out")
     short = grace_s < LONG_GRACE_S
     want = ("ram", 79, ["ckpt_4"]) if short else ("storage", 143, ["ckpt_4", "ckpt_7"])

@@ -231,7 +231,7 @@ def test_status_shows_the_predicted_stall(tmp_path: pathlib.Path) -> None:
     assert result.exit_code == 0, result.output
     assert "staging budget 2 MiB for 8 MiB of tensors: predicted stall " in result.output
     assert "predicted stall unknown" not in result.output  # from the previous save's rates
-    record = snapkeep.store.run_status(tmp_path).staging
+    record = snapkeep.session.run_status(tmp_path).staging
     assert record["budget_bytes"] == 2 << 20 and record["predicted_stall_s"] > 0
 
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from snapkeep.layout import restore_rng_state
-from snapkeep.store import user_stacklevel
+from snapkeep.session import user_stacklevel
 from snapkeep.wrapping import live_state
 
 if TYPE_CHECKING:

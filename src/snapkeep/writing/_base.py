@@ -367,7 +367,7 @@ class Writer:
         extra = dict(extra)
         retain = extra.pop("retain", None)
         if retain is not None and not isinstance(retain, Retain):
-            raise TypeError(f"retain must be a snapkeep.store.Retain, got {retain!r}")
+            raise TypeError(f"retain must be a snapkeep._core.store.files.Retain, got {retain!r}")
         tracker = extra.pop("incremental", None)
         job = self._job(filename, out_dir, savefun, append, savefun_kwargs, **extra)
         if retain is not None and retain.door:  # the door's layout, recorded in the manifest

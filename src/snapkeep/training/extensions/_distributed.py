@@ -124,7 +124,7 @@ class _DistributedSnapshot(SnapshotExtension):
 
     def _autoload(self, manager: Any) -> str | None:
         """Autoload with every rank agreeing (the module docstring's steps:
-        :meth:`snapkeep.store.Session.resume_agreed`); collective.
+        :meth:`snapkeep.session.Session.resume_agreed`); collective.
 
         Returns:
             The loaded snapshot's name (the same on every rank), or None when no rank has one.

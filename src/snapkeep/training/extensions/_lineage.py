@@ -1,4 +1,4 @@
-"""The run lineage of a manager (:class:`snapkeep.store.RunLineage`, guarding against pointing
+"""The run lineage of a manager (:class:`snapkeep.session.RunLineage`, guarding against pointing
 a new experiment at an old output directory), shared by the snapshot extensions of one manager,
 and how the extensions find each other on it: :func:`registered_extensions` is the one place
 that reads a manager's registry (snapkeep's manager and ppe's keep it in ``_extensions``, and
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from snapkeep.store import RunLineage
+from snapkeep.session import RunLineage
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def recover_before_autoload(manager: Any) -> Any:
     """Initialize (and so recover) the manager's memory tier now, before a snapshot extension's
     autoload reads storage; the snapshot extensions call it first thing in their ``initialize``
     (the tier is registered after them, see :mod:`._memory_tier`). Returns what the tier
-    restored from RAM (:class:`snapkeep.store.Restored`: the extension then skips its autoload)
+    restored from RAM (:class:`snapkeep.tiers.Restored`: the extension then skips its autoload)
     or None."""
     for tier in registered_extensions(manager):
         if getattr(tier, MEMORY_TIER_MARKER, False):

@@ -1,5 +1,5 @@
 """The memory tier for ppe's manager: an adapter on the tier layer every door uses
-(:class:`snapkeep.store.TieredSession`, here without a session of its own: each snapshot
+(:class:`snapkeep.tiers.TieredSession`, here without a session of its own: each snapshot
 extension holds its session; the engine's module docstring,
 :mod:`snapkeep._core.tiers.memory_tier`, says what the tier keeps, where, and how it
 recovers). Use it beside an autoloading snapshot extension, registered after it::
@@ -24,7 +24,7 @@ from typing import Any
 
 import snapkeep.training.extensions._lineage as _lineage
 from snapkeep.staging import StagedLoan, into_existing_state, optimizers_in
-from snapkeep.store import (
+from snapkeep.tiers import (
     MemoryTier,
     Restored,
     TieredSession,
@@ -71,7 +71,7 @@ class _MemoryTierExtension(extension.Extension):
 
     @property
     def engine(self) -> Any:
-        """The tier's engine (:class:`snapkeep.store.TierEngine`; None before
+        """The tier's engine (:class:`snapkeep._core.tiers.memory_tier.TierEngine`; None before
         ``initialize``)."""
         return None if self.layer is None else self.layer.engine
 
@@ -82,7 +82,7 @@ class _MemoryTierExtension(extension.Extension):
 
         Raises:
             MemoryTierTooSmallError, NotPrivateError, ValueError, CollectiveTimeoutError: as
-                :meth:`snapkeep.store.TierEngine.open` and ``recover``.
+                :meth:`snapkeep._core.tiers.memory_tier.TierEngine.open` and ``recover``.
         """
         if self.layer is not None:
             return
@@ -129,7 +129,8 @@ class _MemoryTierExtension(extension.Extension):
                                       prepare=prepare if sharded is not None else None)
 
     def __call__(self, manager: Any) -> None:
-        """Keep this rank's state in RAM (see :meth:`snapkeep.store.TierEngine.save`),
+        """Keep this rank's state in RAM (see
+        :meth:`snapkeep._core.tiers.memory_tier.TierEngine.save`),
         borrowing the copy a snapshot extension's writer staged at this iteration when one did.
 
         Raises:
@@ -147,7 +148,8 @@ class _MemoryTierExtension(extension.Extension):
                        borrow=lambda: _borrow(manager))
 
     def wait(self) -> None:
-        """Wait for the RAM snapshot in flight (see :meth:`snapkeep.store.TierEngine.wait`)."""
+        """Wait for the RAM snapshot in flight (see
+        :meth:`snapkeep._core.tiers.memory_tier.TierEngine.wait`)."""
         if self.layer is not None:
             self.layer.wait()
 

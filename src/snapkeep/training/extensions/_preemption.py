@@ -1,7 +1,7 @@
 """``extensions.preemption``: a signal becomes one committed snapshot on every rank and a clean
 exit with a documented code.
 
-An adapter on the run control every door uses (:class:`snapkeep.store.RunControl`, got from the
+An adapter on the run control every door uses (:class:`snapkeep.session.RunControl`, got from the
 session of the manager's first snapshot extension: ``session.run_control(...)``). Flow (every
 rank runs the extension at every iteration, after the snapshot extensions):
 
@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from snapkeep.distributed import EXIT_CODE_PREEMPTED, parse_signals
-from snapkeep.store import RunControl, Session, check_grace_s, check_timeout_s
+from snapkeep.session import RunControl, Session, check_grace_s
+from snapkeep.store import check_timeout_s
 from snapkeep.training import extension
 from snapkeep.training.extensions._lineage import (
     MEMORY_TIER_MARKER,
@@ -147,7 +148,7 @@ class Preemption(extension.Extension):
 
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
         """Tell the other ranks that this rank's iteration raised, and record the run as
-        ``failed`` in its status file (rank 0; :meth:`snapkeep.store.RunControl.tell_failure`).
+        ``failed`` in its status file (rank 0; :meth:`snapkeep.session.RunControl.tell_failure`).
 
         Under torch.distributed the other ranks are at (or on their way to) this iteration's
         agreement: this rank takes part in it with its failure and then in an exchange of

@@ -49,13 +49,9 @@ from snapkeep.distributed import (
 )
 from snapkeep.errors import RankFailedError, SnapshotError
 from snapkeep.retention import RetentionPolicy, best_metrics
-from snapkeep.store import (
-    ON_ERROR_SUFFIX,
-    Entry,
-    Session,
-    check_timeout_s,
-    local_shards,
-)
+from snapkeep.session import Session
+from snapkeep.store import ON_ERROR_SUFFIX, Entry, check_timeout_s
+from snapkeep.tiers import local_shards
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
 from snapkeep.training.extensions._snapshot_extension import SnapshotExtension, observed_metrics
 from snapkeep.writing import Writer as _SnapkeepWriter

@@ -25,6 +25,7 @@ import snapkeep.training.extensions._restore as _restore
 from snapkeep.errors import SnapshotError
 from snapkeep.layout import check_loaders
 from snapkeep.retention import AnyOf, KeepLatest, RetentionPolicy
+from snapkeep.session import RunLineage, Session, check_quiet, warn_about_existing, warn_user
 from snapkeep.staging import (
     StagedLoan,
     StagingGuard,
@@ -36,18 +37,12 @@ from snapkeep.store import (
     ON_ERROR_SUFFIX,
     Entry,
     FilenameTemplate,
-    IncrementalTracker,
-    RunLineage,
-    Session,
     SnapshotStore,
-    check_quiet,
     check_writable,
-    newest_listed_step,
     resolve_storage,
     unloadable_value,
-    warn_about_existing,
-    warn_user,
 )
+from snapkeep.tiers import IncrementalTracker, newest_listed_step
 from snapkeep.training._continuation import ContinuationMixin, check_generators
 from snapkeep.training.triggers.auto_trigger import note_end, note_snapshot
 from snapkeep.wrapping import canonical_tree, dtensor_models, live_tree

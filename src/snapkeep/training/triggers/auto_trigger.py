@@ -2,7 +2,7 @@
 
 ``manager.extend(extensions.snapshot(), trigger=triggers.AutoTrigger())`` (or
 ``trigger="auto"``): the snapshot extension fires when the interval chosen by
-:class:`snapkeep.store.Cadence` (Young's rule with Daly's correction, ``T = sqrt(2 C M)``; see
+:class:`snapkeep.session.Cadence` (Young's rule with Daly's correction, ``T = sqrt(2 C M)``; see
 :mod:`snapkeep._core.session.cadence`) has passed since the newest snapshot. The trigger times
 each iteration (it is called once per iteration, after the update, as every ppe trigger); the
 snapshot extension tells it each snapshot it took (:func:`note_snapshot`: the call's duration
@@ -17,7 +17,8 @@ import weakref
 from typing import Any
 
 from snapkeep.distributed import is_distributed
-from snapkeep.store import AutoInterval, Cadence, Choice, RunHistory, Storage
+from snapkeep.session import AutoInterval, Cadence, Choice, RunHistory
+from snapkeep.store import Storage
 from snapkeep.training._manager_protocol import ExtensionsManagerProtocol
 from snapkeep.training._trigger_util import Trigger
 
@@ -79,7 +80,7 @@ class AutoTrigger(Trigger):
 
     @property
     def choice(self) -> Choice | None:
-        """The current choice (see :class:`snapkeep.store.Choice`); None before the first
+        """The current choice (see :class:`snapkeep.session.Choice`); None before the first
         snapshot was timed."""
         return self.cadence.choice
 
