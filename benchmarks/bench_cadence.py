@@ -15,7 +15,8 @@ Three parts, one run:
    fixed intervals swept around Young's (the best one reported), CheckFreq's rule
    (``max(C / 3.5 %, D)``), and ``every="auto"``: the library's own choice
    (:func:`snapkeep.session.Cadence`'s ``choose``) with the MTBF it would estimate from the job's
-   history (``estimate_mtbf_s``: ``(0.1 prior + uptime) / (0.1 + failures)``, re-estimated
+   history (``estimate_mtbf_s``: ``prior + uptime`` before any failure, then
+   ``(0.03 prior + uptime) / (0.03 + failures)``, re-estimated
    at each restart, where the library also re-chooses as the uptime grows; the
    default prior of one day, and the true ``M`` as prior). Reported: the effective training
    time ratio (training / wall time), the mean over the seeds.

@@ -18,6 +18,7 @@ from snapkeep._core.session.cadence import (
     checkfreq_interval_s,
     choose,
     daly_interval_s,
+    estimate_mtbf_s,
     young_interval_s,
 )
 from snapkeep._core.session.goodput import RunRecord, summarize
@@ -58,8 +59,8 @@ class _Clock:
 
 
 class _History(History):
-    """Three failures in 1200 s of uptime: with the 400 s prior (weighed 0.1 failure),
-    M = (0.1 * 400 + 1200) / (0.1 + 3) = 1240 / 3.1 = 400 s."""
+    """Three failures in 1200 s of uptime: with the 400 s prior (weighed 0.03 failure),
+    M = (0.03 * 400 + 1200) / (0.03 + 3) = 1212 / 3.03 = 400 s."""
 
     def failures(self) -> int:
         return 3
@@ -138,3 +139,17 @@ def test_checkpointer_refuses_every_fast_before_creating_anything(tmp_path) -> N
     with pytest.raises(ValueError, match=r"every must be an int >= 1 \(steps\), 'auto'"):
         snapkeep.Checkpointer(tmp_path / "run", every="fast")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_mtbf_estimate_grows_no_faster_than_uptime_before_a_failure_then_learns_the_rate(
+) -> None:
+    """Before any failure the prior counts as one (M = prior + uptime: 33 s without a failure
+    moves a 60 s prior to 93 s, not to 396 s as a prior of 0.1 failure did); after failures the
+    prior weighs 0.03 of one, so the job's own rate soon dominates."""
+    assert estimate_mtbf_s(60.0, uptime_s=33.0, failures=0) == pytest.approx(93.0)
+    assert estimate_mtbf_s(86400.0, uptime_s=0.0, failures=0) == pytest.approx(86400.0)
+    one = estimate_mtbf_s(86400.0, uptime_s=1200.0, failures=1)
+    assert one == pytest.approx((0.03 * 86400.0 + 1200.0) / 1.03)  # 3,682 s, not 8,945 s
+    assert estimate_mtbf_s(86400.0, uptime_s=24 * 1200.0, failures=24) == pytest.approx(
+        (0.03 * 86400.0 + 24 * 1200.0) / 24.03)  # 1,306 s: within 9 % of the true 1,200 s
+    assert estimate_mtbf_s(60.0, uptime_s=-5.0, failures=0) == 60.0  # a clock step back
