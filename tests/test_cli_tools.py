@@ -525,3 +525,37 @@ def test_convert_hints_the_key_of_the_model_in_a_checkpointer_snapshot(tmp_path:
     assert done.exit_code == 0, done.output
     inspected = as_json(invoke("inspect", str(tmp_path / "m.safetensors"), "--json"), "inspect")
     assert inspected["format"] == "safetensors"
+
+
+def test_template_discovery_never_reads_a_manifest_whole_that_grew_after_its_size(
+        run: Path) -> None:
+    """A manifest that passes a size check and then grows (another writer appends to it) is
+    read at most 1 MiB + 1 bytes and skipped: the listing never reads an attacker-sized file
+    whole. The storage here says every file is 10 bytes, as a check made before the growth
+    would, and records how much each read returned."""
+    import fsspec
+
+    from snapkeep._cli_files import recorded_templates
+    from snapkeep.store import MANIFEST_DIR, Storage
+
+    reads: list[int] = []
+
+    class SizeSaidBeforeTheGrowth(Storage):
+        def size(self, path: str) -> int:
+            return 10
+
+        def read_bytes(self, path: str, *, max_bytes: int | None = None) -> bytes:
+            try:
+                data = super().read_bytes(path, max_bytes=max_bytes)
+            except OSError:
+                reads.append(-1)  # refused at the bound
+                raise
+            reads.append(len(data))
+            return data
+
+    manifests = run / MANIFEST_DIR
+    good = next(manifests.glob("*.json"))
+    (manifests / "grown_iter_10.json").write_text(good.read_text() + " " * (64 << 20))
+    storage = SizeSaidBeforeTheGrowth(fsspec.filesystem("file"))
+    assert recorded_templates(storage, str(run)) == ["snapshot_iter_{.iteration}"]
+    assert -1 in reads and max(reads) <= 1 << 20  # the 64 MiB one refused, never read whole

@@ -367,10 +367,10 @@ def _sharded_templates(storage: Storage, directory: str,
         child = storage.join(directory, name)
         marker = storage.join(child, MARKER_NAME)
         try:
-            if file_kind(storage, child) != "directory" or file_kind(storage, marker) != "file" \
-                    or storage.size(marker) > MAX_MANIFEST_BYTES:
+            if file_kind(storage, child) != "directory" or file_kind(storage, marker) != "file":
                 continue
-            data = storage.read_bytes(marker)
+            # bounded as it is read: a marker that grows after a size check is never read whole
+            data = storage.read_bytes(marker, max_bytes=MAX_MANIFEST_BYTES)
             # a marked directory's (the Hugging Face door's checkpoint-N), or a sharded one's
             manifest: Any = CheckpointMarker.from_bytes(data) if is_marker(data) \
                 else ShardedManifest.from_bytes(data)
@@ -427,12 +427,13 @@ def recorded_snapshots(storage: Storage, directory: str) -> dict[str, list[str]]
         names = []
     for name in names[:1000]:
         path = storage.join(manifest_dir, name)
-        if not name.endswith(".json") or file_kind(storage, path) != "file" \
-                or storage.size(path) > MAX_MANIFEST_BYTES:
+        if not name.endswith(".json") or file_kind(storage, path) != "file":
             continue
-        try:
-            manifest = Manifest.from_bytes(storage.read_bytes(path))
-        except (ValueError, UnicodeDecodeError, TypeError):
+        try:  # bounded as it is read (read_manifest): never a whole file that grew meanwhile
+            manifest = read_manifest(storage, path)
+        except (ManifestError, OSError, ValueError, UnicodeDecodeError, TypeError):
+            continue
+        if manifest is None:
             continue
         if manifest.name.endswith(ON_ERROR_SUFFIX):
             continue
