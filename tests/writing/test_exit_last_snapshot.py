@@ -82,8 +82,12 @@ def test_script_without_finalize_keeps_its_last_snapshot(tmp_path: Any, writer: 
     assert sorted(os.listdir(out)) == [".snapkeep", "snap_0", "snap_1", "snap_2"]
     loaded = torch.load(out / "snap_2", weights_only=True)
     assert torch.equal(loaded["w"], torch.full((1024, 1024), 2.0))
-    if writer != "SimpleWriter":  # synchronous: nothing is pending at exit
-        assert "at exit" in result.stderr  # the drain said what it waited for
+    if writer in ("ThreadWriter", "ThreadQueueWriter"):  # the drain said what it waited for
+        assert "at exit" in result.stderr
+    # SimpleWriter is synchronous: nothing is pending at exit. A process writer's worker may
+    # commit snap_2 before this interpreter reaches its exit (on a loaded machine the trainer
+    # can wait for a core while the worker runs: one failure in a loaded CI run), and then the
+    # drain has nothing to wait for or say; the files above are what the guarantee is.
 
 
 @pytest.mark.timeout(EXIT_BOUND_S + 30)
