@@ -7,6 +7,8 @@ orphan manifests, and takes the directory lock; see :mod:`snapkeep._core.store.f
 :func:`open_store` builds one from a directory or URL as the writers do. :class:`Session` is
 what every door (snapshot extensions, Checkpointer, Lightning, Hugging Face) does with a store:
 open, resume, the retention stage, close (see :mod:`snapkeep._core.session.session`).
+:class:`SaveEngine` is the one background lane under every save (see
+:mod:`snapkeep._core.save.engine`).
 :func:`run_status` reads how the last run in a directory ended (written by
 ``extensions.preemption``).
 """
@@ -34,6 +36,7 @@ from snapkeep._core.load.resume_notice import (
     say,
 )
 from snapkeep._core.load.structure import describe, find_mismatches
+from snapkeep._core.save.engine import SaveEngine
 from snapkeep._core.save.ticket import SaveHandle
 from snapkeep._core.session.cadence import (
     AutoInterval,
@@ -133,6 +136,7 @@ def open_store(
 
 
 __all__ = [
+    "SaveEngine",
     "IncrementalTracker", "MemoryStore", "NotPrivateError", "check_space", "describe_tiers",
     "job_id", "owners", "reclaim_stale", "tier_dir", "write_owner", "DECODE_ERRORS",
     "MANIFEST_DIR", "ON_ERROR_SUFFIX", "Entry", "FilenameTemplate", "Manifest", "ManifestError",
