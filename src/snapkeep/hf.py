@@ -49,11 +49,12 @@ from snapkeep.distributed import (
     background_groups,
     is_distributed,
 )
-from snapkeep.errors import SnapshotCorruptError
+from snapkeep.errors import SnapshotCorruptError, SnapshotSaveError
 from snapkeep.retention import KeepLatest, RetentionPolicy, keep_policy
 from snapkeep.session import (
     Plan,
     RunControl,
+    SaveEngine,
     Session,
     check_grace_s,
     preemption_signals,
@@ -589,15 +590,12 @@ class SnapkeepSaveMixin:
     """
 
     def __init__(self, *args: Any, memory: MemoryTier | None = None, **kwargs: Any) -> None:
-        import concurrent.futures
-
         from snapkeep.staging import BufferSet
 
         self._snapkeep_memory = check_memory(memory)
         self._snapkeep_tier: TieredSession | None = None
         self._snapkeep_kept: int | None = None  # the last step kept in RAM
         self._snapkeep_told_tier = False
-        self._snapkeep_pending: Any = None
         self._snapkeep_told = False
         super().__init__(*args, **kwargs)
         trainer: Any = self
@@ -616,8 +614,8 @@ class SnapkeepSaveMixin:
         self._snapkeep_callback.mixin = weakref.ref(self)
         trainer.add_callback(self._snapkeep_callback)
         self._snapkeep_buffers = BufferSet()
-        self._snapkeep_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="snapkeep-hf")
+        # one checkpoint in flight, its failure raised once, drained at interpreter exit
+        self._snapkeep_engine = SaveEngine("hf checkpoint", wrap=_hf_save_error)
         if self._snapkeep_memory is not None:
             trainer.add_callback(_KeepInRam(self))
 
@@ -641,17 +639,7 @@ class SnapkeepSaveMixin:
         Raises:
             SnapshotSaveError: the background save failed (its error chained).
         """
-        from snapkeep.errors import SnapshotSaveError
-
-        pending = self._snapkeep_pending
-        if pending is None:
-            return
-        self._snapkeep_pending = None
-        try:
-            pending.result()
-        except Exception as e:
-            raise SnapshotSaveError(f"snapkeep: the background save of a checkpoint failed: "
-                                    f"{e}") from e
+        self._snapkeep_engine.wait()
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         trainer: Any = self
@@ -672,8 +660,8 @@ class SnapkeepSaveMixin:
                     "optimizer": trainer.optimizer.state_dict()}
             self._snapkeep_write(job[0], job[1], live, *job[3:])
             return
-        self._snapkeep_pending = self._snapkeep_pool.submit(self._snapkeep_write, *job)
-        self._snapkeep_callback.save_staged(self._snapkeep_pending)
+        committed = self._snapkeep_engine.submit(self._snapkeep_write, *job, label=job[0])
+        self._snapkeep_callback.save_staged(committed)
 
     def _snapkeep_stage(self, trainer: Any) -> tuple[Any, ...]:
         output_dir, step, tree, scheduler, scaler_state, rng, state = \
@@ -901,6 +889,14 @@ class SnapkeepSaveMixin:
                     self._snapkeep_tier = None
             finally:
                 callback.close()
+
+
+def _hf_save_error(label: str, cause: BaseException) -> BaseException:
+    """What :meth:`SnapkeepSaveMixin.wait_for_checkpoint` raises for a failed background save
+    (an ``Exception``; a ``BaseException`` such as ``KeyboardInterrupt`` is raised as it is)."""
+    if not isinstance(cause, Exception):
+        return cause
+    return SnapshotSaveError(f"snapkeep: the background save of a checkpoint failed: {cause}")
 
 
 class _KeepInRam(TrainerCallback):  # type: ignore[misc]

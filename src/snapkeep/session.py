@@ -1,5 +1,6 @@
 """The run around a store (public names for the doors): the :class:`Session` every door opens,
-saves, resumes and closes through (:mod:`snapkeep._core.session.session`); the one run control
+saves, resumes and closes through (:mod:`snapkeep._core.session.session`); the one background
+lane under every save (:class:`SaveEngine`, :mod:`snapkeep._core.save.engine`); the one run control
 (preemption with its deadline, run status); the run lineage; what a door says to the user; and
 the cadence of ``every="auto"`` with the goodput of the runs in a directory.
 """
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from snapkeep._core.load.resume_notice import check_quiet, say
+from snapkeep._core.save.engine import SaveEngine
 from snapkeep._core.save.ticket import SaveHandle
 from snapkeep._core.session.cadence import (
     AutoInterval,
@@ -72,7 +74,7 @@ def run_goodput(out_dir: str, *, fs: Any = None,
 
 __all__ = [
     "AutoInterval", "Cadence", "Choice", "Estimate", "Goodput", "Grace", "Plan", "RunControl",
-    "RunHistory", "RunLineage", "RunStatus", "SaveHandle", "SaveTimes", "Session",
+    "RunHistory", "RunLineage", "RunStatus", "SaveEngine", "SaveHandle", "SaveTimes", "Session",
     "check_every", "check_grace_s", "check_quiet", "checkfreq_interval_s", "choose",
     "daly_interval_s", "estimate_mtbf_s", "grace_from", "preemption_signals", "run_goodput",
     "run_is_alive", "run_status", "say", "user_stacklevel", "warn_about_existing", "warn_user",

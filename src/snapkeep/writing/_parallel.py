@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from snapkeep._core.save.engine import SaveEngine
 from snapkeep._core.save.executors import ProcessRunner, Runner, ThreadRunner
 from snapkeep._core.save.saver import Saver, Ticket
 from snapkeep.writing._base import SaveFun
@@ -31,12 +32,11 @@ class ThreadWriter(StandardWriter):
         self, filename: str, out_dir: str, target: Any, *, savefun: SaveFun | None = None,
         append: bool = False, **savefun_kwargs: Any,
     ) -> threading.Thread:
-        """A (not started) daemon thread that writes one snapshot."""
-        return threading.Thread(
-            target=self._work,
-            args=(self._take_ticket(), filename, out_dir, target, savefun, append, savefun_kwargs),
-            name="snapkeep-thread-writer", daemon=True,
-        )
+        """A (not started) daemon thread that writes one snapshot, on the saver's engine
+        (:class:`snapkeep._core.save.engine.SaveEngine`)."""
+        return self._saver.engine.unit(
+            self._work, self._take_ticket(), filename, out_dir, target, savefun, append,
+            savefun_kwargs, label=filename)
 
 
 class RemoteSave(multiprocessing.Process):
@@ -48,10 +48,13 @@ class RemoteSave(multiprocessing.Process):
     process that the writer started with ``spawn``, and ``join()`` waits for its commit.
     """
 
-    def __init__(self, body: Any, args: tuple[Any, ...]) -> None:
+    def __init__(self, engine: SaveEngine, body: Any, args: tuple[Any, ...],
+                 label: str) -> None:
         super().__init__(name="snapkeep-remote-save", daemon=True)
+        self._engine = engine
         self._body = body
         self._body_args = args
+        self._label = label
         self._thread: threading.Thread | None = None
         self._failed = False
 
@@ -60,7 +63,7 @@ class RemoteSave(multiprocessing.Process):
             ok = self._body(*self._body_args)
             self._failed = ok is False
 
-        self._thread = threading.Thread(target=run, name="snapkeep-remote-save", daemon=True)
+        self._thread = self._engine.unit(run, label=self._label)  # dispatched to the worker
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:
@@ -134,8 +137,9 @@ class ProcessWriter(WorkerProcessMixin, StandardWriter):
     ) -> multiprocessing.Process:
         """A (not started) handle that writes one snapshot in the persistent worker."""
         ticket = self._take_ticket()
-        return RemoteSave(self._remote_body,
-                          (ticket, filename, out_dir, target, savefun, append, savefun_kwargs))
+        return RemoteSave(self._saver.engine, self._remote_body,
+                          (ticket, filename, out_dir, target, savefun, append, savefun_kwargs),
+                          filename)
 
     def _remote_body(
         self, ticket: Ticket | None, filename: str, out_dir: str, target: Any,

@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import io
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -65,11 +64,10 @@ from snapkeep._core.distributed.sharded_store import (
 from snapkeep._core.distributed.staging import Stager
 from snapkeep._core.errors import (
     SnapshotCorruptError,
-    SnapshotTimeoutError,
     StateMismatchError,
 )
 from snapkeep._core.format.manifest import now_unix_s
-from snapkeep._core.save.exit_drain import DrainedAtExit
+from snapkeep._core.save.engine import SaveEngine
 from snapkeep._core.storage import HashingWriter
 from snapkeep._core.store.files import Entry
 
@@ -217,7 +215,7 @@ def _writer_for(store: ShardedStore, path: str) -> _RecordingWriter | _Recording
     return _RecordingFsspecWriter(store.storage.url(path), store.storage_options)
 
 
-class ShardedSaver(DrainedAtExit):
+class ShardedSaver:
     """Saves state trees of DTensors/tensors as sharded snapshots (see the module docstring).
 
     Args:
@@ -226,9 +224,10 @@ class ShardedSaver(DrainedAtExit):
         retain: called on rank 0 on the commit thread after each commit with the new manifest
             (retention); its exceptions are logged, never fatal.
 
-    Every saver registers with the exit drain (:mod:`snapkeep._core.save.exit_drain`): a script that
-    ends without ``close()`` (``finalize()`` of the manager, ``close()`` of the Checkpointer) has
-    its snapshot in flight committed at interpreter exit, or named and the exit status 1.
+    Its commits run on a :class:`~snapkeep._core.save.engine.SaveEngine`, drained at interpreter
+    exit (:mod:`snapkeep._core.save.exit_drain`): a script that ends without ``close()``
+    (``finalize()`` of the manager, ``close()`` of the Checkpointer) has its snapshot in flight
+    committed at exit, or named and the exit status 1.
     """
 
     def __init__(self, store: ShardedStore, groups: Groups | None,
@@ -239,17 +238,15 @@ class ShardedSaver(DrainedAtExit):
         self.world_size = groups.world_size if groups else 1
         self._retain = retain
         self._stager = Stager()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: concurrent.futures.Future[ShardedManifest | None] | None = None
-        self._pending_path = ""
-        self._lock = threading.Lock()
+        # the commit thread: one snapshot in flight, its error raised once, drained at exit
+        self._engine = SaveEngine("sharded commit", timeout_message=lambda paths, t: (
+            f"sharded snapshot {', '.join(paths)} not committed within {t:g} s"))
         self.last_stage_s = 0.0
         #: seconds of each phase of the last commit on this rank (set on the commit thread,
         #: read after :meth:`wait`): prepare (rank 0: the in-progress mark), plan (DCP's
         #: planning collectives), write (this rank's files, hashed and fsynced), dcp_finish,
         #: metadata_and_directory_fsync, gather, marker, agree_committed
         self.last_commit_phases_s: dict[str, float] = {}
-        self._drain_at_exit_unless_closed()  # committed at interpreter exit if still pending
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -275,7 +272,7 @@ class ShardedSaver(DrainedAtExit):
         Raises:
             Exception: the error of the previous snapshot's commit (once), as raised there.
         """
-        if self._closed:
+        if self._engine.closed:
             raise RuntimeError("the sharded saver is closed (finalize() was called)")
         self.wait()  # one snapshot in flight: the buffers are free again
         staging_error: BaseException | None = None
@@ -288,21 +285,14 @@ class ShardedSaver(DrainedAtExit):
         self.last_stage_s = time.perf_counter() - start
         staged_future: concurrent.futures.Future[None] = concurrent.futures.Future()
         staged_future.set_result(None)
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="snapkeep-sharded-commit")
-        with self._lock:
-            self._pending = self._executor.submit(self._commit, staged, staging_error, job)
-            self._pending_path = self.store.path_of(job.name)
-            return ShardedHandle(staged=staged_future, committed=self._pending)
+        committed = self._engine.submit(self._commit, staged, staging_error, job,
+                                        label=self.store.path_of(job.name))
+        return ShardedHandle(staged=staged_future, committed=committed)
 
     def wait(self) -> None:
         """Wait until the snapshot in flight is committed (or failed) on this rank; raise its
         error once. Each collective of the commit is bounded by the group's ``timeout_s``."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        self._engine.wait()
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for the snapshot in flight (raising its error once; at most ``timeout_s``
@@ -313,35 +303,16 @@ class ShardedSaver(DrainedAtExit):
                 all the same; the commit thread is left to finish on its own).
             Exception: the commit's error (once).
         """
-        if self._closed:
-            return
-        with self._lock:
-            pending = self._pending
-        if pending is not None and timeout_s is not None:
-            concurrent.futures.wait([pending], timeout=timeout_s)
-            if not pending.done():
-                self._mark_closed()
-                if self._executor is not None:
-                    self._executor.shutdown(wait=False)
-                    self._executor = None
-                raise SnapshotTimeoutError(
-                    f"sharded snapshot {self._pending_path} not committed within {timeout_s} s")
-        try:
-            self.wait()
-        finally:
-            self._mark_closed()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+        self._engine.close(timeout_s)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (or gave up after its wait ran out)."""
+        return self._engine.closed
 
     def pending_paths(self) -> list[str]:
-        """The snapshot in flight on this rank, or failed and not yet waited for, if any (what
-        the exit drain asks besides ``pid`` and ``closed``)."""
-        with self._lock:
-            pending = self._pending
-        if pending is None or (pending.done() and pending.exception() is None):
-            return []
-        return [self._pending_path]
+        """The snapshot in flight on this rank, or failed and not yet waited for, if any."""
+        return self._engine.pending_paths()
 
     # -- commit thread -----------------------------------------------------------------------------
     def _commit(self, staged: Any, staging_error: BaseException | None,

@@ -64,9 +64,9 @@ _lost: list[str] = []
 
 class DrainedAtExit:
     """The ``pid``/``closed`` half of :class:`Drainable`, and the registration with the drain,
-    for a class that holds snapshots in flight (:class:`~snapkeep._core.save.saver.Saver`, the
-    sharded saver and the sharded checkpoint); the class supplies ``pending_paths`` and
-    ``close``.
+    for a class that holds snapshots in flight (:class:`~snapkeep._core.save.saver.Saver`, and
+    :class:`~snapkeep._core.save.engine.SaveEngine`, the lane of the sharded saver, the memory
+    tier and the Hugging Face owned save); the class supplies ``pending_paths`` and ``close``.
 
     The class calls :meth:`_drain_at_exit_unless_closed` once, when it is ready to save, and
     :meth:`_mark_closed` when it closes (also when a close gives up after its wait ran out).

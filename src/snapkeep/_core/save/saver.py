@@ -42,7 +42,6 @@ exception as ``__cause__``, at the next ``save()`` or at ``finalize()``; later s
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -71,6 +70,7 @@ from snapkeep._core.save.budget import (
     tensor_bytes,
 )
 from snapkeep._core.save.commit import commit_job
+from snapkeep._core.save.engine import SaveEngine
 from snapkeep._core.save.executors import Runner
 from snapkeep._core.save.exit_drain import DrainedAtExit
 from snapkeep._core.save.job import CommitRecord, SaveJob
@@ -134,7 +134,10 @@ class Saver(DrainedAtExit):
         self._stage = runner.background if stage is None else stage
         self._slots: list[Slot] = []
         self._cond = threading.Condition()
-        self._errors: collections.deque[SnapshotSaveError] = collections.deque()
+        #: where the writers' background saves run (ThreadWriter's threads, ProcessWriter's
+        #: dispatch to its worker) and where a failure is kept until raised once; the slots
+        #: below bound what runs, this saver drains it (at close, and at interpreter exit)
+        self.engine = SaveEngine("writer", drain_at_exit=False)
         self._hooks: list[PostCommitHook] = []
         self.last_stage_stats: StageStats | None = None
         self._prefaulted = threading.Event()  # clear while a prefault thread fills a slot
@@ -380,15 +383,7 @@ class Saver(DrainedAtExit):
 
     def raise_pending_error(self) -> None:
         """Raise the oldest unreported background failure, once; log any others."""
-        with self._cond:
-            if not self._errors:
-                return
-            first = self._errors.popleft()
-            rest = list(self._errors)
-            self._errors.clear()
-        for other in rest:
-            logger.error("another background snapshot failure: %s", other)
-        raise first
+        self.engine.raise_pending_error()
 
     def close(self, timeout_s: float | None = None, *, wait: bool = True) -> None:
         """Wait for pending snapshots, stop the background thread and worker; idempotent.
@@ -426,6 +421,7 @@ class Saver(DrainedAtExit):
                     f"snapshot {verdict.handle.path!r} was not written: the writer was closed "
                     "before its background copy was validated"))
             self.runner.close()
+            self.engine.close(wait=False)  # the slots were waited for above
             with self._cond:
                 lent = [s for s in self._slots if s.loans]
                 for slot in lent:  # closed by the last return of a loan
@@ -648,8 +644,7 @@ class Saver(DrainedAtExit):
             if report:
                 logger.error("snapshot %s (step %s) failed: %s: %s", job.path, job.step,
                              type(e).__name__, e)
-                with self._cond:
-                    self._errors.append(error)
+                self.engine.record_error(job.path, error)
             handle.committed.set_exception(e)
             self._release(slot, handle)
             return False
@@ -667,8 +662,7 @@ class Saver(DrainedAtExit):
 
     def record_error(self, error: SnapshotSaveError) -> None:
         """Keep a background failure for :meth:`raise_pending_error`."""
-        with self._cond:
-            self._errors.append(error)
+        self.engine.record_error("(a queued task)", error)
 
     def abandon(self, ticket: Ticket, reason: str) -> None:
         """Give up a ticket that will never run (its worker exited without running it)."""

@@ -54,7 +54,6 @@ import dataclasses
 import io
 import logging
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -66,10 +65,10 @@ from snapkeep._core.distributed.peer import pairwise, recv_verified, send_bytes
 from snapkeep._core.errors import (
     SnapshotCorruptError,
     SnapshotSaveError,
-    SnapshotTimeoutError,
     StagingRaceError,
 )
 from snapkeep._core.load.resume_notice import say
+from snapkeep._core.save.engine import SaveEngine
 from snapkeep._core.save.staging import BufferSet
 from snapkeep._core.save.ticket import StagedLoan
 from snapkeep._core.store.contract import CandidateRefused, Listed, newest_valid
@@ -292,9 +291,9 @@ class TierEngine:
         self.fallback: str | None = None
         self.disabled: str | None = None  # why this rank's tier cannot be used (logged once)
         self.opened = False
-        self._thread: threading.Thread | None = None  # the RAM snapshot in flight
-        self._in_flight: int | None = None  # its step
-        self._error: tuple[int, BaseException] | None = None  # its failure, not raised yet
+        # the RAM snapshot in flight (one), its failure raised once, drained at exit
+        self._engine = SaveEngine("memory tier", wrap=_background_error,
+                                  timeout_message=_still_committing)
         self._buffers: BufferSet | None = None  # the staged copy, reused across saves
         self._owner_written = False
         self._stride = 1
@@ -623,7 +622,7 @@ class TierEngine:
         if not self.opened:
             raise RuntimeError("memory tier: save before open")
         self._drain(f"RAM snapshot of step {step}")
-        self._raise_background_error()
+        self._engine.raise_pending_error()
         if self.disabled is not None and not (self._replicas and self.groups is not None):
             return  # nothing to hold here, no peer waiting for this rank's copy
         self._own_tier()
@@ -635,47 +634,41 @@ class TierEngine:
                 self._buffers = BufferSet()
             staged, _ = self._buffers.stage(tree)
             del tree
-        self._in_flight, self._loan = step, loan
-        self._thread = threading.Thread(
-            target=self._commit_in_background, args=(step, staged, loan), daemon=True,
-            name="snapkeep-memory-tier")
-        self._thread.start()
+        self._loan = loan
+        self._engine.submit(self._commit_in_background, step, staged, loan,
+                            label=f"RAM snapshot of step {step}")
 
     def _commit_in_background(self, step: int, staged: Any, loan: StagedLoan | None) -> None:
         """Serialise ``staged`` (``torch.save``), or the copy ``loan`` lends once it is final,
         commit it to this rank's tmpfs (atomic, with its XXH3 manifest; the newest step kept
-        alone), then copy it to the peers. A failure is logged and kept for the next save or
-        close; a borrowed copy dropped for a staging race drops this RAM snapshot (logged)."""
-        try:
-            buf = io.BytesIO()
-            if loan is not None:
-                try:
-                    loan.wait_staged(self.tier.timeout_s)  # the tier's bound, not the writer's
-                    torch.save(loan.tree, buf)
-                except StagingRaceError as e:
-                    logger.warning("memory tier: no RAM snapshot of step %d: the snapshot "
-                                   "whose staged copy it shares was dropped (%s)", step, e)
-                    return
-                finally:
-                    loan.release()  # the writer may stage into those buffers again
-            else:
-                torch.save(staged, buf)
-            del staged  # the staging buffers are free for the next save once this returns
-            data = buf.getvalue()
-            del buf
-            if self.disabled is not None:  # held nowhere here; the peers still get a copy
-                held = Held(step=step, path="", checksum=MemoryStore.digest(data),
-                            size_bytes=len(data))
-            else:
-                held = MemoryStore(self.tier.root, self.job, self.rank).commit_state(
-                    step, data, _write)
-            if self._replicas and self.groups is not None:
-                self._copy_to_peers(held, data)
-            self.last_step = step
-        except BaseException as e:  # never stops training here: raised at the next save
-            logger.error("memory tier: RAM snapshot of step %d failed: %s: %s", step,
-                         type(e).__name__, e)
-            self._error = (step, e)
+        alone), then copy it to the peers. A failure is logged and kept by the engine for the
+        next save or close; a borrowed copy dropped for a staging race drops this RAM snapshot
+        (logged)."""
+        buf = io.BytesIO()
+        if loan is not None:
+            try:
+                loan.wait_staged(self.tier.timeout_s)  # the tier's bound, not the writer's
+                torch.save(loan.tree, buf)
+            except StagingRaceError as e:
+                logger.warning("memory tier: no RAM snapshot of step %d: the snapshot "
+                               "whose staged copy it shares was dropped (%s)", step, e)
+                return
+            finally:
+                loan.release()  # the writer may stage into those buffers again
+        else:
+            torch.save(staged, buf)
+        del staged  # the staging buffers are free for the next save once this returns
+        data = buf.getvalue()
+        del buf
+        if self.disabled is not None:  # held nowhere here; the peers still get a copy
+            held = Held(step=step, path="", checksum=MemoryStore.digest(data),
+                        size_bytes=len(data))
+        else:
+            held = MemoryStore(self.tier.root, self.job, self.rank).commit_state(
+                step, data, _write)
+        if self._replicas and self.groups is not None:
+            self._copy_to_peers(held, data)
+        self.last_step = step
 
     def _copy_to_peers(self, held: Held, data: bytes) -> None:
         group = self.groups.peer
@@ -703,37 +696,15 @@ class TierEngine:
             SnapshotTimeoutError: it is still running after that (it stays in flight: its
                 staging buffers are not reused).
         """
-        thread = self._thread
-        if thread is None:
-            return
         loan = self._loan
-        if loan is not None and thread.is_alive():  # on the training thread: a safe point
-            loan.handle.settle_here(self.tier.timeout_s)  # to validate the borrowed copy
-        if waiter is not None and thread.is_alive():
-            logger.debug("memory tier: %s waits for the RAM snapshot of step %s still being "
-                         "committed (one in flight)", waiter, self._in_flight)
-        bound = self.tier.timeout_s * 2
-        thread.join(bound)
-        if thread.is_alive():
-            raise SnapshotTimeoutError(
-                f"memory tier: the RAM snapshot of step {self._in_flight} was still being "
-                f"committed after {bound:g} s (2 x MemoryTier timeout_s)")
-        self._thread = self._loan = None
-
-    def _raise_background_error(self) -> None:
-        """Raise the failure of the last background RAM snapshot, once.
-
-        Raises:
-            SnapshotSaveError: chained from the original exception.
-        """
-        failed, self._error = self._error, None
-        if failed is None:
-            return
-        step, cause = failed
-        raise SnapshotSaveError(
-            f"memory tier: the RAM snapshot of step {step} failed in the background: "
-            f"{type(cause).__name__}: {cause}; older RAM and storage snapshots are intact"
-        ) from cause
+        if self._engine.busy:
+            if loan is not None:  # on the training thread: a safe point
+                loan.handle.settle_here(self.tier.timeout_s)  # to validate the borrowed copy
+            if waiter is not None:
+                logger.debug("memory tier: %s waits for the %s still being committed (one in "
+                             "flight)", waiter, ", ".join(self._engine.pending_paths()))
+        self._engine.join(self.tier.timeout_s * 2)
+        self._loan = None
 
     def wait(self) -> None:
         """Wait for the RAM snapshot in flight: serialised, committed to tmpfs and copied to
@@ -762,13 +733,23 @@ class TierEngine:
             remove_rank(self.tier.root, self.job, self.rank)
             for departed in _ranks_beyond(self.tier.root, self.job, self.world):
                 remove_rank(self.tier.root, self.job, departed)  # a larger world's
-        if failed and self._error is not None:
-            step, cause = self._error
-            self._error = None
-            logger.error("memory tier: the RAM snapshot of step %d had failed in the "
-                         "background: %s: %s", step, type(cause).__name__, cause)
-            return
-        self._raise_background_error()
+        if failed:  # the run's own error comes first: the tier's is logged
+            for label, cause in self._engine.take_errors():
+                logger.error("memory tier: the %s had failed in the background: %s: %s",
+                             label, type(cause).__name__, cause)
+        self._engine.close()  # nothing runs now: raises a failure not raised yet
+
+
+def _background_error(label: str, cause: BaseException) -> SnapshotSaveError:
+    """What the tier raises for a failed RAM snapshot (the engine chains ``cause``)."""
+    return SnapshotSaveError(
+        f"memory tier: the {label} failed in the background: {type(cause).__name__}: {cause}; "
+        "older RAM and storage snapshots are intact")
+
+
+def _still_committing(labels: list[str], timeout_s: float) -> str:
+    return (f"memory tier: the {', '.join(labels)} was still being committed after "
+            f"{timeout_s:g} s (2 x MemoryTier timeout_s)")
 
 
 def _ranks_beyond(root: str, job: str, world: int) -> list[int]:

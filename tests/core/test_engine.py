@@ -1,0 +1,191 @@
+"""The one background lane under every save (snapkeep._core.save.engine.SaveEngine): one unit in
+flight (or N), a failure raised once with its type, a bounded close, no thread left, and the
+drain at a real interpreter exit (for the engine alone and for the memory tier on it, which a
+daemon thread of its own used to lose)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from snapkeep._core.errors import SnapshotSaveError, SnapshotTimeoutError
+from snapkeep._core.save import exit_drain
+from snapkeep._core.save.engine import SaveEngine
+
+WAIT_S = 60.0  # generous bound of every wait on a loaded machine; a healthy run takes ms
+
+
+@pytest.fixture(autouse=True)
+def live(monkeypatch: pytest.MonkeyPatch) -> weakref.WeakSet[Any]:
+    """The exit drain's registry, of this test only."""
+    registry: weakref.WeakSet[Any] = weakref.WeakSet()
+    monkeypatch.setattr(exit_drain, "_LIVE", registry)
+    return registry
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"snapkeep-{name}"]
+
+
+def test_the_next_unit_starts_after_the_previous_one_ended(
+        live: weakref.WeakSet[Any]) -> None:
+    engine = SaveEngine("lane one")
+    assert set(live) == {engine}
+    order: list[str] = []
+    release = threading.Event()
+
+    def first() -> str:
+        assert release.wait(WAIT_S)
+        order.append("first")
+        return "one"
+
+    handle = engine.submit(first, label="snap_1")
+    assert engine.pending_paths() == ["snap_1"] and engine.busy
+    second_submitted = threading.Event()
+
+    def submit_second() -> None:
+        engine.submit(order.append, "second", label="snap_2")
+        second_submitted.set()
+
+    submitter = threading.Thread(target=submit_second)
+    submitter.start()
+    assert not second_submitted.wait(0.3)  # held back while the first one runs
+    release.set()
+    submitter.join(WAIT_S)
+    assert second_submitted.is_set() and handle.result(WAIT_S) == "one"
+    engine.close(WAIT_S)
+    assert order == ["first", "second"]
+    assert engine.closed and set(live) == set() and _threads("lane-one") == []
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(order.append, "late", label="snap_3")
+
+
+def test_up_to_max_in_flight_units_run_at_once() -> None:
+    engine = SaveEngine("lane two", max_in_flight=2)
+    both = threading.Barrier(2, timeout=WAIT_S)  # broken unless both run at once
+    handles = [engine.submit(both.wait, label=f"snap_{i}") for i in range(2)]
+    engine.close(WAIT_S)
+    assert sorted(h.result() for h in handles) == [0, 1]
+    with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
+        SaveEngine("bad", max_in_flight=0)
+
+
+def _fail(error: BaseException) -> None:
+    raise error
+
+
+def test_a_failure_is_raised_once_with_its_type_and_the_next_unit_runs() -> None:
+    engine = SaveEngine("lane err")
+    error = OSError(28, "No space left on device (test)")
+    handle = engine.submit(_fail, error, label="snap_1")
+    engine.join(WAIT_S)  # waits only: the failure stays kept
+    assert handle.exception() is error and engine.pending_paths() == ["snap_1"]
+    with pytest.raises(OSError) as info:
+        engine.submit(print, label="snap_2")  # raised before the next unit is taken
+    assert info.value is error
+    engine.wait(WAIT_S)  # raised once
+    assert engine.submit(int, "7", label="snap_2").result(WAIT_S) == 7
+    engine.close(WAIT_S)
+
+
+def test_a_door_wraps_the_failure_in_its_documented_error() -> None:
+    def wrap(label: str, cause: BaseException) -> BaseException:
+        return SnapshotSaveError(f"the background save of {label} failed: {cause}")
+
+    engine = SaveEngine("lane wrap", wrap=wrap)
+    engine.submit(_fail, ValueError("bad value (test)"), label="snap_1")
+    with pytest.raises(SnapshotSaveError, match="snap_1 failed: bad value") as info:
+        engine.close(WAIT_S)
+    assert isinstance(info.value.__cause__, ValueError) and engine.closed
+    assert engine.take_errors() == []
+
+
+def test_close_gives_up_after_its_timeout_and_the_thread_ends_on_its_own() -> None:
+    engine = SaveEngine("lane slow", timeout_message=lambda paths, t: f"{paths} after {t:g} s")
+    release = threading.Event()
+    engine.submit(release.wait, WAIT_S, label="snap_1")
+    with pytest.raises(SnapshotTimeoutError, match=r"\['snap_1'\] after 0.2 s"):
+        engine.close(0.2)
+    assert engine.closed
+    [thread] = _threads("lane-slow")
+    release.set()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+
+
+ENGINE_AT_EXIT = textwrap.dedent("""
+    import sys, time
+    from snapkeep._core.save.engine import SaveEngine
+
+    def write(path):
+        time.sleep(0.5)
+        if sys.argv[1] == "fail":
+            raise OSError(28, "No space left on device (injected)")
+        with open(path, "w") as f:
+            f.write("done")
+
+    engine = SaveEngine("exit lane")
+    engine.submit(write, sys.argv[2], label=sys.argv[2])
+    print("returned without close", flush=True)
+""")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_an_engine_not_closed_is_drained_at_exit(tmp_path: Path) -> None:
+    out = tmp_path / "unit.txt"
+    done = _run("-c", ENGINE_AT_EXIT, "ok", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == "done"
+    failed = _run("-c", ENGINE_AT_EXIT, "fail", str(tmp_path / "lost.txt"))
+    assert failed.returncode == 1, failed.stderr
+    assert "lost.txt" in failed.stderr and "not committed" in failed.stderr
+    assert "No space left on device (injected)" in failed.stderr
+
+
+TIER_AT_EXIT = textwrap.dedent("""
+    import sys, time
+    import torch
+    from snapkeep._core.tiers.memory_tier import MemoryTier, TierEngine
+
+    class Slow:  # serialised slowly: still being committed to RAM when the script ends
+        def __deepcopy__(self, memo):
+            return self
+
+        def __reduce__(self):
+            time.sleep(1.0)
+            return (int, (7,))
+
+    tier = MemoryTier(every=1, replicas=0, root=sys.argv[1], job="exit-test")
+    engine = TierEngine(tier, directory=sys.argv[2], template="snap_{step}")
+    engine.open(1024)
+    engine.save(3, lambda: {"w": torch.ones(4), "slow": Slow()})
+    print("returned without close", flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_memory_tiers_ram_snapshot_in_flight_is_committed_at_exit(tmp_path: Path) -> None:
+    from snapkeep._core.tiers.memory_store import MemoryStore
+
+    root = tmp_path / "shm"
+    root.mkdir(mode=0o700)
+    done = _run("-c", TIER_AT_EXIT, str(root), str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    held = MemoryStore(str(root), "exit-test", 0).newest_verified()
+    assert held is not None and held.step == 3  # lost with the daemon thread before
