@@ -11,6 +11,16 @@ non-daemon threads waited for and the threading atexit hooks run, snapkeep's exi
 them; then the ``atexit`` handlers; stdio flushed), skipping only the module teardown after
 that (seconds of torch's), or by a signal. The zygote reaps it and reports its exit status as
 ``subprocess`` does (``-9`` for SIGKILL).
+
+:func:`shared` keeps one zygote per kind for the whole test process (stopped by conftest.py at
+the session's end): :data:`FRAMEWORKS` (``frameworks``) for the Lightning and Hugging Face
+workers, the deadline worker's, one per rank for ``support.ranks.start``. :func:`run` is
+``subprocess.run`` for a forked worker, :class:`Forked` one to signal and feed on stdin,
+:class:`ForkedPopen` the ``subprocess.Popen`` interface.
+
+What a forked worker shares with its zygote and a fresh interpreter would not: what was read at
+import (``PYTHONPATH``, ``OMP_NUM_THREADS``, ``HF_HUB_OFFLINE``: ``shared`` keys on them) and
+the ``str`` hash seed (the ranks of a job fork from one zygote each, so theirs differ).
 """
 
 from __future__ import annotations
