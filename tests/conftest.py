@@ -14,6 +14,7 @@ import torch
 
 from snapkeep._core.save.shm import ARENA_PREFIX
 from snapkeep._core.storage import TEMP_MARKER
+from support import zygote
 from support.leak_check import LONG_LIVED_PIDS
 from support.storage_backends import BUCKET, MotoServer, s3_options, start_moto_server
 
@@ -47,6 +48,16 @@ def _session_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             os.environ["TMPDIR"] = saved[0]
         tempfile.tempdir = saved[1]
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_zygotes(_session_tmpdir: None) -> Iterator[None]:
+    """Stop the worker zygotes this test process started (tests/support/zygote.py's
+    ``shared``) at the session's end, before its TMPDIR goes."""
+    try:
+        yield
+    finally:
+        zygote.stop_shared()
 
 
 @pytest.fixture(autouse=True)

@@ -36,19 +36,29 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 JOB_SCRIPT = ROOT / "docs" / "examples" / "slurm_job.sh"
 WORKER = pathlib.Path(__file__).with_name("deadline_worker.py")
 STEPS = 250
-STEP_SLEEP_S = "0.12"  # >= 30 s of training: the signal at 20 s always lands mid-training
-LIMIT_S = 40.0  # --time
-SIGNAL_S = 20.0  # --signal=USR1@20
+STEP_SLEEP_S = "0.12"  # >= 30 s of training in the first start: the signal lands mid-training
+LIMIT_S = 30.0  # --time of the first start
+SIGNAL_S = 25.0  # --signal=USR1@25: 5 s after the start, and never before the task's step 40
+# (>= 4.8 s of training with STEP_SLEEP_S: durable saves of steps 4, 8, ... were measured, so
+# the deadline decides on a known write time; 210 slowed steps are still ahead)
+SIGNAL_AFTER_STEP = 40
+RESTART_LIMIT_S = 60.0  # --time of a requeued start (fast steps): USR1 35 s after its start
 KILL_WAIT_S = 5.0  # slurm.conf KillWait
 BOUND_S = 300
 
+_REFERENCES: dict[str, dict[str, torch.Tensor]] = {}
 
-def _reference(tmp_path: pathlib.Path) -> dict[str, torch.Tensor]:
-    ref = tmp_path / "reference"
-    (ref / "shm").mkdir(parents=True, mode=0o700)
-    done = deadline_trials.run_to_end(ref, STEPS)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return deadline_trials.final_model(ref)
+
+def _reference(factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The uninterrupted run's final model (once per session, forked by the worker's zygote:
+    tests/support/zygote.py)."""
+    if "worker" not in _REFERENCES:
+        ref = factory.mktemp("reference")
+        (ref / "shm").mkdir(parents=True, mode=0o700)
+        done = deadline_trials.run_to_end(ref, STEPS, deadline_trials.zygote_for_worker())
+        assert done.returncode == 0, done.stderr[-3000:]
+        _REFERENCES["worker"] = deadline_trials.final_model(ref)
+    return _REFERENCES["worker"]
 
 
 def _fake_bin(tmp_path: pathlib.Path) -> pathlib.Path:
@@ -94,28 +104,49 @@ def _signal_all(pgid: int, sig: signal.Signals) -> None:
 
 
 def _slurm_job(work: pathlib.Path, bin_dir: pathlib.Path, restart: int) -> tuple[int, str]:
-    """One start of the batch job, with Slurm's environment, signals and time limit."""
+    """One start of the batch job, with Slurm's environment, signals and time limit. SIGUSR1
+    comes ``LIMIT_S - SIGNAL_S`` after the start, but not before the task reported step
+    ``SIGNAL_AFTER_STEP`` (a loaded machine may take longer to import torch: the signal lands
+    mid-training, after durable saves were measured; a requeued start: after its first step).
+    The first start's steps are slowed (``STEP_SLEEP_S``) so that it is still training then; a
+    requeued start runs its steps at full speed, with a longer time limit (it finishes
+    first)."""
+    limit_s = RESTART_LIMIT_S if restart else LIMIT_S
     env = deadline_trials.env({
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": "out",
-        "SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(int(time.time() + LIMIT_S)),
-        "REQUEUE_LOG": str(work / "requeue.log"), "STEP_SLEEP_S": STEP_SLEEP_S})
+        "SLURM_JOB_ID": "4242", "SLURM_JOB_END_TIME": str(int(time.time() + limit_s)),
+        "REQUEUE_LOG": str(work / "requeue.log")})
     env.pop("SNAPKEEP_GRACE_S", None)
     if restart:
         env["SLURM_RESTART_COUNT"] = str(restart)
+    else:
+        env["STEP_SLEEP_S"] = STEP_SLEEP_S
     start = time.monotonic()
     proc = subprocess.Popen(["bash", str(JOB_SCRIPT)], cwd=work, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     shell = psutil.Process(proc.pid)
     output: list[str] = []
-    reader = threading.Thread(target=lambda: output.extend(proc.stdout or []), daemon=True)
+    training = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout or []:
+            output.append(line)
+            if line.startswith(f"step {SIGNAL_AFTER_STEP}\n") or \
+                    line.startswith("step ") and restart:
+                training.set()
+        training.set()  # the output ended: nothing more to wait for
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        phases = [(LIMIT_S - SIGNAL_S, "usr1"), (LIMIT_S, "term"),
-                  (LIMIT_S + KILL_WAIT_S, "kill")]
+        phases = [(limit_s - SIGNAL_S, "usr1"), (limit_s, "term"),
+                  (limit_s + KILL_WAIT_S, "kill")]
         for at, what in phases:
             while proc.poll() is None and time.monotonic() - start < at:
                 time.sleep(0.05)
+            if what == "usr1":
+                training.wait(timeout=BOUND_S)
             if proc.poll() is not None:
                 break
             if what == "usr1":  # --signal without B: the job step's tasks only
@@ -137,12 +168,13 @@ def _slurm_job(work: pathlib.Path, bin_dir: pathlib.Path, restart: int) -> tuple
     return code, "".join(output)
 
 
-def test_slurm_requeue_recipe(tmp_path: pathlib.Path) -> None:
+def test_slurm_requeue_recipe(tmp_path: pathlib.Path,
+                              tmp_path_factory: pytest.TempPathFactory) -> None:
     """The documented job script under emulated Slurm: SIGUSR1 mid-training -> the step is
     committed (the deadline from SLURM_JOB_END_TIME fits this fast storage), exit 143,
     ``snapkeep status`` 75, ``scontrol requeue``; the requeued start (SLURM_RESTART_COUNT=1)
     resumes and finishes bit-identical to an uninterrupted run."""
-    reference = _reference(tmp_path)
+    reference = _reference(tmp_path_factory)
     work = tmp_path / "job"
     (work / "shm").mkdir(parents=True, mode=0o700)
     (work / "train.py").write_text(
@@ -172,12 +204,13 @@ def test_slurm_requeue_recipe(tmp_path: pathlib.Path) -> None:
     assert deadline_trials.identical(final, reference)
 
 
-def test_kubernetes_prestop_flush_with_a_real_grace_timer(tmp_path: pathlib.Path) -> None:
+def test_kubernetes_prestop_flush_with_a_real_grace_timer(
+        tmp_path: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """``snapkeep flush DIR`` as the preStop hook: the live trainer commits its step and exits
     143 before the grace timer (30 s, from the hook's start) SIGKILLs its group; flush exits
     75; the rerun finishes bit-identical. A second flush finds no live trainer (exit 4 for a
     'running' status whose process is gone, 75 for the recorded preemption)."""
-    reference = _reference(tmp_path)
+    reference = _reference(tmp_path_factory)
     root = tmp_path / "pod"
     (root / "shm").mkdir(parents=True, mode=0o700)
     env = deadline_trials.env({"STEP_SLEEP_S": STEP_SLEEP_S, "SNAPKEEP_GRACE_S": "30"})
@@ -215,7 +248,7 @@ def test_kubernetes_prestop_flush_with_a_real_grace_timer(tmp_path: pathlib.Path
                            env=deadline_trials.env({}), capture_output=True, text=True,
                            timeout=BOUND_S)
     assert again.returncode == 75 and "nothing signalled" in again.stdout
-    rerun = deadline_trials.run_to_end(root, STEPS)
+    rerun = deadline_trials.run_to_end(root, STEPS, deadline_trials.zygote_for_worker())
     assert rerun.returncode == 0 and f"resumed at {status.step}" in rerun.stdout
     assert deadline_trials.identical(deadline_trials.final_model(root), reference)
 

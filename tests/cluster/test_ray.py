@@ -12,9 +12,10 @@ uninterrupted run's (Python's and NumPy's global generators are drawn from by Ra
 the worker: see ``_same_but_global_python_numpy_random``). Every fetch is logged per process,
 so the step each attempt started from is known: ``steps - fetched / batch``.
 
-One Ray cluster per test (``ray.init(address="local", num_cpus=2, include_dashboard=False,
-_temp_dir=<short dir>)``; the suite's leak check runs per test), shut down at its end, with a
-check that none of its processes, session files or ``/dev/shm`` segments is left.
+One Ray cluster for the module's tests (``ray.init(address="local", num_cpus=2,
+include_dashboard=False, _temp_dir=<short dir>)``), shut down after them, with a check that none
+of its processes, session files or ``/dev/shm`` segments is left; the suite's leak check runs
+per test for every other process.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ pytest.importorskip("torchdata")
 import snapkeep  # noqa: E402
 import snapkeep.ray  # noqa: E402
 from snapkeep.distributed import object_from_bytes  # noqa: E402
+from support.leak_check import LONG_LIVED_PIDS  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -99,11 +101,13 @@ def _ray_processes(temp: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture
-def cluster() -> Iterator[Any]:
-    """A local Ray cluster of 2 CPUs and the example module; afterwards nothing of the cluster
-    is left: no process, no session directory, no /dev/shm segment of Ray's (snapkeep's own are
-    the suite's leak check's, which also finds no child process left)."""
+@pytest.fixture(scope="module")
+def _ray_cluster() -> Iterator[tuple[Any, str]]:
+    """A local Ray cluster of 2 CPUs and the example module, one for this module's tests (its
+    start and shutdown cost ~10 s on 2 busy cores); afterwards nothing of the cluster is left:
+    no process, no session directory, no /dev/shm segment of Ray's (snapkeep's own are the
+    suite's leak check's, which also finds no child process of a test left but the
+    cluster's)."""
     temp = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # short: Ray's unix sockets live under it
     shm_before = set(os.listdir("/dev/shm"))
     ray_tmp_before = os.path.exists("/tmp/ray")
@@ -115,10 +119,16 @@ def cluster() -> Iterator[Any]:
         ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp,
                  logging_level="warning")
         print(f"ray.init: {time.perf_counter() - started:.1f} s")
-        yield example
+        yield example, temp
     finally:
         ray.shutdown()
-        gone, alive = psutil.wait_procs(_ray_processes(temp), timeout=60)
+        left = {p.pid: p for p in _ray_processes(temp)}
+        for pid, proc in _CLUSTER.items():  # its workers too (the leak check let them live on)
+            if proc.is_running():  # (the same process: psutil compares its start time)
+                left.setdefault(pid, proc)
+        gone, alive = psutil.wait_procs(list(left.values()), timeout=60)
+        LONG_LIVED_PIDS.difference_update(_CLUSTER)
+        _CLUSTER.clear()
         for proc in alive:  # a failure below, but never a leak
             proc.kill()
         shutil.rmtree(temp, ignore_errors=True)
@@ -129,6 +139,29 @@ def cluster() -> Iterator[Any]:
     assert {n for n in set(os.listdir("/dev/shm")) - shm_before
             if "ray" in n.lower() or "plasma" in n.lower()} == set()
     assert os.path.exists("/tmp/ray") == ray_tmp_before
+
+
+@pytest.fixture
+def cluster(_ray_cluster: tuple[Any, str]) -> Iterator[Any]:
+    """The module's cluster, for one test: the processes of the cluster (every one names its
+    temp directory on its command line: Ray's own and its idle workers, which live on for the
+    next test) are the cluster's, not the test's leak (checked when the cluster shuts down)."""
+    example, temp = _ray_cluster
+    try:
+        yield example
+    finally:
+        for proc in _ray_processes(temp):  # raylet's workers rename themselves (ray::IDLE)
+            try:
+                for each in [proc, *proc.children(recursive=True)]:
+                    _CLUSTER.setdefault(each.pid, each)
+            except psutil.NoSuchProcess:
+                continue
+        LONG_LIVED_PIDS.update(_CLUSTER)
+
+
+#: the module cluster's processes that a test left for the next, by pid (exempt from the leak
+#: check until the cluster is shut down, then checked gone)
+_CLUSTER: dict[int, psutil.Process] = {}
 
 
 def _tensors_equal(a: Any, b: Any, where: str = "") -> list[str]:

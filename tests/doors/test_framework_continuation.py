@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import pathlib
 import signal
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
+from support import zygote
 from support.killing import BOUND_S, assert_identical, env, final_state
 
 pytest.importorskip("lightning")
@@ -32,9 +31,12 @@ _REFERENCES: dict[tuple[str, ...], tuple[list[tuple[int, str]], dict[str, Any]]]
 
 
 def _run(cwd: pathlib.Path, args: list[str]) -> tuple[int, list[tuple[int, str]], str]:
+    """One worker run, forked by the session's zygote that imported Lightning and transformers
+    once (tests/support/zygote.py): a real process, killed by a real SIGKILL, without the
+    ~10 s import of each run."""
     cwd.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, str(WORKER), *args], cwd=cwd, env=env(),
-                          capture_output=True, text=True, timeout=RUN_BOUND_S)
+    done = zygote.run(zygote.frameworks(env()), str(WORKER), args, cwd=str(cwd), env=env(),
+                      timeout=RUN_BOUND_S)
     steps = [(int(line.split()[1]), line.split()[2]) for line in done.stdout.splitlines()
              if line.startswith("step ")]
     return done.returncode, steps, done.stderr

@@ -25,6 +25,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from snapkeep import hf  # noqa: E402
 from snapkeep.errors import SnapshotCorruptError  # noqa: E402
+from support import zygote  # noqa: E402
 from support.killing import assert_identical  # noqa: E402
 
 WORKER = pathlib.Path(hf_worker.__file__)
@@ -36,9 +37,15 @@ def _env() -> dict[str, str]:
                 PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
 
 
-def _run(out: pathlib.Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(WORKER), str(out), *args], env=_env(),
-                          capture_output=True, text=True, timeout=BOUND_S)
+def _run(out: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The worker run to its end, forked by the session's zygote that imported transformers
+    once (tests/support/zygote.py): a process of its own, without its ~5 s import."""
+    return zygote.run(zygote.frameworks(_env()), str(WORKER), [str(out), *args],
+                      cwd=os.getcwd(), env=_env(), timeout=BOUND_S)
+
+
+def _run_ok(out: pathlib.Path, *args: str) -> str:
+    done = _run(out, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -71,7 +78,7 @@ def _final(out: pathlib.Path) -> dict[str, torch.Tensor]:
 def test_kill_mid_save_stock_resumes_the_broken_directory_latest_verified_the_complete_one(
         tmp_path: pathlib.Path, capfd: Any) -> None:
     reference = tmp_path / "reference"
-    _run(reference, "--callback")
+    _run_ok(reference, "--callback")
     killed = tmp_path / "killed"
     _kill_mid_save(killed, 6, "optimizer", "--callback")  # optimizer.pt half written
 
@@ -85,7 +92,7 @@ def test_kill_mid_save_stock_resumes_the_broken_directory_latest_verified_the_co
     assert err.startswith(f"snapkeep: resuming from checkpoint-4 (step 4) in {killed}\n"), err
     assert "snapkeep: skipped checkpoint-6 (step 6): " in err and "no commit marker" in err
 
-    out = _run(killed, "--callback", "--resume", "verified")
+    out = _run_ok(killed, "--callback", "--resume", "verified")
     assert f"resumed-from {killed / 'checkpoint-4'}" in out
     differs = _final(reference)
     assert_identical(_final(killed), differs)
@@ -230,14 +237,14 @@ def test_the_owned_async_save_killed_mid_save_resumes_bit_identical(
     """hf.SnapkeepTrainer writes checkpoint-N in the Trainer's layout on a background thread;
     killed while the save of checkpoint-6 is in flight (weights written, the rest not), the
     rerun resumes checkpoint-4 and ends bit-identical to an uninterrupted stock run."""
-    _run(tmp_path / "reference")  # the stock Trainer, in a worker as the killed runs (the
+    _run_ok(tmp_path / "reference")  # the stock Trainer, in a worker as the killed runs (the
     # test process's thread count would change the float sums)
     killed = tmp_path / "killed"
     _kill_mid_save(killed, 6, "model", "--owned", "--save-total-limit", "2")
     assert get_last_checkpoint(str(killed)) == str(killed / "checkpoint-6")
     assert sorted(os.listdir(killed / "checkpoint-6")) == [
         "config.json", "generation_config.json", "model.safetensors", "training_args.bin"]
-    out = _run(killed, "--owned", "--save-total-limit", "2", "--resume", "verified")
+    out = _run_ok(killed, "--owned", "--save-total-limit", "2", "--resume", "verified")
     assert f"resumed-from {killed / 'checkpoint-4'}" in out
     assert_identical(_final(killed), _final(tmp_path / "reference"))
     assert sorted(os.listdir(killed)) == [".snapkeep", "checkpoint-6", "checkpoint-8", "final.pt"]
@@ -255,7 +262,7 @@ def test_killed_mid_save_with_the_memory_tier_resumes_from_ram_bit_identical(
     step as a committed checkpoint first, and ends bit-identical to an
     uninterrupted stock run (dropout included); storage then holding step 8, the tier is
     removed. (Before: no memory tier in the HF door; the rerun resumed from checkpoint-4.)"""
-    _run(tmp_path / "reference")
+    _run_ok(tmp_path / "reference")
     killed, root = tmp_path / "killed", tmp_path / "shm"
     _kill_mid_save(killed, 6, "model", "--owned", "--memory", str(root))
     held = {int(p.name.rsplit("_", 1)[1])
@@ -265,9 +272,7 @@ def test_killed_mid_save_with_the_memory_tier_resumes_from_ram_bit_identical(
     # 8, whose save waits for the write in flight (one at a time); the kill lands anywhere there
     assert held and held <= {5, 6, 7, 8}, held
     step = max(held)
-    done = subprocess.run([sys.executable, str(WORKER), str(killed), "--owned", "--memory",
-                           str(root), "--resume", "latest"], env=_env(), capture_output=True,
-                          text=True, timeout=BOUND_S)
+    done = _run(killed, "--owned", "--memory", str(root), "--resume", "latest")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"snapkeep: resuming from RAM step {step} (own copy; storage's newest: 4) in " \
         in done.stderr, done.stderr[-3000:]

@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from snapkeep.errors import StoreLockedError  # noqa: E402
 from snapkeep.lightning import ALIAS_FORMAT, ModelCheckpoint, SnapkeepCheckpointIO  # noqa: E402
 from snapkeep.writing import ThreadWriter  # noqa: E402
-from support import killing  # noqa: E402
+from support import killing, zygote  # noqa: E402
 from support.killing import BOUND_S, assert_identical, env  # noqa: E402
 from support.writer_gates import EventGate  # noqa: E402
 
@@ -45,8 +45,11 @@ WORKER = HERE / "lightning_worker.py"
 
 
 def _run(out: pathlib.Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(WORKER), str(out), *extra], env=env(),
-                          capture_output=True, text=True, timeout=BOUND_S)
+    """The worker run to its end (or its own SIGKILL), forked by the session's zygote that
+    imported Lightning once (tests/support/zygote.py): a process of its own, without its
+    ~6 s import."""
+    return zygote.run(zygote.frameworks(env()), str(WORKER), [str(out), *extra],
+                      cwd=os.getcwd(), env=env(), timeout=BOUND_S)
 
 
 def _final(out: pathlib.Path) -> Any:

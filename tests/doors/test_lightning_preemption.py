@@ -22,6 +22,7 @@ pytest.importorskip("lightning")
 
 import snapkeep  # noqa: E402
 from snapkeep.cli import cli  # noqa: E402
+from support import zygote  # noqa: E402
 from support.killing import BOUND_S, env  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -156,14 +157,17 @@ def test_killed_with_its_newest_step_in_ram_only_resumes_from_ram_bit_identical(
         proc.communicate(timeout=BOUND_S)
     assert [p.name for p in root.glob("snapkeep-*/rank0/ram_iter_*")] == ["ram_iter_5"]
     assert "ckpt_4" in {p.name for p in out.iterdir()} and not (out / "ckpt_5").exists()
-    rerun = subprocess.run(command, env=env(), capture_output=True, text=True,
-                           timeout=BOUND_S)
+    # the rerun and the uninterrupted run: forked from the session's framework zygote
+    # (tests/support/zygote.py), real processes without their ~6 s Lightning import
+    forks = zygote.frameworks(env())
+    rerun = zygote.run(forks, command[1], command[2:], cwd=os.getcwd(), env=env(),
+                       timeout=BOUND_S)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "snapkeep: resuming from RAM step 5 (own copy; storage's newest: 4) in " \
         in rerun.stderr, rerun.stderr[-3000:]
-    reference = subprocess.run([sys.executable, str(WORKER), "lightning",
-                                str(tmp_path / "straight"), str(STEPS)], env=env(),
-                               capture_output=True, text=True, timeout=BOUND_S)
+    reference = zygote.run(forks, str(WORKER), ["lightning", str(tmp_path / "straight"),
+                                                str(STEPS)], cwd=os.getcwd(), env=env(),
+                           timeout=BOUND_S)
     assert reference.returncode == 0, reference.stderr[-3000:]
     resumed = torch.load(out / "final.pt", weights_only=True)
     straight = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)

@@ -51,6 +51,7 @@ from snapkeep.retention import KeepBest, KeepLatest, RetentionPolicy
 from snapkeep.training import ExtensionsManager, extensions
 from snapkeep.writing import ThreadWriter
 from support import killing
+from support import zygote as zygote_module
 from support.leak_check import LONG_LIVED_PIDS
 from support.storage_backends import BUCKET, cli_flags, s3_options
 from support.zygote import Zygote
@@ -955,6 +956,8 @@ def _run(zygote: Zygote, command: list[str], place: Place, cwd: pathlib.Path, *,
     the zygote; with ``kill_at``, SIGKILL it as soon as it reports that step. Returns its exit
     status, its ``(step, digest)`` lines and its stderr."""
     assert command[0] == sys.executable, command
+    if pathlib.Path(command[1]).name == "continuation_worker.py":  # the Lightning and HF rows
+        zygote = zygote_module.frameworks(killing.env())  # their imports done once too
     cwd.mkdir(parents=True, exist_ok=True)
     run = uuid.uuid4().hex[:8]
     fifo, stderr = cwd / f"stdout-{run}.fifo", cwd / f"stderr-{run}.txt"

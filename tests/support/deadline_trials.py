@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 
+from support.zygote import Forked, Zygote, shared
+from support.zygote import run as run_forked
+
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE.parent / "cluster" / "deadline_worker.py"
 SRC = HERE.parent.parent / "src"
@@ -37,10 +40,20 @@ def env(extra: dict[str, str]) -> dict[str, str]:
     return dict(base, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **extra)
 
 
-def run_to_end(root: pathlib.Path, steps: int = STEPS) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(WORKER), str(root / "out"), str(root / "shm"),
-                           str(steps)], env=env({}), capture_output=True, text=True,
+def run_to_end(root: pathlib.Path, steps: int = STEPS, zygote: Zygote | None = None
+               ) -> subprocess.CompletedProcess[str]:
+    """Run the worker to its end (forked by ``zygote`` when given)."""
+    argv = [str(root / "out"), str(root / "shm"), str(steps)]
+    if zygote is not None:
+        return run_forked(zygote, str(WORKER), argv, cwd=os.getcwd(), env=env({}),
                           timeout=BOUND_S)
+    return subprocess.run([sys.executable, str(WORKER), *argv], env=env({}),
+                          capture_output=True, text=True, timeout=BOUND_S)
+
+
+def zygote_for_worker() -> Zygote:
+    """The test process's zygote for ``deadline_worker.py`` (torch and snapkeep imported)."""
+    return shared(("torch", "snapkeep", "support.slow_storage"), env({}))
 
 
 @dataclass
@@ -50,20 +63,24 @@ class Outcome:
     output: str
 
 
-def preempt(root: pathlib.Path, grace_s: float) -> Outcome:
+def preempt(root: pathlib.Path, grace_s: float, zygote: Zygote | None = None) -> Outcome:
     """Run to step ``PAUSE_AT``, SIGTERM the trainer, SIGKILL its group ``grace_s`` later."""
     (root / "shm").mkdir(mode=0o700, exist_ok=True)
     return signal_with_grace(
         [sys.executable, str(WORKER), str(root / "out"), str(root / "shm"), str(STEPS)],
         env({"PAUSE_AT": str(PAUSE_AT), "SNAPKEEP_GRACE_S": str(grace_s),
-             "SLOW_BPS": str(SLOW_BPS)}), f"paused {PAUSE_AT} ", grace_s)
+             "SLOW_BPS": str(SLOW_BPS)}), f"paused {PAUSE_AT} ", grace_s, zygote)
 
 
 def signal_with_grace(argv: list[str], environment: dict[str, str], paused: str,
-                      grace_s: float) -> Outcome:
+                      grace_s: float, zygote: Zygote | None = None) -> Outcome:
     """Start ``argv`` in a session of its own; once it prints a line starting with ``paused``
     (and waits for a line on stdin), SIGTERM it, start a real grace timer that SIGKILLs its
-    process group ``grace_s`` later, let it go on, and wait (bounded) for its end."""
+    process group ``grace_s`` later, let it go on, and wait (bounded) for its end. With
+    ``zygote``, the process is forked by it (``argv[0]`` is ``sys.executable``; see
+    tests/support/zygote.py): the same signals and timer, its import already done."""
+    if zygote is not None:
+        return _signal_forked(zygote, argv, environment, paused, grace_s)
     proc = subprocess.Popen(argv, env=environment, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -102,6 +119,44 @@ def signal_with_grace(argv: list[str], environment: dict[str, str], paused: str,
                    output="".join(lines))
 
 
+def _signal_forked(zygote: Zygote, argv: list[str], environment: dict[str, str], paused: str,
+                   grace_s: float) -> Outcome:
+    assert argv[0] == sys.executable, argv
+    worker = Forked(zygote, argv[1], argv[2:], cwd=os.getcwd(), env=environment,
+                    with_stdin=True)
+    killed = threading.Event()
+
+    def kill() -> None:
+        killed.set()
+        try:
+            os.killpg(worker.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(grace_s, kill)
+    lines: list[str] = []
+    try:
+        assert worker.stdin is not None
+        for line in worker.stdout:
+            lines.append(line)
+            if line.startswith(paused):
+                break
+        os.kill(worker.pid, signal.SIGTERM)
+        timer.start()  # the launcher's grace period runs from the signal
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+        lines.extend(worker.stdout)
+        code = worker.wait()  # bounded: the timer kills it grace_s after the signal
+    finally:
+        timer.cancel()
+        try:
+            lines.append(worker.stderr())
+        finally:
+            worker.close()
+    return Outcome(returncode=code, killed=killed.is_set() and code == -signal.SIGKILL,
+                   output="".join(lines))
+
+
 def listing(out: pathlib.Path) -> list[str]:
     """Every file under ``out``, relative (snapkeep's lock file left out)."""
     return sorted(str(p.relative_to(out)) for p in out.rglob("*")
@@ -116,11 +171,13 @@ def identical(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def trial(root: pathlib.Path, grace_s: float, reference: dict[str, Any]) -> str:
-    """One trial; '' when everything held, else what did not."""
+def trial(root: pathlib.Path, grace_s: float, reference: dict[str, Any],
+          zygote: Zygote | None = None) -> str:
+    """One trial; '' when everything held, else what did not (its runs forked by ``zygote``
+    when given)."""
     import snapkeep
 
-    outcome = preempt(root, grace_s)
+    outcome = preempt(root, grace_s, zygote)
     status = snapkeep.session.run_status(str(root / "out"))
     files = listing(root / "out")
     short = grace_s < LONG_GRACE_S
@@ -135,7 +192,7 @@ def trial(root: pathlib.Path, grace_s: float, reference: dict[str, Any]) -> str:
         problems.append(f"status {status}")
     if snapshots != want[2] or any(".snapkeep-tmp." in f for f in files):
         problems.append(f"files {files}")
-    rerun = run_to_end(root)
+    rerun = run_to_end(root, zygote=zygote)
     if rerun.returncode != 0 or "resumed at 7" not in rerun.stdout:
         problems.append(f"rerun exit {rerun.returncode}: {rerun.stdout[-500:]}"
                         f"{rerun.stderr[-1500:]}")

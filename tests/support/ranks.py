@@ -24,17 +24,33 @@ def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: What the ranks' zygote imports once (tests/support/zygote.py): ~2.8 CPU-s a rank process
+#: would spend importing them itself.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "snapkeep", "snapkeep.training", "snapkeep.sharded_checkpoint")
+
+
 def start(script: Path, world_size: int, args: Sequence[str], *,
           env: dict[str, str] | None = None, ranks: Sequence[int] | None = None,
-          ) -> list[subprocess.Popen[str]]:
-    """Start ``script RANK WORLD_SIZE *args`` for each rank (all by default)."""
-    return [subprocess.Popen([sys.executable, str(script), str(rank), str(world_size), *args],
-                             env=rank_env(env), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            for rank in (range(world_size) if ranks is None else ranks)]
+          ) -> list[Any]:
+    """Start ``script RANK WORLD_SIZE *args`` for each rank (all by default), each a process
+    of its own in a session of its own, stdout and stderr together in ``.stdout``: forked by
+    this test process's zygote of that rank, which imported torch and snapkeep once
+    (:class:`support.zygote.ForkedPopen`, the ``subprocess.Popen`` interface)."""
+    from support.zygote import ForkedPopen, shared_all
+
+    environment = rank_env(env)
+    chosen = list(range(world_size) if ranks is None else ranks)
+    # one zygote per rank: each rank's interpreter has its own str hash seed, as in a real job
+    # (an order of a set of names that differs between ranks must still agree); all ready
+    # before the first rank starts
+    zygotes = shared_all(PRELOAD, environment, [f"rank{rank}" for rank in chosen])
+    return [ForkedPopen(forks, str(script), [str(rank), str(world_size), *args],
+                        env=environment)
+            for forks, rank in zip(zygotes, chosen)]
 
 
-def finish(procs: Sequence[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+def finish(procs: Sequence[Any], timeout_s: float) -> list[str]:
     """Wait for every process (``timeout_s`` in all, then kill them); return their outputs."""
     outputs = []
     try:
