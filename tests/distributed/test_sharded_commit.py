@@ -7,9 +7,11 @@ a process group); the multi-rank commit runs in ``test_sharded.py``."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from snapkeep._core.distributed.sharded import ShardedJob, ShardedSaver, load_sharded
 from snapkeep._core.distributed.sharded_store import ShardedStore
@@ -70,6 +72,12 @@ def test_a_state_whose_structure_changes_between_saves_is_saved_whole(tmp_path):
                 timeout=120)
     finally:
         saver.close()
+    key = saver._plans_key
+    caches = (SavePlanner._cached_save_plan, SavePlanner._cached_global_plan)
+    assert all(key in cache for cache in caches)  # the plans were cached under its own key
+    del saver
+    gc.collect()
+    assert not any(key in cache for cache in caches)  # and dropped with it (no drift)
     entries = {e.name: e for e in store.entries()}
     for i, state in enumerate(states):
         target = {"models": {"main": {k: torch.zeros_like(v)
