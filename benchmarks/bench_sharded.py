@@ -13,17 +13,24 @@ and the root), takes one Adam step (so Adam's moments exist) and then, ``--repea
 - **DCP save**: ``dcp.save`` (stall = durable);
 - **DCP async_save**: ``dcp.async_save`` on a gloo group: stall = the call, durable = its
   future;
-- **raw write+fsync** (the lower bound of any durable save): each rank writes its local
-  shards' bytes (parameters and Adam's moments, as staged) to one file, ``fsync``, then rank 0
-  fsyncs the directory;
+- **raw write+fsync** (the lower bound of any durable save through the page cache): each rank
+  writes its local shards' bytes (parameters and Adam's moments, as staged) to one file,
+  ``fsync``, then rank 0 fsyncs the directory; **raw O_DIRECT write+fsync**: the same bytes
+  through snapkeep's ``DurableFile`` (``O_DIRECT``, checksummed on the way), the lower bound
+  of snapkeep's write;
 - **load**: snapkeep's ``load_sharded`` and ``dcp.load`` of the snapshot just written (same world
-  size); **load resharded**: of the snapshot written by the previous (larger) world size.
+  size); **load resharded**: of the snapshot written by the previous (larger) world size. Loads
+  are cold for both: each snapshot's files are dropped from the page cache first
+  (``posix_fadvise(DONTNEED)``), as after a restart on another node; snapkeep writes with
+  ``O_DIRECT`` (its files are never in the cache) and DCP through the page cache (its files
+  would be read from memory right after the save otherwise).
 
 The contenders run in rotating order within each repeat. Figures are medians over repeats
 of the slowest rank (the step ends when every rank is done), with the range over repeats;
 snapkeep's durable time is broken down by phase (each the slowest rank's, see
-``ShardedSaver.last_commit_phases_s``: stage, prepare, plan, write,
-dcp_finish, metadata_and_directory_fsync, gather, marker, agree_committed);
+``ShardedSaver.last_commit_phases_s``: stage, prepare, plan, write; rank 0's dcp_finish,
+metadata_and_directory_fsync, marker, agree_committed; the other ranks' await_commit, which
+spans rank 0's finish, so it is left out of the sum);
 peak RSS per rank is ``ru_maxrss`` (the largest rank). The machine is shared: compare rows of one
 run, not runs.
 """
@@ -61,7 +68,7 @@ def _slowest(value: float) -> float:
 
 
 PHASES = ("stage", "prepare", "plan", "write", "dcp_finish",
-          "metadata_and_directory_fsync", "gather", "marker", "agree_committed")
+          "metadata_and_directory_fsync", "marker", "agree_committed", "await_commit")
 
 
 def _slowest_each(values: list[float]) -> list[float]:
@@ -70,10 +77,15 @@ def _slowest_each(values: list[float]) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
-def _raw_write(state: dict[str, Any], path: str, directory: str) -> float:
+def _raw_write(state: dict[str, Any], path: str, directory: str, *, direct: bool = False
+               ) -> float:
     """Write this rank's local tensor bytes to ``path`` and fsync it (rank 0 then fsyncs the
-    directory): the physical part of a durable save, in seconds (slowest rank)."""
+    directory): the physical part of a durable save, in seconds (slowest rank). ``direct``:
+    through snapkeep's ``DurableFile`` (``O_DIRECT``, XXH3-128 on the way) instead of the page
+    cache."""
     from torch.distributed.tensor import DTensor
+
+    from snapkeep._core.storage import DurableFile
 
     def leaves(tree: Any) -> Any:
         if isinstance(tree, dict):
@@ -88,11 +100,17 @@ def _raw_write(state: dict[str, Any], path: str, directory: str) -> float:
     tensors = [t.detach().contiguous() for t in leaves(state)]
     dist.barrier()
     start = time.perf_counter()
-    with open(path, "wb") as f:
+    if direct:
+        durable = DurableFile(path)
         for t in tensors:
-            f.write(t.view(-1).view(torch.uint8).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
+            durable.write(t.view(-1).view(torch.uint8).numpy().data)
+        durable.close()
+    else:
+        with open(path, "wb") as f:
+            for t in tensors:
+                f.write(t.view(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
     dist.barrier()
     if dist.get_rank() == 0:
         fd = os.open(directory, os.O_RDONLY)
@@ -101,6 +119,27 @@ def _raw_write(state: dict[str, Any], path: str, directory: str) -> float:
         finally:
             os.close(fd)
     return _slowest(time.perf_counter() - start)
+
+
+def _drop_cached(directory: str) -> None:
+    """Evict ``directory``'s files from the page cache (clean after their fsync), so a load
+    reads them from the disk."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cold(directory: str) -> None:
+    """Every rank waits until rank 0 dropped ``directory`` from the page cache."""
+    if dist.get_rank() == 0:
+        _drop_cached(directory)
+    dist.barrier()
 
 
 def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, results: str,
@@ -137,7 +176,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
     rows: dict[str, list[float]] = {k: [] for k in (
         "snapkeep_stall", "snapkeep_durable", "dcp_save", "dcp_async_stall",
         "dcp_async_durable", "snapkeep_load", "dcp_load", "snapkeep_load_resharded",
-        "dcp_load_resharded", "raw_write_fsync")}
+        "dcp_load_resharded", "raw_write_fsync", "raw_direct_write_fsync")}
     phases: dict[str, list[float]] = {k: [] for k in PHASES}
 
     def state() -> dict[str, Any]:
@@ -174,35 +213,52 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
         rows["dcp_async_stall"].append(_slowest(stall))
         rows["dcp_async_durable"].append(_slowest(durable))
 
-    def raw(i: int) -> None:
-        os.makedirs(os.path.join(base, f"raw{world}_{i}"), exist_ok=True)
+    def raw(i: int, direct: bool = False) -> None:
+        where = os.path.join(base, f"raw{world}_{i}")
+        os.makedirs(where, exist_ok=True)
         dist.barrier()
-        rows["raw_write_fsync"].append(_raw_write(
-            state(), os.path.join(base, f"raw{world}_{i}", f"rank{rank}"),
-            os.path.join(base, f"raw{world}_{i}")))
-        os.remove(os.path.join(base, f"raw{world}_{i}", f"rank{rank}"))
+        rows["raw_direct_write_fsync" if direct else "raw_write_fsync"].append(_raw_write(
+            state(), os.path.join(where, f"rank{rank}"), where, direct=direct))
+        os.remove(os.path.join(where, f"rank{rank}"))
 
-    contenders = [snapkeep_save, dcp_save, dcp_async, raw]
+    def raw_direct(i: int) -> None:
+        raw(i, direct=True)
+
+    def loads(i: int) -> None:
+        def snapkeep_load() -> None:
+            target = state()
+            entry = store.entries()[-1]
+            _cold(entry.path)
+            rows["snapkeep_load"].append(_slowest(_timed(
+                load_sharded, store, entry, target, groups=groups)))
+
+        def dcp_load() -> None:
+            target = state()
+            _cold(os.path.join(base, f"dcp{world}_{i}"))
+            rows["dcp_load"].append(_slowest(_timed(
+                dcp.load, target, checkpoint_id=os.path.join(base, f"dcp{world}_{i}"))))
+
+        order = [snapkeep_load, dcp_load] if i % 2 == 0 else [dcp_load, snapkeep_load]
+        for load in order:  # ABBA: each goes first in every other repeat
+            load()
+
+    contenders = [snapkeep_save, dcp_save, dcp_async, raw, raw_direct]
     for i in range(args.repeats):
-        shift = i % len(contenders)  # rotating order: each goes first once in four repeats
+        shift = i % len(contenders)  # rotating order: each goes first once in five repeats
         for contender in contenders[shift:] + contenders[:shift]:
             contender(i)
         dist.barrier()
-        target = state()
-        entry = store.entries()[-1]
-        rows["snapkeep_load"].append(_slowest(_timed(
-            load_sharded, store, entry, target, groups=groups)))
-        target = state()
-        rows["dcp_load"].append(_slowest(_timed(
-            dcp.load, target, checkpoint_id=os.path.join(base, f"dcp{world}_{i}"))))
+        loads(i)
         if previous is not None:
             old_storage, old_dir = resolve_storage(os.path.join(base, f"w{previous}"))
             old_store = ShardedStore(old_storage, old_dir, "snap_{.iteration}")
             old_entry = old_store.entries()[-1]
             target = state()
+            _cold(old_entry.path)
             rows["snapkeep_load_resharded"].append(_slowest(_timed(
                 load_sharded, old_store, old_entry, target, groups=groups)))
             target = state()
+            _cold(os.path.join(base, f"dcp{previous}_0"))
             rows["dcp_load_resharded"].append(_slowest(_timed(
                 dcp.load, target, checkpoint_id=os.path.join(base, f"dcp{previous}_0"))))
     saver.close()
@@ -234,6 +290,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     table = []
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-sharded-") as base:
         previous = None
         for world in sorted(args.worlds, reverse=True):
@@ -243,6 +300,11 @@ def main() -> None:
             with open(results) as f:
                 table.append(json.load(f))
             previous = world
+    load_after = os.getloadavg()
+    for row in table:  # the machine is shared: say how busy it was
+        row.update(load_avg_before=list(load_before), load_avg_after=list(load_after),
+                   hidden=args.hidden, layers=args.layers, repeats=args.repeats)
+
     def fmt(row: dict[str, Any], key: str) -> str:
         v = row.get(key)
         if v is None:
@@ -255,9 +317,10 @@ def main() -> None:
 
     lines = ["| ranks | state MiB | snapkeep stall s | DCP async stall s | stall / DCP async | "
              "snapkeep durable s | DCP save s | durable / DCP save | DCP async durable s | "
-             "raw write+fsync s | snapkeep load s | DCP load s | load / DCP | "
+             "raw write+fsync s | raw O_DIRECT write+fsync s | snapkeep load s | DCP load s | "
+             "load / DCP | "
              "snapkeep load resharded s | DCP load resharded s | peak RSS MiB/rank |",
-             "|" + "---|" * 16]
+             "|" + "---|" * 17]
     for row in table:
         lines.append(
             f"| {row['world']} | {row['state_mib_total']:.0f} | {fmt(row, 'snapkeep_stall')} | "
@@ -265,7 +328,8 @@ def main() -> None:
             f"{ratio(row, 'snapkeep_stall', 'dcp_async_stall')} | "
             f"{fmt(row, 'snapkeep_durable')} | {fmt(row, 'dcp_save')} | "
             f"{ratio(row, 'snapkeep_durable', 'dcp_save')} | {fmt(row, 'dcp_async_durable')} | "
-            f"{fmt(row, 'raw_write_fsync')} | {fmt(row, 'snapkeep_load')} | "
+            f"{fmt(row, 'raw_write_fsync')} | {fmt(row, 'raw_direct_write_fsync')} | "
+            f"{fmt(row, 'snapkeep_load')} | "
             f"{fmt(row, 'dcp_load')} | {ratio(row, 'snapkeep_load', 'dcp_load')} | "
             f"{fmt(row, 'snapkeep_load_resharded')} | {fmt(row, 'dcp_load_resharded')} | "
             f"{row['peak_rss_mib_max_rank']:.0f} |")
@@ -276,7 +340,17 @@ def main() -> None:
     for row in table:
         ph = row["phases"]
         lines.append(f"| {row['world']} | " + " | ".join(f"{ph.get(k, 0.0):.3f}" for k in PHASES)
-                     + f" | {sum(ph.values()):.3f} | {row['snapkeep_durable']:.3f} |")
+                     + f" | {sum(v for k, v in ph.items() if k != 'await_commit'):.3f} | "
+                     f"{row['snapkeep_durable']:.3f} |")
+    lines += ["", f"load average (1, 5, 15 min) before {load_before}, after {load_after}"]
+    lines += ["", "issue 34's targets (medians; met / not met):", ""]
+    for row in table:
+        checks = [("durable <= DCP save", "snapkeep_durable", "dcp_save", 1.0),
+                  ("stall <= 0.25x DCP async_save", "snapkeep_stall", "dcp_async_stall", 0.25),
+                  ("load <= DCP load", "snapkeep_load", "dcp_load", 1.0)]
+        lines.append(f"- {row['world']} ranks: " + "; ".join(
+            f"{label}: {row[a] / row[b]:.2f}x, {'met' if row[a] <= limit * row[b] else 'not met'}"
+            for label, a, b, limit in checks if row.get(a) is not None and row.get(b)))
     sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
         with open(args.json, "w") as f:

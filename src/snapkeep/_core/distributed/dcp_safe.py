@@ -231,9 +231,23 @@ class _SafeMetadataMixin:
     listed: Mapping[str, Recorded] | None
     fs: Any
     load_id: Any
+    #: the metadata :func:`metadata_of` already read and checked (None: read it here)
+    verified: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))  # type: ignore[attr-defined]
+        if self.verified is not None and kwargs.get("rank") is None:
+            metadata = self.verified  # read, verified and checked once, by metadata_of
+            self.verified = None
+        else:
+            metadata = self._read_checked(kwargs.get("rank"))
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id  # as DCP's FileSystemReader
+        return metadata
+
+    def _read_checked(self, rank: int | None) -> Metadata:
+        path = self._get_metadata_path(rank)  # type: ignore[attr-defined]
         record = None if self.listed is None else self.listed.get(METADATA_NAME)
         limit = MAX_METADATA_BYTES if record is None else record.size_bytes
         with self.fs.create_stream(path, "rb") as f:
@@ -248,10 +262,6 @@ class _SafeMetadataMixin:
         metadata = read_metadata(data, where=str(path), weights_only=self.weights_only)
         check_storage_paths(metadata, None if self.listed is None else set(self.listed),
                             where=str(path))
-        storage_meta = getattr(metadata, "storage_meta", None)
-        if storage_meta is None:
-            storage_meta = metadata.storage_meta = StorageMeta()
-        storage_meta.load_id = self.load_id  # as DCP's FileSystemReader
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, *args: Any, **kwargs: Any) -> None:
@@ -286,14 +296,21 @@ class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
 
 
 def reader_for(storage: Storage, path: str, storage_options: dict[str, Any] | None = None, *,
-               weights_only: bool = True, listed: Mapping[str, Recorded] | None = None
-               ) -> FileSystemReader:
+               weights_only: bool = True, listed: Mapping[str, Recorded] | None = None,
+               metadata: Metadata | None = None) -> FileSystemReader:
     """The safe DCP reader of the snapshot directory ``path`` on ``storage``, reading only the
-    files ``listed`` (the marker's files; None: any plain name inside ``path``)."""
+    files ``listed`` (the marker's files; None: any plain name inside ``path``). ``metadata``:
+    what :func:`metadata_of` returned for ``path`` with the same ``listed`` and
+    ``weights_only`` (DCP's ``read_metadata`` then returns it instead of reading the file a
+    second time)."""
+    reader: SafeFileSystemReader | SafeFsspecReader
     if storage.is_local:
-        return SafeFileSystemReader(path, weights_only=weights_only, listed=listed)
-    return SafeFsspecReader(storage.url(path), weights_only=weights_only, listed=listed,
-                            **(storage_options or {}))
+        reader = SafeFileSystemReader(path, weights_only=weights_only, listed=listed)
+    else:
+        reader = SafeFsspecReader(storage.url(path), weights_only=weights_only, listed=listed,
+                                  **(storage_options or {}))
+    reader.verified = metadata
+    return reader
 
 
 def _load_bytes(planner: Any, read_item: ReadItem, value: Any, weights_only: bool) -> None:

@@ -34,7 +34,9 @@ import dataclasses
 import io
 import logging
 import time
+import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -44,8 +46,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 
-from snapkeep._core.distributed.agreement import all_gather, exchange_outcomes
 from snapkeep._core.distributed.dcp_safe import (
     METADATA_NAME,
     SafeLoadPlanner,
@@ -68,7 +71,7 @@ from snapkeep._core.errors import (
 )
 from snapkeep._core.format.manifest import now_unix_s
 from snapkeep._core.save.engine import SaveEngine
-from snapkeep._core.storage import HashingWriter
+from snapkeep._core.storage import DurableFile, HashingWriter, ReplaceCommit
 from snapkeep._core.store.files import Entry
 
 logger = logging.getLogger(__name__)
@@ -103,27 +106,41 @@ class ShardedHandle:
 
 
 class _HashedStream(HashingWriter):
-    """A data file DCP writes (``write``/``tell``/``flush``/``fileno``/``close``), hashed and
-    counted as it is written (DCP writes each file sequentially, never seeking)."""
+    """A file DCP writes through fsspec (``write``/``tell``/``flush``/``fileno``/``close``),
+    hashed and counted as it is written (DCP writes each file sequentially, never seeking)."""
 
     def __init__(self, raw: Any) -> None:
         super().__init__(raw)
         self._file = raw
 
     def fileno(self) -> int:
-        return int(self._file.fileno())  # DCP fsyncs it; raises where the stream has none
+        return int(self._file.fileno())  # raises where the stream has none
 
     def close(self) -> None:
         self._file.close()
 
 
 class _HashingFileSystem:
-    """DCP's file system (local or fsspec) with every data file (``*.distcp``) it creates for
-    writing hashed as written: :attr:`records` maps each file name to ``(xxh3-128 digest, size
-    in bytes)`` once DCP closed it. Everything else is DCP's own."""
+    """DCP's file system with every file it creates for writing (the data files ``*.distcp``
+    and rank 0's ``.metadata.tmp``) hashed as written: :attr:`records` maps each file name to
+    ``(xxh3-128 digest, size in bytes)`` once it is closed. Everything else is DCP's own.
 
-    def __init__(self, fs: Any) -> None:
+    Args:
+        fs: DCP's file system (local, or fsspec's: object stores, where each file is durable
+            once closed).
+        local: on a local file system, each file is created here instead as a
+            :class:`~snapkeep._core.storage.DurableFile` (mode ``file_mode``; ``O_DIRECT``
+            where the file system takes it and ``direct_io`` is on: no copy into the page
+            cache, the digest read from the CPU cache on the way; ``fsync``-ed when closed).
+            The writer then leaves DCP's ``sync_files`` off.
+    """
+
+    def __init__(self, fs: Any, *, local: bool, direct_io: bool = True,
+                 file_mode: int = 0o644) -> None:
         self._fs = fs
+        self._local = local
+        self._direct_io = direct_io
+        self._file_mode = file_mode
         self.records: dict[str, tuple[str, int]] = {}
 
     def __getattr__(self, name: str) -> Any:
@@ -132,32 +149,59 @@ class _HashingFileSystem:
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         name = str(path).replace("\\", "/").rsplit("/", 1)[-1]
-        with self._fs.create_stream(path, mode) as raw:
-            if mode != "wb" or not name.endswith(_DATA_SUFFIX):
+        if mode != "wb":
+            with self._fs.create_stream(path, mode) as raw:
                 yield raw
-                return
-            stream = _HashedStream(raw)
-            yield stream
-            self.records[name] = (stream.hexdigest(), stream.size_bytes)
+            return
+        if not self._local:
+            with self._fs.create_stream(path, mode) as raw:
+                hashed = _HashedStream(raw)
+                yield hashed
+                self.records[name] = (hashed.hexdigest(), hashed.size_bytes)
+            return
+        durable = DurableFile(str(path), direct_io=self._direct_io, file_mode=self._file_mode)
+        try:
+            yield durable
+            durable.close()  # DCP closes a data file itself; .metadata.tmp is closed here
+        finally:
+            if not durable.durable:
+                durable.abort()
+        self.records[name] = (durable.hexdigest(), durable.size_bytes)
 
 
-_DATA_SUFFIX = ".distcp"
+#: the name DCP's ``finish`` writes ``.metadata`` under before renaming it
+_METADATA_TEMP = f"{METADATA_NAME}.tmp"
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankFiles:
+    """This rank's data files (name -> ``(digest, size)``), appended to the write results DCP
+    gathers on rank 0 (removed there before DCP's own ``finish`` reads them)."""
+
+    files: dict[str, tuple[str, int]]
 
 
 class _Recording:
     """What both recording writers add to DCP's: the files this rank writes are hashed as they
-    are written (:attr:`written`: name -> ``(digest, size)``), its part is timed
-    (:attr:`phases`), and ``before_plan`` runs inside DCP's local planning (its error is this
-    rank's, exchanged by DCP). Mixed in before a DCP writer class."""
+    are written (:attr:`written`: name -> ``(digest, size)``) and their records sent to rank 0
+    with DCP's gather of the write results, its part is timed (:attr:`phases`),
+    ``before_plan`` runs inside DCP's local planning (its error is this rank's, exchanged by
+    DCP) and ``on_finish`` inside DCP's ``finish`` on rank 0, after ``.metadata`` is written (its
+    error is rank 0's, broadcast by DCP). Mixed in before a DCP writer class."""
 
     fs: Any
 
-    def _record(self) -> None:
-        self._hashing = _HashingFileSystem(self.fs)
+    def _record(self, *, local: bool, direct_io: bool = True, file_mode: int = 0o644) -> None:
+        self._hashing = _HashingFileSystem(self.fs, local=local, direct_io=direct_io,
+                                           file_mode=file_mode)
         self.fs = self._hashing
         self.written: dict[str, tuple[str, int]] = {}
         self.phases = _Phases()
         self.before_plan: Callable[[], None] | None = None
+        #: rank 0: called with every rank's files (index = rank; name -> ``(digest, size)``)
+        #: and ``.metadata``'s ``(digest, size)`` as written (None: not seen written)
+        self.on_finish: Callable[[list[dict[str, tuple[str, int]]], tuple[str, int] | None],
+                                 None] | None = None
 
     def prepare_local_plan(self, plan: Any) -> Any:
         if self.before_plan is not None:
@@ -167,19 +211,32 @@ class _Recording:
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         self.phases.mark("plan")
-        future = super().write_data(plan, planner)  # type: ignore[misc]
-        names = {r.storage_data.relative_path for r in future.wait()}
+        results = super().write_data(plan, planner).wait()  # type: ignore[misc]
+        names = {r.storage_data.relative_path for r in results}
         self.written = {n: self._hashing.records[n] for n in sorted(names)}
         self.phases.mark("write")
+        future: torch.futures.Future[list[Any]] = torch.futures.Future()
+        future.set_result([*results, _RankFiles(self.written)])
         return future
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        files = [next((r.files for r in per_rank if isinstance(r, _RankFiles)), {})
+                 for per_rank in results]
+        super().finish(metadata, [[r for r in per_rank if not isinstance(r, _RankFiles)]  # type: ignore[misc]
+                                  for per_rank in results])
+        self.phases.mark("dcp_finish")
+        if self.on_finish is not None:
+            self.on_finish(files, self._hashing.records.get(_METADATA_TEMP))
 
 
 class _RecordingWriter(_Recording, FileSystemWriter):
-    """DCP's file-system writer (fsync on), recording (:class:`_Recording`)."""
+    """DCP's file-system writer, recording (:class:`_Recording`); every file it writes is
+    created, written (``O_DIRECT`` where possible) and fsynced by :class:`_HashingFileSystem`
+    (so DCP's own ``sync_files`` is off: it would fsync through the same descriptor)."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-        self._record()
+    def __init__(self, path: str, *, direct_io: bool = True, file_mode: int = 0o644) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
+        self._record(local=True, direct_io=direct_io, file_mode=file_mode)
 
 
 class _RecordingFsspecWriter(_Recording, FsspecWriter):
@@ -189,7 +246,7 @@ class _RecordingFsspecWriter(_Recording, FsspecWriter):
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         super().__init__(url, single_file_per_rank=True, sync_files=False, thread_count=1,
                          **storage_options)
-        self._record()
+        self._record(local=False)
 
 
 class _Phases:
@@ -209,8 +266,32 @@ class _Phases:
         self._last = now
 
 
+class _CachingPlanner(DefaultSavePlanner):
+    """DCP's default save planner with its plan caching on (``enable_plan_caching``), cached
+    under one key per :class:`ShardedSaver` (DCP keys its class-level cache by the planner's
+    class name: two savers of one process would share it): while a rank's local plan equals its
+    last one it sends an empty plan, and rank 0 reuses the global plan and metadata it made
+    last time (DCP's ``_create_global_plan_with_caching``)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = key
+
+
+def _forget_plans(key: str) -> None:
+    """Drop the plans DCP cached under ``key`` (a collected :class:`ShardedSaver`'s)."""
+    for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans,
+                  SavePlanner._cached_global_plan, SavePlanner._cached_metadata,
+                  SavePlanner._cached_final_save_plan):
+        cache.pop(key, None)
+
+
 def _writer_for(store: ShardedStore, path: str) -> _RecordingWriter | _RecordingFsspecWriter:
     if store.storage.is_local:
+        strategy = store.storage.strategy
+        if isinstance(strategy, ReplaceCommit):  # the storage's O_DIRECT and file mode
+            return _RecordingWriter(path, direct_io=strategy.direct_io,
+                                    file_mode=strategy.file_mode)
         return _RecordingWriter(path)
     return _RecordingFsspecWriter(store.storage.url(path), store.storage_options)
 
@@ -243,10 +324,14 @@ class ShardedSaver:
             f"sharded snapshot {', '.join(paths)} not committed within {t:g} s"))
         self.last_stage_s = 0.0
         #: seconds of each phase of the last commit on this rank (set on the commit thread,
-        #: read after :meth:`wait`): prepare (rank 0: the in-progress mark), plan (DCP's
-        #: planning collectives), write (this rank's files, hashed and fsynced), dcp_finish,
-        #: metadata_and_directory_fsync, gather, marker, agree_committed
+        #: read after :meth:`wait`): prepare (DCP's local plan; rank 0: the in-progress mark),
+        #: plan (DCP's planning collectives), write (this rank's files, hashed and fsynced);
+        #: then on rank 0: dcp_finish (DCP's gather of the write results, ``.metadata``),
+        #: metadata_and_directory_fsync, marker, agree_committed (DCP's broadcast of the
+        #: outcome); on the other ranks: await_commit (until rank 0's outcome arrives)
         self.last_commit_phases_s: dict[str, float] = {}
+        self._plans_key = f"snapkeep-sharded-{uuid.uuid4().hex}"
+        weakref.finalize(self, _forget_plans, self._plans_key)
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -336,17 +421,43 @@ class ShardedSaver:
                 store.mark_in_progress(path, tag=f"r{self.rank}")  # before any shard
 
         writer.before_plan = before_plan
+        # c, d. inside DCP's finish on rank 0, every rank's files being written and fsynced
+        # (DCP gathers the write results only then): the directory's entries made durable,
+        # then the marker, last; DCP broadcasts the outcome to every rank
+        committed: list[ShardedManifest] = []
+
+        def commit(files_by_rank: list[dict[str, tuple[str, int]]],
+                   metadata: tuple[str, int] | None) -> None:
+            if metadata is None:  # DCP wrote it under another name: read it back (a few KB)
+                metadata = hash_file(store.storage, store.storage.join(path, METADATA_NAME))
+            files = {name: FileRecord(size_bytes=size, checksum=digest, rank=rank)
+                     for rank, per_rank in enumerate(files_by_rank)
+                     for name, (digest, size) in per_rank.items()}
+            files[METADATA_NAME] = FileRecord(size_bytes=metadata[1], checksum=metadata[0],
+                                              rank=self.rank)
+            store.storage.sync_directory(path)
+            phases.mark("metadata_and_directory_fsync")
+            manifest = ShardedManifest(
+                name=job.name, world_size=self.world_size, files=files, step=job.step,
+                created_unix_s=now_unix_s(), snapkeep_version=job.version, run_id=job.run_id,
+                metrics=dict(job.metrics))
+            store.write_marker(path, manifest, tag=f"r{self.rank}")
+            phases.mark("marker")
+            committed.append(manifest)
+
+        writer.on_finish = commit
         # b. DCP writes every rank's shards (its own collectives run on the commit group); the
-        # writer hashes each data file as it writes it
+        # writer hashes each file as it writes it
         try:
             with _single_process_quiet(group):
-                dcp.save(staged, storage_writer=writer, process_group=group,
-                         no_dist=group is None)
+                dcp.save(staged, storage_writer=writer, planner=_CachingPlanner(self._plans_key),
+                         process_group=group, no_dist=group is None)
         except CheckpointException as e:
-            failures = getattr(e, "failures", {}) or {}
+            failures = {int(r): x[0] if isinstance(x, tuple) and x else x
+                        for r, x in (getattr(e, "failures", {}) or {}).items()}
             raise RankFailedError(f"{what}: torch.distributed.checkpoint.save",
-                                  {int(r): f"{type(x).__name__}: {x}"
-                                   for r, x in failures.items()}) from e
+                                  {r: f"{type(x).__name__}: {x}"
+                                   for r, x in failures.items()}) from failures.get(self.rank, e)
         except RuntimeError as e:  # DCP's own collectives: a rank died or hangs (gloo's error)
             if group is None:
                 raise
@@ -355,51 +466,11 @@ class ShardedSaver:
                 f"ranks (one died, hung for more than {timeout_s:g} s or failed outside "
                 f"snapkeep): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             ) from e
-        phases.mark("dcp_finish")  # DCP's gather of the results, rank 0's .metadata
-        # c. the records of this rank's files; rank 0 adds .metadata and, every rank's files
-        # being written and fsynced once dcp.save returned, makes their entries durable
-        records = {name: FileRecord(size_bytes=size, checksum=digest, rank=self.rank)
-                   for name, (digest, size) in writer.written.items()}
-        outcome: dict[str, FileRecord] | str = records
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                digest, size = hash_file(store.storage, store.storage.join(path, METADATA_NAME))
-                records[METADATA_NAME] = FileRecord(size_bytes=size, checksum=digest,
-                                                    rank=self.rank)
-                store.storage.sync_directory(path)
-            except OSError as e:
-                error = e
-                outcome = f"{type(e).__name__}: {e}"
-        phases.mark("metadata_and_directory_fsync")
-        gathered = all_gather(group, outcome, what=f"{what}: gathering checksums",
-                              timeout_s=timeout_s)
-        failed = {r: m for r, m in enumerate(gathered) if isinstance(m, str)}
-        if failed:
-            raise RankFailedError(f"{what}: checksumming", failed) from error
-        phases.mark("gather")
-        # d. rank 0 commits the marker last; every rank learns the outcome
-        manifest: ShardedManifest | None = None
-        error = None
-        if self.rank == 0:
-            files: dict[str, FileRecord] = {}
-            for per_rank in gathered:
-                files.update(per_rank)
-            manifest = ShardedManifest(
-                name=job.name, world_size=self.world_size, files=files, step=job.step,
-                created_unix_s=now_unix_s(), snapkeep_version=job.version, run_id=job.run_id,
-                metrics=dict(job.metrics))
-            try:
-                store.write_marker(path, manifest, tag=f"r{self.rank}")
-            except OSError as e:
-                error = e
-        phases.mark("marker")
-        exchange_outcomes(group, error, what=f"{what}: committing the marker",
-                          timeout_s=timeout_s)
-        phases.mark("agree_committed")
+        phases.mark("agree_committed" if self.rank == 0 else "await_commit")
+        manifest = committed[0] if committed else None
         self.last_commit_phases_s = dict(phases.seconds)
         logger.info("rank %d: committed %s in %.3f s (%d file(s) of this rank)", self.rank,
-                    what, time.perf_counter() - start, len(records))
+                    what, time.perf_counter() - start, len(writer.written))
         # e. retention on rank 0 only, after the commit; never fatal
         if manifest is not None and self._retain is not None:
             try:
@@ -466,7 +537,7 @@ def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
             "model as it was when that step was saved (the shapes above), or start fresh in "
             "another directory")
     reader = reader_for(store.storage, entry.path, store.storage_options,
-                        weights_only=weights_only, listed=listed)
+                        weights_only=weights_only, listed=listed, metadata=metadata)
     group = groups.control if groups else None
     with _single_process_quiet(group), dcp_errors(entry.path):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(weights_only),

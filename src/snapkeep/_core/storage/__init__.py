@@ -14,6 +14,7 @@ from snapkeep._core.storage._commit import (
     WriteResult,
     set_publish_guard,
 )
+from snapkeep._core.storage._durable_file import DurableFile
 from snapkeep._core.storage._hashing import CHECKSUM_ALGORITHM, HashingWriter, new_hasher
 from snapkeep._core.storage._local import open_regular
 from snapkeep._core.storage._paths import ACCEPTED_NAMES, check_name
@@ -40,5 +41,5 @@ __all__ = [
     "TEMP_MARKER", "CommitStrategy", "ObjectPutCommit", "PfioFileSystem", "RenameCommit",
     "ReplaceCommit", "Storage", "Target", "WriteResult", "commit_strategy_for", "is_temp_name",
     "open_regular", "resolve_storage", "set_publish_guard", "CHECKSUM_ALGORITHM", "HashingWriter",
-    "new_hasher", "ACCEPTED_NAMES", "check_name", "base36", "pid_alive",
+    "new_hasher", "DurableFile", "ACCEPTED_NAMES", "check_name", "base36", "pid_alive",
 ]
