@@ -12,13 +12,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from support.zygote import Forked, Zygote, shared
+from support.zygote import Forked, Zygote, group_killer, shared
 from support.zygote import run as run_forked
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -84,16 +83,7 @@ def signal_with_grace(argv: list[str], environment: dict[str, str], paused: str,
     proc = subprocess.Popen(argv, env=environment, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    killed = threading.Event()
-
-    def kill() -> None:
-        killed.set()
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    timer = threading.Timer(grace_s, kill)
+    timer, killed = group_killer(proc.pid, grace_s)
     lines: list[str] = []
     try:
         assert proc.stdout is not None and proc.stdin is not None
@@ -124,16 +114,7 @@ def _signal_forked(zygote: Zygote, argv: list[str], environment: dict[str, str],
     assert argv[0] == sys.executable, argv
     worker = Forked(zygote, argv[1], argv[2:], cwd=os.getcwd(), env=environment,
                     with_stdin=True)
-    killed = threading.Event()
-
-    def kill() -> None:
-        killed.set()
-        try:
-            os.killpg(worker.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    timer = threading.Timer(grace_s, kill)
+    timer, killed = group_killer(worker.pid, grace_s)
     lines: list[str] = []
     try:
         assert worker.stdin is not None

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 
 #: The zygote's program: import, say READY, then serve one JSON request per stdin line.
@@ -99,8 +101,6 @@ class Zygote:
 
     def __init__(self, preload: Sequence[str], env: Mapping[str, str], *,
                  wait: bool = True) -> None:
-        import threading
-
         self._lock = threading.Lock()
         self.process = subprocess.Popen([sys.executable, "-c", _SERVER, *preload],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -264,7 +264,6 @@ class Forked:
     def close(self) -> None:
         import contextlib
         import shutil
-        import signal
 
         if self.stdin is not None:
             with contextlib.suppress(OSError):
@@ -279,25 +278,28 @@ class Forked:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def group_killer(pid: int, after_s: float) -> tuple[threading.Timer, threading.Event]:
+    """A timer that, once started, SIGKILLs the process group of ``pid`` (a worker started in a
+    session of its own) ``after_s`` seconds later, and the event it sets when it fired."""
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    return threading.Timer(after_s, kill), fired
+
+
 def run(zygote: Zygote, script: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
         timeout: float) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([sys.executable, script, *argv], cwd=cwd, env=env, timeout=timeout,
     capture_output=True, text=True)``, forked by ``zygote``: a worker still running after
     ``timeout`` seconds is SIGKILLed (with its process group) and ``TimeoutExpired`` raised."""
-    import signal
-    import threading
-
     worker = Forked(zygote, script, argv, cwd=cwd, env=env)
-    late = threading.Event()
-
-    def kill() -> None:
-        late.set()
-        try:
-            os.killpg(worker.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    timer = threading.Timer(timeout, kill)
+    timer, late = group_killer(worker.pid, timeout)
     timer.start()
     try:
         out = "".join(worker.stdout)
@@ -354,7 +356,6 @@ class ForkedPopen:
 
     def communicate(self, input: str | None = None, timeout: float | None = None
                     ) -> tuple[str, None]:
-        import threading
         import time
 
         assert input is None, "no stdin"
@@ -380,11 +381,9 @@ class ForkedPopen:
                 pass
 
     def terminate(self) -> None:
-        import signal
 
         self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        import signal
 
         self.send_signal(signal.SIGKILL)
