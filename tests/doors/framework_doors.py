@@ -212,7 +212,8 @@ class LightningDoor:
 
     #: the session ``SnapkeepCheckpointIO.open(DIR, template='ckpt_{step}')`` opens (the same
     #: store lock), without importing Lightning in the holder (seconds)
-    hold_code = ("from snapkeep.store import Session, open_store\n"
+    hold_code = ("from snapkeep.session import Session\n"
+                 "from snapkeep.store import open_store\n"
                  "held = Session(open_store(DIR, 'ckpt_{.iteration}'))\n"
                  "held.open()\n")
 
@@ -320,7 +321,8 @@ class HFDoor:
 
     #: the session ``SnapkeepCallback(output_dir=DIR).open()`` opens, without importing
     #: transformers in the holder (seconds)
-    hold_code = ("from snapkeep.store import CheckpointDirs, Session, resolve_storage\n"
+    hold_code = ("from snapkeep.session import Session\n"
+                 "from snapkeep.store import CheckpointDirs, resolve_storage\n"
                  "held = Session(CheckpointDirs(*resolve_storage(DIR)))\n"
                  "held.open()\n")
 
