@@ -83,8 +83,9 @@ storage_option = click.option(
 
 template_option = click.option(
     "--template", "-t", default=None,
-    help="Filename template the snapshots were written with (default: the one the directory's "
-         f"manifests record, else {DEFAULT_TEMPLATE!r}).")
+    help="Filename template the snapshots were written with, in ppe's spelling "
+         "('snapshot_iter_{.iteration}') or the Checkpointer's ('ckpt_{step}'); default: the one "
+         f"the directory's manifests record, else {DEFAULT_TEMPLATE!r}.")
 
 json_option = click.option(
     "--json", "as_json", is_flag=True,

@@ -48,6 +48,7 @@ from snapkeep.store import (
     marker_of_file,
     misnamed_reason,
     newest_valid,
+    ppe_template,
     read_manifest,
     resolve_storage,
     verify_marked_file,
@@ -74,8 +75,9 @@ class StorageTrouble(click.ClickException):
 
 def open_store(storage: Storage, directory: str, template: str) -> SnapshotStore:
     """The one place the CLI builds the object that owns a template's files (entries, manifest,
-    verify; :func:`delete_entry` deletes)."""
-    return SnapshotStore(storage, directory, template)
+    verify; :func:`delete_entry` deletes). ``template`` is spelled as ``-t`` takes it: ppe's
+    ``'snapshot_iter_{.iteration}'`` or the store's ``'ckpt_{step}'``."""
+    return SnapshotStore(storage, directory, ppe_template(template))
 
 
 def delete_entry(store: SnapshotStore, entry: Entry) -> list[str]:

@@ -144,7 +144,7 @@ def ls_command(directory: str, template: str | None, storage_options: tuple[str,
         return
     with storage_errors(directory):
         store = store_for(directory, template, storage_options)
-        template = str(store.template.template)
+        template = store.template.text
         entries = store.entries()
         total = sum(store.storage.size(e.path) for e in entries)
         rows = []
@@ -223,7 +223,7 @@ def verify(directory: str, template: str | None, storage_options: tuple[str, ...
     """
     with storage_errors(directory):
         store = store_for(directory, template, storage_options)
-        template = str(store.template.template)
+        template = store.template.text
         entries = store.entries()
         sharded = [] if entries else sharded_rows(store)
         if not entries and not sharded:

@@ -106,7 +106,7 @@ def prune(directory: str, keep_latest: int | None, keep_every: int | None,
     policy = _policy(keep_latest, keep_every, keep_best, metric, mode)
     with storage_errors(directory), contextlib.ExitStack() as held:
         store = store_for(directory, template, storage_options)
-        template = str(store.template.template)
+        template = store.template.text
         if yes:  # the trainer's lock: no prune under a live trainer
             try:
                 lock = store.lock(existing_only=True)

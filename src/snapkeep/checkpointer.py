@@ -372,8 +372,7 @@ class Checkpointer:
             # the engine session: lock, one listing, kind check, sweep; lineage, the retention
             # input check and the resume notice (the snapshot extension's, see snapkeep.store)
             self._session = Session(self._store, policy=self._policy,
-                                    lineage=RunLineage.named(RUN_ID),
-                                    shown_template=self.template, door=RUN_ID)
+                                    lineage=RunLineage.named(RUN_ID), door=RUN_ID)
 
             if self._writer is not None:
                 self._claim(storage, path)
@@ -387,12 +386,12 @@ class Checkpointer:
                     storage, path, self._template, policy=self._policy, rng=rng,
                     weights_only=weights_only, timeout_s=timeout_s,
                     storage_options=storage_options,
-                    claim=lambda: self._claim(storage, path), shown_template=self.template,
+                    claim=lambda: self._claim(storage, path),
                     lineage=RunLineage.named(RUN_ID))
                 self._session = self._sharded.session
             if memory is not None:  # the training's identity: this directory and template
                 self._tier = TieredSession(
-                    self._session, memory, template=self.template,
+                    self._session, memory, template=self._template,
                     directory=self._location if "://" in self._location
                     else os.path.abspath(path))
                 self._session = self._tier

@@ -331,7 +331,7 @@ def _run(config: DemoConfig, echo: Callable[[str], None]) -> DemoResult:
     accuracy, eval_loss = evaluate(model, test_x, test_y)
     iterations_run = manager.iteration - first
     storage, directory = writer.storage_for(config.out_dir)
-    entries = SnapshotStore(storage, directory, TEMPLATE).entries()
+    entries = SnapshotStore(storage, directory, snapshot.store_template).entries()
     size = storage.size(entries[-1].path) if entries else None
     stalls_ms = [1e3 * s for s in snap.stall_s]
     return DemoResult(

@@ -101,8 +101,7 @@ def _is_number(value: Any) -> bool:
 def _session(output_dir: str | os.PathLike[str], *, policy: RetentionPolicy | None = None,
              quiet: bool = False) -> Session:
     storage, path = _storage(output_dir)
-    return Session(CheckpointDirs(storage, path), policy=policy, quiet=quiet,
-                   shown_template=TEMPLATE)
+    return Session(CheckpointDirs(storage, path), policy=policy, quiet=quiet)
 
 
 def latest_verified(output_dir: str | os.PathLike[str], *, quiet: bool = False) -> str | None:

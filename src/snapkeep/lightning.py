@@ -152,7 +152,7 @@ _ALIAS_MAX_BYTES = 4096
 #: The store's template when the names carry more than the step (Lightning's default
 #: ``'{epoch}-{step}'``, metrics): the snapshots are listed from their manifests (the lock is
 #: the directory's, whatever the template).
-_TEMPLATE = FilenameTemplate("lightning-{.iteration}.ckpt")
+_TEMPLATE = FilenameTemplate("lightning-{step}.ckpt")
 #: Default bound of the preemption agreement between ranks (seconds).
 _TIMEOUT_S = 600.0
 

@@ -19,6 +19,7 @@ from snapkeep.store import (
     SnapshotStore,
     lookalike_message,
     newest_valid,
+    ppe_template,
     resolve_storage,
     skip_message,
 )
@@ -32,8 +33,9 @@ DEFAULT_TEMPLATE = "snapshot_iter_{.iteration}"
 
 
 def _store(storage: Any, directory: str, template: str) -> SnapshotStore:
-    """The object owning the template's files in ``directory`` (one call site to port)."""
-    return SnapshotStore(storage, directory, template)
+    """The object owning the template's files in ``directory`` (one call site to port);
+    ``template`` spelled as ppe's ``filename`` or as the store's (``'ckpt_{step}'``)."""
+    return SnapshotStore(storage, directory, ppe_template(template))
 
 
 def load_latest(
@@ -59,7 +61,8 @@ def load_latest(
         out_dir: the snapshot directory: a local path or an fsspec URL (``s3://bucket/run``,
             ``memory://run``); the trainer's ``manager.out`` or the writer's ``out_dir``.
         template: the filename template the snapshots were written with (the ``filename`` of
-            ``extensions.snapshot``); snapshots are ordered by its fields (``{.iteration}``).
+            ``extensions.snapshot``), or the same in the store's spelling (``'ckpt_{step}'``,
+            the Checkpointer's); snapshots are ordered by its fields (``{.iteration}``).
         map_location: as ``torch.load``'s (default ``'cpu'``: tensors are loaded to CPU memory
             whatever device they were saved from).
         weights_only: ``True`` (default) loads tensors, containers and primitive values only
@@ -150,7 +153,8 @@ def _load_newest_sharded(storage: Any, directory: str, template: str, *, map_loc
 
     from snapkeep.distributed import ShardedStore, gather_dcp
 
-    sharded = ShardedStore(storage, directory, template, storage_options=storage_options)
+    sharded = ShardedStore(storage, directory, ppe_template(template),
+                           storage_options=storage_options)
 
     def check(entry: Entry) -> Any:
         manifest = sharded.validate_part(entry, 0, 1, weights_only=weights_only)

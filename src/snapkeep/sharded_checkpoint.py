@@ -72,8 +72,6 @@ class ShardedCheckpoint:
         claim: run on rank 0 once the process groups exist, before the store's start-up (the
             Checkpointer's check for another open one in this process); its failure is raised
             on every rank.
-        shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages
-            (single files under the template are refused at start, named with it).
         weights_only: unpickle the non-tensor state with ``torch.load(weights_only=True)``.
         timeout_s: bound of every collective, seconds.
         storage_options: fsspec options (object stores).
@@ -83,7 +81,7 @@ class ShardedCheckpoint:
                  policy: RetentionPolicy | None, rng: bool, weights_only: bool, timeout_s: float,
                  storage_options: Mapping[str, Any] | None = None,
                  claim: Callable[[], None] | None = None,
-                 shown_template: str | None = None, lineage: RunLineage | None = None) -> None:
+                 lineage: RunLineage | None = None) -> None:
         self.groups: Groups | None = background_groups(timeout_s) if is_distributed() else None
         self.rank = self.groups.rank if self.groups else 0
         self.store = ShardedStore(storage, directory, template,
@@ -91,8 +89,7 @@ class ShardedCheckpoint:
         # the engine session (as the snapshot extension's): on rank 0 the claim, the lock, one
         # listing, the kind check and the sweep of snapkeep's own crashed saves, its outcome
         # heard by every rank; the lineage and the retention input check
-        self.session = Session(self.store, policy=policy, lineage=lineage,
-                               shown_template=shown_template)
+        self.session = Session(self.store, policy=policy, lineage=lineage)
         self._incomplete: list[Entry] = []
 
         def note_incomplete(store: Any) -> None:  # named in the resume notice

@@ -24,7 +24,7 @@ from snapkeep._core.format.manifest import (
     manifest_path,
     read_manifest,
 )
-from snapkeep._core.format.naming import FilenameTemplate, step_template
+from snapkeep._core.format.naming import FilenameTemplate, ppe_name, ppe_template, step_template
 from snapkeep._core.load.loading import load_file, unloadable_value
 from snapkeep._core.load.preflight import check_timeout_s, check_writable
 from snapkeep._core.load.structure import describe, find_mismatches
@@ -69,7 +69,7 @@ __all__ = [
     "StoreKind", "StoreLock", "check_timeout_s", "check_writable", "checkpoint_step",
     "commit_checkpoint", "describe", "find_mismatches", "is_marker", "load_file",
     "lookalike_message", "manifest_path", "marker_of_file", "misnamed_reason", "newest_valid",
-    "open_store", "parse_json", "read_manifest", "read_marker", "resolve_storage",
-    "skip_message", "step_template", "unloadable_value", "verify_checkpoint",
+    "open_store", "parse_json", "ppe_name", "ppe_template", "read_manifest", "read_marker",
+    "resolve_storage", "skip_message", "step_template", "unloadable_value", "verify_checkpoint",
     "verify_marked_file",
 ]

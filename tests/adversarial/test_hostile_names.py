@@ -55,6 +55,6 @@ def test_a_foreign_digit_name_is_not_a_step(tmp_path: Path, alias: str) -> None:
 ])
 def test_only_ascii_digits_within_float_range_parse(name: str, key: tuple[float, ...] | None,
                                                     ) -> None:
-    template = FilenameTemplate("snapshot_iter_{.iteration}")
+    template = FilenameTemplate("snapshot_iter_{step}")
     assert template.parse(name) == key
     assert template.step_of(name) == (None if key is None else int(key[0]))

@@ -36,7 +36,7 @@ def _kill_idle_worker(writer: Any) -> int:
 
 
 def _check(out: Path, names: list[str]) -> None:
-    store = open_store(str(out), "s{.iteration}")
+    store = open_store(str(out), "s{step}")
     entries = store.entries()
     assert sorted(e.name for e in entries) == sorted(names)
     for entry in entries:

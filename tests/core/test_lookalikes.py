@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from snapkeep._core.store.lookalikes import suggest_template
-from snapkeep.store import FilenameTemplate, lookalike_message
+from snapkeep.store import lookalike_message, ppe_template
 
 
 @pytest.mark.parametrize(("name", "field", "suggested"), [
@@ -17,7 +17,7 @@ from snapkeep.store import FilenameTemplate, lookalike_message
 def test_suggested_template(name: str, field: str, suggested: str | None) -> None:
     assert suggest_template(name, field) == suggested
     if suggested is not None and field == "{.iteration}":
-        assert FilenameTemplate(suggested).parse(name) is not None  # it does match
+        assert ppe_template(suggested).parse(name) is not None  # it does match
 
 
 def test_message_names_files_by_template_and_skips_hidden_and_own_files() -> None:

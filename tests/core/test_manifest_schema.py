@@ -197,7 +197,7 @@ def test_a_fifo_named_like_a_snapshot_is_never_listed_nor_opened(tmp_path):
     _train(tmp_path, 1).finalize()
     os.mkfifo(tmp_path / "snapshot_iter_9")  # newest by name; reading it would block forever
     storage, d = resolve_storage(str(tmp_path))
-    assert [e.name for e in Catalog(storage, d, "snapshot_iter_{.iteration}").entries()] == \
+    assert [e.name for e in Catalog(storage, d, "snapshot_iter_{step}").entries()] == \
         ["snapshot_iter_1"]
     with pytest.raises(OSError, match="FIFO"):
         storage.open_read(os.path.join(d, "snapshot_iter_9"))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import snapkeep
-from snapkeep._core.format.naming import FilenameTemplate
+from snapkeep._core.format.naming import FilenameTemplate, ppe_name, ppe_template
 from snapkeep._core.storage import TEMP_MARKER, resolve_storage
 from snapkeep._core.storage._temps import TEMP_NAME_MAX_BYTES, _temp_owner
 
@@ -32,7 +32,9 @@ ESCAPING_TEMPLATES = [
 @pytest.mark.parametrize("template", ESCAPING_TEMPLATES)
 def test_escaping_templates_are_refused_at_construction(template):
     with pytest.raises(ValueError, match="accepted: a relative path inside out_dir"):
-        FilenameTemplate(template)
+        ppe_template(template)  # ppe's spelling, as the snapshot extension takes it
+    with pytest.raises(ValueError, match="accepted: a relative path inside out_dir"):
+        FilenameTemplate(template.replace("{.iteration}", "{step}"))  # the store's
 
 
 @pytest.mark.parametrize("produced", ["../x", "a/../../x", "/etc/x", "x\0y", "a/./b", ""])
@@ -42,10 +44,53 @@ def test_escaping_names_from_callables_are_refused(produced):
         template.format(types.SimpleNamespace(iteration=1))
 
 
-@pytest.mark.parametrize("template", ["snap_{}", "snap_{0}", "snap_{!r}", "snap_{:>8}"])
+@pytest.mark.parametrize("template", ["snap_{}", "snap_{0}", "snap_{!r}", "snap_{:>8}",
+                                      "snap_{[0]}", "snap_{.a.b}"])
 def test_fields_without_an_attribute_are_refused(template):
     with pytest.raises(ValueError, match=r"filename='snapshot_iter_\{\.iteration\}'"):
+        ppe_template(template)
+    with pytest.raises(ValueError, match=r"a field is a name, e.g. 'snapshot_iter_\{step\}'"):
         FilenameTemplate(template)
+
+
+@pytest.mark.parametrize(("ppe", "store"), [
+    ("snapshot_iter_{.iteration}", "snapshot_iter_{step}"),
+    ("s_{0.iteration:06d}", "s_{step:06d}"),
+    ("s_{.updater.iteration}", "s_{step}"),
+    ("e{0.epoch}_i{0.iteration}_{0.elapsed_time:.1f}", "e{epoch}_i{step}_{elapsed_time:.1f}"),
+    ("a{{b}}_{.iteration!s}", "a{{b}}_{step!s}"),
+    ("ckpt_{step}", "ckpt_{step}"),  # the store's spelling passes as it is
+    ("latest", "latest"),
+])
+def test_ppe_spelling_is_translated_once_into_the_store_language(ppe, store):
+    """The core speaks ``{step}``: ppe's ``{.iteration}`` is translated where ppe's names enter,
+    the user's spelling kept for messages, and the names ppe would format are the same."""
+    template = ppe_template(ppe)
+    assert template.template == store and template.text == ppe
+    manager = types.SimpleNamespace(iteration=120, epoch=3, elapsed_time=12.25)
+    manager.updater = manager
+    name = ppe_name(template, manager)
+    assert name == (ppe.format(manager) if "{step}" not in ppe else ppe.format(step=120))
+    assert template.step_of(name) == (120 if "{" in store else None)
+
+
+def test_two_auto_numbered_ppe_fields_name_one_manager():
+    """``'e{.epoch}_i{.iteration}'.format(manager)`` fails in ppe (the second field is the
+    second positional argument); every field names the manager, so it works here."""
+    template = ppe_template("e{.epoch}_i{.iteration}")
+    assert ppe_name(template, types.SimpleNamespace(iteration=120, epoch=3)) == "e3_i120"
+    assert template.parse("e3_i120") == (120.0, 3.0)  # the step sorts first
+
+
+def test_the_store_refuses_ppe_spelling_and_a_missing_value():
+    with pytest.raises(ValueError, match="ppe's '{.iteration}' spelling is translated"):
+        FilenameTemplate("snapshot_iter_{.iteration}")
+    template = FilenameTemplate("e{epoch}_s{step}")
+    assert template.name_at(7, epoch=2) == "e2_s7"
+    with pytest.raises(ValueError, match="names a field that has no value"):
+        template.name_at(7)
+    with pytest.raises(ValueError, match="has no value"):  # ppe's manager lacks the attribute
+        ppe_name(ppe_template("s_{.nonexistent}"), types.SimpleNamespace(iteration=1))
 
 
 def test_extension_refuses_a_template_with_the_manager_repr():

@@ -16,7 +16,7 @@ from snapkeep.store import FilenameTemplate, SnapshotStore, resolve_storage
 
 def _session(directory: pathlib.Path) -> Session:
     storage, path = resolve_storage(str(directory))
-    return Session(SnapshotStore(storage, path, FilenameTemplate("ckpt_{.iteration}")))
+    return Session(SnapshotStore(storage, path, FilenameTemplate("ckpt_{step}")))
 
 
 def _preemptible(directory: pathlib.Path, **arguments: object) -> tuple[Session, RunControl]:

@@ -19,7 +19,7 @@ def _writer_files(directory, template: str, steps) -> SnapshotStore:
         writer(template.format(step), str(directory), {"step": torch.tensor(step)}, step=step)
     writer.finalize()
     storage, d = resolve_storage(str(directory))
-    return SnapshotStore(storage, d, template.replace("{}", "{.iteration}"))
+    return SnapshotStore(storage, d, template.replace("{}", "{step}"))
 
 
 def test_entries_are_ordered_by_step(tmp_path):
@@ -58,7 +58,7 @@ def test_load_newest_skips_invalid_with_reasons(tmp_path):
 
 def test_load_newest_none_when_no_files(tmp_path):
     storage, d = resolve_storage(str(tmp_path))
-    store = SnapshotStore(storage, d, "snap_{.iteration}")
+    store = SnapshotStore(storage, d, "snap_{step}")
     assert store.load_newest(_fail(AssertionError())) is None
 
 
@@ -119,11 +119,11 @@ def test_overwriting_a_name_never_leaves_a_stale_manifest(tmp_path):
 def test_counter_fields_match_whole_numbers_only():
     from snapkeep._core.format.naming import FilenameTemplate
 
-    template = FilenameTemplate("snap_e{.epoch}_i{.iteration}_acc{.observation}")
+    template = FilenameTemplate("snap_e{epoch}_i{step}_acc{observation}")
     assert template.parse("snap_e2_i300_acc0.75") == (300.0, 2.0, 0.75)
     assert template.parse("snap_e2_i300.5_acc0.75") is None  # a stray name is not a snapshot
     assert template.parse("snap_e2.0_i300_acc0.75") is None
-    assert FilenameTemplate("it_{.iteration:06d}").step_of("it_000120") == 120
+    assert FilenameTemplate("it_{step:06d}").step_of("it_000120") == 120
 
 
 # -- the store's own operations --------------------------------------------------------------------
@@ -131,7 +131,7 @@ def _store_with(tmp_path, steps, run_id="run-a"):
     from snapkeep._core.save.job import SaveJob
 
     storage, d = resolve_storage(str(tmp_path))
-    store = SnapshotStore(storage, d, "s_{.iteration}")
+    store = SnapshotStore(storage, d, "s_{step}")
     for step in steps:
         store.commit(SaveJob(storage=storage, path=os.path.join(d, f"s_{step}"),
                              savefun=torch.save, step=step, run_id=run_id),
@@ -158,7 +158,7 @@ def test_retain_leaves_other_runs_files_alone(tmp_path):
     from snapkeep.retention import KeepLatest
 
     _store_with(tmp_path, [1, 2, 3], run_id="other")
-    store = SnapshotStore(*resolve_storage(str(tmp_path)), "s_{.iteration}")  # a new process
+    store = SnapshotStore(*resolve_storage(str(tmp_path)), "s_{step}")  # a new process
     assert store.retain(KeepLatest(1), frozenset({"mine"})) == []
     assert [e.name for e in store.entries()] == ["s_1", "s_2", "s_3"]
 

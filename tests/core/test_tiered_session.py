@@ -19,7 +19,7 @@ from snapkeep.writing import SimpleWriter
 def _session(tmp_path: pathlib.Path) -> TieredSession:
     directory = str(tmp_path / "ckpt")
     tier = MemoryTier(every=1, replicas=0, root=str(tmp_path / "shm"))
-    return TieredSession(Session(open_store(directory, "s_{.iteration}")), tier,
+    return TieredSession(Session(open_store(directory, "s_{step}")), tier,
                          directory=directory, template="s_{step}", quiet=True)
 
 

@@ -29,7 +29,7 @@ def _store_counting_reads(tmp_path) -> tuple[ShardedStore, list[str]]:
         return open_read(path, **kwargs)
 
     storage.open_read = counting  # type: ignore[method-assign]
-    return ShardedStore(storage, directory, "snap_{.iteration}"), opened
+    return ShardedStore(storage, directory, "snap_{step}"), opened
 
 
 def test_the_commit_reads_no_data_file_back_and_records_what_is_on_disk(tmp_path):

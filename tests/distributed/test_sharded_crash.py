@@ -50,6 +50,6 @@ def test_a_save_killed_writing_its_in_progress_mark_leaves_no_temp_for_the_next(
     stale = directory / f"{head}{TEMP_MARKER}{host}.{base36(2**22 + 12345)}.{token}"
     stale.write_bytes(b"")
     (directory / "notes.txt").write_bytes(b"mine")
-    store = ShardedStore(storage, path, "snapshot_iter_{.iteration}")
+    store = ShardedStore(storage, path, "snapshot_iter_{step}")
     assert store.sweep() == [str(stale)]
     assert sorted(p.name for p in directory.iterdir()) == ["notes.txt"]

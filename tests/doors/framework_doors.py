@@ -214,7 +214,7 @@ class LightningDoor:
     #: store lock), without importing Lightning in the holder (seconds)
     hold_code = ("from snapkeep.session import Session\n"
                  "from snapkeep.store import open_store\n"
-                 "held = Session(open_store(DIR, 'ckpt_{.iteration}'))\n"
+                 "held = Session(open_store(DIR, 'ckpt_{step}'))\n"
                  "held.open()\n")
 
 

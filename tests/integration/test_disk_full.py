@@ -105,7 +105,7 @@ def _no_temps(directory) -> bool:
 
 def _verify_all(directory) -> list[str]:
     storage, d = resolve_storage(str(directory))
-    catalog = SnapshotStore(storage, d, "snapshot_iter_{.iteration}")
+    catalog = SnapshotStore(storage, d, "snapshot_iter_{step}")
     entries = catalog.entries()
     for entry in entries:
         assert catalog.verify(entry) is not None

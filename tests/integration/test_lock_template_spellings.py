@@ -78,10 +78,11 @@ def test_an_equivalent_template_spelling_is_refused(tmp_path, holder, template):
 
 
 def test_lock_key_ignores_spelling_but_not_literals():
-    from snapkeep.store import FilenameTemplate
+    from snapkeep.store import FilenameTemplate, ppe_template
 
-    keys = {FilenameTemplate(t).lock_key for t in
-            ["s_{.iteration}", "s_{0.iteration}", "s_{.iteration:05d}", "s_{.iteration!r}"]}
+    keys = {ppe_template(t).lock_key for t in
+            ["s_{.iteration}", "s_{0.iteration}", "s_{.iteration:05d}", "s_{.iteration!r}",
+             "s_{step}", "s_{step:05d}"]}
     assert keys == {"s_{int}"}
-    assert FilenameTemplate("m_{.iteration}").lock_key == "m_{int}"
-    assert FilenameTemplate("a{{b}}_{.loss}").lock_key == "a{{b}}_{num}"
+    assert FilenameTemplate("m_{step}").lock_key == "m_{int}"
+    assert ppe_template("a{{b}}_{.loss}").lock_key == "a{{b}}_{num}"

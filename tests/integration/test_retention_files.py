@@ -212,7 +212,7 @@ def test_a_manifest_committed_after_the_listing_is_not_an_orphan(tmp_path):
     manager, ext, model = make_run(tmp_path, autoload=False, n_retains=2)
     train(manager, model, 2)
     storage, directory = manager.writer.storage_for(str(tmp_path))
-    catalog = SnapshotStore(storage, directory, "snapshot_iter_{.iteration}")
+    catalog = SnapshotStore(storage, directory, "snapshot_iter_{step}")
     listed = catalog.entries()  # retention's listing ...
     train(manager, model, 1)  # ... then snapshot 3 commits
     catalog._remove_orphan_manifests(listed, frozenset({ext.run_id}))

@@ -15,6 +15,7 @@ import snapkeep
 from snapkeep import writing
 from snapkeep._core.storage import TEMP_MARKER
 from snapkeep._core.store.files import SnapshotStore
+from snapkeep.store import ppe_template
 from snapkeep.training import ExtensionsManager, extensions
 from support.storage_backends import PART_BYTES, Backend
 
@@ -177,7 +178,7 @@ def test_savefun_failing_mid_write_leaves_nothing_and_previous_intact(
     assert backend.pending_uploads() == []
     assert backend.read("snap_iter_1") == before
     storage, path = backend.storage()
-    catalog = SnapshotStore(storage, path, TEMPLATE)
+    catalog = SnapshotStore(storage, path, ppe_template(TEMPLATE))
     [entry] = catalog.entries()
     assert catalog.verify(entry) is not None
 
@@ -212,7 +213,7 @@ def test_listing_while_a_writer_writes_never_shows_a_partial(backend: Backend) -
     writer("snap_iter_1", "", {"w": torch.ones(3)}, step=1)
     writer.wait(WAIT_S)
     storage, path = backend.storage()
-    catalog = SnapshotStore(storage, path, TEMPLATE)
+    catalog = SnapshotStore(storage, path, ppe_template(TEMPLATE))
     try:
         writer("snap_iter_2", "", {"w": torch.ones(3)}, savefun=slow_savefun, step=2)
         assert half_written.wait(WAIT_S)

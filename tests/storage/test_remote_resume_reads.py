@@ -36,7 +36,7 @@ def test_remote_autoload_downloads_each_snapshot_once():
     writer("snap_5", "", state)
     writer.finalize()
     storage, directory = writer.storage_for("")
-    catalog = SnapshotStore(storage, directory, "snap_{.iteration}")
+    catalog = SnapshotStore(storage, directory, "snap_{step}")
     fs.reads.clear()
 
     found = catalog.load_newest(

@@ -59,7 +59,7 @@ def test_temp_exists_only_during_the_write_and_is_never_listed(tmp_path):
         f.write(b"x" * 100)
         seen["files"] = sorted(os.listdir(d))
         seen["listed"] = storage.list_names(d)
-        seen["entries"] = [e.name for e in SnapshotStore(storage, d, "snap_{.iteration}").entries()]
+        seen["entries"] = [e.name for e in SnapshotStore(storage, d, "snap_{step}").entries()]
 
     storage.write(os.path.join(d, "snap_1"), write)
     temps = [n for n in seen["files"] if TEMP_MARKER in n]
@@ -173,7 +173,7 @@ def test_other_files_are_neither_listed_nor_deleted(tmp_path):
         _touch(tmp_path / name)
     (tmp_path / "snapshot_iter_99").mkdir()  # a directory that matches the template
     storage, d = _storage(tmp_path)
-    catalog = SnapshotStore(storage, d, "snapshot_iter_{.iteration}")
+    catalog = SnapshotStore(storage, d, "snapshot_iter_{step}")
     assert catalog.entries() == []
 
     writer = snapkeep.writing.SimpleWriter(out_dir=str(tmp_path))

@@ -136,7 +136,7 @@ def test_connection_dropped_mid_upload_leaves_no_object_and_surfaces_once(
     assert direct.raw_names() == [".snapkeep/", "snap_iter_1"]  # no object under the name
     assert direct.read("snap_iter_1") == before
     storage, path = direct.storage()
-    catalog = SnapshotStore(storage, path, "snap_iter_{.iteration}")
+    catalog = SnapshotStore(storage, path, "snap_iter_{step}")
     assert [e.name for e in catalog.entries()] == ["snap_iter_1"]
     assert catalog.verify(catalog.entries()[0]) is not None
     # the abort could not reach the server either: its parts wait there, invisible, for a

@@ -170,8 +170,8 @@ def test_on_error_snapshot_never_replaces_the_clean_one_nor_is_resumed(
 
 _HOLD_LOCK = """
 import sys
-from snapkeep.store import open_store
-lock = open_store(sys.argv[1], sys.argv[2]).lock()
+from snapkeep.store import open_store, ppe_template
+lock = open_store(sys.argv[1], ppe_template(sys.argv[2])).lock()
 print("locked", flush=True)
 sys.stdin.read()
 """
@@ -452,10 +452,11 @@ def test_convert_reads_a_sharded_directory_safely(tmp_path: Any,
 
 def test_both_kinds_implement_the_store_protocol(backend: Backend) -> None:
     from snapkeep.distributed import ShardedStore
-    from snapkeep.store import SnapshotStore, StoreKind
+    from snapkeep.store import SnapshotStore, StoreKind, ppe_template
 
     storage, path = backend.storage()
-    for store in (SnapshotStore(storage, path, TEMPLATE), ShardedStore(storage, path, TEMPLATE)):
+    for store in (SnapshotStore(storage, path, ppe_template(TEMPLATE)),
+                  ShardedStore(storage, path, ppe_template(TEMPLATE))):
         assert isinstance(store, StoreKind), type(store).__name__
         store.check_kind()
         assert store.entries() == [] and store.sweep() == []

@@ -112,7 +112,7 @@ FALLBACK_LOGGED = "the trainer wrote that snapshot itself"
 
 def _verified(out: str, name: str) -> None:
     """``name`` is the only snapshot in ``out`` and matches its manifest (size and checksum)."""
-    store = open_store(out, "s{.iteration}")
+    store = open_store(out, "s{step}")
     entries = store.entries()
     assert [e.name for e in entries] == [name]
     assert store.verify(entries[0]) is not None  # raises SnapshotCorruptError on a mismatch

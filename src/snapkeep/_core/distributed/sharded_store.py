@@ -199,11 +199,11 @@ class ShardedStore:
         if not self.template.parsable:
             raise ValueError(
                 "snapshot_mode=SHARDED needs a string filename template such as "
-                f"'snapshot_iter_{{.iteration}}', got {template!r}")
+                f"'snapshot_iter_{{step}}', got {template!r}")
         sub, _, base = str(self.template.template).rpartition("/")
         if "{" in sub:
             raise ValueError(
-                f"filename template {self.template.template!r} has fields in its directory "
+                f"filename template {self.template.text!r} has fields in its directory "
                 "part; sharded snapshots must be listable (put the fields in the last part)")
         self._sub = sub
         self._base = FilenameTemplate(base)
@@ -273,7 +273,7 @@ class ShardedStore:
     def entry(self, name: str) -> Entry:
         key = self._base.parse(self.storage.basename(name))
         if key is None:
-            raise ValueError(f"{name!r} does not match the template {self.template.template!r}")
+            raise ValueError(f"{name!r} does not match the template {self.template.text!r}")
         return Entry(name=name, path=self.path_of(name), key=key, step=int(key[0]))
 
     # -- markers ---------------------------------------------------------------------------------
@@ -461,7 +461,7 @@ class ShardedStore:
             return None
         return StoreLock.acquire(self.storage.join(self._parent(), MANIFEST_DIR),
                                  self.storage.url(self._parent()),
-                                 what=str(self.template.template))
+                                 what=self.template.text)
 
     def check_kind(self) -> None:
         """Refuse a template that already names single-file snapshots here (see

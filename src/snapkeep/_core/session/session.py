@@ -74,8 +74,9 @@ class Session:
         lineage: the run lineage (shared by the doors of one trainer, e.g. the snapshot
             extensions of one manager); default a fresh one.
         quiet: no resume notice on stderr (it is still logged at INFO).
-        shown_template: the template as the user wrote it (``'ckpt_{step}'``), for messages;
-            default the store's.
+        shown_template: the door's name for its snapshots in messages (Lightning's
+            ``'*.ckpt'``); default the template as its user wrote it
+            (:attr:`FilenameTemplate.text`).
         door: the door's name (``'checkpointer'``, ``'ppe'``, ``'lightning'``): recorded in
             the manifest of each snapshot it saves, and its resume takes only snapshots
             recording it (or none): another door's is skipped, named (:meth:`own`). Empty
@@ -91,8 +92,7 @@ class Session:
         self.policy = policy
         self.lineage = RunLineage.fresh() if lineage is None else lineage
         self.quiet = quiet
-        self.shown_template = (str(store.template.template) if shown_template is None
-                               else shown_template)
+        self.shown_template = store.template.text if shown_template is None else shown_template
         self._metric_check = MetricCheck(policy)
         self._lock: Any = None
         self.opened = False
@@ -160,9 +160,11 @@ class Session:
         store.hold_listing()  # the lock holder alone writes here: list once
         try:
             store.check_kind()
-        except ValueError as e:  # named with the user's template, not its translation
-            shown = repr(self.shown_template)
-            raise ValueError(str(e).replace(repr(store.template.template), shown)) from None
+        except ValueError as e:  # named as the door names its template, not its translation
+            message = str(e)
+            for spelled in {store.template.text, str(store.template.template)}:
+                message = message.replace(repr(spelled), repr(self.shown_template))
+            raise ValueError(message) from None
         if before_sweep is not None:
             before_sweep(store)
         store.sweep(self.lineage.members)
@@ -340,7 +342,7 @@ class Session:
         entries = self.own(store.entries() if candidates is None else candidates)
         by_name = {e.name: e for e in entries}
         # the same on every rank (node-local directories differ): the messages must be equal
-        what = f"resuming {store.template.template!r} (saver rank {saver_rank})"
+        what = f"resuming {store.template.text!r} (saver rank {saver_rank})"
 
         def entry_of(name: str) -> Entry:
             found = by_name.get(name)

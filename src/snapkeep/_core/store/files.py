@@ -211,7 +211,7 @@ class SnapshotStore:
         self._manifests = HeldListing(storage, storage.join(listed, MANIFEST_DIR))
 
     def __repr__(self) -> str:
-        return f"SnapshotStore({self.storage.url(self.directory)!r}, {self.template.template!r})"
+        return f"SnapshotStore({self.storage.url(self.directory)!r}, {self.template.text!r})"
 
     # -- listing ------------------------------------------------------------------------------
     def entries(self) -> list[Entry]:
@@ -219,7 +219,7 @@ class SnapshotStore:
 
         Temporary files, manifests, on-error snapshots and files that do not match the template
         are never listed. Only templates whose directory part is literal
-        (``'snap/iter_{.iteration}'``) are listable; others yield [].
+        (``'snap/iter_{step}'``) are listable; others yield [].
 
         Listed afresh, unless the store holds its listing (:meth:`hold_listing`).
         """
@@ -271,7 +271,7 @@ class SnapshotStore:
         sub, _, base = template.rpartition("/")
         if "{" in sub:
             logger.warning("filename template %r has fields in its directory part; snapshots "
-                           "cannot be listed for autoload or retention", template)
+                           "cannot be listed for autoload or retention", self.template.text)
             return None
         return sub, base
 
@@ -443,7 +443,7 @@ class SnapshotStore:
                       RuntimeWarning)
 
         found = newest_valid(entries, check, skipped=skipped,
-                             what=f"{self.template.template!r} in {self.directory!r}")
+                             what=f"{self.template.text!r} in {self.directory!r}")
         if found is None:
             return None
         entry, (manifest, state) = found
@@ -497,7 +497,7 @@ class SnapshotStore:
     @property
     def snapshot_directory(self) -> str:
         """The directory this store's snapshot files live in (``directory`` joined with the
-        template's literal directory part: ``'snap'`` of ``'snap/iter_{.iteration}'``): what
+        template's literal directory part: ``'snap'`` of ``'snap/iter_{step}'``): what
         one trainer owns (:meth:`lock`)."""
         return self._listing.directory
 
@@ -520,7 +520,7 @@ class SnapshotStore:
         acquire = StoreLock.acquire_existing if existing_only else StoreLock.acquire
         return acquire(self.storage.join(self.snapshot_directory, MANIFEST_DIR),
                        self.storage.url(self.snapshot_directory),
-                       what=str(self.template.template) if self.template.parsable else "")
+                       what=self.template.text if self.template.parsable else "")
 
     # -- deletion and retention --------------------------------------------------------------------
     def delete(self, entry: Entry, *, by: str = "snapkeep", strict: bool = False) -> bool:
@@ -708,7 +708,7 @@ class SnapshotStore:
             area.remove_stale_temps(raw)
         if removed:
             logger.info("removed %d blob(s) no snapshot of %r refers to", len(removed),
-                        self.template.template)
+                        self.template.text)
         return removed
 
     # -- sweeping ------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def warn_about_existing(store: SnapshotStore, run_id: str) -> None:
                       for e in entries})
     message = (
         f"{store.directory!r} already holds {len(entries)} snapshot(s) of "
-        f"{store.template.template!r} (steps {entries[0].step}..{entries[-1].step}, run ids "
+        f"{store.template.text!r} (steps {entries[0].step}..{entries[-1].step}, run ids "
         f"{', '.join(run_ids[:5])}) and autoload=False: this run (run id {run_id}) "
         "starts fresh. Retention will not delete them, but a snapshot of this run with the "
         "same name replaces the old file; use another output directory or autoload=True to "

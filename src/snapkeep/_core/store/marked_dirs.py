@@ -385,7 +385,7 @@ def _checkpoints(storage: Storage, output_dir: str) -> list[tuple[int, str]]:
 
 #: The store's template: ``checkpoint-N`` (the lock's key, the notices' name).
 TEMPLATE = "checkpoint-{step}"
-_TEMPLATE = FilenameTemplate("checkpoint-{.iteration}")
+_TEMPLATE = FilenameTemplate(TEMPLATE)
 
 
 #: Where snapkeep's saves record the ``checkpoint-N`` they are about to write (under

@@ -6,7 +6,6 @@ next older snapshot, as for a corrupt file."""
 
 from __future__ import annotations
 
-import re
 import string
 from typing import Any
 
@@ -14,20 +13,19 @@ from typing import Any
 ITERATION_KEY = "_start_iteration"
 
 
-def _names_iteration(template: str) -> bool:
-    """Whether a template's fields include the iteration (``{.iteration}``, ``{0.iteration}``)."""
+def _names_step(template: str) -> bool:
+    """Whether a store template's fields include the step (``{step}``, ``{step:08d}``)."""
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f]
+        return any(f == "step" for _, f, _, _ in string.Formatter().parse(template))
     except ValueError:
         return False
-    return any(re.search(r"(^|\.)iteration$", f) for f in fields)
 
 
 def misnamed_reason(name: str, step: int | None, template: Any, state: Any) -> str | None:
-    """Why snapshot ``name`` (whose ``template`` names the iteration and gave ``step``) must not
+    """Why snapshot ``name`` (whose store ``template`` names the step and gave ``step``) must not
     be resumed from: it holds a manager state of another iteration (copied or renamed by hand).
     None when the name and the state agree, or when the state records no iteration."""
-    if step is None or not isinstance(template, str) or not _names_iteration(template):
+    if step is None or not isinstance(template, str) or not _names_step(template):
         return None
     if not isinstance(state, dict):
         return None

@@ -61,6 +61,7 @@ from snapkeep._core.format.checksum import (
 )
 from snapkeep._core.format.json_records import UNIX_TIME_LIMIT_S, parse_json
 from snapkeep._core.format.manifest import MANIFEST_DIR
+from snapkeep._core.format.naming import FilenameTemplate, ppe_template
 from snapkeep._core.load.loading import load_file
 from snapkeep._core.save.job import SaveJob
 from snapkeep._core.storage import (
@@ -79,7 +80,7 @@ from snapkeep._core.store.files import Entry, SnapshotStore
 
 logger = logging.getLogger(__name__)
 
-TEMPLATE = "ram_iter_{.iteration}"
+TEMPLATE = "ram_iter_{step}"
 """Filename template of the snapshots in a memory store (parsed for the step)."""
 PREFIX = "snapkeep-"
 """Every tier directory under the root starts with this (``snapkeep ls --memory`` lists them)."""
@@ -106,15 +107,27 @@ class Identity:
     template: str
 
     @classmethod
-    def of(cls, out_dir: str, template: str) -> Identity:
+    def of(cls, out_dir: str, template: FilenameTemplate | str) -> Identity:
+        """The identity of the training writing ``template``'s snapshots into ``out_dir``: a
+        template (in either spelling: :func:`ppe_template`) by the names it matches
+        (:attr:`FilenameTemplate.lock_key`: ppe's ``'s_{.iteration}'`` and ``'s_{0.iteration}'``
+        and the store's ``'s_{step}'`` are one training), or a door's own name for its
+        snapshots that is no template, as given."""
+        if isinstance(template, FilenameTemplate):
+            key = template.lock_key if template.parsable else template.text
+        else:
+            try:  # a template in either spelling, or a door's name that is none
+                key = ppe_template(template).lock_key
+            except (TypeError, ValueError):
+                key = str(template)
         return cls(out_dir=out_dir if "://" in out_dir else os.path.abspath(out_dir),
-                   template=template)
+                   template=key)
 
     def describe(self) -> str:
         return f"out_dir {self.out_dir!r}, template {self.template!r}"
 
 
-def job_id(out_dir: str, template: str) -> str:
+def job_id(out_dir: str, template: FilenameTemplate | str) -> str:
     """The id naming a job's tier: the first 16 hex digits of SHA-256 over this user's uid,
     ``out_dir`` (absolute, or the URL) and ``template``: the same for every rerun of the same
     training by the same user, whatever the launcher (never ``TORCHELASTIC_RUN_ID``: torchrun
@@ -283,7 +296,7 @@ class MemoryStore(SnapshotStore):
             NotPrivateError: a directory of the store is not this user's (nothing written).
         """
         self.private(create=True)  # 0700, ours, no symlink: then the commit (files 0600)
-        path = self.storage.join(self.directory, TEMPLATE.replace("{.iteration}", str(step)))
+        path = self.storage.join(self.directory, self.template.name_at(step))
         record = self.commit(SaveJob(storage=self.storage, path=path, savefun=savefun,
                                      step=step, tag=f"ram{self.rank}"), state)
         self.keep_newest()

@@ -67,6 +67,7 @@ from snapkeep._core.errors import (
     SnapshotSaveError,
     StagingRaceError,
 )
+from snapkeep._core.format.naming import FilenameTemplate
 from snapkeep._core.load.resume_notice import say
 from snapkeep._core.save.engine import SaveEngine
 from snapkeep._core.save.staging import BufferSet
@@ -274,7 +275,7 @@ class TierEngine:
         what: the door, for messages (``'memory tier'``).
     """
 
-    def __init__(self, tier: MemoryTier, *, directory: str, template: str,
+    def __init__(self, tier: MemoryTier, *, directory: str, template: FilenameTemplate | str,
                  what: str = "memory tier") -> None:
         if not isinstance(tier, MemoryTier):
             raise TypeError(f"memory must be a MemoryTier(every=..., ...), got {tier!r}")

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from snapkeep._core.format.naming import FilenameTemplate
 from snapkeep._core.save.ticket import StagedLoan
 from snapkeep._core.store.files import Entry, SnapshotStore
 from snapkeep._core.tiers.memory_store import tier_dir
@@ -64,8 +65,8 @@ class TieredSession:
         quiet: no RAM resume notice on stderr (still logged at INFO).
     """
 
-    def __init__(self, inner: Any, memory: MemoryTier, *, directory: str, template: str,
-                 quiet: bool = False) -> None:
+    def __init__(self, inner: Any, memory: MemoryTier, *, directory: str,
+                 template: FilenameTemplate | str, quiet: bool = False) -> None:
         self.inner = inner
         self.memory = memory
         self.engine = TierEngine(memory, directory=directory, template=template)
@@ -244,8 +245,8 @@ class TieredSession:
             self.inner.close()
 
 
-def tiered(session: Any, memory: MemoryTier | None, *, directory: str, template: str,
-           quiet: bool = False) -> Any:
+def tiered(session: Any, memory: MemoryTier | None, *, directory: str,
+           template: FilenameTemplate | str, quiet: bool = False) -> Any:
     """``session`` with the memory tier in front (:class:`TieredSession`), or ``session`` as
     it is when ``memory`` is None: how every door adds the tier."""
     if memory is None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from snapkeep.store import SnapshotStore, open_store
+from snapkeep.store import SnapshotStore, open_store, ppe_template
 from snapkeep.writing import PpeFileSystem
 
 
 def _store_for(fmt: str, path: str, fs: Any) -> SnapshotStore:
     fs, options = PpeFileSystem.unwrap(fs)  # a snapkeep writer's `fs`, as ppe's tests pass it
-    return open_store(path, fmt, fs=fs, storage_options=options or None)
+    return open_store(path, ppe_template(fmt), fs=fs, storage_options=options or None)
 
 
 def find_snapshot_files(

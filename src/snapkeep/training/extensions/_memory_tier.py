@@ -102,7 +102,7 @@ class _MemoryTierExtension(extension.Extension):
         # alone, however new, is not a resumable step of the run
         whole = [s for s in snapshots if s.of_manager] or snapshots
         layer = self.layer = TieredSession(None, self.tier, directory=str(manager.out),
-                                           template=str(whole[0].filename) if whole else "")
+                                           template=whole[0].store_template if whole else "")
         engine = layer.engine
         layer.open_tier(state_bytes(canonical_tree(manager, manager.state_dict())))
         _say_if_before_snapshot(manager, self)

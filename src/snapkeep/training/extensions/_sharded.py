@@ -50,7 +50,7 @@ from snapkeep.distributed import (
 from snapkeep.errors import RankFailedError, SnapshotError
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.session import Session
-from snapkeep.store import ON_ERROR_SUFFIX, Entry, check_timeout_s
+from snapkeep.store import ON_ERROR_SUFFIX, Entry, check_timeout_s, ppe_name
 from snapkeep.tiers import local_shards
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
 from snapkeep.training.extensions._snapshot_extension import SnapshotExtension, observed_metrics
@@ -259,7 +259,7 @@ class _ShardedSnapshot(SnapshotExtension):
     # -- saving --------------------------------------------------------------------------------
     def _make_snapshot(self, manager: Any, *, on_error: bool = False) -> None:
         saver = self._engine(manager)
-        name = self._template.format(manager)
+        name = ppe_name(self._template, manager)
         if on_error:  # mid-iteration state: never under a clean snapshot's name
             name += ON_ERROR_SUFFIX
         job = ShardedJob(name=name, step=int(manager.iteration), run_id=self._run_id,

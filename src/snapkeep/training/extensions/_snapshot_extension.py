@@ -39,6 +39,8 @@ from snapkeep.store import (
     FilenameTemplate,
     SnapshotStore,
     check_writable,
+    ppe_name,
+    ppe_template,
     resolve_storage,
     unloadable_value,
 )
@@ -115,7 +117,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             raise TypeError(f"writer must be a callable writer object, got {writer!r}")
         if savefun is not None and not callable(savefun):
             raise TypeError(f"savefun must be callable like torch.save(obj, f), got {savefun!r}")
-        self._template = FilenameTemplate(filename)
+        self._template = ppe_template(filename)
         self._target = target
         self.filename = filename
         self.condition = condition
@@ -167,9 +169,15 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         (``snapshot_object``)."""
         return self._target is None
 
+    @property
+    def store_template(self) -> FilenameTemplate:
+        """``filename`` in the store's language (:func:`snapkeep.store.ppe_template`): what
+        lists, retains and names this extension's snapshots."""
+        return self._template
+
     def snapshot_name(self, manager: Any) -> str | None:
         """The name of this iteration's snapshot (None for a callable ``filename``)."""
-        return self._template.format(manager) if self._template.parsable else None
+        return ppe_name(self._template, manager) if self._template.parsable else None
 
     def listed_storage_step(self, manager: Any) -> int | None:
         """The newest step among this extension's committed snapshots listed in storage (names
@@ -188,7 +196,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
             return None
         try:
             storage, directory = storage_for(manager.out)
-            return newest_listed_step(storage, directory, str(self.filename),
+            return newest_listed_step(storage, directory, self._template,
                                       sharded=self.sharded_directories)
         except Exception as e:  # an unreachable store: the memory tier can still be used
             logger.warning("could not list %s in %s: %s", self.filename, manager.out, e)
@@ -256,9 +264,9 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if not self._template.parsable:
             return
         try:
-            self._template.format(manager)
+            ppe_name(self._template, manager)
         except ValueError as e:
-            if isinstance(e.__cause__, (AttributeError, IndexError)):
+            if isinstance(e.__cause__, (AttributeError, KeyError, IndexError)):
                 raise
         except Exception as e:  # not evaluable yet; format() checks again at each snapshot
             logger.debug("filename template %r not checked before training: %s",
@@ -356,7 +364,7 @@ class _Snapshot(ContinuationMixin, extension.Extension):
         if not self._is_saver():
             return
         state = self._state(manager)
-        filename = self._template.format(manager)
+        filename = ppe_name(self._template, manager)
         self._refuse_unloadable(state, filename, writer)
         if on_error:
             filename += ON_ERROR_SUFFIX
