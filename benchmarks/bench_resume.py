@@ -227,7 +227,7 @@ def variant_load(variant: str, manager: Any, path: str) -> None:
     from snapkeep._core.load.one_pass import load_verified
     from snapkeep.store import open_store
 
-    store = open_store(os.path.dirname(path), "snapshot_iter_{.iteration}")
+    store = open_store(os.path.dirname(path), "snapshot_iter_{step}")
     entry = store.entries()[-1]
     manifest = store.expected(entry)
     if variant == "one pass into new storages":

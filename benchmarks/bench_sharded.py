@@ -170,7 +170,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
     groups = background_groups(600)
     out = os.path.join(base, f"w{world}")
     storage, directory = resolve_storage(out)
-    store = ShardedStore(storage, directory, "snap_{.iteration}")
+    store = ShardedStore(storage, directory, "snap_{step}")
     saver = ShardedSaver(store, groups)
     dcp_group = dist.new_group(backend="gloo")
     rows: dict[str, list[float]] = {k: [] for k in (
@@ -251,7 +251,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
         loads(i)
         if previous is not None:
             old_storage, old_dir = resolve_storage(os.path.join(base, f"w{previous}"))
-            old_store = ShardedStore(old_storage, old_dir, "snap_{.iteration}")
+            old_store = ShardedStore(old_storage, old_dir, "snap_{step}")
             old_entry = old_store.entries()[-1]
             target = state()
             _cold(old_entry.path)

@@ -33,6 +33,7 @@ import torch
 import snapkeep
 from snapkeep._core.storage import TEMP_MARKER
 from snapkeep.store import SnapshotStore as Catalog
+from snapkeep.store import ppe_template
 from snapkeep.training import ExtensionsManager, extensions
 
 TEMPLATE = "snapshot_iter_{.iteration}"
@@ -99,7 +100,8 @@ def run(out: str, writer_kind: str = "simple") -> None:
     verified = 0
     if entry is not None:
         storage, directory = writer.storage_for(out)
-        verified = int(Catalog(storage, directory, TEMPLATE).manifest(entry) is not None)
+        catalog = Catalog(storage, directory, ppe_template(TEMPLATE))
+        verified = int(catalog.manifest(entry) is not None)
     print(f"ready pid={os.getpid()} loaded={step} verified={verified} "
           f"consistent={int(consistent)} temps={_temps(out)} "
           f"name={entry.name if entry is not None else '-'}", flush=True)

@@ -38,6 +38,7 @@ import torch
 from snapkeep._core.load.loading import load_file
 from snapkeep._core.storage import resolve_storage
 from snapkeep.store import SnapshotStore as Catalog
+from snapkeep.store import ppe_template
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "crash_child.py")
 sys.path.insert(0, os.path.dirname(CHILD))
@@ -176,7 +177,7 @@ def _last_step(path: str) -> int:
 def check_directory(out: str, report: Report) -> int:
     """Check every snapshot file in ``out`` (see module docstring); return the newest step."""
     storage, directory = resolve_storage(out)
-    catalog = Catalog(storage, directory, TEMPLATE)
+    catalog = Catalog(storage, directory, ppe_template(TEMPLATE))
     newest = 0
     for entry in catalog.entries():
         report.files_checked += 1

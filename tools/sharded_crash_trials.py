@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # support.ranks
 
 from snapkeep._core.distributed.sharded_store import ShardedStore  # noqa: E402
 from snapkeep._core.storage import resolve_storage  # noqa: E402
+from snapkeep.store import ppe_template  # noqa: E402
 from support.ranks import finish, rank_env, start  # noqa: E402
 
 ITERS = 150
@@ -70,7 +71,7 @@ def check_directory(out: Path, ref: dict[int, dict[str, torch.Tensor]], scratch:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     storage, directory = resolve_storage(str(out))
-    store = ShardedStore(storage, directory, TEMPLATE)
+    store = ShardedStore(storage, directory, ppe_template(TEMPLATE))
     failures: list[str] = []
     listed = store.entries()
     for entry in listed:
@@ -143,7 +144,7 @@ def trials(n_trials: int, seed: int = 0, iters: int = ITERS,
             results["uncommitted_seen"] += uncommitted
             results["failures"] += [f"trial {trial}: {f}" for f in failures]
             storage, directory = resolve_storage(str(out))
-            entries = ShardedStore(storage, directory, TEMPLATE).entries()
+            entries = ShardedStore(storage, directory, ppe_template(TEMPLATE)).entries()
             expected_resume = entries[-1].name if entries else None
             finished = any(json.loads((rep / f"train_rank{r}.json").read_text()).get(
                 "iteration") == iters for r in range(2) if (rep / f"train_rank{r}.json").exists())
