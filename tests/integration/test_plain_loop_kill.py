@@ -68,7 +68,11 @@ def _killed_and_rerun(script: pathlib.Path, tmp_path: pathlib.Path, groups: list
 
     seed = random.randrange(2 ** 32)
     rng = random.Random(seed)
-    kill_steps = sorted(rng.sample(range(12, TOTAL_STEPS), 2))  # after the first snapshot
+    # both after the first snapshot's call; the later one after step 20: save(20) returns only
+    # once step 10's snapshot committed (one in flight), so the rerun is a resume. Two kills
+    # both at steps 12..20 can both come before that commit (a loaded machine): a restart.
+    first = rng.randrange(12, TOTAL_STEPS)
+    kill_steps = sorted([first, rng.choice([s for s in range(21, TOTAL_STEPS) if s != first])])
     for step in kill_steps:
         kill_after(script, killed, step, groups)
     assert not (killed / "final.pt").exists(), f"seed {seed}: a kill came too late"
