@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import snapkeep
 from snapkeep.writing import ThreadWriter
+from support.ranks import say
 
 
 def main() -> None:
@@ -50,22 +51,22 @@ def main() -> None:
     with snapkeep.Checkpointer(out_dir, every=every, preemption=True, timeout_s=60,
                                writer=writer, memory=memory) as ckpt:
         step = ckpt.load(into=state) or 0
-        print("resumed at", step, flush=True)
+        say("resumed at", step)
         while step < steps:
             optimizer.zero_grad()
             model(data[step % 56:step % 56 + 8]).pow(2).mean().backward()
             optimizer.step()
             step += 1
             handle = ckpt.save(step, state)
-            print("step", step, flush=True)
+            say("step", step)
             if step_sleep_s:
                 time.sleep(step_sleep_s)  # a slower step: launchers' signals land mid-training
             if step == pause_at:
                 if handle is not None or step > every:
                     ckpt.wait()  # a durable save measured before the signal
-                    print("committed", step - step % every, flush=True)
+                    say("committed", step - step % every)
                 rank = int(os.environ.get("RANK", "0"))
-                print("paused", step, "rank", rank, "pid", os.getpid(), flush=True)
+                say("paused", step, "rank", rank, "pid", os.getpid())
                 go = os.environ.get("GO_FILE")  # the test signals a rank, then lets them go on
                 if go:
                     deadline = time.monotonic() + 120
@@ -74,7 +75,7 @@ def main() -> None:
                 else:
                     sys.stdin.readline()
     total = sum(float(p.detach().double().sum()) for p in model.parameters())
-    print("final", repr(total), flush=True)
+    say("final", repr(total))
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save({k: v.clone() for k, v in model.state_dict().items()},
                    os.path.join(os.path.dirname(os.path.abspath(out_dir)), "final.pt"))

@@ -162,6 +162,7 @@ def test_torchrun_signal_to_one_rank_same_outcome_on_both(
                 pids[int(words[3])] = int(words[5])
                 if len(pids) == 2:
                     break
+        assert len(pids) == 2, "".join(lines)[-4000:]  # both ranks paused, or what they said
         os.kill(pids[1], signal.SIGTERM)
         timer.start()
         go.touch()

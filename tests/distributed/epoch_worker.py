@@ -18,6 +18,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import snapkeep
+from support.ranks import say
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
                 fed[step] = [int(i) for i in x.tolist()]
                 ckpt.save(step, state)
                 if rank == 0:
-                    print("step", step, flush=True)
+                    say("step", step)
                 if step == iters:
                     break
     torch.save({"weight": model.weight.detach(), "bias": model.bias.detach(), "fed": fed},

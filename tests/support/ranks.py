@@ -15,6 +15,14 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 TESTS = str(Path(__file__).resolve().parents[1])  # workers import tests/support too
 
 
+def say(*words: object) -> None:
+    """Print ``words`` as one line, in one write, flushed. torchrun starts each rank as
+    ``python -u``, where ``print`` writes every word and the newline apart: two ranks on one
+    pipe came out as ``pausedstep 6`` (a CI run's failure, and 2 in 5 runs here)."""
+    sys.stdout.write(" ".join(str(word) for word in words) + "\n")
+    sys.stdout.flush()
+
+
 def rank_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     path = os.environ.get("PYTHONPATH")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
