@@ -23,7 +23,9 @@ and the root), takes one Adam step (so Adam's moments exist) and then, ``--repea
   are cold for both: each snapshot's files are dropped from the page cache first
   (``posix_fadvise(DONTNEED)``), as after a restart on another node; snapkeep writes with
   ``O_DIRECT`` (its files are never in the cache) and DCP through the page cache (its files
-  would be read from memory right after the save otherwise).
+  would be read from memory right after the save otherwise). Before each load the machine's
+  dirty pages are written back (``sync``); the two loaders run ABBA within a repeat and BAAB in
+  the next (two loads of each per repeat, so the load medians are over twice the repeats).
 
 The contenders run in rotating order within each repeat. Figures are medians over repeats
 of the slowest rank (the step ends when every rank is done), with the range over repeats;
@@ -136,8 +138,11 @@ def _drop_cached(directory: str) -> None:
 
 
 def _cold(directory: str) -> None:
-    """Every rank waits until rank 0 dropped ``directory`` from the page cache."""
+    """Every rank waits until rank 0 wrote back every dirty page of the machine (``sync``: the
+    contenders' writes must not share the disk with the timed read) and dropped
+    ``directory`` from the page cache."""
     if dist.get_rank() == 0:
+        os.sync()
         _drop_cached(directory)
     dist.barrier()
 
@@ -238,8 +243,10 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, base: str, result
             rows["dcp_load"].append(_slowest(_timed(
                 dcp.load, target, checkpoint_id=os.path.join(base, f"dcp{world}_{i}"))))
 
-        order = [snapkeep_load, dcp_load] if i % 2 == 0 else [dcp_load, snapkeep_load]
-        for load in order:  # ABBA: each goes first in every other repeat
+        # ABBA within the repeat and BAAB in the next: each loader goes first, second, third
+        # and fourth equally often (two samples of each per repeat)
+        first, second = (snapkeep_load, dcp_load) if i % 2 == 0 else (dcp_load, snapkeep_load)
+        for load in (first, second, second, first):
             load()
 
     contenders = [snapkeep_save, dcp_save, dcp_async, raw, raw_direct]

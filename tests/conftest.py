@@ -47,7 +47,20 @@ def _session_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         else:
             os.environ["TMPDIR"] = saved[0]
         tempfile.tempdir = saved[1]
-        shutil.rmtree(path, ignore_errors=True)
+        # multiprocessing's own pymp-* folder of this process is removed by its exit handler,
+        # which printed a FileNotFoundError traceback when it was already gone
+        from multiprocessing import process
+
+        own = process.current_process()._config.get("tempdir")  # noqa: SLF001 -- no public API
+        for child in path.iterdir():
+            if str(child) == own:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+        if own is None or not str(own).startswith(str(path)):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")
