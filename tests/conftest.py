@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -71,6 +72,34 @@ def _shared_zygotes(_session_tmpdir: None) -> Iterator[None]:
         yield
     finally:
         zygote.stop_shared()
+
+
+#: Signals whose handlers a test may change (snapkeep's preemption, Lightning, Ray).
+_WATCHED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2,
+                    signal.SIGHUP)
+#: The handlers of this test process before any test ran.
+_BASELINE_HANDLERS = {sig: signal.getsignal(sig) for sig in _WATCHED_SIGNALS}
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers() -> Iterator[None]:
+    """Every test starts with the process's original signal handlers. A handler left behind
+    by a library is put back (``ray.init`` installs a SIGTERM handler that calls
+    ``sys.exit(15)`` and ``ray.shutdown`` leaves it: a later Lightning test on the same xdist
+    worker then exited with code 15 instead of Lightning's own ``SystemExit``); one left by
+    snapkeep fails the test (snapkeep restores what it installs)."""
+    yield
+    left = {sig: signal.getsignal(sig) for sig in _WATCHED_SIGNALS}
+    ours = []
+    for sig, handler in left.items():
+        if handler is _BASELINE_HANDLERS[sig]:
+            continue
+        signal.signal(sig, _BASELINE_HANDLERS[sig])
+        module = getattr(handler, "__module__", "") or ""
+        owner = getattr(handler, "__self__", None)
+        if module.startswith("snapkeep") or type(owner).__module__.startswith("snapkeep"):
+            ours.append(f"{sig.name}: {handler!r}")
+    assert not ours, f"snapkeep left signal handler(s) installed: {ours}"
 
 
 @pytest.fixture(autouse=True)
