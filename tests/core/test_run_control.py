@@ -111,7 +111,10 @@ def test_the_sessions_saves_are_timed_and_a_short_grace_decides_no_durable_write
     assert status.preemption["deadline_from"] == "grace_s="
     assert status.preemption["durable_estimate_s"] == pytest.approx(measured.durable_s, abs=1e-3)
     assert status.snapshots == () and status.reason == "signal SIGTERM"
-    session.close()
+    session.close()  # during a preemption the handlers stay until the exit, as a door's
+    with pytest.raises(SystemExit) as exit_info:
+        run.exit_preempted(1, plan)
+    assert exit_info.value.code == 79
 
 
 def test_a_grace_that_fits_commits_to_storage_and_the_handlers_stay_until_the_exit(
