@@ -16,7 +16,7 @@ import pytest
 import torch.distributed
 
 from support.killing import assert_identical
-from support.ranks import rank_env
+from support.ranks import rank_env, run_torchrun_forked
 
 WORKER = Path(__file__).with_name("checkpointer_memory_worker.py")
 ITERS, KILL_AT = 10, 6  # storage every 4 steps (step 4), RAM every 2 (step 6)
@@ -73,8 +73,9 @@ def test_torchrun_fsdp2_one_rank_killed_and_its_ram_lost_resumes_from_peer_copy(
         tmp_path: Path) -> None:
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     reference.mkdir(), killed.mkdir()
-    done = _torchrun(reference, 0)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the uninterrupted run: the same ranks, forked with torchrun's environment (torchrun is
+    # what the killed run and its rerun go through)
+    run_torchrun_forked(WORKER, [str(reference), str(ITERS), "0"], timeout_s=BOUND_S)
     first = _torchrun(killed, KILL_AT)  # rank 1 SIGKILLs itself; the job dies
     assert first.returncode != 0 and not (killed / "final.pt").exists(), first.stderr[-3000:]
     tiers = list((killed / "shm").glob("snapkeep-*"))
