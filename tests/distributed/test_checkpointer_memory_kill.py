@@ -7,6 +7,7 @@ ranks where the killed rank's node RAM is lost too (its shards come from its pee
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed
 
+from support import zygote
 from support.killing import assert_identical
-from support.ranks import rank_env, run_torchrun_forked
+from support.ranks import PRELOAD, rank_env, run_torchrun_forked
 
 WORKER = Path(__file__).with_name("checkpointer_memory_worker.py")
 ITERS, KILL_AT = 10, 6  # storage every 4 steps (step 4), RAM every 2 (step 6)
@@ -24,9 +26,11 @@ BOUND_S = 180
 
 
 def _python(base: Path, kill_at: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(WORKER), str(base), str(ITERS), str(kill_at)],
-                          env=rank_env(), capture_output=True, text=True, timeout=BOUND_S,
-                          start_new_session=True)
+    """``python WORKER ...``: a process of its own session, forked by the zygote that imported
+    torch and snapkeep once (tests/support/zygote.py; the one the ranks' first is forked by)."""
+    return zygote.run(zygote.shared(PRELOAD, rank_env(), "rank0"), str(WORKER),
+                      [str(base), str(ITERS), str(kill_at)], cwd=os.getcwd(), env=rank_env(),
+                      timeout=BOUND_S)
 
 
 def _torchrun(base: Path, kill_at: int) -> subprocess.CompletedProcess[str]:
