@@ -143,7 +143,10 @@ def test_torchrun_signal_to_one_rank_same_outcome_on_both(
     if "torchrun" not in _REFERENCES:
         reference = tmp_path_factory.mktemp("reference-torchrun")
         (reference / "shm").mkdir(parents=True, mode=0o700)
-        _torchrun_to_end(reference, env)
+        # the same ranks, forked with torchrun's environment (torchrun is what the preempted
+        # run and its rerun go through)
+        ranks.run_torchrun_forked(WORKER, [str(reference / "out"), str(reference / "shm"), "12"],
+                                  env=env, timeout_s=300)
         _REFERENCES["torchrun"] = torch.load(reference / "final.pt", weights_only=True)
     root = tmp_path / "preempted"
     (root / "shm").mkdir(parents=True, mode=0o700)

@@ -101,6 +101,15 @@ def _ray_processes(temp: str) -> list[psutil.Process]:
     return found
 
 
+#: Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
+#: default), and a worker's ``ray.train.report`` blocks until the poll has taken its result (a
+#: queue of one), as do the start, the end and the noticing of a dead worker: up to 2 s a report,
+#: and the uninterrupted fit took 41 s (20 s polled every 0.25 s, as here). Read by ``fit`` from
+#: the driver's environment and passed to the controller and the workers; a poll that takes longer
+#: is a missed one, fatal only after RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S (10 min).
+_RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+
+
 @pytest.fixture(scope="module")
 def _ray_cluster() -> Iterator[tuple[Any, str]]:
     """A local Ray cluster of 2 CPUs and the example module, one for this module's tests (its
@@ -114,6 +123,8 @@ def _ray_cluster() -> Iterator[tuple[Any, str]]:
     example = _example()
     ray.cloudpickle.register_pickle_by_value(example)  # the workers need not import them
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    saved = {name: os.environ.get(name) for name in _RAY_TRAIN_ENV}
+    os.environ.update(_RAY_TRAIN_ENV)
     started = time.perf_counter()
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp,
@@ -135,6 +146,11 @@ def _ray_cluster() -> Iterator[tuple[Any, str]]:
         ray.cloudpickle.unregister_pickle_by_value(example)
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
         del sys.modules[example.__name__]
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     assert [p.pid for p in alive] == [], "Ray processes left after ray.shutdown()"
     assert {n for n in set(os.listdir("/dev/shm")) - shm_before
             if "ray" in n.lower() or "plasma" in n.lower()} == set()

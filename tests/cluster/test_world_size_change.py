@@ -20,6 +20,11 @@ SAMPLES = 48
 
 def _run(nproc: int, out: pathlib.Path, phase: str, log: pathlib.Path,
          sampler: str = "distributed") -> str:
+    if phase == "save":  # the job that saves: its ranks forked with torchrun's environment
+        # (support.ranks.torchrun_forked: the same env:// job, without the agent's and each
+        # rank's interpreter start and torch import); the resume, what is checked, is torchrun's
+        return ranks.run_torchrun_forked(WORKER, [str(out), phase, str(log)], nproc=nproc,
+                                         env={"SAMPLER": sampler}, timeout_s=400)
     proc = ranks.torchrun(WORKER, [str(out), phase, str(log)], nproc=nproc,
                           env={"SAMPLER": sampler})
     output, _ = proc.communicate(timeout=400)

@@ -7,6 +7,7 @@ ranks where the killed rank's node RAM is lost too (its shards come from its pee
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch.distributed
 
+from support import zygote
 from support.killing import assert_identical
-from support.ranks import rank_env
+from support.ranks import PRELOAD, rank_env, run_torchrun_forked
 
 WORKER = Path(__file__).with_name("checkpointer_memory_worker.py")
 ITERS, KILL_AT = 10, 6  # storage every 4 steps (step 4), RAM every 2 (step 6)
@@ -24,9 +26,11 @@ BOUND_S = 180
 
 
 def _python(base: Path, kill_at: int) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(WORKER), str(base), str(ITERS), str(kill_at)],
-                          env=rank_env(), capture_output=True, text=True, timeout=BOUND_S,
-                          start_new_session=True)
+    """``python WORKER ...``: a process of its own session, forked by the zygote that imported
+    torch and snapkeep once (tests/support/zygote.py; the one the ranks' first is forked by)."""
+    return zygote.run(zygote.shared(PRELOAD, rank_env(), "rank0"), str(WORKER),
+                      [str(base), str(ITERS), str(kill_at)], cwd=os.getcwd(), env=rank_env(),
+                      timeout=BOUND_S)
 
 
 def _torchrun(base: Path, kill_at: int) -> subprocess.CompletedProcess[str]:
@@ -73,8 +77,9 @@ def test_torchrun_fsdp2_one_rank_killed_and_its_ram_lost_resumes_from_peer_copy(
         tmp_path: Path) -> None:
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     reference.mkdir(), killed.mkdir()
-    done = _torchrun(reference, 0)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the uninterrupted run: the same ranks, forked with torchrun's environment (torchrun is
+    # what the killed run and its rerun go through)
+    run_torchrun_forked(WORKER, [str(reference), str(ITERS), "0"], timeout_s=BOUND_S)
     first = _torchrun(killed, KILL_AT)  # rank 1 SIGKILLs itself; the job dies
     assert first.returncode != 0 and not (killed / "final.pt").exists(), first.stderr[-3000:]
     tiers = list((killed / "shm").glob("snapkeep-*"))

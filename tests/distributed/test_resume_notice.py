@@ -17,7 +17,8 @@ import torch.distributed
 
 from snapkeep.distributed import MARKER_NAME
 from snapkeep.training import extensions as ext
-from support.ranks import rank_env
+from support import zygote
+from support.ranks import PRELOAD, rank_env
 
 WORKER = Path(__file__).with_name("notice_worker.py")
 TIMEOUT_S = 120
@@ -31,12 +32,16 @@ needs_gloo = pytest.mark.skipif(
 def _run(mode: str, out: Path, iterations: int, *extra: str, nproc: int = 0) -> list[str]:
     """Run the worker (under torchrun with ``nproc`` ranks); return its ``snapkeep:`` stderr
     lines, after checking it finished."""
-    command = [sys.executable, str(WORKER), mode, str(out), str(iterations), *extra]
+    argv = [mode, str(out), str(iterations), *extra]
     if nproc:
-        command[1:2] = ["-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={nproc}", str(WORKER)]
-    done = subprocess.run(command, env=rank_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT_S, start_new_session=True)
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={nproc}", str(WORKER), *argv], env=rank_env(),
+                              capture_output=True, text=True, timeout=TIMEOUT_S,
+                              start_new_session=True)
+    else:  # one process of its own, forked by the zygote that imported torch and snapkeep
+        # once (tests/support/zygote.py; the one the ranks' first is forked by)
+        done = zygote.run(zygote.shared(PRELOAD, rank_env(), "rank0"), str(WORKER), argv,
+                          cwd=os.getcwd(), env=rank_env(), timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count(f"done {iterations}") == max(nproc, 1), done.stdout
     return [line for line in done.stderr.splitlines() if "snapkeep" in line]

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed
 
 from support.killing import assert_identical
-from support.ranks import torchrun
+from support.ranks import run_torchrun_forked, torchrun
 
 WORKER = Path(__file__).with_name("epoch_worker.py")
 ITERS = 16
@@ -31,6 +31,13 @@ def _run(out: Path, report: Path) -> str:
     output = job.communicate(timeout=TIMEOUT_S)[0]
     assert job.returncode == 0, output[-3000:]
     return output
+
+
+def _reference(out: Path, report: Path) -> None:
+    """The uninterrupted run: the same ranks, forked with torchrun's environment (torchrun is
+    what the killed run and its rerun go through)."""
+    run_torchrun_forked(WORKER, [str(out), str(report), str(ITERS)], timeout_s=TIMEOUT_S,
+                        env={"OMP_NUM_THREADS": "1"})
 
 
 def _kill_inside_epoch_1(out: Path, report: Path) -> None:
@@ -63,7 +70,7 @@ def test_killed_inside_an_epoch_the_rerun_feeds_that_epochs_order(tmp_path):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     for d in (reference, killed):
         d.mkdir()
-    _run(reference / "ckpt", reference)
+    _reference(reference / "ckpt", reference)
     _kill_inside_epoch_1(killed / "ckpt", killed)
     assert not (killed / "final_rank0.pt").exists(), "the kill came too late"
     output = _run(killed / "ckpt", killed)

@@ -1,7 +1,9 @@
 """`snapkeep demo` killed with a real SIGKILL and started again ends with the same metrics as an
 uninterrupted run (issue 2, item 5).
 
-Each run is a real subprocess (``python -m snapkeep.cli demo --json ...``). The killed run is
+Each run is a process of its own running ``python -m snapkeep.cli demo --json ...``, forked by
+a zygote that imported torch, snapkeep, click and scikit-learn's datasets once
+(tests/support/zygote.py: ``runpy`` runs the module as ``python -m`` does). The killed run is
 stopped at a progress line between two snapshots; the rerun must say it resumed, from a
 snapshot older than the end, and print final metrics equal to the straight run's.
 """
@@ -13,7 +15,6 @@ import os
 import queue
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from support import zygote
 
 pytest.importorskip("sklearn")
 
@@ -42,9 +45,22 @@ def demo_command(out_dir: Path, writer: str) -> list[str]:
     ]
 
 
+#: What the runs' zygote imports (the demo's own modules are run or imported in each run).
+PRELOAD = ("torch", "snapkeep", "snapkeep.training", "click", "sklearn.datasets")
+
+
+def _forked(command: list[str]) -> tuple[zygote.Zygote, str, list[str]]:
+    """The zygote, module and arguments of ``command`` (``[sys.executable, "-m", module,
+    *args]``)."""
+    assert command[:2] == [sys.executable, "-m"], command
+    return zygote.shared(PRELOAD, os.environ), command[2], command[3:]
+
+
 def run_to_end(command: list[str]) -> tuple[dict[str, Any], str]:
     """Run ``command`` to completion; return its final JSON line and its whole stdout."""
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    forks, module, args = _forked(command)
+    proc = zygote.run(forks, module, args, cwd=os.getcwd(), env=os.environ,
+                      timeout=RUN_TIMEOUT_S, module=module)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     lines = proc.stdout.strip().splitlines()
     return json.loads(lines[-1]), proc.stdout
@@ -55,8 +71,8 @@ def run_and_kill(command: list[str], kill_at_iteration: int,
     """Start ``command``, SIGKILL its whole process group as soon as it prints the progress line
     for ``kill_at_iteration`` (another ``sig``: sent to the trainer only, which must then exit
     with 143 after its preemption snapshot); return the lines it printed."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    forks, module, args = _forked(command)
+    proc = zygote.ForkedPopen(forks, module, args, env=os.environ, module=module)
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:

@@ -6,6 +6,10 @@ parameters, Adam state, LogReport log and batches (index lists) to an uninterrup
 
 Epochs have 5 batches (37 samples, batch 8, last partial), 3 epochs; snapshots every 4
 iterations (resume mid-epoch from 4, 8 or 12) or every 5 (epoch ends: 5, 10).
+
+Each one-process run is a process of its own forked by a zygote that imported torch once
+(tests/support/zygote.py); the 2-rank runs are torchrun's (the uninterrupted reference: the same
+ranks forked with torchrun's environment).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from support import zygote
+from support.ranks import run_torchrun_forked
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SCRIPT = Path(__file__).with_name("loader_loop.py")
@@ -33,10 +40,19 @@ def _env() -> dict[str, str]:
                 PYTHONPATH=SRC + (os.pathsep + path if path else ""))
 
 
+#: What the script imports before its own code: every one-process run is forked by this test
+#: process's zygote that imported them once (tests/support/zygote.py: a real process in a
+#: session of its own, SIGKILL of its group, exit codes as subprocess's), not a new
+#: interpreter that imports torch (~3 CPU-s a run, 2-3 runs a cell).
+PRELOAD = ("torch", "snapkeep", "snapkeep.training", "torchdata.stateful_dataloader")
+
+
 def _run(out: Path, args: list[str], *, torchrun: bool = False) -> subprocess.CompletedProcess[str]:
-    prefix = [sys.executable]
-    if torchrun:
-        prefix += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    if not torchrun:
+        return zygote.run(zygote.shared(PRELOAD, _env()), str(SCRIPT), [str(out), *args],
+                          cwd=os.getcwd(), env=_env(), timeout=TIMEOUT_S)
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+              "2"]
     proc = subprocess.Popen([*prefix, str(SCRIPT), str(out), *args], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -71,8 +87,13 @@ def straight_dir(tmp_path_factory):
                     if a not in ignored and (i == 0 or args[i - 1] not in ignored))
         if key not in _STRAIGHT:
             out = tmp_path_factory.mktemp("straight")
-            done = _run(out, list(args), torchrun=torchrun)
-            assert done.returncode == 0, done.stderr[-3000:]
+            if torchrun:  # the same ranks, forked with torchrun's environment (torchrun is
+                # what the killed run and its rerun go through)
+                run_torchrun_forked(SCRIPT, [str(out), *args], timeout_s=TIMEOUT_S,
+                                    env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+            else:
+                done = _run(out, list(args))
+                assert done.returncode == 0, done.stderr[-3000:]
             _STRAIGHT[key] = out
         return _STRAIGHT[key]
     yield get

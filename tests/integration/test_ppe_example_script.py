@@ -1,7 +1,8 @@
 """ppe's MNIST example with only ``import snapkeep as ppe`` (``ppe_mnist_example.py``), run as a
-user would, in subprocesses: it trains, logs, prints its report and keeps snapshots; SIGKILLed
-mid-epoch and rerun, its ``log`` has every epoch once with the uninterrupted run's values; and
-the same script under ppe itself writes the same log."""
+user would, in processes of its own (forked by a zygote that imported torch and snapkeep once;
+ppe's own spelling in a new interpreter, with no snapkeep in it): it trains, logs, prints its
+report and keeps snapshots; SIGKILLed mid-epoch and rerun, its ``log`` has every epoch once with
+the uninterrupted run's values; and the same script under ppe itself writes the same log."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from support import zygote
+
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
@@ -31,8 +34,15 @@ ROW_KEYS = ["epoch", "iteration", "train/loss", "lr", "val/loss", "val/acc"]
 
 
 def _run(script: Path, out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script``: the snapkeep example in a process of its own forked by a zygote that
+    imported torch and snapkeep once (tests/support/zygote.py); any other script (ppe's own
+    spelling: no snapkeep in its process) in a new interpreter."""
     full_env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1",
                     SNAPKEEP_EXAMPLE_OUT=str(out), EPOCHS=str(EPOCHS), **env)
+    if script == SCRIPT:
+        base = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+        return zygote.run(zygote.shared(("torch", "snapkeep"), base), str(script), [],
+                          cwd=str(out.parent), env=full_env, timeout=300)
     return subprocess.run([sys.executable, str(script)], cwd=out.parent, env=full_env,
                           capture_output=True, text=True, timeout=300, check=False)
 

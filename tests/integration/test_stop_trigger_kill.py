@@ -35,13 +35,10 @@ def test_early_stopping_stops_where_the_uninterrupted_run_did(tmp_path, killed_a
 
 
 def run_to_end_iterations(script: pathlib.Path, cwd: pathlib.Path) -> list[int]:
-    import subprocess
-    import sys
+    from support import killing, zygote
 
-    from support.killing import BOUND_S, env
-
-    run = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env(), capture_output=True,
-                         text=True, timeout=BOUND_S)
+    run = zygote.run(killing.zygote_for_loops(), str(script), [], cwd=str(cwd),
+                     env=killing.env(), timeout=killing.BOUND_S)
     assert run.returncode == 0, run.stderr
     return [int(line.split()[1]) for line in run.stdout.splitlines()
             if line.startswith("iteration ")]

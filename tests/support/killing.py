@@ -1,17 +1,21 @@
 """Kill-and-rerun helpers shared by the docs-loop kill tests: run a loop script to its end, SIGKILL
-it right after it reports a step, and compare final states bit for bit."""
+it right after it reports a step, and compare final states bit for bit. Each run is a process of
+its own forked by this test process's zygote that imported torch and snapkeep once
+(tests/support/zygote.py: a session of its own, the exit status as subprocess gives it), not a
+new interpreter importing torch (~3 CPU-s a run)."""
 
 from __future__ import annotations
 
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from support import zygote
 
 BOUND_S = 120
 
@@ -21,10 +25,18 @@ def env() -> dict[str, str]:
                 PYTHONWARNINGS="ignore")
 
 
+#: What the zygote of these runs imports (the loops' own imports beyond these happen in each run).
+PRELOAD = ("torch", "snapkeep", "snapkeep.training")
+
+
+def zygote_for_loops() -> zygote.Zygote:
+    """This test process's zygote for the loops (:data:`PRELOAD` imported)."""
+    return zygote.shared(PRELOAD, env())
+
+
 def run_to_end(script: pathlib.Path, cwd: pathlib.Path) -> list[int]:
     """Run the loop to its end; return the steps it ran."""
-    run = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env(), capture_output=True,
-                         text=True, timeout=BOUND_S)
+    run = zygote.run(zygote_for_loops(), str(script), [], cwd=str(cwd), env=env(), timeout=BOUND_S)
     assert run.returncode == 0, run.stderr
     return [int(line.split()[1]) for line in run.stdout.splitlines() if line.startswith("step ")]
 
@@ -34,23 +46,24 @@ def kill_after(script: pathlib.Path, cwd: pathlib.Path, step: int, groups: list[
     """Run the loop (``script`` with ``args``) in its own process group (appended to
     ``groups``) and SIGKILL its pid only as soon as it reports ``step`` (a line ending in the
     step number; or let it end first); worker processes live on."""
-    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+    proc = zygote.Forked(zygote_for_loops(), str(script), [str(arg) for arg in args], cwd=str(cwd),
+                         env=env())
     groups.append(proc.pid)
+    timer, late = zygote.group_killer(proc.pid, BOUND_S)  # bounded, as wait(timeout=) was
+    timer.start()
     try:
-        assert proc.stdout is not None
         for line in proc.stdout:
             if line.split() and line.split()[-1].isdigit() and int(line.split()[-1]) >= step:
                 os.kill(proc.pid, signal.SIGKILL)
                 break
-        assert proc.wait(timeout=BOUND_S) in (-signal.SIGKILL, 0)
+        assert proc.wait() in (-signal.SIGKILL, 0)
+        assert not late.is_set(), f"{script} ran past {BOUND_S} s"
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        timer.cancel()
+        if proc.returncode is None:
+            os.kill(proc.pid, signal.SIGKILL)  # its pid only: its workers live on, as above
             proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        proc.close()
 
 
 def final_state(cwd: pathlib.Path) -> dict[str, Any]:

@@ -97,3 +97,56 @@ def torchrun(script: Path, args: Sequence[str], *, nproc: int = 2,
          f"--nproc-per-node={nproc}", str(script), *args],
         env=rank_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
+
+
+def torchrun_forked(script: Path, args: Sequence[str], *, nproc: int = 2,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """The ranks ``torchrun --standalone --nproc-per-node=NPROC script *args`` would start, with
+    the environment ``init_process_group``'s ``env://`` reads from torchrun (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``: rank 0 hosts the store), forked by this test process's rank zygotes: no
+    agent, no interpreter start and no torch import per rank (~8 CPU-s a launch). For the
+    uninterrupted reference run of a test, where torchrun itself is not what it checks; no
+    ``TORCHELASTIC_RUN_ID``, so snapkeep does not take the ranks for torchrun's (no launcher
+    watch). Each rank's ``.stdout`` as in :func:`start`."""
+    from support.storage_backends import free_port
+    from support.zygote import ForkedPopen, shared_all
+
+    environment = rank_env(env)
+    port = str(free_port())
+    zygotes = shared_all(PRELOAD, environment, [f"rank{rank}" for rank in range(nproc)])
+    return [ForkedPopen(forks, str(script), [str(arg) for arg in args],
+                        env={**environment, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": port})
+            for rank, forks in enumerate(zygotes)]
+
+
+def run_torchrun_forked(script: Path, args: Sequence[str], *, timeout_s: float, nproc: int = 2,
+                        env: dict[str, str] | None = None) -> str:
+    """:func:`torchrun_forked` run to the end; fail (with the outputs) when a rank exits
+    non-zero. Returns the ranks' outputs, one after the other."""
+    import threading
+
+    procs = torchrun_forked(script, args, nproc=nproc, env=env)
+    outputs = [""] * nproc
+
+    def read(rank: int) -> None:  # every rank's pipe read at once: none blocks on a full one
+        outputs[rank] = procs[rank].communicate(timeout=timeout_s)[0]
+
+    readers = [threading.Thread(target=read, args=(rank,), daemon=True) for rank in range(nproc)]
+    try:
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout_s)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        if proc.returncode != 0:
+            raise AssertionError(f"rank {rank} exited with {proc.returncode}:\n{output}")
+    return "".join(outputs)

@@ -73,10 +73,14 @@ for line in sys.stdin:
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [request["script"], *request["argv"]]
-    sys.path[0] = os.path.dirname(request["script"])
+    module = request.get("module")  # python -m MODULE: sys.path[0] is the working directory
+    sys.path[0] = os.getcwd() if module else os.path.dirname(request["script"])
     code = 0
     try:
-        runpy.run_path(request["script"], run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(request["script"], run_name="__main__")
     except SystemExit as e:
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
@@ -131,8 +135,10 @@ class Zygote:
         return dict(json.loads(answer))
 
     def run(self, script: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
-            fifo: str, stderr: str, stdin: str | None = None) -> tuple[int, Iterator[str]]:
-        """Fork a worker running ``script``; returns its pid and its stdout's lines (read
+            fifo: str, stderr: str, stdin: str | None = None, module: str | None = None
+            ) -> tuple[int, Iterator[str]]:
+        """Fork a worker running ``script`` (with ``module``: ``python -m module``, ``script``
+        then only names it); returns its pid and its stdout's lines (read
         from ``fifo``, which this creates; the iterator ends when the worker's stdout closes).
         With ``stdin`` (a path), the worker's stdin is a FIFO made there, which the caller
         opens for writing right after this returns (the worker waits for that before it runs).
@@ -141,7 +147,8 @@ class Zygote:
         if stdin is not None:
             os.mkfifo(stdin)
         pid = self._ask({"script": script, "argv": list(argv), "cwd": cwd, "env": dict(env),
-                         "stdout": fifo, "stderr": stderr, "stdin": stdin})["pid"]
+                         "stdout": fifo, "stderr": stderr, "stdin": stdin,
+                         "module": module})["pid"]
 
         def lines() -> Iterator[str]:
             with open(fifo) as stream:  # opened once the worker opened its end
@@ -233,7 +240,8 @@ class Forked:
     its files)."""
 
     def __init__(self, zygote: Zygote, script: str, argv: Sequence[str], *, cwd: str,
-                 env: Mapping[str, str], with_stdin: bool = False) -> None:
+                 env: Mapping[str, str], with_stdin: bool = False,
+                 module: str | None = None) -> None:
         import tempfile
         import uuid
 
@@ -246,7 +254,7 @@ class Forked:
         self.returncode: int | None = None
         self.pid, self.stdout = zygote.run(script, argv, cwd=cwd, env=env,
                                            fifo=self._fifos[0], stderr=self._stderr,
-                                           stdin=stdin)
+                                           stdin=stdin, module=module)
         self.stdin = open(stdin, "w") if stdin is not None else None  # noqa: SIM115
 
     def wait(self) -> int:
@@ -294,11 +302,12 @@ def group_killer(pid: int, after_s: float) -> tuple[threading.Timer, threading.E
 
 
 def run(zygote: Zygote, script: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
-        timeout: float) -> subprocess.CompletedProcess[str]:
+        timeout: float, module: str | None = None) -> subprocess.CompletedProcess[str]:
     """``subprocess.run([sys.executable, script, *argv], cwd=cwd, env=env, timeout=timeout,
-    capture_output=True, text=True)``, forked by ``zygote``: a worker still running after
+    capture_output=True, text=True)`` (with ``module``: ``[sys.executable, "-m", module,
+    *argv]``), forked by ``zygote``: a worker still running after
     ``timeout`` seconds is SIGKILLed (with its process group) and ``TimeoutExpired`` raised."""
-    worker = Forked(zygote, script, argv, cwd=cwd, env=env)
+    worker = Forked(zygote, script, argv, cwd=cwd, env=env, module=module)
     timer, late = group_killer(worker.pid, timeout)
     timer.start()
     try:
@@ -309,7 +318,7 @@ def run(zygote: Zygote, script: str, argv: Sequence[str], *, cwd: str, env: Mapp
     finally:
         timer.cancel()
         worker.close()
-    command = [sys.executable, script, *argv]
+    command = [sys.executable, *(["-m", module] if module else [script]), *argv]
     if late.is_set():
         raise subprocess.TimeoutExpired(command, timeout, output=out, stderr=err)
     return subprocess.CompletedProcess(command, code, out, err)
@@ -323,16 +332,17 @@ class ForkedPopen:
     stderr one pipe (a FIFO), its exit status as ``subprocess`` gives it."""
 
     def __init__(self, zygote: Zygote, script: str, argv: Sequence[str], *,
-                 env: Mapping[str, str], cwd: str | None = None) -> None:
+                 env: Mapping[str, str], cwd: str | None = None,
+                 module: str | None = None) -> None:
         import tempfile
 
         self._zygote = zygote
         self._dir = tempfile.mkdtemp(prefix="forked-")
         fifo = os.path.join(self._dir, "out")
-        self.args = [sys.executable, script, *argv]
+        self.args = [sys.executable, *(["-m", module] if module else [script]), *argv]
         self.returncode: int | None = None
         self.pid, _ = zygote.run(script, argv, cwd=cwd or os.getcwd(), env=env, fifo=fifo,
-                                 stderr=fifo)
+                                 stderr=fifo, module=module)
         self.stdout = open(fifo)  # noqa: SIM115  (the worker opened its end: it runs)
         os.unlink(fifo)
         os.rmdir(self._dir)
