@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ def main() -> None:
     loader = StatefulDataLoader(dataset, batch_size=4, sampler=sampler)  # 6 batches an epoch
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     fed: dict[int, list[int]] = {}
+    pause_at = int(os.environ.get("PAUSE_AT", "-1"))
     with snapkeep.Checkpointer(out_dir, keep=2, every=2) as ckpt:
         step = ckpt.load(into=state) or 0
         while step < iters:
@@ -47,8 +49,14 @@ def main() -> None:
                 step += 1
                 fed[step] = [int(i) for i in x.tolist()]
                 ckpt.save(step, state)
+                if step == pause_at:  # step 8's snapshot committed before the line says so
+                    ckpt.wait()
                 if rank == 0:
                     say("step", step)
+                if step == pause_at:  # the test kills the job here: nothing saved after it
+                    deadline = time.monotonic() + 300
+                    while time.monotonic() < deadline:
+                        time.sleep(0.1)
                 if step == iters:
                     break
     torch.save({"weight": model.weight.detach(), "bias": model.bias.detach(), "fed": fed},

@@ -41,7 +41,10 @@ def _reference(out: Path, report: Path) -> None:
 
 
 def _kill_inside_epoch_1(out: Path, report: Path) -> None:
-    job = torchrun(WORKER, [str(out), str(report), str(ITERS)], env={"OMP_NUM_THREADS": "1"})
+    # the ranks wait after step KILL_AT until killed: on a loaded machine they ran on to step 12
+    # (an epoch's end, committed) between the line and the kill (a clean-clone run under load)
+    job = torchrun(WORKER, [str(out), str(report), str(ITERS)],
+                   env={"OMP_NUM_THREADS": "1", "PAUSE_AT": str(KILL_AT)})
     workers: list[int] = []
     try:
         assert job.stdout is not None
