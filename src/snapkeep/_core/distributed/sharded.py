@@ -7,11 +7,19 @@ ranks):
 
 1. training thread: wait for the previous snapshot (one in flight), stage the local shards into
    reused CPU buffers (:class:`~.staging.Stager`); return. Training may now mutate its state.
+   Overlapped (``save(..., overlap=owned storages)``, the SHARDED extension's ``overlap``): the
+   large local shards guarded optimizers own are copied on the background staging thread
+   instead, and validated on the training thread at its next safe point (the optimizer's step
+   pre-hook, the next save, ``wait``/``close``), as single-file snapshots are (see
+   :mod:`snapkeep._core.save.overlap`); ``handle.staged`` resolves with that verdict.
 2. commit thread, on snapkeep's ``commit`` process group only (never the training's):
    a. within DCP's planning (each rank's ``prepare_local_plan``, gathered by DCP before any
-      rank receives its plan): a rank that failed to stage fails there, and rank 0 first
-      uncommits an old directory of the same name and marks the directory as snapkeep's work
-      in progress, so before any shard is written;
+      rank receives its plan, so before any shard is read or written): the rank waits for its
+      overlapped copy's verdict; a rank that failed to stage (or whose copy raced an in-place
+      write) fails there, and every rank raises the same error (a
+      :class:`~snapkeep.errors.StagingRaceError` for a race: the snapshot is dropped on every
+      rank); rank 0 first uncommits an old directory of the same name and marks the
+      directory as snapkeep's work in progress, so before any shard is written;
    b. ``dcp.save`` of the staged tree into the snapshot directory (each rank writes its own
       ``__<rank>_*.distcp`` files with fsync; rank 0 writes ``.metadata``);
    c. every rank's data files are checksummed as DCP writes them (no second read); rank 0
@@ -67,10 +75,13 @@ from snapkeep._core.distributed.sharded_store import (
 from snapkeep._core.distributed.staging import Stager
 from snapkeep._core.errors import (
     SnapshotCorruptError,
+    StagingRaceError,
     StateMismatchError,
 )
 from snapkeep._core.format.manifest import now_unix_s
 from snapkeep._core.save.engine import SaveEngine
+from snapkeep._core.save.exit_drain import DrainedAtExit
+from snapkeep._core.save.overlap import Ident, PendingVerdict
 from snapkeep._core.storage import DurableFile, HashingWriter, ReplaceCommit
 from snapkeep._core.store.files import Entry
 
@@ -97,12 +108,27 @@ class ShardedJob:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedHandle:
-    """Futures of one sharded save: ``staged`` (training may continue; done when ``save``
-    returns) and ``committed`` (the marker is durable; its result is the manifest on rank 0 and
-    None elsewhere, its exception the commit's error)."""
+    """Futures of one sharded save: ``staged`` (the staged copy holds the values of the call:
+    done when ``save`` returns; overlapped, when the background copy was validated, or its
+    :class:`~snapkeep.errors.StagingRaceError`) and ``committed`` (the marker is durable; its
+    result is the manifest on rank 0 and None elsewhere, its exception the commit's error)."""
 
     staged: concurrent.futures.Future[None]
     committed: concurrent.futures.Future[ShardedManifest | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staging:
+    """What :class:`~snapkeep._core.save.overlap.PendingVerdict` names and resolves."""
+
+    path: str
+    step: int | None
+    staged: concurrent.futures.Future[None]
+
+
+#: After this many seconds the commit thread, still waiting for the training thread's verdict
+#: on an overlapped copy, logs a warning (and again as often).
+_VERDICT_WARN_S = 60.0
 
 
 class _HashedStream(HashingWriter):
@@ -296,7 +322,7 @@ def _writer_for(store: ShardedStore, path: str) -> _RecordingWriter | _Recording
     return _RecordingFsspecWriter(store.storage.url(path), store.storage_options)
 
 
-class ShardedSaver:
+class ShardedSaver(DrainedAtExit):
     """Saves state trees of DTensors/tensors as sharded snapshots (see the module docstring).
 
     Args:
@@ -320,8 +346,10 @@ class ShardedSaver:
         self._retain = retain
         self._stager = Stager()
         # the commit thread: one snapshot in flight, its error raised once, drained at exit
-        self._engine = SaveEngine("sharded commit", timeout_message=lambda paths, t: (
+        self._engine = SaveEngine("sharded commit", drain_at_exit=False,
+                                  timeout_message=lambda paths, t: (
             f"sharded snapshot {', '.join(paths)} not committed within {t:g} s"))
+        self._verdict: PendingVerdict | None = None  # an overlapped copy not validated yet
         self.last_stage_s = 0.0
         #: seconds of each phase of the last commit on this rank (set on the commit thread,
         #: read after :meth:`wait`): prepare (DCP's local plan; rank 0: the in-progress mark),
@@ -332,6 +360,7 @@ class ShardedSaver:
         self.last_commit_phases_s: dict[str, float] = {}
         self._plans_key = f"snapkeep-sharded-{uuid.uuid4().hex}"
         weakref.finalize(self, _forget_plans, self._plans_key)
+        self._drain_at_exit_unless_closed()  # settled and committed at interpreter exit
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -342,7 +371,8 @@ class ShardedSaver:
         return self.groups.timeout_s if self.groups else None
 
     # -- training thread -------------------------------------------------------------------------
-    def save(self, state: dict[str, Any], job: ShardedJob) -> ShardedHandle:
+    def save(self, state: dict[str, Any], job: ShardedJob, *,
+             overlap: frozenset[Ident] | None = None) -> ShardedHandle:
         """Stage ``state`` and commit it in the background; collective (every rank calls it,
         for the same ``job.name``, in the same order).
 
@@ -350,58 +380,94 @@ class ShardedSaver:
             state: nested dicts of DTensors (sharded), tensors (replicated: saved once) and
                 ``bytes`` (saved once per key; put rank-specific values under rank keys).
             job: name and manifest facts.
+            overlap: the storages guarded optimizers own
+                (:func:`~snapkeep._core.save.overlap.owned_storages`): their CPU local shards of
+                at least 1 MiB are copied in the background, and the caller must give the
+                verdict on this thread before they are written: the step pre-hook of a
+                :class:`~snapkeep._core.save.overlap.StagingGuard` tracking this saver, or
+                :meth:`settle_overlap`, :meth:`wait`, the next ``save`` or :meth:`close`.
+                None: everything is copied in the call.
 
         Returns:
-            The handle; ``staged`` is done.
+            The handle; ``staged`` is done unless a copy was deferred.
 
         Raises:
+            StagingRaceError: the previous snapshot was dropped: a deferred tensor was modified
+                in place before its copy was validated on some rank (once, on every rank).
             Exception: the error of the previous snapshot's commit (once), as raised there.
         """
         if self._engine.closed:
             raise RuntimeError("the sharded saver is closed (finalize() was called)")
+        if self._group is None:
+            _quiet_single_process()
         self.wait()  # one snapshot in flight: the buffers are free again
         staging_error: BaseException | None = None
         start = time.perf_counter()
         staged: Any = None
+        copies = None
         try:
-            staged = self._stager.stage(state)
+            staged, copies = self._stager.stage_overlapped(state, overlap or frozenset())
         except Exception as e:  # the other ranks hear of it at the first agreement
             staging_error = e
-        self.last_stage_s = time.perf_counter() - start
         staged_future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        staged_future.set_result(None)
-        committed = self._engine.submit(self._commit, staged, staging_error, job,
+        verdict = None
+        if copies is None:
+            staged_future.set_result(None)
+        else:
+            verdict = PendingVerdict(_Staging(self.store.path_of(job.name), job.step,
+                                              staged_future), copies, None)
+            verdict.start()
+            self._verdict = verdict
+        self.last_stage_s = time.perf_counter() - start
+        committed = self._engine.submit(self._commit, staged, staging_error, job, verdict,
                                         label=self.store.path_of(job.name))
         return ShardedHandle(staged=staged_future, committed=committed)
 
+    def settle_overlap(self, *, block: bool = True) -> None:
+        """A safe point for an overlapped snapshot (see :mod:`snapkeep._core.save.overlap`),
+        on the thread that called :meth:`save`: give the verdict on its background copy once the
+        copy is done (``block``: wait for it first). Never raises: a race drops the snapshot,
+        and its :class:`~snapkeep.errors.StagingRaceError` is raised on every rank at the next
+        ``save``/``wait`` (the commit fails there on every rank)."""
+        verdict = self._verdict
+        if verdict is None or not verdict.made_here():
+            return
+        race = verdict.settle(block=block)
+        if race is not None:
+            logger.warning("rank %d: %s", self.rank, race)
+        if verdict.settled:
+            self._verdict = None
+
     def wait(self) -> None:
-        """Wait until the snapshot in flight is committed (or failed) on this rank; raise its
-        error once. Each collective of the commit is bounded by the group's ``timeout_s``."""
+        """Give the verdict on an overlapped copy (:meth:`settle_overlap`), then wait until the
+        snapshot in flight is committed (or failed) on this rank; raise its error once. Each
+        collective of the commit is bounded by the group's ``timeout_s``."""
+        self.settle_overlap()
         self._engine.wait()
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Wait for the snapshot in flight (raising its error once; at most ``timeout_s``
-        seconds, None: unbounded), then stop the commit thread. Idempotent.
+        """Give the verdict on an overlapped copy, wait for the snapshot in flight (raising its
+        error once; at most ``timeout_s`` seconds, None: unbounded), then stop the commit
+        thread. Idempotent.
 
         Raises:
             SnapshotTimeoutError: still not committed after ``timeout_s`` (the saver is closed
                 all the same; the commit thread is left to finish on its own).
             Exception: the commit's error (once).
         """
-        self._engine.close(timeout_s)
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` ran (or gave up after its wait ran out)."""
-        return self._engine.closed
+        try:
+            self.settle_overlap()
+            self._engine.close(timeout_s)
+        finally:
+            self._mark_closed()
 
     def pending_paths(self) -> list[str]:
         """The snapshot in flight on this rank, or failed and not yet waited for, if any."""
         return self._engine.pending_paths()
 
     # -- commit thread -----------------------------------------------------------------------------
-    def _commit(self, staged: Any, staging_error: BaseException | None,
-                job: ShardedJob) -> ShardedManifest | None:
+    def _commit(self, staged: Any, staging_error: BaseException | None, job: ShardedJob,
+                verdict: PendingVerdict | None) -> ShardedManifest | None:
         store, group, timeout_s = self.store, self._group, self._timeout_s
         path = store.path_of(job.name)
         what = f"sharded snapshot {path} (step {job.step})"
@@ -415,6 +481,8 @@ class ShardedSaver:
         def before_plan() -> None:
             if staging_error is not None:
                 raise staging_error
+            if verdict is not None:  # the training thread's verdict on the background copy
+                verdict.wait(None, _VERDICT_WARN_S)
             if self.rank == 0:
                 store.claim(path, job.step)  # not a foreign directory named like it
                 store.remove_marker(path)
@@ -449,12 +517,17 @@ class ShardedSaver:
         # b. DCP writes every rank's shards (its own collectives run on the commit group); the
         # writer hashes each file as it writes it
         try:
-            with _single_process_quiet(group):
-                dcp.save(staged, storage_writer=writer, planner=_CachingPlanner(self._plans_key),
-                         process_group=group, no_dist=group is None)
+            dcp.save(staged, storage_writer=writer, planner=_CachingPlanner(self._plans_key),
+                     process_group=group, no_dist=group is None)
         except CheckpointException as e:
             failures = {int(r): x[0] if isinstance(x, tuple) and x else x
                         for r, x in (getattr(e, "failures", {}) or {}).items()}
+            races = sorted((r, x) for r, x in failures.items()
+                           if isinstance(x, StagingRaceError))
+            if races:  # the same error on every rank: the snapshot was dropped
+                raise StagingRaceError(
+                    f"{what} was dropped on every rank (nothing written): rank {races[0][0]}: "
+                    f"{races[0][1]}") from failures.get(self.rank, e)
             raise RankFailedError(f"{what}: torch.distributed.checkpoint.save",
                                   {r: f"{type(x).__name__}: {x}"
                                    for r, x in failures.items()}) from failures.get(self.rank, e)
@@ -539,7 +612,9 @@ def load_sharded(store: ShardedStore, entry: Entry, state: dict[str, Any], *,
     reader = reader_for(store.storage, entry.path, store.storage_options,
                         weights_only=weights_only, listed=listed, metadata=metadata)
     group = groups.control if groups else None
-    with _single_process_quiet(group), dcp_errors(entry.path):
+    if group is None:
+        _quiet_single_process()
+    with dcp_errors(entry.path):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(weights_only),
                  process_group=group, no_dist=group is None)
 
@@ -563,14 +638,15 @@ def _shape_mismatches(saved: Mapping[str, Any], state: Mapping[str, Any],
     return found
 
 
-@contextlib.contextmanager
-def _single_process_quiet(group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Without a process group DCP warns that it assumes a single process: that is intended."""
-    with warnings.catch_warnings():
-        if group is None:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
-                                    category=UserWarning)
-        yield
+def _quiet_single_process() -> None:
+    """Without a process group DCP warns at every save and load that it assumes a single
+    process: that is intended. Filtered in the process (that message, from DCP's modules only;
+    idempotent), on the thread that saves or loads, never with ``warnings.catch_warnings`` on
+    the commit thread: that is not thread-safe, and on leaving it put back the warning state of
+    the moment it was entered, under the training thread (a ``pytest.warns`` block there lost
+    the warnings it recorded)."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                            category=UserWarning, module=r"torch\.distributed\.checkpoint")
 
 
 

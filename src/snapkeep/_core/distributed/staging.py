@@ -5,6 +5,14 @@ in place: the staged tree holds copies. A DTensor is staged as a DTensor of the 
 placements, global shape and stride whose local shard is a CPU buffer (what DCP writes); no
 collective is involved. Buffers are kept per tree path and reused while shape and dtype stay
 the same, so steady-state snapshots allocate nothing.
+
+Overlapped (``deferred``: the storages guarded optimizers own, see
+:mod:`snapkeep._core.save.overlap`): the large CPU local shards of those storages get their
+buffer at the call but are copied later (:class:`ShardCopies`, on the background staging
+thread), the rest is copied at the call. Each deferred tensor's version counter is recorded at
+the call on the tensor in-place writes move: for a DTensor the DTensor itself (an in-place op on
+a DTensor, ``optimizer.step()`` included, bumps the DTensor's counter and those of the
+parameters it was detached from, never its local shard's: measured on torch 2.13, FSDP2 + Adam).
 """
 
 from __future__ import annotations
@@ -16,7 +24,44 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from snapkeep._core.errors import StagingRaceError
+from snapkeep._core.save.overlap import MIN_DEFERRED_BYTES, Ident, race_error, storage_ident
+
 logger = logging.getLogger(__name__)
+
+
+class ShardCopies:
+    """The background half of an overlapped sharded staging (what
+    :class:`~snapkeep._core.save.overlap.PendingVerdict` runs and checks): :meth:`copy` on any
+    thread, :meth:`moved` on the training thread at a safe point after it.
+
+    Args:
+        copies: ``(buffer, source)`` pairs: CPU tensors of one shape and dtype.
+        members: ``(tree path, tensor, version counter at the call)`` of each deferred value.
+    """
+
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]],
+                 members: list[tuple[str, torch.Tensor, int]]) -> None:
+        self._copies = copies
+        self.members = members
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the background copy moves."""
+        return sum(dst.numel() * dst.element_size() for dst, _ in self._copies)
+
+    def copy(self) -> None:
+        """Copy every source into its buffer (:attr:`nbytes` bytes)."""
+        for dst, src in self._copies:
+            dst.copy_(src)
+
+    def moved(self) -> StagingRaceError | None:
+        """The error naming the first deferred value whose version counter moved since the
+        call, or None. Sound only on the thread that writes the tensors, after the copy."""
+        for name, t, version in self.members:
+            if t._version != version:
+                return race_error(name, version, t._version)
+        return None
 
 
 class Stager:
@@ -26,21 +71,42 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self.staged_bytes = 0
+        self._deferred: frozenset[Ident] = frozenset()
+        self._min_bytes = MIN_DEFERRED_BYTES
+        self._later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._members: list[tuple[str, torch.Tensor, int]] = []
 
     def stage(self, tree: Any) -> Any:
         """A copy of ``tree`` (nested dicts/lists/tuples) with every tensor's data on the CPU in
         a buffer of this stager; other leaves are kept as they are (they must be immutable or
         already copies, e.g. pickled ``bytes``)."""
+        staged, _ = self.stage_overlapped(tree, frozenset())
+        return staged
+
+    def stage_overlapped(self, tree: Any, deferred: frozenset[Ident], *,
+                         min_bytes: int = MIN_DEFERRED_BYTES) -> tuple[Any, ShardCopies | None]:
+        """As :meth:`stage`, except that CPU tensors (DTensor local shards included) of the
+        storages ``deferred`` names (device, address, bytes: see
+        :func:`~snapkeep._core.save.overlap.owned_storages`) of at least ``min_bytes`` get
+        their buffer now and are copied by the returned :class:`ShardCopies` (None when nothing
+        is deferred). The staged tree holds those buffers: read it only after that copy."""
         self.staged_bytes = 0
-        return self._stage(tree, "")
+        self._deferred, self._min_bytes = deferred, min_bytes
+        self._later, self._members = [], []
+        try:
+            staged = self._stage(tree, "")
+            later, members = self._later, self._members
+        finally:
+            self._deferred, self._later, self._members = frozenset(), [], []
+        return staged, (ShardCopies(later, members) if later else None)
 
     def _stage(self, value: Any, path: str) -> Any:
         if isinstance(value, DTensor):
-            local = self._copy(value.to_local(), path)
+            local = self._copy(value.to_local(), path, versioned=value)
             return DTensor.from_local(local, value.device_mesh, value.placements,
                                       run_check=False, shape=value.shape, stride=value.stride())
         if isinstance(value, torch.Tensor):
-            return self._copy(value, path)
+            return self._copy(value, path, versioned=value)
         if isinstance(value, Mapping):
             return {k: self._stage(v, f"{path}.{k}") for k, v in value.items()}
         if isinstance(value, list):
@@ -49,13 +115,25 @@ class Stager:
             return tuple(self._stage(v, f"{path}.{i}") for i, v in enumerate(value))
         return value
 
-    def _copy(self, tensor: torch.Tensor, path: str) -> torch.Tensor:
+    def _defers(self, source: torch.Tensor, versioned: torch.Tensor) -> bool:
+        return bool(self._deferred) and source.device.type == "cpu" \
+            and source.layout == torch.strided \
+            and type(source) in (torch.Tensor, torch.nn.Parameter) \
+            and type(versioned) in (torch.Tensor, torch.nn.Parameter, DTensor) \
+            and source.untyped_storage().nbytes() >= self._min_bytes \
+            and storage_ident(source) in self._deferred
+
+    def _copy(self, tensor: torch.Tensor, path: str, *, versioned: torch.Tensor) -> torch.Tensor:
         source = tensor.detach()
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
             buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu",
                                  pin_memory=source.is_cuda and torch.cuda.is_available())
             self._buffers[path] = buffer
-        buffer.copy_(source)
+        if self._defers(source, versioned):
+            self._later.append((buffer, source))
+            self._members.append((path.lstrip("."), versioned, versioned._version))
+        else:
+            buffer.copy_(source)
         self.staged_bytes += buffer.numel() * buffer.element_size()
         return buffer

@@ -59,7 +59,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -77,29 +77,34 @@ MIN_DEFERRED_BYTES = 1 << 20
 #: How often a writer waiting for a verdict checks that the calling thread still runs, s.
 _POLL_S = 0.5
 
-_Ident = tuple[str, int, int]
+#: A storage's identity: ``(device, address, bytes)``.
+Ident = tuple[str, int, int]
 #: ``on_race(error)``: what the run does when a counter moved (called on the training thread,
 #: after the snapshot was dropped); raising stops the run there.
 OnRace = Callable[[StagingRaceError], None]
 
 
-def _ident(t: torch.Tensor) -> _Ident:
+def storage_ident(t: torch.Tensor) -> Ident:
+    """``(device, address, bytes)`` of ``t``'s storage (a DTensor's: its local shard's)."""
+    to_local = getattr(t, "to_local", None)  # a DTensor: its own storage is not readable
+    if to_local is not None:
+        t = to_local()
     s = t.untyped_storage()
     return (str(s.device), s.data_ptr(), s.nbytes())
 
 
-def owned_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[_Ident]:
-    """Storages of the parameters and state tensors of ``optimizers``: what only their
-    ``step()`` changes."""
-    owned: set[_Ident] = set()
+def owned_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[Ident]:
+    """Storages of the parameters and state tensors of ``optimizers`` (of a DTensor: its local
+    shard's): what only their ``step()`` changes."""
+    owned: set[Ident] = set()
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                owned.add(_ident(p))
+                owned.add(storage_ident(p))
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    owned.add(_ident(value))
+                    owned.add(storage_ident(value))
     return owned
 
 
@@ -138,7 +143,7 @@ class OverlapPlan:
             raises it there.
     """
 
-    deferred: frozenset[_Ident]
+    deferred: frozenset[Ident]
     min_bytes: int = MIN_DEFERRED_BYTES
     before_copy: Callable[[], None] | None = None
     on_race: OnRace | None = None
@@ -162,19 +167,19 @@ class OverlapPlan:
             stats=stats, before_copy=self.before_copy)
 
 
-    def protection(self, tree: Any) -> tuple[Callable[[_Ident], bool],
-                                              dict[_Ident, list[_Member]]]:
+    def protection(self, tree: Any) -> tuple[Callable[[Ident], bool],
+                                              dict[Ident, list[_Member]]]:
         """``(defer, members)``: ``defer(ident)`` tells whether the storage ``ident`` (device,
         address, bytes) of ``tree`` may be copied after the call (a guarded optimizer owns it,
         it is large enough, and every tensor viewing it can be overlapped); ``members`` maps
         each storage to its ``(tree path, tensor, version counter now)``."""
-        by_storage: dict[_Ident, list[_Member]] = {}
+        by_storage: dict[Ident, list[_Member]] = {}
         for name, t in _named_tensors(tree):
-            by_storage.setdefault(_ident(t), []).append((name, t, t._version))
+            by_storage.setdefault(storage_ident(t), []).append((name, t, t._version))
         blocked = {ident for ident, members in by_storage.items()
                    if not all(_overlappable(t) for _, t, _ in members)}
 
-        def defer(ident: _Ident) -> bool:
+        def defer(ident: Ident) -> bool:
             return ident in self.deferred and ident not in blocked and ident[2] >= self.min_bytes
 
         return defer, by_storage
@@ -224,23 +229,52 @@ def race_error(name: str, before: int, after: int) -> StagingRaceError:
         "step or after it, or pass overlap=False to the snapshot extension")
 
 
+class BackgroundCopy(Protocol):
+    """The background half of an overlapped staging: :class:`DeferredCopy` (single files),
+    :class:`snapkeep._core.distributed.staging.ShardCopies` (sharded)."""
+
+    def copy(self) -> Any:
+        """Copy (any thread); returns what ``staged`` resolves with."""
+
+    def moved(self) -> StagingRaceError | None:
+        """The race, checked on the training thread after the copy."""
+
+
+class Verdicted(Protocol):
+    """What a verdict resolves: a :class:`~snapkeep._core.save.ticket.SaveHandle`, or a sharded
+    save's (its ``path``, ``step`` and ``staged`` future)."""
+
+    @property
+    def path(self) -> str:
+        """The snapshot's path (log lines)."""
+
+    @property
+    def step(self) -> int | None:
+        """Its step (log lines)."""
+
+    @property
+    def staged(self) -> concurrent.futures.Future[Any]:
+        """Resolved with the verdict."""
+
+
 class PendingVerdict:
     """One overlapped snapshot between its call and its verdict.
 
     The copy runs on the one background staging thread (:meth:`start`); :meth:`settle` gives
     the verdict on the training thread (see the module docstring); the writer waits for it in
-    :meth:`wait` before writing anything. ``handle.staged`` carries the verdict: the final
-    :class:`StageStats`, or the :class:`StagingRaceError` / copy error that drops the snapshot.
+    :meth:`wait` before writing anything. ``handle.staged`` carries the verdict: the copy's
+    result (single files: the final :class:`StageStats`), or the :class:`StagingRaceError` /
+    copy error that drops the snapshot.
     """
 
-    def __init__(self, handle: SaveHandle, deferred: DeferredCopy,
+    def __init__(self, handle: Verdicted | SaveHandle, deferred: BackgroundCopy,
                  on_race: OnRace | None) -> None:
         self.handle = handle
         self.on_race = on_race
         self._deferred = deferred
         self._caller = threading.current_thread()
         self._lock = threading.Lock()
-        self.copied: concurrent.futures.Future[StageStats] = concurrent.futures.Future()
+        self.copied: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def start(self) -> None:
         """Start the copy on the background staging thread."""

@@ -47,9 +47,10 @@ from snapkeep.distributed import (
     is_distributed,
     together,
 )
-from snapkeep.errors import RankFailedError, SnapshotError
+from snapkeep.errors import RankFailedError, SnapshotError, StagingRaceError
 from snapkeep.retention import RetentionPolicy, best_metrics
 from snapkeep.session import Session
+from snapkeep.staging import optimizers_in, owned_storages
 from snapkeep.store import ON_ERROR_SUFFIX, Entry, check_timeout_s, ppe_name
 from snapkeep.tiers import local_shards
 from snapkeep.training.extensions._sharded_state import ShardedStateLayout
@@ -76,6 +77,7 @@ def sharded_snapshot(
     on_save_error: str = "raise",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     quiet: bool = False,
+    overlap: bool | str = True,
 ) -> _ShardedSnapshot:
     """Returns a sharded snapshot extension; ``snapshot(snapshot_mode=SnapshotMode.SHARDED)``
     returns one with the default ``timeout_s``.
@@ -107,6 +109,16 @@ def sharded_snapshot(
         quiet: with ``autoload``, do not print the resume notice (rank 0 writes on stderr the
             snapshot resumed from or "starting fresh", and each snapshot skipped with its
             reason, incomplete directories included).
+        overlap: ``True`` (default), ``False`` or ``'strict'``, as :func:`snapshot`'s: the
+            call copies at once everything but the local shards (of at least 1 MiB) of the
+            target's optimizers' parameters and state, which are copied while the next
+            forward/backward runs; those optimizers' ``step()`` waits for the copy and checks on
+            the training thread that no DTensor of them was modified in place since the call
+            (its version counter), and the commit waits for that check. A modified one drops
+            that snapshot on every rank (nothing written; its
+            :class:`~snapkeep.errors.StagingRaceError` comes at the next snapshot on every
+            rank): one ``RuntimeWarning`` names it and this extension copies in the call from
+            then on; ``'strict'`` raises it instead. ``False`` copies all of it in the call.
 
     Raises:
         ValueError: a callable ``filename``, a template with fields in its directory part, or a
@@ -116,7 +128,7 @@ def sharded_snapshot(
         target=target, condition=condition, writer=writer, filename=filename,
         snapshot_on_error=snapshot_on_error, n_retains=n_retains, autoload=autoload,
         retention=retention, weights_only=weights_only, on_save_error=on_save_error,
-        timeout_s=timeout_s, quiet=quiet)
+        timeout_s=timeout_s, quiet=quiet, overlap=overlap)
 
 
 class _ShardedSnapshot(SnapshotExtension):
@@ -269,16 +281,36 @@ class _ShardedSnapshot(SnapshotExtension):
         if self._on_save_error == "log":
             try:  # an earlier failure (the same on every rank) is logged; this one is taken
                 saver.wait()
+            except StagingRaceError as e:  # 'strict' raises
+                self._on_staging_race(e)
             except (SnapshotError, OSError) as e:
                 logger.error("rank %d: an earlier sharded snapshot failed and "
                              "on_save_error='log': %s", self.rank, e)
+        state = self._layout.state(manager, self.rank)
         try:
-            saver.save(self._layout.state(manager, self.rank), job)
+            try:
+                saver.save(state, job, overlap=None if on_error else self._overlap_plan(manager))
+            except StagingRaceError as e:  # the previous snapshot was dropped on every rank
+                self._on_staging_race(e)  # 'strict' raises; else warned once, overlap off
+                saver.save(state, job)
         except (SnapshotError, OSError) as e:
-            if self._on_save_error == "raise":
+            if self._on_save_error == "raise" or isinstance(e, StagingRaceError):
                 raise
             logger.error("rank %d: sharded snapshot %s at iteration %s failed and "
                          "on_save_error='log': %s", self.rank, name, manager.iteration, e)
+
+    def _overlap_plan(self, manager: Any) -> frozenset[Any] | None:
+        """The storages the next save may copy in the background (the target's optimizers'
+        local shards), its optimizers' ``step()`` guarded; None while overlap is off or
+        there is no optimizer."""
+        if not self._overlap_on or self._saver is None:
+            return None
+        optimizers = optimizers_in(manager if self._target is None else self._target)
+        if not optimizers:
+            return None
+        self._staging_guard.guard(optimizers)
+        self._staging_guard.track(self._saver)
+        return frozenset(owned_storages(optimizers))
 
     def _check_metrics(self, job: ShardedJob) -> None:
         """The retention input check of single-file snapshots (:class:`MetricCheck`), before
@@ -311,9 +343,13 @@ class _ShardedSnapshot(SnapshotExtension):
             raise
 
     def wait(self) -> None:
-        """Wait until the snapshot in flight is committed on every rank (raising its error)."""
+        """Wait until the snapshot in flight is committed on every rank (raising its error; a
+        snapshot dropped by a staging race is warned instead, unless ``overlap='strict'``)."""
         if self._saver is not None:
-            self._saver.wait()
+            try:
+                self._saver.wait()
+            except StagingRaceError as e:
+                self._on_staging_race(e)
 
     def on_error(self, manager: Any, exc: Exception, tb: types.TracebackType) -> None:
         if self._snapshot_on_error:  # mid-iteration state: under <name>.on-error, never resumed
@@ -326,8 +362,13 @@ class _ShardedSnapshot(SnapshotExtension):
         saver = self._saver
         try:
             if saver is not None:
-                saver.close()
+                try:
+                    saver.close()
+                except StagingRaceError as e:  # 'strict' raises
+                    self._on_staging_race(e)
         except (SnapshotError, OSError) as e:
+            if isinstance(e, StagingRaceError):
+                raise
             if self._on_save_error == "raise":
                 raise
             logger.error("rank %d: a sharded snapshot failed before finalize and "
