@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from snapkeep._core.errors import StagingRaceError
-from snapkeep._core.save.overlap import MIN_DEFERRED_BYTES, Ident, race_error, storage_ident
+from snapkeep._core.save.overlap import MIN_DEFERRED_BYTES, Ident, first_moved, storage_ident
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,7 @@ class ShardCopies:
     def moved(self) -> StagingRaceError | None:
         """The error naming the first deferred value whose version counter moved since the
         call, or None. Sound only on the thread that writes the tensors, after the copy."""
-        for name, t, version in self.members:
-            if t._version != version:
-                return race_error(name, version, t._version)
-        return None
+        return first_moved(self.members)
 
 
 class Stager:

@@ -212,10 +212,16 @@ class DeferredCopy:
     def moved(self) -> StagingRaceError | None:
         """The error naming the first deferred tensor whose version counter moved since the
         call, or None. Sound only on the thread that writes the tensors, after the copy."""
-        for name, t, version in self.members:
-            if t._version != version:
-                return race_error(name, version, t._version)
-        return None
+        return first_moved(self.members)
+
+
+def first_moved(members: Iterable[tuple[str, torch.Tensor, int]]) -> StagingRaceError | None:
+    """The :func:`race_error` of the first ``(tree path, tensor, version at the call)`` whose
+    tensor's version counter moved since, or None."""
+    for name, t, version in members:
+        if t._version != version:
+            return race_error(name, version, t._version)
+    return None
 
 
 def race_error(name: str, before: int, after: int) -> StagingRaceError:
