@@ -34,9 +34,9 @@ and the root), takes one Adam step (so Adam's moments exist) and then, ``--repea
 The contenders run in rotating order within each repeat. Figures are medians over repeats
 of the slowest rank (the step ends when every rank is done), with the range over repeats;
 snapkeep's durable time is broken down by phase (each the slowest rank's, see
-``ShardedSaver.last_commit_phases_s``: stage, prepare, plan, write; rank 0's dcp_finish,
-metadata_and_directory_fsync, marker, agree_committed; the other ranks' await_commit, which
-spans rank 0's finish, so it is left out of the sum);
+``ShardedSaver.last_commit_phases_s``: stage, verdict (until the copy was validated), prepare,
+plan, write; rank 0's dcp_finish, metadata_and_directory_fsync, marker, agree_committed; the
+other ranks' await_commit, which spans rank 0's finish, so it is left out of the sum);
 peak RSS per rank is ``ru_maxrss`` (the largest rank). The machine is shared: compare rows of one
 run, not runs.
 """
@@ -73,7 +73,7 @@ def _slowest(value: float) -> float:
     return float(t.item())
 
 
-PHASES = ("stage", "prepare", "plan", "write", "dcp_finish",
+PHASES = ("stage", "verdict", "prepare", "plan", "write", "dcp_finish",
           "metadata_and_directory_fsync", "marker", "agree_committed", "await_commit")
 
 

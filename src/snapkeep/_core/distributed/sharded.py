@@ -352,7 +352,8 @@ class ShardedSaver(DrainedAtExit):
         self._verdict: PendingVerdict | None = None  # an overlapped copy not validated yet
         self.last_stage_s = 0.0
         #: seconds of each phase of the last commit on this rank (set on the commit thread,
-        #: read after :meth:`wait`): prepare (DCP's local plan; rank 0: the in-progress mark),
+        #: read after :meth:`wait`): verdict (overlapped: until the training thread validated
+        #: the background copy), prepare (DCP's local plan; rank 0: the in-progress mark),
         #: plan (DCP's planning collectives), write (this rank's files, hashed and fsynced);
         #: then on rank 0: dcp_finish (DCP's gather of the write results, ``.metadata``),
         #: metadata_and_directory_fsync, marker, agree_committed (DCP's broadcast of the
@@ -472,9 +473,17 @@ class ShardedSaver(DrainedAtExit):
         path = store.path_of(job.name)
         what = f"sharded snapshot {path} (step {job.step})"
         start = time.perf_counter()
+        if verdict is not None:  # first, before DCP's set-up: blocked, this thread leaves the
+            try:  # GIL to the training thread (which returns from save() meanwhile)
+                verdict.wait(None, _VERDICT_WARN_S)
+            except Exception:  # noqa: BLE001 -- raised again in before_plan, where DCP exchanges it
+                pass
+        verdict_s = time.perf_counter() - start
         writer = _writer_for(store, path)
         phases = writer.phases
         phases.restart()
+        if verdict is not None:
+            phases.seconds["verdict"] = verdict_s
         # a. in DCP's planning, before any rank has its plan (so before any shard is written):
         # a rank that failed to stage says so, rank 0 uncommits an old directory of this name
         # and marks it as work in progress; DCP gathers every rank's outcome
