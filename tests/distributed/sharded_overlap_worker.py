@@ -154,14 +154,14 @@ def manager_mode(rank: int, world_size: int, out_dir: str, report_dir: str, mode
     snapshot = ext.snapshot(snapshot_mode=ext.SnapshotMode.SHARDED, autoload=True, timeout_s=120)
     manager.extend(snapshot, trigger=(1, "iteration"))
     deferred = []
-    stage_overlapped = sharded_staging.Stager.stage_overlapped
+    stage = sharded_staging.Stager.stage
 
     def counting(self: Any, tree: Any, owned: Any, **kwargs: Any) -> Any:
-        staged, copies = stage_overlapped(self, tree, owned, **kwargs)
+        staged, copies = stage(self, tree, owned, **kwargs)
         deferred.append(0 if copies is None else copies.nbytes)
         return staged, copies
 
-    sharded_staging.Stager.stage_overlapped = counting  # type: ignore[method-assign]
+    sharded_staging.Stager.stage = counting  # type: ignore[method-assign]
     manager.start_extensions()
     torch.manual_seed(1000 + rank)
     if mode == "train":

@@ -71,7 +71,7 @@ def _write_old_layout(monkeypatch: pytest.MonkeyPatch, rank_local: tuple[str, ..
 
     save = ShardedSaver.save
 
-    def old_save(self, state, job):
+    def old_save(self, state, job, **options):
         state = dict(state)
         ((rank, values),) = state.pop("rank_objects").items()
         state["objects"] = {k: v for k, v in values.items() if k not in rank_local}
@@ -79,7 +79,7 @@ def _write_old_layout(monkeypatch: pytest.MonkeyPatch, rank_local: tuple[str, ..
             rng = object_from_bytes(state["rank_state"][rank], False)["rng"]
             own = {k: object_from_bytes(values[k], False) for k in rank_local}
             state["rank_state"] = {rank: object_to_bytes({"state": own, "rng": rng})}
-        return save(self, state, job)
+        return save(self, state, job, **options)
 
     monkeypatch.setattr(ShardedSaver, "save", old_save)
 

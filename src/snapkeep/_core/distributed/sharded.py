@@ -407,7 +407,7 @@ class ShardedSaver(DrainedAtExit):
         staged: Any = None
         copies = None
         try:
-            staged, copies = self._stager.stage_overlapped(state, overlap or frozenset())
+            staged, copies = self._stager.stage(state, overlap or frozenset())
         except Exception as e:  # the other ranks hear of it at the first agreement
             staging_error = e
         staged_future: concurrent.futures.Future[None] = concurrent.futures.Future()

@@ -76,20 +76,16 @@ class Stager:
         self._later: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._members: list[tuple[str, torch.Tensor, int]] = []
 
-    def stage(self, tree: Any) -> Any:
+    def stage(self, tree: Any, deferred: frozenset[Ident] = frozenset(), *,
+              min_bytes: int = MIN_DEFERRED_BYTES) -> tuple[Any, ShardCopies | None]:
         """A copy of ``tree`` (nested dicts/lists/tuples) with every tensor's data on the CPU in
         a buffer of this stager; other leaves are kept as they are (they must be immutable or
-        already copies, e.g. pickled ``bytes``)."""
-        staged, _ = self.stage_overlapped(tree, frozenset())
-        return staged
+        already copies, e.g. pickled ``bytes``). Returns ``(staged tree, deferred copies)``.
 
-    def stage_overlapped(self, tree: Any, deferred: frozenset[Ident], *,
-                         min_bytes: int = MIN_DEFERRED_BYTES) -> tuple[Any, ShardCopies | None]:
-        """As :meth:`stage`, except that CPU tensors (DTensor local shards included) of the
-        storages ``deferred`` names (device, address, bytes: see
-        :func:`~snapkeep._core.save.overlap.owned_storages`) of at least ``min_bytes`` get
-        their buffer now and are copied by the returned :class:`ShardCopies` (None when nothing
-        is deferred). The staged tree holds those buffers: read it only after that copy."""
+        CPU tensors (DTensor local shards included) of the storages ``deferred`` names (device,
+        address, bytes: see :func:`~snapkeep._core.save.overlap.owned_storages`) of at least
+        ``min_bytes`` get their buffer now and are copied by the returned :class:`ShardCopies`
+        (None when nothing is deferred): read the staged tree only after that copy."""
         self.staged_bytes = 0
         self._deferred, self._min_bytes = deferred, min_bytes
         self._later, self._members = [], []
