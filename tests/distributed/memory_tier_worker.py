@@ -136,8 +136,14 @@ def main() -> None:
         from snapkeep.distributed import background_groups
 
         background_groups(60)  # the tier's groups (a collective: every rank creates them)
-        if rank == 1:
+        ready = os.path.join(base, "groups_ready_rank0")
+        if rank == 1:  # only once rank 0's groups exist: under load, rank 1 returned first and
+            deadline = time.monotonic() + 60  # its exit broke rank 0's connectFullMesh (2 in 10)
+            while not os.path.exists(ready) and time.monotonic() < deadline:
+                time.sleep(0.01)
             os._exit(0)
+        with open(ready, "w"):
+            pass
         manager, model, tier, snapshot = build(base, rank, replicas, kind, world)
         began = time.monotonic()
         try:

@@ -198,7 +198,10 @@ def test_a_rank_missing_at_the_agreement_is_an_error_not_a_hang(killed2: Path,
     base = tmp_path / "missing"
     shutil.copytree(killed2, base)
     procs = start(WORKER, 2, [str(base / "init"), str(base), "missing", "1"])
-    finish(procs, 120)
+    outputs = finish(procs, 120)
+    assert (base / "report_rank0.json").exists(), (
+        f"rank 0 wrote no report (exit {procs[0].returncode}):\n{outputs[0]}\n"
+        f"rank 1 (exit {procs[1].returncode}):\n{outputs[1]}")
     report = json.loads((base / "report_rank0.json").read_text())
     assert report["outcome"] == "CollectiveTimeoutError"
     assert report["elapsed_s"] < 60 + 10  # the tier's timeout_s bounds it
