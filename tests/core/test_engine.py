@@ -1,7 +1,8 @@
 """The one background lane under every save (snapkeep._core.save.engine.SaveEngine): one unit in
 flight (or N), a failure raised once with its type, a bounded close, no thread left, and the
 drain at a real interpreter exit (for the engine alone and for the memory tier on it, which a
-daemon thread of its own used to lose)."""
+daemon thread of its own used to lose). Each holds for a thread per unit and for ``lane=True``
+(one thread kept between units)."""
 
 from __future__ import annotations
 
@@ -35,9 +36,13 @@ def _threads(name: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"snapkeep-{name}"]
 
 
+LANE = pytest.mark.parametrize("lane", [False, True], ids=["thread-per-unit", "lane"])
+
+
+@LANE
 def test_the_next_unit_starts_after_the_previous_one_ended(
-        live: weakref.WeakSet[Any]) -> None:
-    engine = SaveEngine("lane one")
+        live: weakref.WeakSet[Any], lane: bool) -> None:
+    engine = SaveEngine("lane one", lane=lane)
     assert set(live) == {engine}
     order: list[str] = []
     release = threading.Event()
@@ -76,14 +81,29 @@ def test_up_to_max_in_flight_units_run_at_once() -> None:
     assert sorted(h.result() for h in handles) == [0, 1]
     with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
         SaveEngine("bad", max_in_flight=0)
+    with pytest.raises(ValueError, match=r"1 with lane=True\), got 2"):
+        SaveEngine("bad", max_in_flight=2, lane=True)
+
+
+def test_a_lane_runs_every_unit_on_one_thread_kept_until_close() -> None:
+    engine = SaveEngine("lane kept", lane=True)
+    assert _threads("lane-kept") == []  # started by the first unit
+    ran_on = [engine.submit(threading.get_ident, label=f"snap_{i}").result(WAIT_S)
+              for i in range(3)]
+    engine.join(WAIT_S)
+    [thread] = _threads("lane-kept")  # idle between units, not one per unit
+    assert ran_on == [thread.ident] * 3 and thread.daemon
+    engine.close(WAIT_S)
+    assert not thread.is_alive() and _threads("lane-kept") == []
 
 
 def _fail(error: BaseException) -> None:
     raise error
 
 
-def test_a_failure_is_raised_once_with_its_type_and_the_next_unit_runs() -> None:
-    engine = SaveEngine("lane err")
+@LANE
+def test_a_failure_is_raised_once_with_its_type_and_the_next_unit_runs(lane: bool) -> None:
+    engine = SaveEngine("lane err", lane=lane)
     error = OSError(28, "No space left on device (test)")
     handle = engine.submit(_fail, error, label="snap_1")
     engine.join(WAIT_S)  # waits only: the failure stays kept
@@ -108,8 +128,10 @@ def test_a_door_wraps_the_failure_in_its_documented_error() -> None:
     assert engine.take_errors() == []
 
 
-def test_close_gives_up_after_its_timeout_and_the_thread_ends_on_its_own() -> None:
-    engine = SaveEngine("lane slow", timeout_message=lambda paths, t: f"{paths} after {t:g} s")
+@LANE
+def test_close_gives_up_after_its_timeout_and_the_thread_ends_on_its_own(lane: bool) -> None:
+    engine = SaveEngine("lane slow", timeout_message=lambda paths, t: f"{paths} after {t:g} s",
+                        lane=lane)
     release = threading.Event()
     engine.submit(release.wait, WAIT_S, label="snap_1")
     with pytest.raises(SnapshotTimeoutError, match=r"\['snap_1'\] after 0.2 s"):
@@ -132,7 +154,7 @@ ENGINE_AT_EXIT = textwrap.dedent("""
         with open(path, "w") as f:
             f.write("done")
 
-    engine = SaveEngine("exit lane")
+    engine = SaveEngine("exit lane", lane=sys.argv[3] == "lane")
     engine.submit(write, sys.argv[2], label=sys.argv[2])
     print("returned without close", flush=True)
 """)
@@ -146,12 +168,14 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_an_engine_not_closed_is_drained_at_exit(tmp_path: Path) -> None:
+@LANE
+def test_an_engine_not_closed_is_drained_at_exit(tmp_path: Path, lane: bool) -> None:
     out = tmp_path / "unit.txt"
-    done = _run("-c", ENGINE_AT_EXIT, "ok", str(out))
+    kind = "lane" if lane else "threads"
+    done = _run("-c", ENGINE_AT_EXIT, "ok", str(out), kind)
     assert done.returncode == 0, done.stderr
     assert out.read_text() == "done"
-    failed = _run("-c", ENGINE_AT_EXIT, "fail", str(tmp_path / "lost.txt"))
+    failed = _run("-c", ENGINE_AT_EXIT, "fail", str(tmp_path / "lost.txt"), kind)
     assert failed.returncode == 1, failed.stderr
     assert "lost.txt" in failed.stderr and "not committed" in failed.stderr
     assert "No space left on device (injected)" in failed.stderr

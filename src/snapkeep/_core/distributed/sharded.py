@@ -346,7 +346,7 @@ class ShardedSaver(DrainedAtExit):
         self._retain = retain
         self._stager = Stager()
         # the commit thread: one snapshot in flight, its error raised once, drained at exit
-        self._engine = SaveEngine("sharded commit", drain_at_exit=False,
+        self._engine = SaveEngine("sharded commit", drain_at_exit=False, lane=True,
                                   timeout_message=lambda paths, t: (
             f"sharded snapshot {', '.join(paths)} not committed within {t:g} s"))
         self._verdict: PendingVerdict | None = None  # an overlapped copy not validated yet
