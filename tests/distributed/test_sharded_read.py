@@ -79,6 +79,14 @@ def test_whole_chunks_land_straight_in_their_targets_bit_for_bit(tmp_path, monke
     state = _state()
     store, entry = _saved(tmp_path, state)
     outcomes = _counting_direct_reads(monkeypatch)
+    opened: list[tuple[str, bool]] = []
+    open_read = store.storage.open_read
+
+    def recording(path: str, *, whole: bool = False):
+        opened.append((os.path.basename(path), whole))
+        return open_read(path, whole=whole)
+
+    monkeypatch.setattr(store.storage, "open_read", recording)
     target = _zeros_like(state)
     target["models"]["main"]["transposed"] = torch.zeros(40, 30).t()  # non-contiguous target
     addresses = {k: t.data_ptr() for k, t in target["models"]["main"].items()}
@@ -88,6 +96,8 @@ def test_whole_chunks_land_straight_in_their_targets_bit_for_bit(tmp_path, monke
     # w, half, ids, mask, scalar read straight (DCP plans no read of an empty tensor); the
     # transposed target goes through DCP
     assert outcomes == [True] * 5
+    # this rank's data file was read ahead (fadvise WILLNEED) before DCP's planning
+    assert ("__0_0.distcp", True) in opened
 
 
 def _stock(path: str, state: dict) -> None:
