@@ -62,11 +62,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from snapkeep._core.errors import SnapshotTimeoutError, StagingRaceError
 from snapkeep._core.save.host_memory import COPY_CHUNK_BYTES
-from snapkeep._core.save.staging import BufferSet, StageStats, _storage_ident, atomic, stage_split
+from snapkeep._core.save.staging import BufferSet, StageStats, atomic, stage_split
 
 if TYPE_CHECKING:
     from snapkeep._core.save.ticket import SaveHandle
@@ -87,9 +86,11 @@ OnRace = Callable[[StagingRaceError], None]
 
 def storage_ident(t: torch.Tensor) -> Ident:
     """``(device, address, bytes)`` of ``t``'s storage (a DTensor's: its local shard's)."""
-    if isinstance(t, DTensor):  # its own storage is not readable; ``to_local()`` is the
-        t = t._local_tensor  # same tensor through an autograd Function (~15 us a call)
-    return _storage_ident(t)
+    # a DTensor's own storage is not readable: its local shard's (what ``to_local()`` returns,
+    # without that call's autograd Function, ~15 us)
+    local = getattr(t, "_local_tensor", None)
+    s = (t if local is None else local).untyped_storage()
+    return (str(s.device), s.data_ptr(), s.nbytes())
 
 
 def owned_storages(optimizers: Iterable[torch.optim.Optimizer]) -> set[Ident]:
