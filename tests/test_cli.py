@@ -168,7 +168,7 @@ def test_snapshots_without_manifest(run_dir: Path) -> None:
 def test_verify_of_a_directory_without_snapshots_fails(tmp_path: Path) -> None:
     result = invoke("verify", str(tmp_path))
     assert result.exit_code == 1
-    assert "no snapshots matching 'snapshot_iter_{.iteration}'" in result.output
+    assert "no snapshots matching 'snapshot_iter_{step}'" in result.output  # ppe's default
 
 
 def test_template_option(run_dir: Path) -> None:

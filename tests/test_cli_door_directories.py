@@ -35,7 +35,7 @@ def dirpath(tmp_path: pathlib.Path) -> pathlib.Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("flags", [[], ["-t", "*.ckpt"],
+@pytest.mark.parametrize("flags", [[], ["-t", "*.ckpt"], ["-t", "epoch={epoch}-step={step}.ckpt"],
                                    ["-t", "epoch={.epoch}-step={.iteration}.ckpt"]])
 def test_ls_shows_each_checkpoint_with_its_step(dirpath: pathlib.Path,
                                                 flags: list[str]) -> None:
@@ -44,6 +44,8 @@ def test_ls_shows_each_checkpoint_with_its_step(dirpath: pathlib.Path,
     body = json.loads(result.output)
     assert [(s["name"], s["step"]) for s in body["snapshots"]] == [
         (f"epoch={e}-step={s}.ckpt", s) for e, s in STEPS]
+    if flags[-1:] != ["epoch={.epoch}-step={.iteration}.ckpt"]:  # inferred in the store's spelling
+        assert body["template"] == "epoch={epoch}-step={step}.ckpt"
     text = CliRunner().invoke(cli, ["ls", str(dirpath), *flags])
     assert text.exit_code == 0, text.output
     rows = [line.split() for line in text.output.splitlines()[1:]]

@@ -72,13 +72,34 @@ def test_ls_json(run: Path) -> None:
     assert body["other_templates"] == []
 
 
+def test_a_checkpointer_directory_is_answered_in_the_checkpointers_spelling(
+        tmp_path: Path) -> None:
+    """Issue 31: the CLI speaks the store's template language: a Checkpointer user who asks for
+    another template is told ``ckpt_{step}``, never ppe's ``{.iteration}``."""
+    import snapkeep
+
+    with snapkeep.Checkpointer(tmp_path, template="ckpt_{step}") as ck:
+        for step in (3, 5):
+            ck.save(step, {"w": torch.full((2,), float(step))})
+    result = invoke("ls", str(tmp_path), "-t", "zz_{step}")
+    assert result.exit_code == 0, result.output
+    assert "--template 'ckpt_{step}'" in result.output and ".iteration" not in result.output
+    bad = invoke("ls", str(tmp_path), "-t", "zz_*")
+    assert bad.exit_code == 2 and "e.g. 'ckpt_{step}'" in bad.output, bad.output
+    body = as_json(invoke("ls", str(tmp_path), "--json"), "ls")
+    assert body["template"] == "ckpt_{step}" and [e["step"] for e in body["snapshots"]] == [3, 5]
+
+
 def test_ls_of_another_template_names_the_recorded_templates(run: Path) -> None:
     result = invoke("ls", str(run), "--template", "ckpt_{.iteration}")
     assert result.exit_code == 0
     assert "no snapshots matching 'ckpt_{.iteration}'" in result.output
-    assert "--template 'snapshot_iter_{.iteration}'" in result.output
+    assert "--template 'snapshot_iter_{step}'" in result.output  # in the store's spelling
     body = as_json(invoke("ls", str(run), "-t", "ckpt_{.iteration}", "--json"), "ls")
-    assert body["snapshots"] == [] and body["other_templates"] == ["snapshot_iter_{.iteration}"]
+    assert body["snapshots"] == [] and body["other_templates"] == ["snapshot_iter_{step}"]
+    # the recorded template spelled as ppe writes it is the same template, not another one
+    body = as_json(invoke("ls", str(run), "-t", "snapshot_iter_{.iteration}", "--json"), "ls")
+    assert len(body["snapshots"]) == 4 and body["other_templates"] == []
 
 
 def test_verify_json_and_exit_codes(run: Path) -> None:
@@ -557,5 +578,5 @@ def test_template_discovery_never_reads_a_manifest_whole_that_grew_after_its_siz
     good = next(manifests.glob("*.json"))
     (manifests / "grown_iter_10.json").write_text(good.read_text() + " " * (64 << 20))
     storage = SizeSaidBeforeTheGrowth(fsspec.filesystem("file"))
-    assert recorded_templates(storage, str(run)) == ["snapshot_iter_{.iteration}"]
+    assert recorded_templates(storage, str(run)) == ["snapshot_iter_{step}"]
     assert -1 in reads and max(reads) <= 1 << 20  # the 64 MiB one refused, never read whole

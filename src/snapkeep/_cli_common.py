@@ -16,7 +16,9 @@ from snapkeep._cli_files import CheckFailed, StorageTrouble
 from snapkeep._cli_tree import TreeTooDeepError
 from snapkeep.errors import SnapshotError, SnapshotStorageError
 
-DEFAULT_TEMPLATE = "snapshot_iter_{.iteration}"
+#: The CLI's template when ``-t`` is not given and the directory records none: ppe's default
+#: ``snapshot_iter_{.iteration}``, in the store's spelling.
+DEFAULT_TEMPLATE = "snapshot_iter_{step}"
 #: Work on fewer bytes than this shows no progress bar.
 PROGRESS_MIN_BYTES = 64 << 20
 
@@ -83,9 +85,10 @@ storage_option = click.option(
 
 template_option = click.option(
     "--template", "-t", default=None,
-    help="Filename template the snapshots were written with, in ppe's spelling "
-         "('snapshot_iter_{.iteration}') or the Checkpointer's ('ckpt_{step}'); default: the one "
-         f"the directory's manifests record, else {DEFAULT_TEMPLATE!r}.")
+    help="Filename template the snapshots were written with: the Checkpointer's spelling "
+         "('ckpt_{step}', 'epoch={epoch}-step={step}.ckpt') or ppe's "
+         "('snapshot_iter_{.iteration}'); default: the one the directory's manifests record, "
+         f"else {DEFAULT_TEMPLATE!r} (ppe's default).")
 
 json_option = click.option(
     "--json", "as_json", is_flag=True,

@@ -342,15 +342,29 @@ _LAST_NUMBER = re.compile(r"[0-9]+(?=[^0-9]*\Z)")
 
 
 def _as_template(stem: str, step: int | None) -> str:
-    """``stem`` with its ``step`` replaced by ``{.iteration}`` (``ckpt-40`` at step 40 ->
-    ``ckpt-{.iteration}``), or without a step its last number (``iter_7`` ->
-    ``iter_{.iteration}``)."""
+    """``stem`` with its ``step`` replaced by ``{step}`` (``ckpt-40`` at step 40 ->
+    ``ckpt-{step}``), or without a step its last number (``iter_7`` -> ``iter_{step}``)."""
     if step is not None and str(step) in stem:
         head, _, tail = stem.rpartition(str(step))
-        return f"{head}{{.iteration}}{tail}"
+        return f"{_escaped(head)}{{step}}{_escaped(tail)}"
     number = _LAST_NUMBER.search(stem)
-    return stem if number is None else \
-        f"{stem[:number.start()]}{{.iteration}}{stem[number.end():]}"
+    return _escaped(stem) if number is None else \
+        f"{_escaped(stem[:number.start()])}{{step}}{_escaped(stem[number.end():])}"
+
+
+def _escaped(literal: str) -> str:
+    return literal.replace("{", "{{").replace("}", "}}")
+
+
+def same_template(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` name the same files, whatever their spelling (ppe's
+    ``snapshot_iter_{.iteration}`` is the store's ``snapshot_iter_{step}``)."""
+    if a == b:
+        return True
+    try:
+        return ppe_template(a).template == ppe_template(b).template
+    except (TypeError, ValueError):
+        return False
 
 
 def _sharded_templates(storage: Storage, directory: str,
@@ -393,9 +407,9 @@ _DIGITS_OR_FIELD = re.compile(r"(\{[^{}]*\})|[0-9]+")
 
 def _merge_numbered(found: dict[str, list[str]]) -> dict[str, list[str]]:
     """Templates that differ only in the other numbers of their names (Lightning's
-    ``epoch=0-step={.iteration}.ckpt`` and ``epoch=1-step={.iteration}.ckpt``) as one, those
-    numbers a second field (``epoch={.epoch}-step={.iteration}.ckpt``: the step still sorts
-    first); a template alone is kept as it is."""
+    ``epoch=0-step={step}.ckpt`` and ``epoch=1-step={step}.ckpt``) as one, those numbers a
+    second field (``epoch={epoch}-step={step}.ckpt``: the step still sorts first); a template
+    alone is kept as it is."""
     def shape(template: str, field: str) -> str:
         return _DIGITS_OR_FIELD.sub(lambda m: m.group(1) or field, template)
 
@@ -404,7 +418,7 @@ def _merge_numbered(found: dict[str, list[str]]) -> dict[str, list[str]]:
         groups.setdefault(shape(template, "#"), []).append(template)
     merged: dict[str, list[str]] = {}
     for members in groups.values():
-        key = members[0] if len(members) == 1 else shape(members[0], "{.epoch}")
+        key = members[0] if len(members) == 1 else shape(members[0], "{epoch}")
         for template in members:
             merged.setdefault(key, []).extend(found[template])
     return merged
@@ -414,11 +428,11 @@ def recorded_snapshots(storage: Storage, directory: str) -> dict[str, list[str]]
     """The templates the manifests in ``directory`` record (and the commit markers of its
     sharded snapshot directories), each with the names of the snapshots it was made from: for
     ``ls`` on a directory of another template, the CLI's default template and ``-t GLOB``.
-    A template is a manifest's name with its recorded step replaced by ``{.iteration}``
-    (``ckpt-40`` at step 40 -> ``ckpt-{.iteration}``), or, without a recorded step, its last
-    number (``iter_7`` -> ``iter_{.iteration}``); templates differing only in another number
-    of the names are one, that number an ``{.epoch}`` field (Lightning's default
-    ``epoch=E-step=S.ckpt``: ``epoch={.epoch}-step={.iteration}.ckpt``). On-error snapshots
+    A template, in the store's spelling, is a manifest's name with its recorded step replaced by
+    ``{step}`` (``ckpt-40`` at step 40 -> ``ckpt-{step}``), or, without a recorded step, its
+    last number (``iter_7`` -> ``iter_{step}``); templates differing only in another number of
+    the names are one, that number an ``{epoch}`` field (Lightning's default
+    ``epoch=E-step=S.ckpt``: ``epoch={epoch}-step={step}.ckpt``). On-error snapshots
     (``<name>.on-error``, kept for inspection) are not a template of their own: a Checkpointer
     directory holding one still needs no ``-t``."""
     manifest_dir = storage.join(directory, MANIFEST_DIR)

@@ -45,6 +45,7 @@ from snapkeep._cli_files import (
     require_directory,
     require_file,
     resolve,
+    same_template,
     sharded_rows,
 )
 from snapkeep._cli_tree import TreeTooDeepError, compare, select, stats_by_key
@@ -63,8 +64,8 @@ def store_for(directory: str, template: str | None,
 
     Without ``template`` (no ``-t``), the template the directory's manifests record: a
     Checkpointer's ``ckpt_{step}`` directory needs no ``-t``. With none recorded, ppe's
-    default ``snapshot_iter_{.iteration}``; with several, that default when it is among them,
-    else a usage error naming them.
+    default (``snapshot_iter_{step}``, ppe's ``snapshot_iter_{.iteration}``); with several,
+    that default when it is among them, else a usage error naming them.
     """
     storage, path = resolve(directory, parse_storage_options(storage_options))
     require_directory(directory, storage, path)
@@ -101,7 +102,7 @@ def _template_of_glob(directory: str, storage: Storage, path: str, pattern: str)
     if not matching:
         raise click.BadParameter(
             f"no snapshot in {directory} recorded by snapkeep is named like {pattern!r}; "
-            "pass a template with a {.iteration} field, e.g. 'ckpt_{.iteration}'",
+            "pass a template with a {step} field, e.g. 'ckpt_{step}'",
             param_hint="'--template'")
     raise click.BadParameter(
         f"snapshots of {len(matching)} templates in {directory} are named like {pattern!r} "
@@ -112,7 +113,8 @@ def _template_of_glob(directory: str, storage: Storage, path: str, pattern: str)
 def none_found(store: SnapshotStore, directory: str, template: str) -> str:
     """'no snapshots matching ...', naming the templates the directory's manifests record."""
     message = f"no snapshots matching {template!r} in {directory}"
-    others = [t for t in recorded_templates(store.storage, store.directory) if t != template]
+    others = [t for t in recorded_templates(store.storage, store.directory)
+              if not same_template(t, template)]
     if others:
         shown = ", ".join(repr(t) for t in others[:5])
         message += (f"; its manifests record snapshots named like {shown}: pass "
@@ -161,7 +163,7 @@ def ls_command(directory: str, template: str | None, storage_options: tuple[str,
         emit_json({
             "schema": "snapkeep.ls/1", "directory": directory, "template": template,
             "snapshots": [_entry_json(e, size, found) for e, size, found in rows],
-            "other_templates": [t for t in others if t != template],
+            "other_templates": [t for t in others if not same_template(t, template)],
         })
         return
     if not rows:

@@ -65,7 +65,7 @@ def test_ls_names_the_template_of_manifests_without_a_step(tmp_path: Path) -> No
     _write(tmp_path, ["snapshot_iter_5", "snapshot_iter_10"], with_step=False)
     result = _invoke("ls", str(tmp_path), "--template", "model_{.iteration}", "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["other_templates"] == ["snapshot_iter_{.iteration}"]
+    assert json.loads(result.stdout)["other_templates"] == ["snapshot_iter_{step}"]
     listed = _invoke("ls", str(tmp_path), "--template", "snapshot_iter_{.iteration}", "--json")
     assert [e["name"] for e in json.loads(listed.stdout)["snapshots"]] == [
         "snapshot_iter_5", "snapshot_iter_10"]

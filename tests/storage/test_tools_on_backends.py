@@ -88,7 +88,7 @@ def test_ls_of_another_template(backend: Backend) -> None:
     write(backend, [5])
     result = run(backend, "ls", backend.out_dir, "-t", "ckpt-{.iteration}", "--json")
     assert result.exit_code == 0
-    assert body(result, "ls")["other_templates"] == ["snapshot_iter_{.iteration}"]
+    assert body(result, "ls")["other_templates"] == ["snapshot_iter_{step}"]
 
 
 def test_inspect_good_corrupt_foreign_and_empty(backend: Backend) -> None:
