@@ -101,6 +101,69 @@ def _fail(error: BaseException) -> None:
     raise error
 
 
+def _four_submit_at_once(lane: bool) -> tuple[list[int], int]:
+    """One round: four threads submit at the same moment; (units run, most running at once)."""
+    engine = SaveEngine("lane race", lane=lane)
+    start = threading.Barrier(4, timeout=WAIT_S)
+    guard = threading.Lock()
+    ran: list[int] = []
+    running = [0, 0]  # now, most at once
+
+    def unit(i: int) -> None:
+        with guard:
+            running[0] += 1
+            running[1] = max(running)
+        ran.append(i)
+        with guard:
+            running[0] -= 1
+
+    def submit(i: int) -> None:
+        start.wait()
+        engine.submit(unit, i, label=f"snap_{i}", timeout_s=WAIT_S)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    engine.close(WAIT_S)
+    return sorted(ran), running[1]
+
+
+@LANE
+def test_threads_submitting_at_once_each_run_once_never_more_than_the_bound(
+        lane: bool) -> None:
+    """Four threads submit at the same moment, 30 rounds, with a tiny switch interval to widen
+    the race: every unit runs exactly once and at most one at a time (a lane engine lost a unit
+    and hung every later wait when two submits passed the check before either took the lane)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(30):
+            assert _four_submit_at_once(lane) == ([0, 1, 2, 3], 1)
+    finally:
+        sys.setswitchinterval(old)
+
+
+@LANE
+def test_a_unit_cancelled_before_it_ran_never_runs_and_the_engine_goes_on(lane: bool) -> None:
+    """A unit's future cancelled while it waited for its thread or lane: its work never runs,
+    it no longer counts as running, and the next unit runs (a lane thread used to die on the
+    cancelled future's InvalidStateError, and every later unit with it)."""
+    engine = SaveEngine("lane cancel", lane=lane)
+    ran: list[str] = []
+    engine.submit(ran.append, "first", label="snap_1").result(WAIT_S)
+    engine.join(WAIT_S)
+    unit = engine.unit(ran.append, "cancelled", label="snap_2")
+    engine._started_unit(unit, thread=False)  # taken, as submit takes it, not yet run
+    assert unit.future.cancel()
+    unit.run()  # what its thread or the lane does next
+    assert unit.future.cancelled() and not engine.busy
+    assert engine.submit(ran.append, "next", label="snap_3").result(WAIT_S) is None
+    engine.close(WAIT_S)
+    assert ran == ["first", "next"] and _threads("lane-cancel") == []
+
+
 @LANE
 def test_a_failure_is_raised_once_with_its_type_and_the_next_unit_runs(lane: bool) -> None:
     engine = SaveEngine("lane err", lane=lane)

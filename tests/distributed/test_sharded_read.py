@@ -7,16 +7,24 @@ multi-rank loads run in ``test_sharded.py`` and ``test_sharded_overlap.py``."""
 
 from __future__ import annotations
 
+import io
 import os
 import types
 import warnings
+import zipfile
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from snapkeep._core.distributed import dcp_safe
-from snapkeep._core.distributed.dcp_safe import SafeFileSystemReader, SafeLoadPlanner, dcp_errors
+from snapkeep._core.distributed.dcp_safe import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    _read_into,
+    _Slice,
+    dcp_errors,
+)
 from snapkeep._core.distributed.sharded import ShardedJob, ShardedSaver, load_sharded
 from snapkeep._core.distributed.sharded_store import ShardedStore
 from snapkeep._core.errors import SnapshotCorruptError
@@ -93,9 +101,9 @@ def test_whole_chunks_land_straight_in_their_targets_bit_for_bit(tmp_path, monke
     load_sharded(store, entry, target, groups=None)
     _assert_equal(target, state)
     assert {k: t.data_ptr() for k, t in target["models"]["main"].items()} == addresses
-    # w, half, ids, mask, scalar read straight (DCP plans no read of an empty tensor); the
-    # transposed target goes through DCP
-    assert outcomes == [True] * 5
+    # w, half, ids, scalar read straight (DCP plans no read of an empty tensor); the transposed
+    # target and the bool mask (DCP's copy_ normalizes its bytes) go through DCP
+    assert outcomes == [True] * 4
     # this rank's data file was read ahead (fadvise WILLNEED) before DCP's planning
     assert ("__0_0.distcp", True) in opened
 
@@ -127,9 +135,9 @@ def test_what_cannot_land_whole_goes_through_dcp_and_is_as_exact(tmp_path, monke
     assert torch.equal(target["ids"], state["ids"].to(torch.int32))
     assert torch.equal(target["transposed"], state["transposed"])
     assert torch.equal(target["half"], state["half"]) and torch.equal(target["mask"], state["mask"])
-    # half, mask, scalar straight; ids (dtype) and transposed (saved strides) refused by the
-    # layout check; w's target is not even tried
-    assert outcomes.count(False) == 2 and outcomes.count(True) == 3
+    # half, scalar straight; ids (dtype) and transposed (saved strides) refused by the layout
+    # check; w's target (non-contiguous) and mask (bool) are not even tried
+    assert outcomes.count(False) == 2 and outcomes.count(True) == 2
 
 
 def test_a_blob_of_the_other_byte_order_is_left_to_dcp(tmp_path, monkeypatch):
@@ -142,7 +150,7 @@ def test_a_blob_of_the_other_byte_order_is_left_to_dcp(tmp_path, monkeypatch):
     target["models"]["main"]["transposed"] = torch.zeros(40, 30).t()
     load_sharded(store, entry, target, groups=None)
     _assert_equal(target, state)  # DCP's own path read every chunk (and would swap)
-    assert outcomes == [False] * 5
+    assert outcomes == [False] * 4
 
 
 def test_a_stock_dcp_shard_cut_short_is_refused_as_corrupt(tmp_path):
@@ -154,3 +162,46 @@ def test_a_stock_dcp_shard_cut_short_is_refused_as_corrupt(tmp_path):
         f.truncate(os.path.getsize(os.path.join(path, shard)) // 2)
     with pytest.raises(SnapshotCorruptError, match="could not read it"):
         _read_stock(path, {k: torch.zeros_like(v) for k, v in state.items()})
+
+
+def _rewritten(blob: bytes, data: bytes | None = None, *, deflate: bool = False) -> bytes:
+    """``blob`` (a ``torch.save`` archive) with its storage record's bytes replaced by
+    ``data`` and/or stored deflated, every other record kept."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(blob)) as src, zipfile.ZipFile(out, "w") as dst:
+        for record in src.infolist():
+            content = src.read(record)
+            if record.filename.endswith("/data/0"):
+                content = content if data is None else data
+                dst.writestr(record.filename, content,
+                             zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED)
+            else:
+                dst.writestr(record.filename, content)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("case", ["stored", "deflated", "record-short", "record-long"])
+def test_a_chunk_is_read_straight_only_from_an_uncompressed_record_of_its_exact_size(
+        tmp_path, case):
+    """A hostile or foreign archive whose storage record is compressed or of another size than
+    its pickle claims is never read straight (its bytes would be the zip's own or compressed
+    ones): DCP's path reads (deflated: exactly) or refuses it (a short record)."""
+    value = torch.arange(20, dtype=torch.float32).reshape(4, 5)
+    saved = io.BytesIO()
+    torch.save(value, saved)
+    raw = value.numpy().tobytes()
+    blob = {"stored": _rewritten(saved.getvalue()),
+            "deflated": _rewritten(saved.getvalue(), deflate=True),
+            "record-short": _rewritten(saved.getvalue(), raw[:40]),
+            "record-long": _rewritten(saved.getvalue(), raw + b"\x00" * 8)}[case]
+    path = tmp_path / "blob"
+    path.write_bytes(b"x" * 13 + blob + b"y" * 7)  # a chunk inside a larger file, as DCP's
+    target = torch.full((4, 5), -1.0)
+    info = types.SimpleNamespace(offset=13, length=len(blob))
+    with open(path, "rb") as stream:
+        read = _read_into(stream, _Slice(stream, 13, len(blob)), info, target, path)
+    assert read == (case == "stored")
+    if read:
+        assert torch.equal(target, value)
+    else:
+        assert torch.equal(target, torch.full((4, 5), -1.0))  # nothing was read

@@ -106,12 +106,18 @@ class SaveEngine(DrainedAtExit):
             SnapshotTimeoutError: no lane freed within ``timeout_s``.
             RuntimeError: the engine is closed.
         """
-        if self._closed:
-            raise RuntimeError(f"{self.name}: closed; create a new one to save again")
-        self._wait_until(lambda: len(self._running) < self.max_in_flight, timeout_s)
-        self._join_ended()
-        self.raise_pending_error()
-        unit = self.unit(fn, *args, label=label)
+        while True:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: closed; create a new one to save again")
+            self._wait_until(lambda: len(self._running) < self.max_in_flight, timeout_s)
+            self._join_ended()
+            self.raise_pending_error()
+            unit = self.unit(fn, *args, label=label)
+            with self._cond:  # the lane taken in the same hold as the check: two threads
+                # submitting at once never both take the last one
+                if not self._closed and len(self._running) < self.max_in_flight:
+                    self._running[unit] = unit.label
+                    break
         if self._lane is not None:
             self._lane.run_next(unit)
         else:
@@ -267,7 +273,10 @@ class Unit(threading.Thread):
             raise
 
     def run(self) -> None:
-        self.future.set_running_or_notify_cancel()
+        if not self.future.set_running_or_notify_cancel():  # cancelled before it ran
+            self._fn = self._args = None  # type: ignore[assignment]
+            self.engine._ended_unit(self, None)
+            return
         error: BaseException | None = None
         try:
             result = self._fn(*self._args)
@@ -296,10 +305,17 @@ class _Lane:
         self._stopping = False
 
     def run_next(self, unit: Unit) -> None:
+        """Run ``unit`` next (taken by :meth:`SaveEngine.submit`).
+
+        Raises:
+            RuntimeError: the engine was closed meanwhile (the unit never runs)."""
         self._engine._started_unit(unit, thread=False)
         with self._cond:
+            if self._stopping:  # closed since submit took the lane
+                self._engine._ended_unit(unit, None)
+                unit.future.set_exception(RuntimeError(f"{self._engine.name}: closed"))
+                raise RuntimeError(f"{self._engine.name}: closed; create a new one to save again")
             self._next = unit
-            self._stopping = False
             if self._thread is None or self._pid != os.getpid():
                 self._pid = os.getpid()
                 self._thread = threading.Thread(
@@ -322,7 +338,11 @@ class _Lane:
                 unit, self._next = self._next, None
                 if unit is None:
                     return
-            unit.run()
+            try:
+                unit.run()  # keeps its own failure; nothing else may end the lane
+            except BaseException as e:  # noqa: BLE001
+                logger.error("snapkeep: %s: the lane outlived an error of its own: %s: %s",
+                             self._engine.name, type(e).__name__, e)
 
     def stop(self) -> None:
         """End the thread once its unit (if any) ended; wait for that only when the engine
