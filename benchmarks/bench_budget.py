@@ -157,7 +157,9 @@ def child(config: str, state_gib: float, out: str) -> dict[str, Any]:
     if stats is not None and budget is not None and stats.state_bytes > budget:
         result.update(predicted_s=stats.predicted_staged_s, staged_s=stats.staged_s,
                       copy_Bps=stats.copy_Bps, write_Bps=stats.write_Bps,
-                      ring_bytes=stats.ring_bytes, held_bytes=stats.held_bytes)
+                      write_lag_s=stats.write_lag_s, ring_bytes=stats.ring_bytes,
+                      held_bytes=stats.held_bytes, pieces=list(stats.pieces),
+                      blocks=stats.blocks)
     else:  # a full copy: the engine predicts budgeted snapshots only
         result.update(predicted_s=None)
     memory.close()
@@ -275,8 +277,10 @@ def model_s(run: dict[str, Any]) -> float | None:
 
     if not run.get("copy_Bps") or not run.get("write_Bps"):
         return None
-    return predict_staged_s(run["state_bytes"] - run["held_bytes"], run["ring_bytes"],
-                            run["copy_Bps"], run["write_Bps"])
+    if not run.get("pieces"):
+        return None
+    return predict_staged_s(run["pieces"], run["blocks"], run["copy_Bps"], run["write_Bps"],
+                            run.get("write_lag_s", 0.0))
 
 
 def report(runs: dict[str, list[dict[str, Any]]], state_gib: float, repeats: int,

@@ -233,6 +233,30 @@ def test_status_shows_the_predicted_stall(tmp_path: pathlib.Path) -> None:
     assert "predicted stall unknown" not in result.output  # from the previous save's rates
     record = snapkeep.session.run_status(tmp_path).staging
     assert record["budget_bytes"] == 2 << 20 and record["predicted_stall_s"] > 0
+    # the writer's lag (the call to its first piece's write) is measured and in the forecast:
+    # a ring that starts draining L seconds late leaves the last pieces L seconds later
+    assert 0 < record["write_lag_s"] < record["staged_s"] + 60
+    assert record["write_Bps"] > 0
+
+
+def test_the_forecast_follows_the_pieces_through_the_ring() -> None:
+    """The last piece has room once all but the ring's last ``blocks`` pieces are written, and
+    the writer starts its lag after the call: a ring of 8 blocks of 128 MiB holds 8 pieces of
+    85 MiB tensors (683 MiB), not 1 GiB (the forecast ran 0.1-0.3 s short before)."""
+    from snapkeep._core.save.budget import piece_sizes, predict_staged_s
+
+    MiB = 1 << 20
+    pieces = piece_sizes([85 * MiB] * 24, 128 * MiB)  # 2 GiB through 8 x 128 MiB
+    assert pieces == [85 * MiB] * 24
+    assert piece_sizes([200 * MiB, 10 * MiB], 64 * MiB) == [64 * MiB] * 3 + [8 * MiB, 10 * MiB]
+    c, w = 8e9, 1e9
+    drained = 16 * 85 * MiB  # all but the last 8 pieces
+    assert predict_staged_s(pieces, 8, c, w) == pytest.approx(
+        85 * MiB / c + drained / w + 85 * MiB / c)
+    assert predict_staged_s(pieces, 8, c, w, 0.25) == pytest.approx(
+        0.25 + drained / w + 85 * MiB / c)  # the writer starts 0.25 s after the call
+    assert predict_staged_s(pieces[:8], 8, c, w, 0.25) == pytest.approx(
+        8 * 85 * MiB / c)  # the pieces fit the ring: the copy alone
 
 
 def test_the_managers_memory_tier_refuses_a_budgeted_writer(tmp_path: pathlib.Path) -> None:
